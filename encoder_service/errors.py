@@ -1,0 +1,79 @@
+"""One error type for the whole service, mapped once per transport (HTTP status / gRPC code).
+
+Raise a subclass with a message that names what was wrong, the limit and the value.
+"""
+
+from __future__ import annotations
+
+
+class EncoderServiceError(Exception):
+    """Base class. `kind` selects the transport mapping (see `api/errors.py`)."""
+
+    kind = "internal"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(EncoderServiceError):
+    """The request itself is wrong: bad bytes, bad base64, bad ranges. HTTP 400 / INVALID_ARGUMENT."""
+
+    kind = "invalid_input"
+
+
+class ImageDecodeError(InvalidInput):
+    """Bytes that are not a decodable image (corrupt, truncated, unknown format)."""
+
+
+class LimitExceeded(InvalidInput):
+    """A configured limit was exceeded (bytes, pixels, aspect ratio, image count).
+
+    HTTP 413 for body size, else 400 / INVALID_ARGUMENT.
+    """
+
+    kind = "limit"
+
+    def __init__(self, what: str, value, limit):
+        super().__init__(f"{what} is {value}, over the limit of {limit}")
+        self.what, self.value, self.limit = what, value, limit
+
+
+class NotFound(EncoderServiceError):
+    """Unknown or evicted id. HTTP 404 / NOT_FOUND."""
+
+    kind = "not_found"
+
+
+class Overloaded(EncoderServiceError):
+    """Queue full or pins exhausted. HTTP 429 / RESOURCE_EXHAUSTED, with a retry hint."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(EncoderServiceError):
+    """The request's deadline passed before it completed. HTTP 504 / DEADLINE_EXCEEDED."""
+
+    kind = "deadline"
+
+
+class Unauthenticated(EncoderServiceError):
+    """Missing or wrong bearer token. HTTP 401 / UNAUTHENTICATED."""
+
+    kind = "unauthenticated"
+
+
+class Unavailable(EncoderServiceError):
+    """Backend failure (the ViT batch failed, not ready). HTTP 503 / UNAVAILABLE."""
+
+    kind = "unavailable"
+
+
+class ModelLoadError(EncoderServiceError):
+    """Checkpoint problems: unsupported architecture, missing/unexpected/mis-shaped weights."""
+
+    kind = "model"
