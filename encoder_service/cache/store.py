@@ -1,0 +1,181 @@
+"""EmbeddingStore: the cache the engine talks to (tiers + single flight + leases).
+
+    store = EmbeddingStore(local_bytes, gpu_bytes=0, redis_url=None, redis_ttl_s=86400,
+                           lease_s=300, max_pinned_bytes=local_bytes // 2)
+    await store.start() ... await store.close()
+    await store.get(key)                          -> Entry | None       local, then Redis (promoted)
+    await store.get_or_create(key, create)        -> (Entry, was_cached) single flight
+    await store.read_rows(key, start, end)        -> Tensor | None      local slice, in-flight fill, Redis GETRANGE
+    store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
+    store.stats()                                 -> dict (flat counters for Prometheus)
+
+`key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; an optional
+device LRU (`gpu_bytes`, copies of host entries, `device_rows`); Redis when `redis_url` is set.
+
+Single flight: the first miss of a key starts one fill task (Redis read, else `create()`); every
+concurrent caller awaits that task through `asyncio.shield`, so a caller that is cancelled (a client went
+away) does not cancel the encode the others wait for. A failure reaches every waiter and nothing is cached;
+the next call tries again. `was_cached` is False only for the call whose fill ran `create()`.
+
+Leases, the flow the engine should follow:
+  1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
+     full), then `get_or_create` in the background. The pin reserves the bytes until the entry lands.
+  2. `fetch` chunks: `read_rows` (waits for an in-flight fill). Fetching does NOT unpin: a chunked prefill
+     reads an image over several chunks, and only the caller knows which chunk is its last.
+  3. The pin ends at `release(key)` (the client's "done" for that id, optional) or when the lease expires,
+     whichever comes first. Pins are counted per holder: two requests encoding the same image each
+     hold one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from encoder_service.cache.entry import Entry
+from encoder_service.cache.keys import CacheKey
+from encoder_service.cache.local import LocalTier
+from encoder_service.cache.redis_tier import RedisTier
+
+log = logging.getLogger("encoder_service.cache")
+
+Key = CacheKey | str
+
+
+def _name(key: Key) -> str:
+    return key.name if isinstance(key, CacheKey) else key
+
+
+class EmbeddingStore:
+    def __init__(
+        self,
+        local_bytes: int,
+        gpu_bytes: int = 0,
+        redis_url: str | None = None,
+        *,
+        redis_ttl_s: float = 86400,
+        lease_s: float = 300,
+        max_pinned_bytes: int | None = None,
+        gpu_device: str | torch.device = "cuda",
+        redis_options: dict | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.lease_s = lease_s
+        self.local = LocalTier(
+            local_bytes, local_bytes // 2 if max_pinned_bytes is None else max_pinned_bytes, clock=clock
+        )
+        self.gpu = LocalTier(gpu_bytes, clock=clock) if gpu_bytes > 0 else None
+        self.gpu_device = torch.device(gpu_device)
+        self.redis = RedisTier(redis_url, ttl_s=redis_ttl_s, **(redis_options or {})) if redis_url else None
+        self._inflight: dict[str, asyncio.Task] = {}
+        self.counters = dict(fills=0, creates=0, joins=0, fill_failures=0)
+
+    async def start(self) -> None:
+        if self.redis is not None:
+            await self.redis.start()
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.close()
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    async def get(self, key: Key) -> Entry | None:
+        """Whole entry from the local tier, else Redis (a Redis hit is promoted to the local tier)."""
+        name = _name(key)
+        entry = self.local.get(name)
+        if entry is None and self.redis is not None:
+            entry = await self.redis.get(name)
+            if entry is not None:
+                self.local.put(name, entry)
+        return entry
+
+    async def read_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
+        """Rows [start, end) as a CPU tensor [end - start, row_width] (a read-only view), or None when no
+        tier has the key. Waits for a fill in flight. InvalidInput when the range is outside the entry."""
+        name = _name(key)
+        entry = self.local.get(name)
+        if entry is None and name in self._inflight:
+            entry, _ = await asyncio.shield(self._inflight[name])
+        if entry is not None:
+            return entry.rows(start, end)
+        if self.redis is not None:
+            return await self.redis.read_rows(name, start, end)
+        return None
+
+    def device_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
+        """Rows [start, end) from the device tier (a view on `gpu_device`), or None."""
+        entry = self.gpu.get(_name(key)) if self.gpu is not None else None
+        return entry.rows(start, end) if entry is not None else None
+
+    # ---- fill -----------------------------------------------------------------------------------
+
+    async def get_or_create(self, key: Key, create: Callable[[], Awaitable[Entry]]) -> tuple[Entry, bool]:
+        """The entry for `key`, running `create()` at most once across concurrent callers."""
+        name = _name(key)
+        entry = self.local.get(name)
+        if entry is not None:
+            return entry, True
+        task = self._inflight.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._fill(name, create), name=f"fill {name}")
+            self._inflight[name] = task
+            task.add_done_callback(lambda t: self._fill_done(name, t))
+            self.counters["fills"] += 1
+            entry, created = await asyncio.shield(task)
+            return entry, not created
+        self.counters["joins"] += 1
+        entry, _ = await asyncio.shield(task)
+        return entry, True
+
+    async def _fill(self, name: str, create: Callable[[], Awaitable[Entry]]) -> tuple[Entry, bool]:
+        """(entry, created): Redis first, else create() and write it back behind."""
+        if self.redis is not None:
+            entry = await self.redis.get(name)
+            if entry is not None:
+                self._put_local(name, entry)
+                return entry, False
+        entry = await create()
+        if not isinstance(entry, Entry):
+            raise TypeError(f"create() for {name} returned {type(entry).__name__}, expected Entry")
+        self.counters["creates"] += 1
+        self._put_local(name, entry)
+        if self.redis is not None:
+            self.redis.write_behind(name, entry)
+        return entry, True
+
+    def _fill_done(self, name: str, task: asyncio.Task) -> None:
+        if self._inflight.get(name) is task:
+            del self._inflight[name]
+        if not task.cancelled() and task.exception() is not None:  # also marks it retrieved
+            self.counters["fill_failures"] += 1
+            log.debug("fill of %s failed: %r", name, task.exception())
+
+    def _put_local(self, name: str, entry: Entry) -> None:
+        self.local.put(name, entry)
+        if self.gpu is not None and entry.nbytes <= self.gpu.capacity_bytes:
+            self.gpu.put(name, Entry(entry.header, entry.tensor.to(self.gpu_device, non_blocking=True)))
+
+    # ---- leases ---------------------------------------------------------------------------------
+
+    def pin(self, key: Key, lease_s: float | None = None, nbytes: int | None = None) -> None:
+        """Keep `key` in the local tier for `lease_s` (default: the store's) or until `release`.
+        `nbytes` reserves room when the entry is not there yet. Raises Overloaded when pins are full."""
+        self.local.pin(_name(key), self.lease_s if lease_s is None else lease_s, nbytes)
+
+    def release(self, key: Key) -> bool:
+        return self.local.release(_name(key))
+
+    def stats(self) -> dict:
+        """Flat dict: `local_*`, `gpu_*`, `redis_*` and single-flight counters, plus `redis_state`."""
+        out = dict(self.counters, inflight=len(self._inflight))
+        tiers = {"local": self.local.stats(), "gpu": self.gpu.stats() if self.gpu else None}
+        tiers["redis"] = self.redis.stats() if self.redis else None
+        for tier, values in tiers.items():
+            for name, value in (values or {}).items():
+                out[f"{tier}_{name}"] = value
+        return out

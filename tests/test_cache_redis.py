@@ -1,0 +1,251 @@
+"""EmbeddingStore against a real redis-server (8 MB, allkeys-lru, persistence off, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import pytest
+import redis
+import torch
+
+from encoder_service.cache import EmbeddingStore, Entry
+from encoder_service.cache.entry import HEADER_LEN, EntryHeader
+
+pytest_plugins = ["conftest_redis"]
+
+MIB = 1 << 20
+FAST = dict(socket_timeout_s=0.3, connect_timeout_s=0.3, probe_min_s=0.05, probe_max_s=0.2, oom_cooldown_s=0.2)
+CASES = [  # (num_rows, row_width, layout, dtype): Qwen2.5 'main' and Qwen3 [main|ds1|ds2|ds3] stand-ins
+    (300, 256, "main", torch.bfloat16),
+    (300, 256, "main", torch.float32),
+    (120, 4 * 96, "main+deepstack3", torch.bfloat16),
+    (120, 4 * 96, "main+deepstack3", torch.float32),
+]
+
+
+def make_entry(seed: int, num_rows=300, row_width=256, layout="main", dtype=torch.bfloat16) -> Entry:
+    g = torch.Generator().manual_seed(seed)
+    return Entry.from_rows(torch.randn(num_rows, row_width, generator=g).to(dtype), (1, 2, 2 * num_rows), layout)
+
+
+def creator(entry: Entry, calls: list):
+    async def create():
+        calls.append(1)
+        return entry
+
+    return create
+
+
+async def open_store(url: str, local_bytes: int = 64 * MIB, **redis_options) -> EmbeddingStore:
+    store = EmbeddingStore(local_bytes, redis_url=url, redis_ttl_s=600, redis_options={**FAST, **redis_options})
+    await store.start()
+    return store
+
+
+async def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    """Bounded wait for a background state change (the tier's probe)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def log_count(caplog, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records if r.name.startswith("encoder_service.cache"))
+
+
+@pytest.mark.parametrize("num_rows,row_width,layout,dtype", CASES)
+async def test_range_reads_equal_slices_of_the_whole_entry(redis_server, num_rows, row_width, layout, dtype):
+    writer, reader = await open_store(redis_server.url), await open_store(redis_server.url)
+    entry = make_entry(7, num_rows, row_width, layout, dtype)
+    await writer.get_or_create("k", creator(entry, []))
+    await writer.redis.flush()
+    whole = await reader.redis.get("k")
+    assert whole is not None and torch.equal(whole.tensor, entry.tensor)
+    rng = random.Random(0)
+    h = entry.header
+    ranges = [(0, num_rows), (0, 1), (num_rows - 1, num_rows), (h.block_rows - 1, h.block_rows + 1)]
+    ranges += [tuple(sorted(rng.sample(range(num_rows + 1), 2))) for _ in range(20)]
+    for start, end in ranges:
+        got = await reader.read_rows("k", start, end)  # reader's local tier is empty: GETRANGE
+        assert got is not None and got.dtype == dtype and torch.equal(got, entry.tensor[start:end]), (start, end)
+    assert reader.stats()["redis_range_hits"] == len(ranges) and reader.stats()["local_entries"] == 0
+    await writer.close()
+    await reader.close()
+
+
+async def test_two_stores_share_one_redis(redis_server):
+    a, b = await open_store(redis_server.url), await open_store(redis_server.url)
+    entry, calls = make_entry(1), []
+    await a.get_or_create("shared", creator(entry, calls))
+    await a.redis.flush()
+    got, cached = await b.get_or_create("shared", creator(make_entry(2), calls))
+    assert cached and len(calls) == 1 and torch.equal(got.tensor, entry.tensor)
+    assert b.stats()["redis_hits"] == 1 and b.stats()["local_entries"] == 1  # promoted to b's local tier
+    await a.close()
+    await b.close()
+
+
+async def test_eviction_under_pressure_is_a_miss_never_a_wrong_answer(redis_server):
+    writer = await open_store(redis_server.url)
+    entries = {f"k{i}": make_entry(i, 512, 256, "main", torch.float32) for i in range(48)}  # 48 x 512 KiB
+    for key, entry in entries.items():
+        await writer.get_or_create(key, creator(entry, []))
+        await writer.redis.flush()
+    reader = await open_store(redis_server.url)
+    present = 0
+    for key, entry in entries.items():
+        rows = await reader.read_rows(key, 100, 300)
+        whole = await reader.get(key)
+        assert rows is None or torch.equal(rows, entry.tensor[100:300])
+        assert whole is None or torch.equal(whole.tensor, entry.tensor)
+        present += whole is not None
+    assert 0 < present < len(entries)  # Redis evicted some (24 MB into 8 MB), kept some
+    assert await reader.get("k0") is None  # the oldest went first
+    calls = []
+    got, cached = await reader.get_or_create("k0", creator(entries["k0"], calls))  # recomputed
+    assert not cached and calls == [1] and torch.equal(got.tensor, entries["k0"].tensor)
+    assert reader.stats()["redis_corrupt"] == 0
+    await writer.close()
+    await reader.close()
+
+
+async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
+    store = await open_store(redis_server.url)
+    entry = make_entry(5, 300, 256, "main", torch.bfloat16)
+    await store.get_or_create("k", creator(entry, []))
+    await store.redis.flush()
+    direct = redis.Redis.from_url(redis_server.url)
+    good = direct.get("k")
+    h = EntryHeader.parse(good, "k")
+    other = make_entry(6).to_bytes("another-key")
+    bad_values = {
+        "payload bytes overwritten": good[: HEADER_LEN + 10] + b"\xff\xff\xff\xff" + good[HEADER_LEN + 14 :],
+        "header bytes overwritten": good[:12] + b"\x00\x00" + good[14:],
+        "truncated": good[: HEADER_LEN + 5 * h.row_bytes],
+        "extended": good + b"junk",
+        "foreign bytes": b"some other service's value" * 100,
+        "valid entry of another key": other,
+    }
+    for name, bad in bad_values.items():
+        direct.set("k", bad)
+        fresh = await open_store(redis_server.url)
+        assert await fresh.get("k") is None, name
+        assert await fresh.read_rows("k", 0, 8) is None, name  # rows 0..8 include the overwritten bytes
+        calls = []
+        got, cached = await fresh.get_or_create("k", creator(entry, calls))  # a miss: recomputed
+        assert not cached and calls == [1] and torch.equal(got.tensor, entry.tensor), name
+        assert fresh.stats()["redis_corrupt"] >= 2, name
+        await fresh.redis.flush()  # the recomputed entry overwrites the bad value
+        assert direct.get("k") == good, name
+        await fresh.close()
+    direct.close()
+    await store.close()
+
+
+async def test_range_read_notices_a_value_replaced_after_its_header_was_cached(redis_server):
+    store = await open_store(redis_server.url)
+    first, second = make_entry(1), make_entry(2)
+    direct = redis.Redis.from_url(redis_server.url)
+    direct.set("k", first.to_bytes("k"))
+    assert torch.equal(await store.read_rows("k", 0, 4), first.tensor[:4])  # header now cached
+    direct.set("k", second.to_bytes("k"))  # e.g. evicted and rewritten by a replica on another GPU
+    assert torch.equal(await store.read_rows("k", 0, 4), second.tensor[:4])
+    direct.delete("k")
+    assert await store.read_rows("k", 0, 4) is None
+    direct.close()
+    await store.close()
+
+
+async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
+    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    store = await open_store(redis_server.url)
+    await store.get_or_create("a", creator(make_entry(1), []))
+    await store.redis.flush()
+    redis_server.kill()
+    for i in range(20):  # keeps encoding and serving from the local tier
+        got, _ = await store.get_or_create(f"b{i}", creator(make_entry(100 + i), []))
+        assert torch.equal(got.tensor, make_entry(100 + i).tensor)
+        assert torch.equal(await store.read_rows("a", 0, 3), make_entry(1).tensor[:3])
+        assert await store.read_rows(f"never{i}", 0, 1) is None
+    stats = store.stats()
+    assert stats["redis_state"] == "down" and stats["redis_down_events"] == 1
+    assert log_count(caplog, "redis tier unavailable") == 1  # once, not per request
+    redis_server.start()
+    await wait_until(lambda: store.redis.up)
+    assert log_count(caplog, "reachable again") == 1
+    await store.get_or_create("c", creator(make_entry(3), []))  # writes resume
+    await store.redis.flush()
+    other = await open_store(redis_server.url)
+    got = await other.get("c")
+    assert got is not None and torch.equal(got.tensor, make_entry(3).tensor)
+    await other.close()
+    await store.close()
+
+
+async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
+    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    store = await open_store(redis_server.url)
+    await store.get_or_create("a", creator(make_entry(1), []))
+    await store.redis.flush()
+    redis_server.pause()  # accepts nothing, answers nothing: only the socket timeout ends a request
+    try:
+        fresh = make_entry(2)
+        got, cached = await asyncio.wait_for(store.get_or_create("b", creator(fresh, [])), timeout=3)
+        assert not cached and torch.equal(got.tensor, fresh.tensor)
+        assert store.stats()["redis_state"] == "down"
+        # Down: later misses skip Redis at once instead of waiting for another timeout.
+        assert await asyncio.wait_for(store.read_rows("x", 0, 1), timeout=0.1) is None
+    finally:
+        redis_server.resume()
+    await wait_until(lambda: store.redis.up)
+    assert torch.equal(await store.redis.read_rows("a", 0, 2), make_entry(1).tensor[:2])
+    assert log_count(caplog, "redis tier unavailable") == 1
+    await store.close()
+
+
+async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis_server_noevict, caplog):
+    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    url = redis_server_noevict.url
+    store = await open_store(url)
+    entries = [make_entry(i, 512, 256, "main", torch.float32) for i in range(12)]  # 12 x 512 KiB into 2 MB
+    for i, entry in enumerate(entries):
+        await store.get_or_create(f"k{i}", creator(entry, []))
+        await store.redis.flush()
+    for i, entry in enumerate(entries):
+        assert torch.equal((await store.get(f"k{i}")).tensor, entry.tensor)  # all served locally
+    stats = store.stats()
+    assert stats["redis_oom_events"] == 1 and stats["redis_writes_dropped"] >= 1
+    assert log_count(caplog, "redis tier is full") == 1
+    assert stats["redis_state"] == "up"  # full is not down: reads still go to Redis
+    direct = redis.Redis.from_url(url)
+    direct.config_set("maxmemory", "64mb")  # the operator makes room
+    await asyncio.sleep(0.25)  # past the 0.2 s OOM cool-down
+    await store.get_or_create("late", creator(make_entry(99), []))
+    await store.redis.flush()
+    assert direct.exists("late") == 1
+    assert log_count(caplog, "writes succeed again") == 1
+    direct.close()
+    await store.close()
+
+
+async def test_unreachable_at_start_then_comes_up(caplog):
+    from redis_server import RedisServer
+
+    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    server = RedisServer()
+    store = await open_store(server.url)  # nothing listening yet
+    try:
+        got, _ = await store.get_or_create("a", creator(make_entry(1), []))
+        assert torch.equal(got.tensor, make_entry(1).tensor) and not store.redis.up
+        server.start()
+        await wait_until(lambda: store.redis.up)
+        await store.get_or_create("b", creator(make_entry(2), []))
+        await store.redis.flush()
+        assert (await store.redis.get("b")) is not None
+    finally:
+        await store.close()
+        server.stop()
