@@ -1,0 +1,239 @@
+"""Parity of our towers with transformers' at real sizes, in bfloat16 on CUDA.
+
+For Qwen2.5-VL-7B and Qwen3-VL-8B (vision configs from docs/DESIGN.md's table): build transformers' vision
+model class alone with random weights (attn_implementation="sdpa"), save its weights under the real
+checkpoint prefix (`visual.` / `model.visual.`) with a config.json in a temp dir, load them with our
+loader, and compare the outputs on random pixel values for 448x448, 720p, 1080p and a batch of three
+mixed sizes. Qwen3 compares the main rows and each deepstack level.
+
+Relative error = max|ours - ref| / max|ref| (mean: mean|ours - ref| / mean|ref|). Writes
+$OUT/gpu_parity.json and $OUT/gpu_parity.md (OUT defaults to ./gpu_out); exits 1 if any max relative
+error is above 1e-2.
+
+    python benchmarks/gpu_parity.py            # GPU: real sizes, bfloat16 (torch 2.11+, transformers 5.x)
+    python benchmarks/gpu_parity.py --small    # CPU: tiny towers, float32, small images (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from encoder_service.models.loader import load_model  # noqa: E402
+
+MAX_REL_ERR = 1e-2
+
+# Real vision configs (DESIGN.md section 2).
+REAL = {
+    "qwen2_5_vl": dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=3584,
+        patch_size=14,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        hidden_act="silu",
+    ),
+    "qwen3_vl": dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        patch_size=16,
+        deepstack_visual_indexes=[8, 16, 24],
+        num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+    ),
+}
+# --small: the same structure, tiny (window of 2x2 merged tokens, 4x4 position table).
+SMALL = {
+    "qwen2_5_vl": REAL["qwen2_5_vl"]
+    | dict(depth=4, hidden_size=64, intermediate_size=72, num_heads=4, out_hidden_size=96)
+    | dict(window_size=56, fullatt_block_indexes=[1, 3]),
+    "qwen3_vl": REAL["qwen3_vl"]
+    | dict(depth=4, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=96)
+    | dict(deepstack_visual_indexes=[0, 2], num_position_embeddings=16),
+}
+IMAGES = {
+    "448x448": [(448, 448)],
+    "720p": [(1280, 720)],
+    "1080p": [(1920, 1080)],
+    "batch of 3": [(448, 448), (1280, 720), (640, 480)],
+}
+SMALL_IMAGES = {"112x112": [(112, 112)], "224x160": [(224, 160)], "batch of 3": [(112, 112), (224, 160), (96, 200)]}
+
+FAMILY_CLASSES = {
+    # family: (model_type, architecture, vision config class, vision model class, checkpoint prefix)
+    "qwen2_5_vl": (
+        "qwen2_5_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+        "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig",
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
+        "visual.",
+    ),
+    "qwen3_vl": (
+        "qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+        "transformers.models.qwen3_vl.configuration_qwen3_vl.Qwen3VLVisionConfig",
+        "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel",
+        "model.visual.",
+    ),
+}
+
+
+def _import(dotted: str):
+    module, name = dotted.rsplit(".", 1)
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+def patch_grid(width: int, height: int, patch: int) -> tuple[int, int, int]:
+    """(t, h, w) of one image resized to the nearest multiples of patch * 2 (smart_resize within bounds)."""
+    factor = patch * 2
+    resized_height, resized_width = (max(factor, round(x / factor) * factor) for x in (height, width))
+    return (1, resized_height // patch, resized_width // patch)
+
+
+def build_reference(family: str, vision: dict, device: torch.device, dtype: torch.dtype, directory: Path):
+    """transformers' vision model with random weights, saved as a vision-only checkpoint in `directory`."""
+    model_type, architecture, config_cls, model_cls, prefix = FAMILY_CLASSES[family]
+    config = _import(config_cls)(**vision, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = _import(model_cls)._from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors")
+    full_config = {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "vision_config": config.to_dict(),
+        "text_config": {"hidden_size": vision["out_hidden_size"]},
+    }
+    (directory / "config.json").write_text(json.dumps(full_config, indent=2))
+    preprocessor = {"patch_size": vision["patch_size"], "merge_size": 2, "temporal_patch_size": 2}
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return model
+
+
+def reference_rows(output) -> torch.Tensor:
+    """[num_tokens, row_width] from the vision model's output, whatever the transformers version returns."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple):  # older Qwen3: (merged, deepstack list)
+        return torch.cat([output[0], *output[1]], dim=1)
+    deepstack = getattr(output, "deepstack_features", None) or []
+    return torch.cat([output.pooler_output, *deepstack], dim=1)
+
+
+def rel_errors(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    diff = (ours.float() - ref.float()).abs()
+    return (diff.max() / ref.float().abs().max()).item(), (diff.mean() / ref.float().abs().mean()).item()
+
+
+@torch.no_grad()
+def compare_family(family: str, vision: dict, images: dict, device, dtype) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = build_reference(family, vision, device, dtype, Path(tmp))
+        ours = load_model(tmp, device=device, dtype=dtype)
+    width, levels = ours.spec.out_hidden_size, 1 + ours.spec.num_deepstack
+    rows = []
+    for case, sizes in images.items():
+        grids = [patch_grid(w, h, vision["patch_size"]) for w, h in sizes]
+        num_patches = sum(t * h * w for t, h, w in grids)
+        generator = torch.Generator().manual_seed(0)
+        pixel_values = torch.randn(num_patches, ours.spec.patch_dim, generator=generator).to(device)
+        out = ours.tower(pixel_values.to(dtype), ours.tower.metadata(grids).to(device))
+        ref = reference_rows(reference(pixel_values, grid_thw=torch.tensor(grids, device=device)))
+        for level in range(levels):
+            sl = slice(level * width, (level + 1) * width)
+            max_err, mean_err = rel_errors(out[:, sl], ref[:, sl])
+            name = "main" if level == 0 else f"deepstack_{level}"
+            rows.append(
+                dict(family=family, case=case, level=name, grids=grids, patches=num_patches)
+                | dict(max_rel_err=max_err, mean_rel_err=mean_err)
+            )
+            print(
+                f"{family:11s} {case:11s} {name:12s} patches {num_patches:6d}  "
+                f"max rel err {max_err:.2e}  mean rel err {mean_err:.2e}"
+            )
+    del reference, ours
+    return rows
+
+
+def setup_info(device: torch.device, dtype: torch.dtype, small: bool) -> dict:
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        commit = git.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        sizes="small" if small else "real",
+        commit=commit,
+    )
+
+
+def markdown(setup: dict, rows: list[dict]) -> str:
+    lines = [
+        "# Tower parity with transformers (sdpa)",
+        "",
+        ", ".join(f"{k}: {v}" for k, v in setup.items()),
+        "",
+        "| family | case | level | patches | max rel err | mean rel err |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['family']} | {r['case']} | {r['level']} | {r['patches']} "
+        f"| {r['max_rel_err']:.2e} | {r['mean_rel_err']:.2e} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny towers, float32, on CPU")
+    args = parser.parse_args()
+    if not args.small and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
+    device = torch.device("cpu" if args.small else "cuda")
+    dtype = torch.float32 if args.small else torch.bfloat16
+    configs, images = (SMALL, SMALL_IMAGES) if args.small else (REAL, IMAGES)
+
+    setup = setup_info(device, dtype, args.small)
+    print(json.dumps(setup))
+    start = time.perf_counter()
+    rows = [row for family in configs for row in compare_family(family, configs[family], images, device, dtype)]
+    print(f"done in {time.perf_counter() - start:.1f} s")
+
+    out_dir = Path(os.environ.get("OUT", "gpu_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = dict(setup=setup, max_allowed=MAX_REL_ERR, results=rows)
+    (out_dir / "gpu_parity.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "gpu_parity.md").write_text(markdown(setup, rows))
+    worst = max(rows, key=lambda r: r["max_rel_err"])
+    if worst["max_rel_err"] > MAX_REL_ERR:
+        where = f"{worst['family']} {worst['case']} {worst['level']}"
+        print(f"FAIL: {where}: max rel err {worst['max_rel_err']:.2e} > {MAX_REL_ERR}")
+        return 1
+    print(f"OK: worst max rel err {worst['max_rel_err']:.2e} ({worst['family']} {worst['case']} {worst['level']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

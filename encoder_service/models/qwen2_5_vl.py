@@ -1,0 +1,73 @@
+"""Qwen2.5-VL vision tower: RMSNorm blocks with a gated SiLU MLP, 2D rotary, window attention except in
+`fullatt_block_indexes` (per-frame full attention there), RMSNorm patch merger.
+
+The blocks run in window order: merged-token units are gathered by `meta.window_index` after the patch
+embedding, and the merged output is put back in placeholder order with `meta.reverse_index`.
+Output [num_tokens, out_hidden_size].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from encoder_service.models.configs import Qwen2_5VLConfig
+from encoder_service.models.layers import (
+    ACTIVATIONS,
+    PatchEmbed,
+    PatchMerger,
+    RMSNorm,
+    VisionAttention,
+    VisionBlock,
+    VisionTower,
+)
+from encoder_service.models.metadata import BatchMetadata, build_batch_metadata, gather_units
+
+
+class Qwen2_5VLMLP(nn.Module):
+    """act(gate(x)) * up(x) -> down. All MLP weights are loaded through loader.py (`to_parameter`), the one
+    place to pad the intermediate width later."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2_5VLTower(VisionTower):
+    def __init__(self, config: Qwen2_5VLConfig):
+        super().__init__(config)
+        c = config
+        self.patch_embed = PatchEmbed(c.patch_dim, c.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                RMSNorm(c.hidden_size),
+                RMSNorm(c.hidden_size),
+                VisionAttention(c.hidden_size, c.num_heads),
+                Qwen2_5VLMLP(c.hidden_size, c.intermediate_size, c.hidden_act),
+            )
+            for _ in range(c.depth)
+        )
+        self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, c.merge_size, RMSNorm(c.hidden_size))
+        self.full_attention_blocks = frozenset(c.fullatt_block_indexes)
+
+    def metadata(self, grid_thw: list[tuple[int, int, int]]) -> BatchMetadata:
+        c = self.config
+        return build_batch_metadata(
+            grid_thw, merge=c.merge_size, head_dim=c.head_dim, rope_theta=c.rope_theta, window_units=c.window_units
+        )
+
+    def forward(self, pixel_values: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        x = self.patch_embed(pixel_values)  # [N, E], placeholder order
+        x = gather_units(x, meta.window_index, meta.merge_unit)  # window order
+        for i, block in enumerate(self.blocks):
+            if i in self.full_attention_blocks:
+                x = block(x, meta.cos, meta.sin, meta.cu_seqlens, meta.max_seqlen)
+            else:
+                x = block(x, meta.cos, meta.sin, meta.cu_window_seqlens, meta.max_window_seqlen)
+        return self.merger(x)[meta.reverse_index]  # [N / merge^2, out_hidden_size], placeholder order

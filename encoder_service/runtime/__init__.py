@@ -1,0 +1,1 @@
+"""GPU fast path: attention kernels, runners, CUDA graphs, packing, fused ops."""

@@ -1,0 +1,130 @@
+"""Tiny random-weight Qwen-VL checkpoints that keep the real structure, for tests and the offline demo.
+
+`build_tiny_checkpoint(family, path, seed=0)` saves a full VL model (transformers' own class, tiny language
+model) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
+transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens).
+
+Structure kept per family:
+  - qwen2_vl: quick_gelu MLP (mlp_ratio 2), LayerNorm merger.
+  - qwen2_5_vl: window_size 56 px = 2x2 merged tokens per window, so a 112x112 image already has 4 windows;
+    blocks 1 and 3 of 4 use full attention, 0 and 2 windows.
+  - qwen3_vl / qwen3_vl_moe: 3 deepstack levels (blocks 1, 2, 3 of 5), a 4x4 learned position table
+    (interpolated for every other grid), patch 16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Vision towers: width 32, 2 heads (head_dim 16), merger output 48 = the tiny LLM's hidden size.
+_WIDTH, _HEADS, _OUT = 32, 2, 48
+_MIN_PIXELS_TOKENS, _MAX_PIXELS_TOKENS = 4, 64  # min/max merged tokens per image
+
+_TEXT = dict(
+    vocab_size=256,
+    hidden_size=_OUT,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+_VISION = {
+    "qwen2_vl": dict(depth=2, embed_dim=_WIDTH, hidden_size=_OUT, mlp_ratio=2, num_heads=_HEADS, patch_size=14),
+    "qwen2_5_vl": dict(
+        depth=4,
+        hidden_size=_WIDTH,
+        intermediate_size=40,
+        num_heads=_HEADS,
+        out_hidden_size=_OUT,
+        patch_size=14,
+        window_size=56,
+        fullatt_block_indexes=[1, 3],
+    ),
+    "qwen3_vl": dict(
+        depth=5,
+        hidden_size=_WIDTH,
+        intermediate_size=48,
+        num_heads=_HEADS,
+        out_hidden_size=_OUT,
+        patch_size=16,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[1, 2, 3],
+    ),
+}
+_VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
+
+# Image normalisation of the real checkpoints: CLIP's for Qwen2/2.5, 0.5 / 0.5 for Qwen3.
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+_HALF = [0.5, 0.5, 0.5]
+
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def _text_config(family: str) -> dict:
+    # The text head_dim is 24 (48 / 2 heads): M-RoPE sections must sum to 12.
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        return _TEXT | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 4, 4]}}
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 4, 4], "mrope_interleaved": True}
+    text = _TEXT | {"head_dim": 24, "rope_parameters": rope}
+    if family == "qwen3_vl_moe":
+        text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+    return text
+
+
+def _model_class_and_config(family: str):
+    import transformers as tf
+
+    classes = {
+        "qwen2_vl": (tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLConfig),
+        "qwen2_5_vl": (tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig),
+        "qwen3_vl": (tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLConfig),
+        "qwen3_vl_moe": (tf.Qwen3VLMoeForConditionalGeneration, tf.Qwen3VLMoeConfig),
+    }
+    if family not in classes:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
+    model_cls, config_cls = classes[family]
+    return model_cls, config_cls(vision_config=dict(_VISION[family]), text_config=_text_config(family))
+
+
+def build_tiny_checkpoint(family: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny `family` checkpoint into `path` (created) and return it."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    model_cls, config = _model_class_and_config(family)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    # Random weights with a fixed seed; std 0.2 rather than the 0.02 init so attention is far from uniform.
+    generator = torch.Generator().manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.save_pretrained(path, max_shard_size="64KB", safe_serialization=True)
+
+    vision = _VISION[family]
+    factor = vision["patch_size"] * 2
+    mean, std = (_HALF, _HALF) if family.startswith("qwen3") else (_CLIP_MEAN, _CLIP_STD)
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"],
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=_MIN_PIXELS_TOKENS * factor**2,
+        max_pixels=_MAX_PIXELS_TOKENS * factor**2,
+        image_mean=mean,
+        image_std=std,
+    )
+    processor.save_pretrained(path)
+    _check_shards(path)
+    return path
+
+
+def _check_shards(path: Path) -> None:
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    if len(set(index["weight_map"].values())) < 2:
+        raise RuntimeError(f"tiny checkpoint in {path} has a single shard; tests need several")
