@@ -1,7 +1,7 @@
 """Tiny random-weight Qwen-VL checkpoints that keep the real structure, for tests and the offline demo.
 
-`build_tiny_checkpoint(family, path, seed=0)` saves a full VL model (transformers' own class, tiny language
-model) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
+`build_tiny_checkpoint(family, path, seed=0)` saves a full VL model (transformers' own class, tiny 4-layer
+language model, special token ids inside its vocabulary) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
 transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens).
 
 Structure kept per family:
@@ -27,7 +27,7 @@ _TEXT = dict(
     vocab_size=256,
     hidden_size=_OUT,
     intermediate_size=64,
-    num_hidden_layers=1,
+    num_hidden_layers=4,  # >= 4 so each of Qwen3's 3 deepstack levels is added at its own layer
     num_attention_heads=2,
     num_key_value_heads=1,
     bos_token_id=None,
@@ -63,6 +63,10 @@ _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
 _CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 _HALF = [0.5, 0.5, 0.5]
 
+# The released special ids (151655, ...) lie outside the tiny vocabulary; use its last four ids instead so
+# transformers' own full-model forward can embed a prompt (tests compare LLM logits end to end).
+_SPECIAL_IDS = dict(video_token_id=252, vision_start_token_id=253, vision_end_token_id=254, image_token_id=255)
+
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
@@ -89,7 +93,8 @@ def _model_class_and_config(family: str):
     if family not in classes:
         raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
     model_cls, config_cls = classes[family]
-    return model_cls, config_cls(vision_config=dict(_VISION[family]), text_config=_text_config(family))
+    config = config_cls(vision_config=dict(_VISION[family]), text_config=_text_config(family), **_SPECIAL_IDS)
+    return model_cls, config
 
 
 def build_tiny_checkpoint(family: str, path: str | Path, seed: int = 0) -> Path:

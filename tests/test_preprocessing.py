@@ -1,0 +1,412 @@
+"""Preprocessing: equal to transformers' Qwen2VLImageProcessorPil, and safe on hostile input."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFile
+from transformers import Qwen2VLImageProcessorPil
+
+from encoder_service.errors import ImageDecodeError, LimitExceeded, ModelLoadError
+from encoder_service.models.spec import VisionSpec
+from encoder_service.preprocessing import (
+    ImageHeader,
+    ImageLimits,
+    PreprocessConfig,
+    plan,
+    preprocess,
+    probe,
+)
+
+DATA = Path(__file__).parent / "data"
+PHOTOS = ["grace_hopper.jpg", "rocket.jpg", "camera.png"]  # real photographs, see data/README.md
+
+QWEN2_5 = VisionSpec("qwen2_5_vl", "qwen2_5_vl", 14, 2, 2, 3, 2048, 0)
+QWEN3 = VisionSpec("qwen3_vl", "qwen3_vl", 16, 2, 2, 3, 2048, 3)
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# The published checkpoints' preprocessor_config.json, in each family's own form.
+HUB_CONFIGS = {
+    "qwen2_5": (QWEN2_5, {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                          "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+                          "image_processor_type": "Qwen2VLImageProcessor"}),
+    "qwen3": (QWEN3, {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+                      "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                      "image_processor_type": "Qwen2VLImageProcessorFast"}),
+}
+
+LIMITS = ImageLimits(max_image_bytes=32 << 20, max_pixels=67108864)
+
+
+def write_checkpoint(path: Path, settings: dict, filename: str = "preprocessor_config.json") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / filename).write_text(json.dumps(settings))
+    return path
+
+
+@pytest.fixture(params=sorted(HUB_CONFIGS), scope="module")
+def family(request, tmp_path_factory):
+    """(our config, transformers' processor) loaded from the same hub-style checkpoint directory."""
+    spec, settings = HUB_CONFIGS[request.param]
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp(request.param), settings)
+    return PreprocessConfig.from_checkpoint(checkpoint, spec), Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+
+
+def assert_same_as_transformers(data: bytes, family) -> None:
+    cfg, reference_processor = family
+    reference = reference_processor(Image.open(io.BytesIO(data)), return_tensors="pt")
+    ours = preprocess(data, cfg, LIMITS)
+    assert ours.grid_thw == tuple(reference["image_grid_thw"][0].tolist())
+    assert ours.pixel_values.dtype == torch.float32
+    assert ours.pixel_values.shape == reference["pixel_values"].shape
+    # Exact: the same Pillow calls and the same float32 arithmetic (see patchify.py).
+    max_diff = (ours.pixel_values - reference["pixel_values"]).abs().max().item()
+    assert torch.equal(ours.pixel_values, reference["pixel_values"]), f"max abs diff {max_diff}"
+    # What encode answers from the header alone agrees with what the tower gets.
+    image_plan = plan(probe(data, LIMITS), cfg)
+    assert (image_plan.grid_thw, image_plan.num_tokens) == (ours.grid_thw, ours.num_tokens)
+    assert ours.num_tokens == ours.pixel_values.shape[0] // cfg.merge_size**2
+
+
+def encode(image: Image.Image, fmt: str, **save_args) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save_args)
+    return buffer.getvalue()
+
+
+def texture(height: int, width: int, channels: int, seed: int = 0) -> np.ndarray:
+    """uint8 [H, W, C]: smooth gradients plus noise, so bicubic overshoots and clips like on real edges."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = 127 + 100 * np.sin(x[..., None] / 7.0 + y[..., None] / 11.0 + np.arange(channels))
+    return np.clip(base + rng.normal(0, 40, (height, width, channels)), 0, 255).astype(np.uint8)
+
+
+def rgb_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(texture(height, width, 3, seed))
+
+
+# ---- parity with transformers ----
+
+
+@pytest.mark.parametrize("name", PHOTOS)
+def test_real_photographs_match_transformers(name, family):
+    assert_same_as_transformers((DATA / name).read_bytes(), family)
+
+
+def test_1080p_jpeg_matches_transformers(family):
+    photo = Image.open(DATA / "rocket.jpg").resize((1920, 1080), Image.Resampling.BICUBIC)
+    assert_same_as_transformers(encode(photo, "JPEG", quality=90), family)
+
+
+@pytest.mark.parametrize(
+    "height, width",
+    [
+        (77, 123),  # sides not multiples of 28 or 32
+        (10, 10),  # below min_pixels: scaled up
+        (28, 5000),  # aspect ratio 178: one patch row (Qwen2.5)
+        (5000, 25),  # aspect ratio 200, the largest accepted
+        (301, 5),  # side below half a factor rounds to 0 before the min_pixels step
+        (70, 126),  # 70 = 2.5 * 28: Python's round() goes to the even 2 (Qwen2.5)
+        (272, 300),  # 272 = 8.5 * 32: likewise, above Qwen3's min_pixels
+    ],
+)
+def test_sizes_match_transformers(height, width, family):
+    assert_same_as_transformers(encode(rgb_image(height, width), "PNG"), family)
+
+
+def test_large_downscale_matches_transformers(tmp_path):
+    """max_pixels far below the photo's size (like the tiny test checkpoints): a 5x bicubic reduction."""
+    settings = {"min_pixels": 8 * 28 * 28, "max_pixels": 16 * 28 * 28}
+    checkpoint = write_checkpoint(tmp_path, settings)
+    family = PreprocessConfig.from_checkpoint(checkpoint, QWEN2_5), Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+    for name in PHOTOS:
+        assert_same_as_transformers((DATA / name).read_bytes(), family)
+
+
+def _rgba() -> Image.Image:
+    alpha = np.tile(np.linspace(0, 255, 90).astype(np.uint8), (60, 1))[..., None]
+    return Image.fromarray(np.concatenate([texture(60, 90, 3), alpha], axis=-1))
+
+
+def _palette() -> Image.Image:
+    return rgb_image(60, 90).quantize(colors=64)
+
+
+def _animated_gif() -> bytes:
+    frames = [rgb_image(60, 90, seed).quantize(colors=32) for seed in (1, 2, 3)]
+    return encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=40, loop=0)
+
+
+def _cmyk_jpeg() -> bytes:
+    return encode(Image.frombytes("CMYK", (90, 60), texture(60, 90, 4).tobytes()), "JPEG", quality=92)
+
+
+def _multi_picture_jpeg() -> bytes:
+    """What phones write (MPO): Pillow's JPEG opener reads it; the first picture is the image."""
+    return encode(rgb_image(60, 90, 1), "MPO", save_all=True, append_images=[rgb_image(60, 90, 2)])
+
+
+def _exif_rotated_jpeg() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
+    return encode(rgb_image(60, 90), "JPEG", exif=exif)
+
+
+IMAGES = {
+    "rgba_png": lambda: encode(_rgba(), "PNG"),
+    "la_png": lambda: encode(_rgba().convert("LA"), "PNG"),
+    "palette_png": lambda: encode(_palette(), "PNG"),
+    "palette_png_transparent_index": lambda: encode(_palette(), "PNG", transparency=5),
+    "grayscale_png_transparent_value": lambda: encode(rgb_image(60, 90).convert("L"), "PNG", transparency=128),
+    "grayscale_l_png": lambda: encode(rgb_image(60, 90).convert("L"), "PNG"),
+    "bilevel_1_png": lambda: encode(rgb_image(60, 90).convert("1"), "PNG"),
+    "16bit_png": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.uint16) * 257), "PNG"),
+    "int32_i_tiff": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.int32) * 2 - 100), "TIFF"),
+    "float_f_tiff": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.float32) * 1.5), "TIFF"),
+    "cmyk_jpeg": _cmyk_jpeg,
+    "exif_rotated_jpeg": _exif_rotated_jpeg,
+    "multi_picture_jpeg": _multi_picture_jpeg,  # transformers ignores EXIF orientation for PIL input; so do we
+    "animated_gif_first_frame": _animated_gif,
+    "bmp": lambda: encode(rgb_image(60, 90), "BMP"),
+    "tiff": lambda: encode(rgb_image(60, 90), "TIFF", compression="tiff_lzw"),
+    "webp_lossy": lambda: encode(rgb_image(60, 90), "WEBP", quality=80),
+    "webp_alpha": lambda: encode(_rgba(), "WEBP", lossless=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(IMAGES))
+def test_modes_and_formats_match_transformers(kind, family):
+    assert_same_as_transformers(IMAGES[kind](), family)
+
+
+def test_modes_under_test_are_the_ones_named():
+    """Guards the cases above against Pillow saving or opening them in some other mode."""
+    modes = {kind: Image.open(io.BytesIO(make())).mode for kind, make in IMAGES.items()}
+    assert modes["rgba_png"] == "RGBA" and modes["la_png"] == "LA" and modes["palette_png"] == "P"
+    assert modes["16bit_png"] == "I;16" and modes["cmyk_jpeg"] == "CMYK" and modes["bilevel_1_png"] == "1"
+    assert modes["int32_i_tiff"] == "I" and modes["float_f_tiff"] == "F" and modes["grayscale_l_png"] == "L"
+    assert "transparency" in Image.open(io.BytesIO(IMAGES["palette_png_transparent_index"]())).info
+    assert Image.open(io.BytesIO(_animated_gif())).n_frames == 3
+    assert probe(_multi_picture_jpeg(), LIMITS).format == "MPO"
+
+
+def test_exif_orientation_is_not_applied():
+    header = probe(_exif_rotated_jpeg(), LIMITS)
+    assert (header.width, header.height) == (90, 60)
+
+
+def test_concurrent_calls_agree():
+    """The service runs preprocess on a thread pool: calls must not share state."""
+    cfg = PreprocessConfig.default_for(QWEN2_5)
+    inputs = [(DATA / name).read_bytes() for name in PHOTOS] * 3
+    alone = [preprocess(data, cfg, LIMITS).pixel_values for data in inputs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda data: preprocess(data, cfg, LIMITS).pixel_values, inputs))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+# ---- header-only sizing ----
+
+
+def test_probe_reads_only_the_header():
+    photo = (DATA / "rocket.jpg").read_bytes()
+    truncated = photo[: len(photo) // 3]
+    assert probe(truncated, LIMITS) == ImageHeader(width=640, height=427, format="JPEG", mode="RGB")
+    with pytest.raises(ImageDecodeError, match="truncated"):
+        preprocess(truncated, PreprocessConfig.default_for(QWEN2_5), LIMITS)
+
+
+def test_plan_of_1080p():
+    header = ImageHeader(1920, 1080, "JPEG", "RGB")
+    qwen2_5 = plan(header, PreprocessConfig.default_for(QWEN2_5))
+    assert (qwen2_5.resized_height, qwen2_5.resized_width, qwen2_5.grid_thw) == (1092, 1932, (1, 78, 138))
+    assert qwen2_5.num_tokens == 2691  # DESIGN.md: Qwen2.5-VL 1080p is 2691 tokens
+    qwen3 = plan(header, PreprocessConfig.default_for(QWEN3))
+    assert (qwen3.grid_thw, qwen3.num_tokens) == ((1, 68, 120), 2040)
+
+
+# ---- config ----
+
+
+def test_config_forms_match_transformers(tmp_path):
+    forms = {
+        "top_level_pixels": {"min_pixels": 1000, "max_pixels": 200000},
+        "size_dict": {"size": {"shortest_edge": 2000, "longest_edge": 300000}},
+        "top_level_overrides_size": {"size": {"shortest_edge": 2000, "longest_edge": 300000}, "max_pixels": 90000},
+        "silent_file": {},  # transformers' class defaults: 56*56 .. 28*28*1280, CLIP mean/std
+        "null_pixels": {"min_pixels": None, "max_pixels": None},
+        "scalar_mean_std": {"image_mean": 0.5, "image_std": 0.25, "rescale_factor": 0.5},
+    }
+    for name, settings in forms.items():
+        checkpoint = write_checkpoint(tmp_path / name, settings)
+        ours = PreprocessConfig.from_checkpoint(checkpoint, QWEN2_5)
+        theirs = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+        mean, std = ([theirs.image_mean] * 3, [theirs.image_std] * 3) if name == "scalar_mean_std" else (
+            theirs.image_mean, theirs.image_std)
+        assert (ours.min_pixels, ours.max_pixels) == (theirs.size.shortest_edge, theirs.size.longest_edge), name
+        assert (ours.patch_size, ours.temporal_patch_size, ours.merge_size) == (
+            theirs.patch_size, theirs.temporal_patch_size, theirs.merge_size), name
+        assert (ours.image_mean, ours.image_std, ours.rescale_factor) == (
+            tuple(mean), tuple(std), theirs.rescale_factor), name
+    assert PreprocessConfig.from_checkpoint(tmp_path / "silent_file", QWEN2_5).max_pixels == 28 * 28 * 1280
+
+
+def test_config_saved_by_transformers_round_trips(tmp_path):
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=4096, max_pixels=65536, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3).save_pretrained(tmp_path)
+    cfg = PreprocessConfig.from_checkpoint(tmp_path, QWEN3)
+    assert (cfg.patch_size, cfg.min_pixels, cfg.max_pixels, cfg.image_mean) == (16, 4096, 65536, (0.5, 0.5, 0.5))
+
+
+def test_processor_config_takes_precedence(tmp_path):
+    write_checkpoint(tmp_path, {"min_pixels": 1000, "max_pixels": 100000})
+    write_checkpoint(tmp_path, {"image_processor": {"min_pixels": 2000, "max_pixels": 50000}}, "processor_config.json")
+    cfg = PreprocessConfig.from_checkpoint(tmp_path, QWEN2_5)
+    assert (cfg.min_pixels, cfg.max_pixels) == (2000, 50000)
+    assert Qwen2VLImageProcessorPil.from_pretrained(tmp_path).size.longest_edge == 50000
+
+
+def test_defaults_when_no_file(tmp_path):
+    assert PreprocessConfig.from_checkpoint(tmp_path, QWEN3) == PreprocessConfig.default_for(QWEN3)
+    qwen3, qwen2_5 = PreprocessConfig.default_for(QWEN3), PreprocessConfig.default_for(QWEN2_5)
+    assert (qwen3.patch_size, qwen3.min_pixels, qwen3.max_pixels, qwen3.image_std) == (16, 65536, 16777216, (0.5,) * 3)
+    assert (qwen2_5.patch_size, qwen2_5.min_pixels, qwen2_5.max_pixels) == (14, 3136, 12845056)
+    assert qwen2_5.image_mean == tuple(CLIP_MEAN)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({}, "patch_size is 14 but the vision tower's is 16"),  # silent file: transformers' 14 vs Qwen3's 16
+        ({"patch_size": 16, "merge_size": 3}, "merge_size is 3"),
+        ({"patch_size": 16, "size": {"shortest_edge": 3136}}, "shortest_edge and longest_edge"),
+        ({"patch_size": 16, "size": {"min_pixels": 1, "max_pixels": 2}}, "shortest_edge and longest_edge"),
+        ({"patch_size": 16, "min_pixels": 5000, "max_pixels": 4000}, "min_pixels <= max_pixels"),
+        ({"patch_size": 16, "do_normalize": False}, "do_normalize"),
+        ({"patch_size": 16, "resample": 2}, "resample"),
+        ({"patch_size": 16, "image_mean": [0.5, 0.5]}, "image_mean has 2 values"),
+        ({"patch_size": 16, "rescale_factor": 0.003}, "rescale_factor 0.003"),
+        ({"patch_size": 16, "image_std": [0.5, 0, 0.5]}, "has a zero"),
+    ],
+)
+def test_config_rejects(settings, message, tmp_path):
+    with pytest.raises(ModelLoadError, match=message):
+        PreprocessConfig.from_checkpoint(write_checkpoint(tmp_path, settings), QWEN3)
+
+
+def test_unreadable_config_file(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        PreprocessConfig.from_checkpoint(tmp_path, QWEN2_5)
+
+
+# ---- limits and hostile input ----
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A real, small PNG whose header claims width x height (8-bit RGB); its pixel data is never read."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    rows = zlib.compress(b"\x00" * 1024)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+
+
+def test_encoded_bytes_over_limit():
+    data = (DATA / "rocket.jpg").read_bytes()
+    with pytest.raises(LimitExceeded, match=f"encoded image size in bytes is {len(data)}, over the limit of 1000"):
+        probe(data, ImageLimits(max_image_bytes=1000, max_pixels=1 << 26))
+
+
+def test_decoded_pixels_over_limit_from_header():
+    data = png_header_only(9000, 9000)  # 81M pixels: over our 64 Mi, under Pillow's own warning threshold
+    assert len(data) < 200
+    message = "decoded pixel count of the 9000x9000 image is 81000000, over the limit of 67108864"
+    with pytest.raises(LimitExceeded, match=message) as raised:
+        preprocess(data, PreprocessConfig.default_for(QWEN2_5), LIMITS)
+    assert (raised.value.value, raised.value.limit) == (81000000, 67108864)
+
+
+def test_decompression_bomb_is_our_limit_error():
+    # 2.5G pixels: Pillow's own guard raises inside Image.open, before our check can run.
+    with pytest.raises(LimitExceeded, match="decoded pixel count is 2500000000, over the limit of 67108864"):
+        probe(png_header_only(50000, 50000), LIMITS)
+
+
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
+def test_decompression_bomb_warning_as_error_is_our_limit_error():
+    # 100M pixels is under our (raised) limit but over Pillow's warning threshold, which names the limit.
+    with pytest.raises(LimitExceeded, match=f"is 100000000, over the limit of {Image.MAX_IMAGE_PIXELS}"):
+        probe(png_header_only(10000, 10000), ImageLimits(max_image_bytes=1 << 20, max_pixels=150_000_000))
+
+
+def test_decompression_bomb_in_other_words_is_still_our_limit_error(monkeypatch):
+    def open_refusing(*args, **kwargs):
+        raise Image.DecompressionBombError("some future wording")
+
+    monkeypatch.setattr(Image, "open", open_refusing)
+    with pytest.raises(LimitExceeded, match="decoded pixel count is over Pillow's limit"):
+        probe(b"any bytes", LIMITS)
+
+
+def test_aspect_ratio_over_200_rejected_from_header():
+    with pytest.raises(LimitExceeded, match=r"aspect ratio .* of the 201x1 image is 201.0, over the limit of 200"):
+        probe(encode(rgb_image(1, 201), "PNG"), LIMITS)
+    with pytest.raises(LimitExceeded, match=r"of the 10x2020 image is 202.0, over the limit of 200"):
+        plan(ImageHeader(10, 2020, "PNG", "RGB"), PreprocessConfig.default_for(QWEN2_5))  # smart_resize's own check
+    assert probe(encode(rgb_image(1, 200), "PNG"), LIMITS).width == 200
+
+
+def test_stricter_aspect_limit():
+    with pytest.raises(LimitExceeded, match="is 5.0, over the limit of 4"):
+        probe(encode(rgb_image(10, 50), "PNG"), ImageLimits(1 << 20, 1 << 20, max_aspect_ratio=4))
+
+
+def test_limits_validate_themselves():
+    with pytest.raises(ValueError, match="max_aspect_ratio"):
+        ImageLimits(1 << 20, 1 << 20, max_aspect_ratio=300)
+    with pytest.raises(ValueError, match="positive"):
+        ImageLimits(0, 1 << 20)
+
+
+def _corrupt_png() -> bytes:
+    data = bytearray(encode(rgb_image(60, 90), "PNG"))
+    data[len(data) // 2] ^= 0xFF  # inside IDAT: CRC and zlib stream both break
+    return bytes(data)
+
+
+BAD_INPUTS = {
+    "empty": lambda: b"",
+    "random_bytes": lambda: np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
+    "text_file": lambda: b"name,value\nimage,not really\n" * 20,
+    "zero_width_png": lambda: png_header_only(0, 10),
+    "zero_height_png": lambda: png_header_only(10, 0),
+    "truncated_jpeg": lambda: (DATA / "grace_hopper.jpg").read_bytes()[:20000],
+    "corrupt_png": _corrupt_png,
+    "png_header_without_pixels": lambda: png_header_only(64, 64),
+    "unsupported_format_ppm": lambda: encode(rgb_image(10, 10), "PPM"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_INPUTS))
+def test_bad_input_is_a_decode_error(kind):
+    with pytest.raises(ImageDecodeError) as raised:
+        preprocess(BAD_INPUTS[kind](), PreprocessConfig.default_for(QWEN2_5), LIMITS)
+    assert not isinstance(raised.value, LimitExceeded)
+
+
+def test_pillow_global_state_untouched():
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+    assert Image.MAX_IMAGE_PIXELS == int(1024 * 1024 * 1024 // 4 // 3)  # Pillow's default
