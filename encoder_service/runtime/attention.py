@@ -7,11 +7,14 @@ only within their segment. Returns `[N, heads, head_dim]`.
 Backends, picked from the tensors' device:
   - CUDA (bf16/fp16), chosen from Python ints only (shapes and max_seqlen; capturable, no host sync;
     see `_cuda_attention` and benchmarks/RESULTS.md for the measurements behind it):
-      * one segment spanning all rows: dense SDPA `[1, H, N, D]` (1.5x varlen_attn on one long segment);
-      * two segments with max_seqlen >= N (one image plus the graph's dummy padding segment): dense SDPA
-        with the segment mask folded into extra head dims (exactly 0 weight across segments);
+      * one segment spanning all rows: dense SDPA `[1, H, N, D]` (cuDNN; 1.4x varlen_attn);
       * max_seqlen <= 64 (Qwen2.5 windows): a Triton kernel, one tile per (segment, head);
-      * otherwise `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10): one flash kernel for all segments.
+      * two segments with max_seqlen >= N (one image plus the graph's dummy padding segment): one dense
+        SDPA with the segment mask folded into extra head dims (exactly 0 weight across segments);
+      * otherwise `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, flash).
+    Not used: cuDNN's ragged kernel (`aten._cudnn_attention_forward` with cum_seq offsets): captured in a
+    CUDA graph on torch 2.11 it left the CUDA RNG in a state where every later random op raised "Offset
+    increment outside graph capture encountered unexpectedly".
   - CUDA without it: dense SDPA under a block-diagonal mask built on the device (no host sync; memory
     O(N^2), a correctness fallback only).
   - CPU: one SDPA call per segment, boundaries read on the host (a CPU tensor: no device sync).
@@ -66,7 +69,8 @@ SHORT_SEGMENT_MAX = 64
 # Cross-segment logit offset of the two-segment dense path: exp(-C * head_dim**-0.5) is exactly 0 in
 # float32 for head_dim <= 256, and C is finite in float16 and bfloat16.
 _SEGMENT_PENALTY = 30000.0
-# SDPA backends for the dense paths, in priority order (measured on H100: benchmarks/RESULTS.md).
+# SDPA backends allowed for the dense paths (empty: torch's default choice; measured on H100:
+# benchmarks/RESULTS.md).
 DENSE_BACKENDS: list = []
 
 
@@ -76,7 +80,7 @@ def _dense_sdpa(q, k, v, scale=None):
     if DENSE_BACKENDS:
         from torch.nn.attention import sdpa_kernel
 
-        with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
+        with sdpa_kernel(DENSE_BACKENDS):
             out = F.scaled_dot_product_attention(*args, scale=scale)
     else:
         out = F.scaled_dot_product_attention(*args, scale=scale)
@@ -112,12 +116,12 @@ def _cuda_attention(q, k, v, cu_seqlens, max_seqlen: int):
     if q.dtype in (torch.float16, torch.bfloat16):
         if max_seqlen >= n and num_segments == 1:
             return _dense_sdpa(q, k, v)
-        if max_seqlen >= n and num_segments == 2:
-            return two_segment_dense_attention(q, k, v, cu_seqlens)
         if max_seqlen <= SHORT_SEGMENT_MAX and q.shape[-1] <= 128:
             kernels = _kernels()
             if kernels is not None:
                 return kernels.short_segment_attention(q, k, v, cu_seqlens, max_seqlen)
+        if max_seqlen >= n and num_segments == 2:
+            return two_segment_dense_attention(q, k, v, cu_seqlens)
         if _varlen_attn is not None:
             # v is a strided view of the fused qkv output; make it dense for the flash / cuDNN kernels
             # (no-op for q, k, which the rotary already rewrote). Positional arguments: keyword names

@@ -195,6 +195,78 @@ def short_segment_attention(q, k, v, cu_seqlens, max_seqlen: int):
     return out
 
 
+@triton.jit
+def _short_segment_rotary_attn_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, o_ptr, cu_ptr, scale,
+    s_n, s_which, s_h, s_on, s_oh,
+    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # As _short_segment_attn_kernel, reading q, k, v straight from the fused projection's output
+    # [N, 3, H, D] and applying the rotary embedding to q and k in float32 (rounded to the model dtype, as
+    # the separate rotary kernel does) on the way in: the rotated q and k never go through memory. The
+    # head dim is handled as two halves (rotate_half pairs dim i with i + D/2).
+    seg = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    start = tl.load(cu_ptr + seg).to(tl.int64)
+    end = tl.load(cu_ptr + seg + 1).to(tl.int64)
+    length = tl.minimum(end - start, BLOCK_M)
+    if length <= 0:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_H)
+    rmask = rows < length
+    m2 = rmask[:, None] & (cols[None, :] < HALF)
+    r64 = (start + rows).to(tl.int64)[:, None]
+    cs = cos_ptr + r64 * (2 * HALF) + cols[None, :]
+    c1 = tl.load(cs, mask=m2, other=1.0)
+    c2 = tl.load(cs + HALF, mask=m2, other=1.0)
+    sn = sin_ptr + r64 * (2 * HALF) + cols[None, :]
+    s1 = tl.load(sn, mask=m2, other=0.0)
+    s2 = tl.load(sn + HALF, mask=m2, other=0.0)
+    base = qkv_ptr + r64 * s_n + h * s_h + cols[None, :]
+    dt = o_ptr.dtype.element_ty
+    x1 = tl.load(base, mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m2, other=0.0).to(tl.float32)
+    qa = (x1 * c1 - x2 * s1).to(dt)
+    qb = (x2 * c2 + x1 * s2).to(dt)
+    x1 = tl.load(base + s_which, mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(base + s_which + HALF, mask=m2, other=0.0).to(tl.float32)
+    ka = (x1 * c1 - x2 * s1).to(dt)
+    kb = (x2 * c2 + x1 * s2).to(dt)
+    va = tl.load(base + 2 * s_which, mask=m2, other=0.0)
+    vb = tl.load(base + 2 * s_which + HALF, mask=m2, other=0.0)
+    s = (tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb))) * scale  # [BLOCK_M, BLOCK_M] float32
+    s = tl.where(rmask[None, :], s, float("-inf"))
+    p = tl.exp(s - tl.max(s, axis=1)[:, None])
+    l = tl.sum(p, axis=1)
+    p = p.to(dt)
+    oa = tl.dot(p, va) / l[:, None]
+    ob = tl.dot(p, vb) / l[:, None]
+    out = o_ptr + r64 * s_on + h * s_oh + cols[None, :]
+    tl.store(out, oa.to(dt), mask=m2)
+    tl.store(out + HALF, ob.to(dt), mask=m2)
+
+
+def short_segment_rotary_attention(qkv, cos, sin, cu_seqlens, max_seqlen: int, num_heads: int):
+    """Rotary + attention within segments of at most `max_seqlen` (<= 128) rows, from qkv [N, 3*E] (the
+    fused projection's output) and cos/sin [N, D] float32. Returns [N, H, D]."""
+    n = qkv.shape[0]
+    view = qkv.view(n, 3, num_heads, -1)
+    d = view.shape[-1]
+    assert view.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and d % 2 == 0
+    out = torch.empty(n, num_heads, d, device=qkv.device, dtype=qkv.dtype)
+    num_segments = cu_seqlens.shape[0] - 1
+    block_m = max(16, triton.next_power_of_2(max_seqlen))
+    if num_segments > 0 and n:
+        _short_segment_rotary_attn_kernel[(num_segments, num_heads)](
+            view, cos, sin, out, cu_seqlens, d**-0.5,
+            view.stride(0), view.stride(1), view.stride(2), out.stride(0), out.stride(1),
+            HALF=d // 2, BLOCK_M=block_m, BLOCK_H=max(16, triton.next_power_of_2(d // 2)),
+            num_warps=4 if block_m <= 64 else 8,
+        )
+    return out
+
+
 # ---- Qwen3 learned position embedding -----------------------------------------------------------
 
 

@@ -1,0 +1,70 @@
+"""Conversions between encoder.v1 messages and the wire/core types, shared by the gRPC server and client."""
+
+from __future__ import annotations
+
+import torch
+
+from encoder_service.api import wire
+from encoder_service.api.proto import encoder_pb2 as pb
+from encoder_service.api.wire import RowWriter, WireError, WireHeader
+
+# Trailing-metadata keys (see docs/CONTRACTS.md, Wire format), besides the x-timing-* ones.
+ERROR_KIND = "error-kind"
+RETRY_AFTER_S = "retry-after-s"
+
+
+def header_to_proto(header: WireHeader) -> pb.FetchHeader:
+    return pb.FetchHeader(
+        version=header.version, dtype=header.dtype, row_width=header.row_width, layout=header.layout,
+        num_rows=header.num_rows,
+        segments=[pb.Segment(id=str(s.id), position=s.position, row_start=s.row_start, row_end=s.row_end)
+                  for s in header.segments])
+
+
+def header_from_proto(msg: pb.FetchHeader) -> WireHeader:
+    # Through the dict form so gRPC headers get exactly the HTTP header's validation.
+    return WireHeader.from_dict({
+        "version": msg.version, "dtype": msg.dtype, "row_width": msg.row_width, "layout": msg.layout,
+        "num_rows": msg.num_rows,
+        "segments": [[s.id, s.position, s.row_start, s.row_end] for s in msg.segments]})
+
+
+def info_to_proto(info) -> pb.ImageInfo:
+    return pb.ImageInfo(id=info.id, grid_thw=list(info.grid_thw), num_tokens=info.num_tokens,
+                        row_width=info.row_width, hidden_size=info.hidden_size, layout=info.layout,
+                        dtype=info.dtype, cached=info.cached)
+
+
+def embedding_from_bytes(info: pb.ImageInfo, data: bytes) -> torch.Tensor:
+    """One image's [num_tokens, row_width] rows from EncodeResponse.embeddings."""
+    return wire.rows_from_bytes(data, info.dtype, info.row_width, info.num_tokens)
+
+
+def timing_metadata(timings: dict[str, float]) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata with the same keys and values as HTTP's timing headers (x-timing-<name>-ms)."""
+    return tuple((f"x-timing-{k.removesuffix('_ms').replace('_', '-')}-ms", f"{v:.3f}") for k, v in timings.items())
+
+
+class FetchAssembler:
+    """Rebuilds a fetch payload from a Fetch stream: one header message, then data messages."""
+
+    def __init__(self, out: torch.Tensor | None = None, start: int = 0):
+        self._out, self._start, self._writer = out, start, None
+
+    def add(self, msg: pb.FetchChunk) -> None:
+        part = msg.WhichOneof("part")
+        if part == "header":
+            if self._writer is not None:
+                raise WireError("Fetch stream carried a second header")
+            self._writer = RowWriter(header_from_proto(msg.header), self._out, self._start)
+        elif part == "data":
+            if self._writer is None:
+                raise WireError("Fetch stream sent row data before its header")
+            self._writer.write(msg.data)
+        else:
+            raise WireError("Fetch stream sent an empty message")
+
+    def finish(self) -> tuple[WireHeader, torch.Tensor]:
+        if self._writer is None:
+            raise WireError("Fetch stream ended without a header")
+        return self._writer.header, self._writer.finish()

@@ -1,0 +1,260 @@
+"""HTTP adapter (FastAPI) over EncoderCore. Thin: parse, call the core, map errors once (api/errors.py).
+
+POST /v1/encode   multipart (field `image`, repeated), a binary body (application/octet-stream or image/*,
+                  one image; options in the query), or JSON {"images": [{"data": b64} | {"url": ...}, "id"?],
+                  "wait", "return_embeddings", "timeout_s"}.
+POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> api/wire.py payload
+                  (application/octet-stream; application/safetensors when Accept asks for it).
+GET  /health/live, /health/ready, /v1/metadata, /metrics.
+The body limit is enforced while reading: Content-Length first, then by counting received bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.types import Message, Receive
+
+from encoder_service.api import errors as api_errors
+from encoder_service.api import wire
+from encoder_service.api.auth import BearerAuth
+from encoder_service.api.core import EncoderCore, FetchItem, ImageInput
+from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS = "application/safetensors"
+OCTET = "application/octet-stream"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageJson(_Strict):
+    data: str | None = None  # base64 of the encoded image
+    url: str | None = None
+    id: str | None = None  # optional caller-supplied id
+
+
+class EncodeJson(_Strict):
+    images: list[ImageJson]
+    wait: bool = False
+    return_embeddings: bool = False
+    timeout_s: float | None = None
+
+
+class FetchItemJson(_Strict):
+    id: str
+    offset: int
+
+
+class FetchJson(_Strict):
+    items: list[FetchItemJson]
+    start: int
+    end: int
+    timeout_s: float | None = None
+
+
+def create_app(core: EncoderCore) -> FastAPI:
+    """The FastAPI app over `core`; the core's lifecycle belongs to the caller (api/service.py)."""
+    settings = core.settings
+    auth = BearerAuth(settings.server.auth_token)
+    max_body = settings.limits.max_body_bytes
+    metrics = core.metrics
+    app = FastAPI(title="encoder_service", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(EncoderServiceError)
+    async def _service_error(request: Request, exc: EncoderServiceError):
+        return _error_response(exc)
+
+    @app.get("/health/live")
+    async def live():
+        ok = core.live()
+        return JSONResponse({"live": ok}, status_code=200 if ok else 503)
+
+    @app.get("/health/ready")
+    async def ready():
+        ok = core.ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/metadata")
+    async def metadata(request: Request):
+        auth.check(request.headers.get("authorization"))
+        return core.metadata()
+
+    @app.post("/v1/encode")
+    async def encode(request: Request):
+        return await _observed("encode", lambda: _encode(request))
+
+    @app.post("/v1/fetch")
+    async def fetch(request: Request):
+        return await _observed("fetch", lambda: _fetch(request))
+
+    async def _observed(method: str, handler):
+        """Request metrics around one handler; errors are answered here so they are counted too."""
+        t0 = time.perf_counter()
+        metrics.in_flight.inc()
+        outcome = "ok"
+        try:
+            return await handler()
+        except EncoderServiceError as exc:
+            outcome = exc.kind
+            return _error_response(exc)
+        finally:
+            metrics.in_flight.dec()
+            metrics.requests.labels(method=method, outcome=outcome).inc()
+            metrics.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
+
+    async def _encode(request: Request) -> Response:
+        auth.check(request.headers.get("authorization"))
+        ctype = _content_type(request)
+        bounded = _bounded(request, max_body)
+        q = request.query_params
+        wait, embeds = _qbool(q, "wait"), _qbool(q, "return_embeddings")
+        timeout_s = _qfloat(q, "timeout_s")
+        if ctype == "application/json":
+            body = _parse(EncodeJson, await bounded.body())
+            images = [_json_image(i, img) for i, img in enumerate(body.images)]
+            wait, embeds, timeout_s = body.wait, body.return_embeddings, body.timeout_s
+        elif ctype == "multipart/form-data":
+            images = await _multipart_images(bounded, settings.limits.max_images)
+        elif ctype == OCTET or ctype.startswith("image/"):
+            images = [ImageInput(data=await bounded.body(), caller_id=q.get("id"))]
+        else:
+            raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream or image/*")
+        result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s)
+        out = []
+        for i, info in enumerate(result.images):
+            d = {"id": info.id, "grid_thw": list(info.grid_thw), "num_tokens": info.num_tokens,
+                 "row_width": info.row_width, "hidden_size": info.hidden_size, "layout": info.layout,
+                 "dtype": info.dtype, "cached": info.cached}
+            if result.embeddings is not None:
+                rows = result.embeddings[i]
+                d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
+                                  "dtype": wire.dtype_name(rows.dtype), "shape": list(rows.shape)}
+            out.append(d)
+        return JSONResponse({"images": out, "timings": result.timings}, headers=_timing_headers(result.timings))
+
+    async def _fetch(request: Request) -> Response:
+        auth.check(request.headers.get("authorization"))
+        ctype = _content_type(request)
+        if ctype != "application/json":
+            raise _unsupported(ctype, "application/json")
+        body = _parse(FetchJson, await _bounded(request, max_body).body())
+        result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
+                                  timeout_s=body.timeout_s)
+        header = wire.WireHeader.of(result.segments, result.rows, result.layout)
+        if SAFETENSORS in request.headers.get("accept", ""):
+            payload, media = wire.encode_safetensors(header, result.rows), SAFETENSORS
+        else:
+            payload, media = wire.encode_http(header, result.rows), OCTET
+        return Response(payload, media_type=media, headers=_timing_headers(result.timings))
+
+    return app
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def _error_response(exc: EncoderServiceError) -> JSONResponse:
+    headers = {}
+    retry = api_errors.retry_after_header(exc)
+    if retry is not None:
+        headers["retry-after"] = retry
+    return JSONResponse(api_errors.error_body(exc), status_code=api_errors.http_status(exc), headers=headers)
+
+
+def _unsupported(ctype: str, expected: str) -> InvalidInput:
+    return api_errors.UnsupportedMediaType(f"content type {ctype or '(none)'!r} is not accepted here; send {expected}")
+
+
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _bounded(request: Request, limit: int) -> Request:
+    """A view of `request` whose body reads raise LimitExceeded past `limit` bytes (never buffered beyond)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise LimitExceeded("request body bytes (Content-Length)", int(declared), limit)
+    received = 0
+    receive: Receive = request.receive
+
+    async def bounded_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise LimitExceeded("request body bytes", f"over {limit}", limit)
+        return message
+
+    return Request(request.scope, bounded_receive)
+
+
+def _parse(model: type[BaseModel], body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        raise InvalidInput(f"bad JSON body: {problems}") from None
+
+
+def _json_image(index: int, img: ImageJson) -> ImageInput:
+    if (img.data is None) == (img.url is None):
+        raise InvalidInput(f"image {index}: give exactly one of data (base64) or url")
+    if img.url is not None:
+        return ImageInput(url=img.url, caller_id=img.id)
+    try:
+        data = base64.b64decode(img.data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"image {index}: data is not valid base64 ({exc})") from None
+    return ImageInput(data=data, caller_id=img.id)
+
+
+async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:
+    # One more file than allowed so the core's count check names the limit (instead of the parser's).
+    async with request.form(max_files=max_images + 1, max_fields=max_images + 16) as form:
+        images = []
+        for part in form.getlist("image"):
+            data = await part.read() if hasattr(part, "read") else str(part).encode()
+            images.append(ImageInput(data=data))
+        if not images and len(form) > 0:
+            raise InvalidInput(f"multipart body has no 'image' field (got fields {sorted(set(form.keys()))})")
+        return images
+
+
+def _qbool(q, name: str) -> bool:
+    value = q.get(name)
+    if value is None:
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no", ""):
+        return False
+    raise InvalidInput(f"query parameter {name} must be true or false, got {value!r}")
+
+
+def _qfloat(q, name: str) -> float | None:
+    value = q.get(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidInput(f"query parameter {name} must be a number, got {value!r}") from None
+
+
+def _timing_headers(timings: dict[str, float]) -> dict[str, str]:
+    """x-timing-<name>-ms headers, e.g. x-timing-decode-ms, x-timing-queue-ms, x-timing-encode-ms."""
+    return {f"x-timing-{k.removesuffix('_ms').replace('_', '-')}-ms": f"{v:.3f}" for k, v in timings.items()}
+

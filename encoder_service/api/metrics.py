@@ -1,0 +1,39 @@
+"""Prometheus metrics of the service, kept in one registry per core (tests run several cores per process).
+
+`encoder_queue_depth` is the name the Helm chart's HPA scales on: keep it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("encoder_requests", "Requests by method and outcome kind", ["method", "outcome"],
+                                registry=r)
+        self.request_ms = Histogram("encoder_request_ms", "Request latency (ms)", ["method"], buckets=_MS_BUCKETS,
+                                    registry=r)
+        self.queue_ms = Histogram("encoder_queue_ms", "Time an image waited for the GPU (ms)", buckets=_MS_BUCKETS,
+                                  registry=r)
+        self.preprocess_ms = Histogram("encoder_preprocess_ms", "Decode + resize + patchify of one image (ms)",
+                                       buckets=_MS_BUCKETS, registry=r)
+        self.encode_ms = Histogram("encoder_encode_ms", "ViT time of one batch (ms)", buckets=_MS_BUCKETS,
+                                   registry=r)
+        self.batch_patches = Histogram("encoder_batch_patches", "Patch tokens per ViT batch",
+                                       buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536), registry=r)
+        self.cache_ms = Histogram("encoder_cache_ms", "Cache lookup / read time (ms)", ["op"], buckets=_MS_BUCKETS,
+                                  registry=r)
+        self.cache_hits = Counter("encoder_cache_hits", "Cache hits per tier", ["tier"], registry=r)
+        self.cache_misses = Counter("encoder_cache_misses", "Cache misses (images encoded)", registry=r)
+        self.images_encoded = Counter("encoder_images_encoded", "Images run through the ViT", registry=r)
+        self.batch_failures = Counter("encoder_batch_failures", "ViT batches that raised", registry=r)
+        self.queue_depth = Gauge("encoder_queue_depth", "Images waiting for the GPU", registry=r)
+        self.in_flight = Gauge("encoder_in_flight_requests", "Requests being served", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

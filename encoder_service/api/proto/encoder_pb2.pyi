@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Image(_message.Message):
+    __slots__ = ("data", "url", "caller_id")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ID_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    url: str
+    caller_id: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ..., caller_id: _Optional[str] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("images", "wait", "return_embeddings")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    wait: bool
+    return_embeddings: bool
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., wait: _Optional[bool] = ..., return_embeddings: _Optional[bool] = ...) -> None: ...
+
+class ImageInfo(_message.Message):
+    __slots__ = ("id", "grid_thw", "num_tokens", "row_width", "hidden_size", "layout", "dtype", "cached")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    row_width: int
+    hidden_size: int
+    layout: str
+    dtype: str
+    cached: bool
+    def __init__(self, id: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("images", "embeddings")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageInfo]
+    embeddings: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ..., embeddings: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchItem(_message.Message):
+    __slots__ = ("id", "offset")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    offset: int
+    def __init__(self, id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("items", "start", "end")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[FetchItem]
+    start: int
+    end: int
+    def __init__(self, items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("id", "position", "row_start", "row_end")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    position: int
+    row_start: int
+    row_end: int
+    def __init__(self, id: _Optional[str] = ..., position: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
+
+class FetchHeader(_message.Message):
+    __slots__ = ("version", "dtype", "row_width", "layout", "num_rows", "segments")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    dtype: str
+    row_width: int
+    layout: str
+    num_rows: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[str] = ..., row_width: _Optional[int] = ..., layout: _Optional[str] = ..., num_rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class FetchChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: FetchHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class MetadataRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetadataResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

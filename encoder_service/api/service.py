@@ -1,0 +1,161 @@
+"""Builds the core from settings and runs HTTP (uvicorn) and gRPC on one asyncio loop.
+
+    service = Service(settings); await service.start(); ...; await service.stop()
+Used by the CLI (serve until SIGTERM) and by the tests (tests/service_fixtures.py). The model loads on a
+worker thread so the loop stays responsive; readiness turns true only after the warm-up encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+
+import uvicorn
+
+from encoder_service.api.core import EncoderCore
+from encoder_service.api.metrics import Metrics
+from encoder_service.settings import Settings, format_size
+
+log = logging.getLogger("encoder_service")
+
+
+def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
+    """Load the model (unless `loaded` is given), make the runner, the store and the core (not started)."""
+    from encoder_service.cache import EmbeddingStore
+    from encoder_service.models.loader import load_model
+    from encoder_service.preprocessing import PreprocessConfig
+    from encoder_service.runtime.runner import make_runner
+
+    m, e, c = settings.model, settings.engine, settings.cache
+    if loaded is None:
+        loaded = load_model(m.model, device=m.device, dtype=m.dtype, revision=m.revision)
+    runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets))
+    cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
+    store = EmbeddingStore(c.cache_bytes, c.gpu_cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s,
+                           lease_s=c.lease_s, max_pinned_bytes=c.max_pinned_bytes,
+                           gpu_device=loaded.device if str(loaded.device).startswith("cuda") else "cuda")
+    return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store, metrics=Metrics())
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling (the service stops HTTP and gRPC together) and with an
+    event for "listening" so nobody polls `started`."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        self.listening.set()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on host:port (port 0: the OS picks one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.setblocking(False)
+    return sock
+
+
+class Service:
+    def __init__(self, settings: Settings, *, core: EncoderCore | None = None, http_sock: socket.socket | None = None):
+        self.settings = settings
+        self.core = core
+        self._http_sock = http_sock
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+        self._grpc = None
+        self.http_address: str | None = None
+        self.grpc_address: str | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        t0 = time.perf_counter()
+        if self.core is None:
+            self.core = await asyncio.to_thread(build_core, s)
+        load_s = time.perf_counter() - t0
+        await self.core.start()
+        if s.server.http_port or self._http_sock is not None:
+            await self._start_http()
+        if s.server.grpc_port:
+            from encoder_service.api import grpc_server
+
+            self._grpc = await grpc_server.start(self.core, s)
+            self.grpc_address = f"{s.server.host}:{s.server.grpc_port}"
+        log.info("%s", startup_summary(self, load_s=load_s, total_s=time.perf_counter() - t0))
+
+    async def _start_http(self) -> None:
+        from encoder_service.api.http import create_app
+
+        s = self.settings.server
+        sock = self._http_sock or bind_socket(s.host, s.http_port)
+        config = uvicorn.Config(create_app(self.core), lifespan="off", log_level=s.log_level, access_log=False,
+                                timeout_graceful_shutdown=10, log_config=None)
+        self._http = _Uvicorn(config)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="uvicorn")
+        listening = asyncio.create_task(self._http.listening.wait())
+        await asyncio.wait([self._http_task, listening], return_when=asyncio.FIRST_COMPLETED)
+        if not listening.done():  # serve() ended before listening: surface its error
+            listening.cancel()
+            await self._http_task
+            raise RuntimeError("HTTP server exited during startup")
+        host, port = sock.getsockname()[:2]
+        self.http_address = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+    async def wait_closed(self) -> None:
+        """Returns when the HTTP server exits by itself (it should not) — the CLI races this with SIGTERM."""
+        if self._http_task is not None:
+            await self._http_task
+        elif self._grpc is not None:
+            await self._grpc.wait_for_termination()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop taking requests, let in-flight ones finish (up to grace_s), then stop the core."""
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self._http is not None:
+            self._http.should_exit = True
+            await self._http_task
+        if self.core is not None:
+            await self.core.stop()
+
+
+def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
+    s, core = service.settings, service.core
+    spec = core.spec
+    tiers = [f"host LRU {format_size(s.cache.cache_bytes)} (pinned <= {format_size(s.cache.max_pinned_bytes)})"]
+    if s.cache.gpu_cache_bytes:
+        tiers.append(f"GPU LRU {format_size(s.cache.gpu_cache_bytes)}")
+    if s.cache.redis_url:
+        tiers.append(f"Redis (ttl {s.cache.redis_ttl_s}s)")
+    memory = ""
+    device = str(core.loaded.device)
+    if device.startswith("cuda"):
+        import torch
+
+        memory = f", GPU memory allocated {format_size(torch.cuda.memory_allocated(core.loaded.device))}"
+    runner = core.runner.describe()
+    return "\n  ".join([
+        f"encoder_service ready in {total_s:.1f}s (model load {load_s:.1f}s)",
+        f"model: {s.model.model} family={spec.family} model_type={spec.model_type} fingerprint={core.model_fp}",
+        f"device: {device} dtype={core.dtype} runner={runner.get('runner', '?')}{memory}",
+        f"rows: width {spec.row_width} layout {spec.layout}",
+        f"batching: batch_tokens={s.engine.batch_tokens} buckets={list(core.runner.buckets) or 'none (eager)'} "
+        f"max_queue={s.engine.max_queue}",
+        f"cache: {', '.join(tiers)}; hash {s.cache.hash}; lease {s.cache.lease_s:g}s",
+        f"limits: max_images={s.limits.max_images} max_body={format_size(s.limits.max_body_bytes)} "
+        f"max_image={format_size(s.limits.max_image_bytes)} max_pixels={s.limits.max_pixels} "
+        f"url_hosts={','.join(s.limits.allow_url_hosts) or 'off'}",
+        f"http: {service.http_address or 'off'}  grpc: {service.grpc_address or 'off'}  "
+        f"auth: {'bearer token' if s.server.auth_token else 'off'}",
+    ])

@@ -1,0 +1,17 @@
+"""Python clients for encoder_service, over HTTP (httpx) or gRPC, blocking or asyncio.
+
+    from encoder_service.client import EncoderClient
+    with EncoderClient.grpc("127.0.0.1:50051", token=...) as client:   # or EncoderClient.http("http://...")
+        infos = client.encode([png_bytes, "photo.jpg", pil_image])    # answers before the ViT runs
+        layout = ([(infos[0].id, 5, infos[0].num_tokens)], prompt_len)
+        for chunk in client.iter_chunks(layout, chunk_size=2048):       # only the rows each chunk needs
+            ...  # chunk.start, chunk.end, chunk.segments, chunk.rows
+
+Server errors arrive as encoder_service.errors types (InvalidInput, NotFound, Overloaded, ...).
+"""
+
+from encoder_service.client.base import AsyncEncoderClient, EncoderClient, FetchedRows, ImageInfo, ImageSource
+from encoder_service.ranges import PromptLayout, Segment
+
+__all__ = ["AsyncEncoderClient", "EncoderClient", "FetchedRows", "ImageInfo", "ImageSource", "PromptLayout",
+           "Segment"]

@@ -1,0 +1,125 @@
+"""gRPC transports (blocking and grpc.aio) for EncoderClient / AsyncEncoderClient."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from encoder_service.api import grpc_messages as msgs
+from encoder_service.api.proto import encoder_pb2 as pb
+from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.client.base import ImageInfo, ImageSource
+from encoder_service.client.errors import remote_error
+
+# Fetch messages are <= 1 MiB, but Encode with return_embeddings answers in one message.
+DEFAULT_MAX_RECEIVE_BYTES = 1 << 30
+
+
+def _channel_options(max_receive_bytes: int):
+    return [("grpc.max_receive_message_length", max_receive_bytes)]
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _encode_request(images: list[ImageSource], wait: bool, return_embeddings: bool) -> pb.EncodeRequest:
+    return pb.EncodeRequest(
+        images=[pb.Image(data=i.data, caller_id=i.caller_id or "") if i.data is not None
+                else pb.Image(url=i.url, caller_id=i.caller_id or "") for i in images],
+        wait=wait, return_embeddings=return_embeddings)
+
+
+def _fetch_request(items, start: int, end: int) -> pb.FetchRequest:
+    return pb.FetchRequest(items=[pb.FetchItem(id=i, offset=o) for i, o in items], start=start, end=end)
+
+
+def _infos(response: pb.EncodeResponse) -> list[ImageInfo]:
+    embeddings = list(response.embeddings) or [None] * len(response.images)
+    return [ImageInfo(id=m.id, grid_thw=tuple(m.grid_thw), num_tokens=m.num_tokens, row_width=m.row_width,
+                      hidden_size=m.hidden_size, layout=m.layout, dtype=m.dtype, cached=m.cached,
+                      embedding=None if e is None else msgs.embedding_from_bytes(m, e))
+            for m, e in zip(response.images, embeddings)]
+
+
+def _error(exc: grpc.RpcError):
+    trailing = dict(exc.trailing_metadata() or ())
+    retry = trailing.get(msgs.RETRY_AFTER_S)
+    return remote_error(trailing.get(msgs.ERROR_KIND), exc.details() or "", exc.code(),
+                        float(retry) if retry else None)
+
+
+class GrpcTransport:
+    def __init__(self, target: str, *, token: str | None = None,
+                 max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES):
+        self._channel = grpc.insecure_channel(target, options=_channel_options(max_receive_bytes))
+        self._stub, self._md = pb_grpc.EncoderStub(self._channel), _metadata(token)
+
+    def encode(self, images, wait, return_embeddings, timeout):
+        try:
+            response = self._stub.Encode(_encode_request(images, wait, return_embeddings),
+                                         timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return _infos(response)
+
+    def fetch(self, items, start, end, out, timeout):
+        assembler = msgs.FetchAssembler(out, start)
+        call = self._stub.Fetch(_fetch_request(items, start, end), timeout=timeout, metadata=self._md)
+        try:
+            for message in call:
+                assembler.add(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        finally:
+            call.cancel()  # no-op after a clean end; frees the stream when decoding failed midway
+        return assembler.finish()
+
+    def metadata(self, timeout):
+        try:
+            return json.loads(self._stub.Metadata(pb.MetadataRequest(), timeout=timeout, metadata=self._md).json)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+
+    def close(self):
+        self._channel.close()
+
+
+class AsyncGrpcTransport:
+    """grpc.aio; create it inside the event loop that uses it."""
+
+    def __init__(self, target: str, *, token: str | None = None,
+                 max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES):
+        self._channel = grpc.aio.insecure_channel(target, options=_channel_options(max_receive_bytes))
+        self._stub, self._md = pb_grpc.EncoderStub(self._channel), _metadata(token)
+
+    async def encode(self, images, wait, return_embeddings, timeout):
+        try:
+            response = await self._stub.Encode(_encode_request(images, wait, return_embeddings),
+                                               timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return _infos(response)
+
+    async def fetch(self, items, start, end, out, timeout):
+        assembler = msgs.FetchAssembler(out, start)
+        call = self._stub.Fetch(_fetch_request(items, start, end), timeout=timeout, metadata=self._md)
+        try:
+            async for message in call:
+                assembler.add(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        finally:
+            call.cancel()
+        return assembler.finish()
+
+    async def metadata(self, timeout):
+        try:
+            response = await self._stub.Metadata(pb.MetadataRequest(), timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return json.loads(response.json)
+
+    async def close(self):
+        await self._channel.close()

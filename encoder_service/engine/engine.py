@@ -1,0 +1,267 @@
+"""The encode engine: CPU threads prepare images, ONE thread owns the GPU.
+
+    submit() --(CPU pool: decode/resize/patchify)--> Scheduler --(batcher task)--> handoff --> GPU thread
+                                                                                   (<= 1 waiting batch)
+The batcher (a task on the event loop) waits until the GPU thread has taken the previous batch, then packs
+the next one from whatever is queued, so batches grow while the GPU is busy and the CPU work of the next
+batch overlaps the ViT of the current one. The GPU thread answers through futures via
+`loop.call_soon_threadsafe`; it never touches the loop otherwise. A batch that raises fails only its own
+items; if the thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from encoder_service.engine.scheduler import Scheduler, WorkItem, batch_budget, drop
+from encoder_service.errors import Overloaded, Unavailable
+
+log = logging.getLogger(__name__)
+
+GridTHW = tuple[int, int, int]
+# (pixel_values list, grid_thw list) -> one [num_tokens_i, row_width] tensor per image (TowerRunner.encode)
+EncodeFn = Callable[[Sequence[torch.Tensor], Sequence[GridTHW]], list[torch.Tensor]]
+PrepareFn = Callable[[], tuple[torch.Tensor, GridTHW]]
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    rows: torch.Tensor  # [num_tokens, row_width], CPU, contiguous, owned
+    grid_thw: GridTHW
+    timings: dict[str, float]  # preprocess_ms, queue_ms, encode_ms (whole batch), batch_images
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image to encode: `prepare` runs on a CPU thread and returns (pixel_values, grid_thw)."""
+
+    prepare: PrepareFn
+    num_patches: int
+
+
+class Engine:
+    def __init__(self, encode_fn: EncodeFn, *, batch_tokens: int, buckets: Sequence[int] = (), max_queue: int = 256,
+                 cpu_threads: int | None = None, metrics=None, to_host: bool = True):
+        self._encode_fn = encode_fn
+        self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
+        self.max_queue = max_queue
+        self.cpu_pool = ThreadPoolExecutor(max_workers=cpu_threads or min(8, os.cpu_count() or 2),
+                                           thread_name_prefix="encoder-cpu")
+        self._metrics = metrics
+        self._to_host = to_host
+        self._handoff: queue.Queue = queue.Queue()
+        self._on_gpu: set[WorkItem] = set()  # handed to the GPU thread, not answered yet (loop-side view)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slot: asyncio.Semaphore | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._batcher: asyncio.Task | None = None
+        self._death: BaseException | None = None
+        self._stopping = False
+        self._batch_s = 0.05  # moving average of one batch's GPU time, for Retry-After
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._slot = asyncio.Semaphore(1)
+        self._wakeup = asyncio.Event()
+        self._thread = threading.Thread(target=self._gpu_main, name="encoder-gpu", daemon=True)
+        self._thread.start()
+        self._batcher = asyncio.create_task(self._batch_loop(), name="encoder-batcher")
+        self._batcher.add_done_callback(self._batcher_done)
+
+    async def stop(self) -> None:
+        """Fail what is queued, let the GPU thread finish its batch, join it."""
+        self._stopping = True
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+        self._fail_all(Unavailable("the service is shutting down"))
+        if self._thread is not None and self._thread.is_alive():
+            self._handoff.put(None)
+            await asyncio.to_thread(self._thread.join)
+        self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def alive(self) -> bool:
+        return (self._death is None and not self._stopping and self._thread is not None and self._thread.is_alive()
+                and self._batcher is not None and not self._batcher.done())
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._scheduler)
+
+    # ---- submission (event loop) -----------------------------------------------------------------------
+    def submit(self, jobs: Sequence[Job], *, deadline: float | None = None) -> list[WorkItem]:
+        """Queue one request's images (placeholder order); all or none. `deadline`: time.monotonic() seconds.
+
+        Raises Overloaded when the queue would exceed max_queue, Unavailable when the engine is down.
+        Each item's `future` resolves to an EncodedImage or raises; `item.release()` on caller cancel.
+        """
+        if not self.alive:
+            raise Unavailable(self._down_reason())
+        if len(self._scheduler) + len(jobs) > self.max_queue:
+            raise Overloaded(f"encode queue is full: {len(self._scheduler)} images waiting, max_queue is "
+                             f"{self.max_queue}, this request adds {len(jobs)}", retry_after_s=self.retry_after_s())
+        loop = self._loop
+        items = []
+        for job in jobs:
+            prepared = loop.run_in_executor(self.cpu_pool, _timed, job.prepare)
+            items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
+                                  deadline=deadline))
+        self._scheduler.push(items)
+        self._gauge()
+        self._wakeup.set()
+        return items
+
+    def retry_after_s(self) -> float:
+        batches_ahead = self._scheduler.queued_patches / self._scheduler.budget + 1
+        return float(min(60.0, max(1.0, batches_ahead * self._batch_s)))
+
+    async def run_one(self, job: Job, *, timeout_s: float | None = None) -> EncodedImage:
+        """Encode one image through the whole engine (used by readiness warm-up)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        (item,) = self.submit([job], deadline=deadline)
+        try:
+            return await asyncio.wait_for(asyncio.shield(item.future), timeout_s)
+        except (asyncio.CancelledError, TimeoutError):
+            item.release()
+            raise
+
+    # ---- batcher (event loop) --------------------------------------------------------------------------
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._slot.acquire()  # the GPU thread has taken the previous batch: at most one waits
+            batch: list[WorkItem] = []
+            while not batch:
+                batch = self._scheduler.next_batch()
+                if not batch:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+            self._gauge()
+            await asyncio.wait([it.prepared for it in batch])
+            ready, inputs = [], []
+            now = time.monotonic()
+            for item in batch:
+                if item.droppable(now):
+                    drop(item, now)
+                elif item.prepared.cancelled():
+                    item.future.cancel()
+                elif item.prepared.exception() is not None:  # decode failed: fails this image only
+                    item.future.set_exception(item.prepared.exception())
+                else:
+                    ready.append(item)
+                    inputs.append(item.prepared.result())
+            if not ready:
+                self._slot.release()
+                continue
+            self._on_gpu.update(ready)
+            self._handoff.put((ready, inputs))
+
+    def _batcher_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._stopping:
+            return
+        exc = task.exception()
+        log.error("encode batcher died: %r", exc, exc_info=exc)
+        self._death = exc or RuntimeError("batcher exited")
+        self._fail_all(Unavailable(self._down_reason()))
+
+    # ---- GPU thread ------------------------------------------------------------------------------------
+    def _gpu_main(self) -> None:
+        try:
+            self._gpu_loop()
+        except BaseException as exc:  # noqa: BLE001 - the death is logged, recorded and answered to callers
+            log.critical("GPU thread died: %r", exc, exc_info=exc)
+            self._death = exc
+            self._call_loop(self._fail_all, Unavailable(self._down_reason()))
+
+    def _gpu_loop(self) -> None:
+        while True:
+            work = self._handoff.get()
+            if work is None:
+                return
+            self._call_loop(self._slot.release)
+            items, inputs = work
+            started = time.monotonic()
+            try:
+                outputs = self._encode_fn([pg[0] for pg, _ in inputs], [tuple(pg[1]) for pg, _ in inputs])
+                if len(outputs) != len(items):
+                    raise RuntimeError(f"encode returned {len(outputs)} outputs for {len(items)} images")
+                if self._to_host:
+                    outputs = [o.to("cpu").contiguous() for o in outputs]
+            except Exception as exc:  # a failing batch fails its own items; the thread goes on
+                log.exception("ViT batch of %d images failed", len(items))
+                self._call_loop(self._fail_batch, items, exc)
+                continue
+            self._call_loop(self._finish_batch, items, inputs, outputs, started, time.monotonic())
+
+    def _call_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            log.warning("event loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    # ---- completion (event loop) -----------------------------------------------------------------------
+    def _finish_batch(self, items, inputs, outputs, started: float, ended: float) -> None:
+        self._on_gpu.difference_update(items)
+        encode_ms = (ended - started) * 1e3
+        self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - started)
+        m = self._metrics
+        if m is not None:
+            m.encode_ms.observe(encode_ms)
+            m.batch_patches.observe(sum(it.num_patches for it in items))
+            m.images_encoded.inc(len(items))
+        for item, ((_, grid), prep_ms), rows in zip(items, inputs, outputs):
+            queue_ms = (started - item.enqueued_at) * 1e3
+            if m is not None:
+                m.queue_ms.observe(queue_ms)
+                m.preprocess_ms.observe(prep_ms)
+            if not item.future.done():
+                timings = {"preprocess_ms": prep_ms, "queue_ms": queue_ms, "encode_ms": encode_ms,
+                           "batch_images": float(len(items))}
+                item.future.set_result(EncodedImage(rows=rows, grid_thw=tuple(grid), timings=timings))
+
+    def _fail_batch(self, items: list[WorkItem], exc: Exception) -> None:
+        self._on_gpu.difference_update(items)
+        if self._metrics is not None:
+            self._metrics.batch_failures.inc()
+        err = Unavailable(f"the ViT batch holding this image failed: {type(exc).__name__}: {exc}")
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        for item in self._scheduler.drain() + list(self._on_gpu):
+            if not item.future.done():
+                item.future.set_exception(err)
+            if not item.prepared.done():
+                item.prepared.cancel()
+        self._on_gpu.clear()
+        self._gauge()
+
+    def _gauge(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.set(len(self._scheduler))
+
+    def _down_reason(self) -> str:
+        if self._stopping:
+            return "the service is shutting down"
+        if self._death is not None:
+            return f"the encode engine is down: {type(self._death).__name__}: {self._death}"
+        return "the encode engine is not running"
+
+
+def _timed(prepare: PrepareFn) -> tuple[tuple[torch.Tensor, GridTHW], float]:
+    t0 = time.perf_counter()
+    out = prepare()
+    return out, (time.perf_counter() - t0) * 1e3

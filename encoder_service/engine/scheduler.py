@@ -1,0 +1,126 @@
+"""Packs queued images into ViT batches by patch-token budget.
+
+Images are kept in arrival order of their requests and placeholder order within a request; a batch is the
+longest prefix of the queue whose patches fit the budget (an image larger than the budget goes alone). The
+budget is `batch_tokens`, capped at the largest graph bucket when graphs are in use so that a batch fills a
+captured bucket instead of falling back to eager. Items whose callers all left, or whose deadline passed,
+are dropped (their futures settled) before a batch is built. Pure and loop-bound: no threads here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from encoder_service.errors import DeadlineExceeded
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One image waiting for the ViT.
+
+    `prepared` resolves to (pixel_values [num_patches, patch_dim] float32, grid_thw) from a CPU thread;
+    `future` resolves to the engine's `EncodedImage`. Times are `time.monotonic()` seconds.
+    """
+
+    num_patches: int
+    prepared: asyncio.Future
+    future: asyncio.Future
+    deadline: float | None = None
+    interest: int = 1  # callers still waiting for this image; 0: nobody wants it any more
+    enqueued_at: float = field(default_factory=time.monotonic)
+    seq: int = 0  # request arrival number (set by the scheduler)
+    index: int = 0  # placeholder order inside the request
+
+    def add_interest(self, deadline: float | None) -> None:
+        self.interest += 1
+        if self.deadline is not None:
+            self.deadline = None if deadline is None else max(self.deadline, deadline)
+
+    def release(self) -> None:
+        """One caller left (cancelled). The item is dropped at the next batch if nobody else waits."""
+        self.interest = max(0, self.interest - 1)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def droppable(self, now: float) -> bool:
+        return self.future.done() or self.interest == 0 or self.expired(now)
+
+
+def drop(item: WorkItem, now: float) -> None:
+    """Settle a dropped item's futures: expired -> DeadlineExceeded, abandoned -> cancelled."""
+    if not item.future.done():
+        if item.expired(now):
+            waited = now - item.enqueued_at
+            item.future.set_exception(DeadlineExceeded(f"image waited {waited:.3f}s in the queue, past its deadline"))
+        else:
+            item.future.cancel()
+    if not item.prepared.done():
+        item.prepared.cancel()
+
+
+def batch_budget(batch_tokens: int, buckets: Sequence[int] = ()) -> int:
+    """Patch budget of one batch: batch_tokens, capped at the largest graph bucket if there are buckets."""
+    return min(batch_tokens, max(buckets)) if buckets else batch_tokens
+
+
+class Scheduler:
+    def __init__(self, budget: int):
+        if budget <= 0:
+            raise ValueError(f"batch budget must be > 0, got {budget}")
+        self.budget = budget
+        self._queue: deque[WorkItem] = deque()
+        self._seq = 0
+        self._patches = 0
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queued_patches(self) -> int:
+        return self._patches
+
+    def push(self, items: Iterable[WorkItem]) -> None:
+        """Append one request's images (in placeholder order)."""
+        self._seq += 1
+        for index, item in enumerate(items):
+            item.seq, item.index = self._seq, index
+            self._queue.append(item)
+            self._patches += item.num_patches
+
+    def next_batch(self, now: float | None = None) -> list[WorkItem]:
+        """Drop dead items, then take the longest prefix within the budget (at least one item)."""
+        now = time.monotonic() if now is None else now
+        self._drop_dead(now)
+        batch: list[WorkItem] = []
+        total = 0
+        while self._queue:
+            n = self._queue[0].num_patches
+            if batch and total + n > self.budget:
+                break
+            batch.append(self._queue.popleft())
+            total += n
+        self._patches -= total
+        return batch
+
+    def drain(self) -> list[WorkItem]:
+        items = list(self._queue)
+        self._queue.clear()
+        self._patches = 0
+        return items
+
+    def _drop_dead(self, now: float) -> None:
+        if not any(it.droppable(now) for it in self._queue):
+            return
+        alive: deque[WorkItem] = deque()
+        for item in self._queue:
+            if item.droppable(now):
+                drop(item, now)
+                self._patches -= item.num_patches
+            else:
+                alive.append(item)
+        self._queue = alive

@@ -1,0 +1,286 @@
+"""CUDA-graph runner: one captured tower forward per (patch-token bucket, graph kind), all in one pool.
+
+Per graph, fixed at capture (Python ints): the bucket B (padded patch rows), the number of attention
+segment slots and window slots, and the max seqlens. Static buffers: pixel_values [B, patch_dim] and every
+tensor of the padded BatchMetadata (cos/sin, cu_seqlens, Qwen2.5 window_index / reverse_index /
+cu_window_seqlens, Qwen3 pos_indices / pos_weights); the output [B / merge^2, row_width] (main rows and
+Qwen3 deepstack rows) is the graph's own. EVERY static buffer is rewritten before EVERY replay: keying
+graphs on token totals while leaving segment boundaries stale gave silently wrong attention in SGLang
+(two batches with equal totals but different image sizes).
+
+Padding rows form one dummy trailing attention segment (and dummy windows), split here into chunks no
+longer than the graph's max seqlen, so the padded rows never attend to real rows and every kernel's
+max-seqlen bound holds. Outputs are cloned out of the static buffer before they are returned.
+
+Graph kinds per bucket (two per bucket):
+  - "exact" (buckets of common resolutions, `exact_buckets`): one one-frame image of exactly the bucket's
+    patch count: no padding, one segment, so full attention is one plain dense SDPA call.
+  - "single" (other buckets): one image of one frame. Two segments (the image + the dummy), max_seqlen = B: attention.py
+    runs the full-attention layers as ONE dense SDPA call (segment mask folded into the head dims).
+  - "multi": up to `max_images` frames (+ dummy chunks); full attention runs through varlen_attn.
+
+`capture=False` builds the same static buffers, pads, copies in, runs the tower eagerly ON THE STATIC
+BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding, boundary and order
+logic exactly (tests/test_graphs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from encoder_service.runtime.packing import pack
+from encoder_service.runtime.runner import EagerRunner, GridTHW, _check_inputs, patches_of, split_rows, tokens_of
+
+log = logging.getLogger(__name__)
+
+EXACT, SINGLE, MULTI = "exact", "single", "multi"
+
+
+def _chunked_boundaries(real: torch.Tensor, total: int, limit: int, slots: int) -> torch.Tensor:
+    """[k + 1] real boundaries (ending at n_real) -> [slots + 1]: the rows n_real..total as dummy segments
+    of at most `limit` rows, then zero-length segments (repeats of `total`)."""
+    n_real = int(real[-1])
+    if total > n_real:
+        dummy = torch.tensor(list(range(n_real + limit, total, limit)), dtype=real.dtype)
+        out = torch.cat([real, dummy, real.new_tensor([total])])
+    else:
+        out = real
+    if out.numel() > slots + 1:
+        raise ValueError(f"{out.numel() - 1} segments do not fit {slots} slots")
+    return torch.nn.functional.pad(out, (0, slots + 1 - out.numel()), value=total)
+
+
+class _Graph:
+    """One bucket and kind: static buffers, the padding rule, and (when captured) the CUDA graph."""
+
+    def __init__(self, runner: GraphRunner, bucket: int, kind: str, pool):
+        self.runner, self.bucket, self.kind = runner, bucket, kind
+        tower, mu = runner.tower, runner.merge_unit
+        self.max_seqlen = bucket
+        self.segment_slots = {EXACT: 1, SINGLE: 2}.get(kind, runner.max_images + 1)
+        self.window_bound = runner.window_bound
+        if self.window_bound is not None:
+            # A frame of u merged units (window side s units) has at most max(4 / s^2, 1 / s) * u + 1
+            # windows (edge windows are partial); dummy windows are chunks of window_bound rows.
+            side = runner.window_units
+            per_unit = max(4 / side**2, 1 / side)
+            real = int(per_unit * bucket // mu) + runner.max_images
+            self.window_slots = real + -(-bucket // self.window_bound) + 1
+        # Template batch: one small image, padded like any batch of this graph (an exact graph: one image
+        # of exactly `bucket` patches, 1 x merge x bucket / merge).
+        m = runner.spec.merge_size
+        grid = (1, m, bucket // m) if kind == EXACT else (1, m * 2, m * 2)
+        template = self.pad(tower.metadata([grid]))
+        self.static = {name: t.to(runner.device).clone() for name, t in template.tensors().items()}
+        self.meta = dataclasses.replace(template, **self.static)
+        self.pixels = torch.zeros(bucket, runner.spec.patch_dim, device=runner.device, dtype=runner.dtype)
+        self.pixels.normal_()  # warm-up / capture input: never zeros (they hide indexing errors)
+        self.graph = None
+        self.out = None
+        if pool is not None:
+            self._capture(pool)
+
+    def pad(self, meta):
+        """BatchMetadata of a batch padded to this graph's bucket (CPU, python-int bounds checked)."""
+        # Over-generous slot counts for padded(); the boundaries are rebuilt below with dummy chunks.
+        loose = self.bucket // self.runner.merge_unit + 2
+        padded = meta.padded(self.bucket, loose, num_windows=loose if meta.cu_window_seqlens is not None else None)
+        fields = {
+            "cu_seqlens": _chunked_boundaries(meta.cu_seqlens, self.bucket, self.max_seqlen, self.segment_slots),
+            "max_seqlen": self.max_seqlen,
+        }
+        if meta.cu_window_seqlens is not None:
+            fields["cu_window_seqlens"] = _chunked_boundaries(
+                meta.cu_window_seqlens, self.bucket, self.window_bound, self.window_slots
+            )
+            fields["max_window_seqlen"] = self.window_bound
+            if meta.max_window_seqlen > self.window_bound:
+                raise ValueError(f"window of {meta.max_window_seqlen} rows over the bound {self.window_bound}")
+        return dataclasses.replace(padded, **fields)
+
+    def fits(self, meta) -> bool:
+        try:
+            self.pad(meta)
+        except ValueError:
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _capture(self, pool):
+        tower = self.runner.tower
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks algorithms
+            for _ in range(2):
+                tower(self.pixels, self.meta)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = tower(self.pixels, self.meta)
+
+    @torch.inference_mode()
+    def run(self, pixel_values: Sequence[torch.Tensor], padded_meta) -> torch.Tensor:
+        """Copy the batch in (every static buffer), replay, return the graph's output buffer (a view the
+        next replay overwrites: the caller clones what it keeps)."""
+        for name, value in padded_meta.tensors().items():
+            self.static[name].copy_(value, non_blocking=True)
+        for key in ("max_seqlen", "max_window_seqlen", "merge_unit"):
+            if getattr(padded_meta, key) != getattr(self.meta, key):
+                raise RuntimeError(f"{key}: batch has {getattr(padded_meta, key)}, graph {getattr(self.meta, key)}")
+        offset = 0
+        for pv in pixel_values:
+            self.pixels[offset : offset + pv.shape[0]].copy_(pv, non_blocking=True)
+            offset += pv.shape[0]
+        self.pixels[offset:].zero_()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self.runner.tower(self.pixels, self.meta)
+
+
+class GraphRunner:
+    """TowerRunner replaying captured graphs; see the module docstring."""
+
+    def __init__(
+        self,
+        loaded,
+        *,
+        buckets: Sequence[int],
+        capture: bool = True,
+        max_images: int = 32,
+        meta_cache_size: int = 64,
+        max_batch_patches: int | None = None,
+        eager_min_patches: int | None = 8192,
+        max_padding: float = 0.05,
+        exact_buckets: Sequence[int] = (),
+    ):
+        self.eager = EagerRunner(loaded)
+        self.tower, self.spec = loaded.tower, loaded.spec
+        self.device, self.dtype = self.eager.device, self.eager.dtype
+        self.merge_unit = self.spec.merge_size**2
+        cfg = getattr(self.tower, "config", None)
+        window_units = getattr(cfg, "window_units", None)
+        self.window_units = window_units
+        self.window_bound = window_units**2 * self.merge_unit if window_units else None
+        self.max_images = max_images
+        # A batch this large keeps the GPU busy through eager launches, so a graph buys nothing there and
+        # its padding costs: such a batch runs eagerly when its bucket would pad more than max_padding.
+        self.eager_min_patches, self.max_padding = eager_min_patches, max_padding
+        self.buckets = sorted({-(-int(b) // self.merge_unit) * self.merge_unit for b in buckets} | set(exact_buckets))
+        self.exact_buckets = frozenset(int(b) for b in exact_buckets)
+        if any(b % self.merge_unit for b in self.exact_buckets):
+            raise ValueError(f"exact buckets must be multiples of {self.merge_unit}: {sorted(self.exact_buckets)}")
+        self.mode = "cuda_graphs" if capture else "static_buffers"
+        self._meta_cache: OrderedDict = OrderedDict()
+        self._meta_cache_size = meta_cache_size
+
+        capture = capture and self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        if capture:
+            torch.cuda.synchronize()
+            reserved0 = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        self.graphs: dict[tuple[int, str], _Graph] = {}
+        self.capture_log: list[tuple[int, str, int]] = []  # (bucket, kind, MiB reserved after its capture)
+        for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
+            for kind in (EXACT if bucket in self.exact_buckets else SINGLE, MULTI):
+                self.graphs[(bucket, kind)] = _Graph(self, bucket, kind, pool)
+                if capture:
+                    self.capture_log.append((bucket, kind, torch.cuda.memory_reserved() // 2**20))
+        self.capture_s = time.perf_counter() - start
+        self.graph_bytes = 0
+        if capture:
+            torch.cuda.synchronize()
+            self.graph_bytes = torch.cuda.memory_reserved() - reserved0
+        log.info(
+            "%s: %d graphs, buckets %s (patch rows; exact %s), max %d images per graph, captured in %.2f s, "
+            "%.1f MiB held", self.mode, len(self.graphs), self.buckets, sorted(self.exact_buckets), max_images,
+            self.capture_s, self.graph_bytes / 2**20,
+        )
+
+    def _slots(self, bucket: int) -> int:
+        return self.max_images
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[GridTHW]) -> list[torch.Tensor]:
+        _check_inputs(pixel_values, grid_thw, self.spec.patch_dim)
+        grids = [tuple(int(x) for x in g) for g in grid_thw]
+        outputs: list[torch.Tensor | None] = [None] * len(grids)
+        for batch, graph in self.plan(grids):
+            pvs = [pixel_values[i] for i in batch.indices]
+            bgrids = [grids[i] for i in batch.indices]
+            counts = [tokens_of(g, self.spec.merge_size) for g in bgrids]
+            out = None
+            if graph is not None:
+                padded = self._padded_meta(graph, bgrids)
+                if padded is not None:
+                    out = graph.run(pvs, padded)[: sum(counts)]
+            if out is None:  # over the largest bucket (or the slots, or policy): eagerly, unpadded
+                out = self.eager.forward_batch(pvs, bgrids)
+            for i, piece in zip(batch.indices, split_rows(out, counts)):
+                outputs[i] = piece
+        return outputs
+
+    def plan(self, grids: list[GridTHW]) -> list[tuple]:
+        """[(PackedBatch, _Graph or None for eager)] for a batch of images (runtime/packing.py)."""
+        plan = pack([patches_of(g) for g in grids], self.buckets, segments=[g[0] for g in grids], slots=self._slots)
+        routes = []
+        for batch in plan:
+            graph = None
+            if batch.bucket is not None and not self._prefer_eager(batch):
+                kind = MULTI
+                if len(batch.indices) == 1 and grids[batch.indices[0]][0] == 1:
+                    if batch.bucket not in self.exact_buckets:
+                        kind = SINGLE
+                    elif batch.patches == batch.bucket:
+                        kind = EXACT
+                graph = self.graphs[(batch.bucket, kind)]
+            routes.append((batch, graph))
+        return routes
+
+    def _prefer_eager(self, batch) -> bool:
+        return (
+            self.eager_min_patches is not None
+            and batch.patches >= self.eager_min_patches
+            and batch.padding > self.max_padding * batch.bucket
+        )
+
+    def _padded_meta(self, graph: _Graph, grids: list[GridTHW]):
+        """Padded metadata of this batch for this graph, on the device, from a small LRU (a repeated batch
+        shape costs a device-to-device copy per replay instead of a host-to-device one). None if the batch
+        does not fit the graph's slots."""
+        key = (graph.bucket, graph.kind, tuple(grids))
+        meta = self._meta_cache.get(key)
+        if meta is None:
+            try:
+                meta = graph.pad(self.tower.metadata(grids)).to(self.device)
+            except ValueError as e:
+                log.warning("batch %s does not fit graph %s/%s (%s): running eagerly", grids, graph.bucket, graph.kind, e)
+                return None
+            self._meta_cache[key] = meta
+            if len(self._meta_cache) > self._meta_cache_size:
+                self._meta_cache.popitem(last=False)
+        else:
+            self._meta_cache.move_to_end(key)
+        return meta
+
+    def describe(self) -> dict:
+        return {
+            "runner": self.mode,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "buckets": self.buckets,
+            "exact_buckets": sorted(self.exact_buckets),
+            "graphs": len(self.graphs),
+            "max_images": self.max_images,
+            "eager_min_patches": self.eager_min_patches,
+            "max_padding": self.max_padding,
+            "capture_s": round(self.capture_s, 3),
+            "graph_mib": round(self.graph_bytes / 2**20, 1),
+        }

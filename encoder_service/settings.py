@@ -1,0 +1,288 @@
+"""One frozen settings tree for the service, built from CLI flags with environment-variable twins.
+
+Every flag in README's Configuration table has an `ENCODER_*` twin; the flag wins over the environment,
+the environment over the default. Bad values raise `SettingsError` naming the flag, the env var and the
+value. Sizes accept plain integers and units ("64MiB", "4GiB", "1.5GB").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+HASHES = ("blake3", "xxh3_128", "sha256")
+DTYPES = ("bfloat16", "float16", "float32")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class SettingsError(ValueError):
+    """A configuration value is wrong; the message names the flag, its env twin and the value."""
+
+
+def parse_size(text: str) -> int:
+    """'64MiB' -> 67108864; '4GiB', '1.5GB', '512' (bytes) also accepted. Raises ValueError."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use bytes or a unit such as 64MiB, 4GiB, 1GB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n}B"
+
+
+def parse_bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false, 1/0, on/off)")
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"buckets must be positive integers, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def parse_hosts(text: str) -> tuple[str, ...]:
+    return tuple(h.strip().lower() for h in str(text).split(",") if h.strip())
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model: str
+    revision: str | None
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str
+    http_port: int  # 0: HTTP off
+    grpc_port: int  # 0: gRPC off
+    auth_token: str | None = field(repr=False)
+    log_level: str
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    redis_url: str | None = field(repr=False)  # may hold a password
+    redis_ttl_s: int
+    cache_bytes: int
+    gpu_cache_bytes: int
+    hash: str
+    lease_s: float
+    max_pinned_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    cuda_graphs: bool
+    graph_buckets: tuple[int, ...]
+    batch_tokens: int
+    max_queue: int
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    max_images: int
+    max_body_bytes: int
+    max_image_bytes: int
+    max_pixels: int
+    allow_url_hosts: tuple[str, ...]  # empty: url images refused
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings
+    server: ServerSettings
+    cache: CacheSettings
+    engine: EngineSettings
+    limits: LimitSettings
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> "Settings":
+        """Parse `encoder-service serve` flags (argv without the subcommand) with env twins."""
+        parser = argparse.ArgumentParser(prog="encoder-service serve", exit_on_error=False)
+        add_serve_arguments(parser)
+        ns = parser.parse_args(list(argv or []))
+        return resolve(ns, os.environ if env is None else env)
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str):
+        v = kind(text)
+        if v <= 0:
+            raise ValueError(f"must be > 0, got {text!r}")
+        return v
+
+    return parse
+
+
+def _non_negative(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str):
+        v = kind(text)
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {text!r}")
+        return v
+
+    return parse
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {text!r}")
+    return v
+
+
+def _choice(options: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = str(text).strip().lower()
+        if t not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {text!r}")
+        return t
+
+    return parse
+
+
+def _device(text: str) -> str:
+    t = str(text).strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", t):
+        raise ValueError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return t
+
+
+# name -> (parser, default (None: none / computed), help). The flag is --name-with-dashes, env ENCODER_NAME.
+OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
+    "model": (str, None, "checkpoint directory, hub id, or demo:<family> (tiny random checkpoint)"),
+    "revision": (str, None, "hub revision"),
+    "device": (_device, None, "cuda if available else cpu"),
+    "dtype": (_choice(DTYPES), None, "bfloat16 on GPU, float32 on CPU"),
+    "host": (str, "127.0.0.1", "bind address of both servers"),
+    "http_port": (_port, "8000", "0 disables HTTP"),
+    "grpc_port": (_port, "50051", "0 disables gRPC"),
+    "redis_url": (str, None, "enables the shared Redis tier"),
+    "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
+    "cache_bytes": (_non_negative(parse_size), "4GiB", "in-process host LRU size"),
+    "gpu_cache_bytes": (_non_negative(parse_size), "0", "optional GPU LRU tier"),
+    "hash": (_choice(HASHES), "blake3", "content hash of image bytes"),
+    "lease_s": (_positive(float), "300", "how long an encoded id stays pinned until fetched"),
+    "max_pinned_bytes": (_non_negative(parse_size), None, "bound on pinned entries (half of --cache-bytes)"),
+    "cuda_graphs": (parse_bool, None, "capture CUDA graphs (on, GPU only)"),
+    "graph_buckets": (parse_buckets, ",".join(map(str, DEFAULT_BUCKETS)), "patch-token buckets"),
+    "batch_tokens": (_positive(int), "16384", "patch-token budget of one ViT batch"),
+    "max_queue": (_positive(int), "256", "images waiting before 429"),
+    "max_images": (_positive(int), "64", "images per request"),
+    "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
+    "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),
+    "max_pixels": (_positive(int), "67108864", "decoded pixels (checked from the header)"),
+    "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images may name (none: URLs off)"),
+    "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
+    "log_level": (_choice(LOG_LEVELS), "info", "log level"),
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return "ENCODER_" + name.upper()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags are kept as raw strings (None when absent) so that env twins and validation go one way."""
+    for name, (_, default, help_text) in OPTIONS.items():
+        shown = f" (default {default})" if default not in (None, "") else ""
+        if name == "cuda_graphs":
+            parser.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{help_text} [env {env_name(name)}]")
+            continue
+        parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
+                            help=f"{help_text}{shown} [env {env_name(name)}]")
+
+
+def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    """Flag > env > default; each value parsed and validated once, errors naming flag and env var."""
+    values: dict[str, object] = {}
+    for name, (parse, default, _) in OPTIONS.items():
+        raw = getattr(ns, name, None)
+        source = flag(name)
+        if raw is None and env.get(env_name(name), "") != "":
+            raw, source = env[env_name(name)], env_name(name)
+        if raw is None:
+            raw, source = default, "default"
+        if raw is None:
+            values[name] = None
+            continue
+        if isinstance(raw, bool):  # --cuda-graphs / --no-cuda-graphs
+            values[name] = raw
+            continue
+        try:
+            values[name] = parse(raw)
+        except ValueError as e:
+            raise SettingsError(f"{flag(name)} / {env_name(name)} ({source}): {e}") from None
+    return _build(values)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _build(v: dict) -> Settings:
+    if not v["model"]:
+        raise SettingsError("--model / ENCODER_MODEL is required (a checkpoint directory, hub id or demo:<family>)")
+    device = v["device"] or ("cuda" if _cuda_available() else "cpu")
+    on_gpu = device.startswith("cuda")
+    dtype = v["dtype"] or ("bfloat16" if on_gpu else "float32")
+    cuda_graphs = on_gpu if v["cuda_graphs"] is None else bool(v["cuda_graphs"]) and on_gpu
+    if v["http_port"] == 0 and v["grpc_port"] == 0:
+        raise SettingsError("--http-port and --grpc-port are both 0: at least one server must run")
+    if v["http_port"] and v["http_port"] == v["grpc_port"]:
+        raise SettingsError(f"--http-port and --grpc-port are both {v['http_port']}")
+    if v["max_image_bytes"] > v["max_body_bytes"]:
+        raise SettingsError(
+            f"--max-image-bytes ({v['max_image_bytes']}) is over --max-body-bytes ({v['max_body_bytes']})")
+    pinned = v["max_pinned_bytes"] if v["max_pinned_bytes"] is not None else v["cache_bytes"] // 2
+    if pinned > v["cache_bytes"]:
+        raise SettingsError(f"--max-pinned-bytes ({pinned}) is over --cache-bytes ({v['cache_bytes']})")
+    if v["redis_url"] and not re.match(r"^(redis|rediss|unix)://", v["redis_url"]):
+        raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
+    return Settings(
+        model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype),
+        server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
+                              auth_token=v["auth_token"] or None, log_level=v["log_level"]),
+        cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
+                            cache_bytes=v["cache_bytes"], gpu_cache_bytes=v["gpu_cache_bytes"], hash=v["hash"],
+                            lease_s=v["lease_s"], max_pinned_bytes=pinned),
+        engine=EngineSettings(cuda_graphs=cuda_graphs, graph_buckets=v["graph_buckets"],
+                              batch_tokens=v["batch_tokens"], max_queue=v["max_queue"]),
+        limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
+                             max_image_bytes=v["max_image_bytes"], max_pixels=v["max_pixels"],
+                             allow_url_hosts=v["allow_url_hosts"]),
+    )

@@ -1,0 +1,90 @@
+"""Real servers for tests: the whole service (core + uvicorn HTTP + gRPC) on 127.0.0.1, free ports, tiny
+random model, running on its own event loop in a background thread (so sync and async tests can both use it).
+
+Register with `pytest_plugins = ["tests.service_fixtures"]`. Fixtures (session scope, built on first use):
+  - `service`:        qwen2_5_vl, small limits (TEST_LIMITS), no auth.
+  - `service_qwen3`:  qwen3_vl (deepstack rows), same limits.
+  - `auth_service`:   qwen2_vl with --auth-token AUTH_TOKEN.
+Each is a `RunningService`: `.url` (http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.core`
+(the EncoderCore), `.checkpoint`, `.settings`, and `.call(coro_fn)` to run a coroutine on the service's loop
+(the core's asyncio objects belong to that loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from pathlib import Path
+
+import pytest
+
+from encoder_service.api.service import Service, bind_socket
+from encoder_service.settings import Settings
+
+AUTH_TOKEN = "test-token-123"
+START_TIMEOUT_S = 120
+TEST_LIMITS = ["--max-images", "8", "--max-body-bytes", "2MiB", "--max-image-bytes", "1MiB",
+               "--max-pixels", "4000000", "--max-queue", "64", "--cache-bytes", "256MiB", "--batch-tokens", "4096"]
+
+
+def free_port() -> int:
+    with bind_socket("127.0.0.1", 0) as s:
+        return s.getsockname()[1]
+
+
+def make_settings(checkpoint: Path, *extra: str, grpc: bool = True) -> Settings:
+    args = ["--model", str(checkpoint), "--host", "127.0.0.1", "--device", "cpu", "--log-level", "warning",
+            "--grpc-port", str(free_port()) if grpc else "0", *TEST_LIMITS, *extra]
+    return Settings.from_args(args, env={})
+
+
+class RunningService:
+    def __init__(self, settings: Settings, checkpoint: Path):
+        self.settings, self.checkpoint = settings, checkpoint
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-service-loop", daemon=True)
+        self._thread.start()
+        self.service = Service(settings, http_sock=bind_socket("127.0.0.1", 0))
+        self.call(self.service.start, timeout=START_TIMEOUT_S)
+        self.core = self.service.core
+        self.url = self.service.http_address
+        self.grpc_address = self.service.grpc_address
+
+    def call(self, coro_fn, *args, timeout: float = 60):
+        """Run `await coro_fn(*args)` on the service's loop and return its result (bounded wait)."""
+        fut = asyncio.run_coroutine_threadsafe(coro_fn(*args), self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.call(self.service.stop, timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+
+def _running(request, checkpoint: Path, *extra: str) -> RunningService:
+    svc = RunningService(make_settings(checkpoint, *extra), checkpoint)
+    request.addfinalizer(svc.close)
+    return svc
+
+
+@pytest.fixture(scope="session")
+def service(request, tiny_checkpoint) -> RunningService:
+    return _running(request, tiny_checkpoint("qwen2_5_vl"))
+
+
+@pytest.fixture(scope="session")
+def service_qwen3(request, tiny_checkpoint) -> RunningService:
+    return _running(request, tiny_checkpoint("qwen3_vl"))
+
+
+@pytest.fixture(scope="session")
+def auth_service(request, tiny_checkpoint) -> RunningService:
+    return _running(request, tiny_checkpoint("qwen2_vl"), "--auth-token", AUTH_TOKEN)

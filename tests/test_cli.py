@@ -1,0 +1,102 @@
+"""Settings (flags, env twins, sizes, bad values) and `encoder-service serve` as a real process (demo model,
+startup summary, SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from encoder_service.settings import Settings, SettingsError, parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sizes():
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("512") == 512
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+
+
+def test_flag_beats_env_beats_default():
+    env = {"ENCODER_MAX_IMAGES": "12", "ENCODER_BATCH_TOKENS": "2048", "ENCODER_CUDA_GRAPHS": "false",
+           "ENCODER_ALLOW_URL_HOSTS": "a.example, B.example", "ENCODER_CACHE_BYTES": "1GiB"}
+    s = Settings.from_args(["--model", "m", "--max-images", "3", "--device", "cpu"], env=env)
+    assert s.limits.max_images == 3  # flag
+    assert s.engine.batch_tokens == 2048  # env
+    assert s.limits.max_body_bytes == 64 << 20  # default
+    assert s.limits.allow_url_hosts == ("a.example", "b.example")
+    assert s.cache.cache_bytes == 1 << 30 and s.cache.max_pinned_bytes == 1 << 29
+    assert s.model.dtype == "float32" and s.engine.cuda_graphs is False
+    assert s.engine.graph_buckets == (1024, 2048, 4096, 8192, 16384)
+    with pytest.raises(Exception):  # frozen
+        s.limits.max_images = 5  # type: ignore[misc]
+    assert "secret" not in repr(Settings.from_args(["--model", "m", "--auth-token", "secret"], env={}))
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    ([], {}, "--model / ENCODER_MODEL is required"),
+    (["--model", "m", "--cache-bytes", "lots"], {}, "--cache-bytes / ENCODER_CACHE_BYTES"),
+    (["--model", "m"], {"ENCODER_HTTP_PORT": "70000"}, "ENCODER_HTTP_PORT (ENCODER_HTTP_PORT)"),
+    (["--model", "m", "--dtype", "int8"], {}, "must be one of bfloat16"),
+    (["--model", "m", "--hash", "md5"], {}, "--hash"),
+    (["--model", "m", "--batch-tokens", "0"], {}, "must be > 0"),
+    (["--model", "m", "--graph-buckets", "1024,x"], {}, "comma-separated"),
+    (["--model", "m", "--http-port", "0", "--grpc-port", "0"], {}, "both 0"),
+    (["--model", "m", "--max-body-bytes", "1MiB"], {}, "--max-image-bytes"),
+    (["--model", "m"], {"ENCODER_CUDA_GRAPHS": "maybe"}, "not a boolean"),
+    (["--model", "m", "--redis-url", "localhost:6379"], {}, "redis://"),
+])
+def test_bad_values_raise_naming_the_setting(args, env, needle):
+    with pytest.raises(SettingsError) as info:
+        Settings.from_args(args, env=env)
+    assert needle in str(info.value)
+
+
+def test_serve_demo_model_then_sigterm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
+    env["PYTHONPATH"] = str(REPO)
+    from tests.service_fixtures import free_port
+
+    grpc_port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "encoder_service.cli", "serve", "--model", "demo:qwen2_vl", "--device", "cpu",
+         "--grpc-port", str(grpc_port), "--http-port", str(free_port())],
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if "ready in" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(90), "".join(lines)
+        summary = "".join(lines)
+        assert (tmp_path / ".demo" / "qwen2_vl" / "config.json").exists()
+        for needle in ("family=qwen2_vl", "dtype=float32", "buckets=", "cache: host LRU 4GiB", "http: http://",
+                       f"grpc: 127.0.0.1:{grpc_port}"):
+            assert needle in summary, summary
+        url = summary.split("http: ")[1].split()[0]
+        assert httpx.get(f"{url}/health/ready", timeout=10).json() == {"ready": True}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        reader.join(10)
+        assert "stopped" in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

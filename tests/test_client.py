@@ -1,0 +1,204 @@
+"""The Python clients (blocking and asyncio, HTTP and gRPC) against the real servers (tests/service_fixtures.py).
+
+iter_chunks must yield, per prompt chunk, exactly the rows of the images overlapping it (fetching only
+those), equal to slices of the whole embedding.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from encoder_service import errors
+from encoder_service.client import AsyncEncoderClient, EncoderClient, PromptLayout
+from encoder_service.ranges import chunks, plan_chunk
+
+pytest_plugins = ["tests.service_fixtures"]
+pytestmark = pytest.mark.timeout(60)
+
+TRANSPORTS = ["http", "grpc"]
+
+
+def pil_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    pil_image(width, height, seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def sync_client(svc, transport: str, **kw) -> EncoderClient:
+    return EncoderClient.http(svc.url, timeout=30, **kw) if transport == "http" else \
+        EncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
+
+
+def async_client(svc, transport: str, **kw) -> AsyncEncoderClient:
+    return AsyncEncoderClient.http(svc.url, timeout=30, **kw) if transport == "http" else \
+        AsyncEncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
+
+
+class FetchSpy:
+    """Wraps a transport and records what each fetch asked for."""
+
+    def __init__(self, transport):
+        self.inner, self.calls = transport, []
+
+    def fetch(self, items, start, end, out, timeout):
+        self.calls.append((start, end, [i for i, _ in items]))
+        return self.inner.fetch(items, start, end, out, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def prompt_layout(infos) -> PromptLayout:
+    """text(4) img0 text(3) img1 img2 text(6)."""
+    items, offset = [], 4
+    for k, info in enumerate(infos):
+        items.append((info.id, offset, info.num_tokens))
+        offset += info.num_tokens + (3 if k == 0 else 0)
+    return PromptLayout(items, offset + 6)
+
+
+def check_chunks(got, layout: PromptLayout, full: dict, chunk_size: int) -> None:
+    assert [(c.start, c.end) for c in got] == chunks(layout.prompt_len, chunk_size)
+    for chunk in got:
+        expected = plan_chunk(layout.items, chunk.start, chunk.end)
+        assert chunk.segments == expected
+        if not expected:
+            assert chunk.rows is None
+            continue
+        assert torch.equal(chunk.rows, torch.cat([full[s.id][s.row_start:s.row_end] for s in expected]))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sync_client(service, transport, tmp_path):
+    path = tmp_path / "photo.png"
+    path.write_bytes(png(112, 84, 1))
+    with sync_client(service, transport) as c:
+        # bytes, a path (str), a PIL image
+        infos = c.encode([png(224, 224, 2), str(path), pil_image(56, 112, 3)], return_embeddings=True)
+        full = {i.id: i.embedding for i in infos}
+        assert all(full[i.id].shape == (i.num_tokens, i.row_width) for i in infos)
+        again = c.encode([path])  # a Path; already encoded: cached, same id
+        assert again[0].id == infos[1].id and again[0].cached and again[0].embedding is None
+        layout = prompt_layout(infos)
+        c._transport = spy = FetchSpy(c._transport)
+        for chunk_size in (5, 16, 1000):
+            spy.calls.clear()
+            got = list(c.iter_chunks(layout, chunk_size))
+            check_chunks(got, layout, full, chunk_size)
+            # one request per chunk with images, naming only the images overlapping it
+            assert spy.calls == [(g.start, g.end, [s.id for s in g.segments]) for g in got if g.segments]
+        assert c.metadata()["family"] == "qwen2_5_vl"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_async_client(service_qwen3, transport):
+    async with async_client(service_qwen3, transport) as c:
+        infos = await c.encode([png(256, 256, 4), png(64, 96, 5), png(128, 64, 6)], return_embeddings=True)
+        full = {i.id: i.embedding for i in infos}
+        assert infos[0].layout == "main+deepstack3" and infos[0].row_width == 4 * infos[0].hidden_size
+        layout = prompt_layout(infos)
+        for chunk_size in (3, 40):
+            got = [chunk async for chunk in c.iter_chunks((list(layout.items), layout.prompt_len), chunk_size)]
+            check_chunks(got, layout, full, chunk_size)
+        assert (await c.metadata())["layout"] == "main+deepstack3"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_iter_chunks_into_the_callers_buffer(service, transport):
+    with sync_client(service, transport) as c:
+        infos = c.encode([png(168, 112, 7), png(56, 56, 8)], return_embeddings=True)
+        full = {i.id: i.embedding for i in infos}
+        layout = prompt_layout(infos)
+        width = infos[0].row_width
+        embeds = torch.zeros(layout.prompt_len, width)  # the LLM's input-embeddings for the whole prompt
+        for chunk in c.iter_chunks(layout, 7, out=lambda s, e: embeds[s:e]):
+            assert chunk.rows is None or chunk.rows.data_ptr() == embeds[chunk.start:].data_ptr()
+        expected = torch.zeros_like(embeds)
+        for i, o, n in layout.items:
+            expected[o:o + n] = full[i]
+        assert torch.equal(embeds, expected)
+        # a float16 buffer (cast on the way in) works too
+        half = torch.zeros(10, width, dtype=torch.float16)
+        item = layout.items[0]
+        c.fetch([item], item[1], item[1] + 10, out=half)
+        assert torch.equal(half[:item[2]], full[item[0]][:10].half())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_errors_map_to_the_same_types_on_both_transports(service, auth_service, transport):
+    from tests.service_fixtures import AUTH_TOKEN
+
+    async with async_client(service, transport) as c:
+        with pytest.raises(errors.InvalidInput, match="image 0: not an image"):
+            await c.encode([b"GIF89a not really"])
+        with pytest.raises(errors.NotFound, match="unknown id"):
+            await c.fetch([("f" * 32, 0)], 0, 4)
+        (info,) = await c.encode([png(56, 56, 10)])
+        with pytest.raises(errors.InvalidInput, match="end must be > start"):
+            await c.fetch([(info.id, 0)], 4, 4)
+        with pytest.raises(errors.InvalidInput, match="can't send an image of type int"):
+            await c.encode([3])
+    async with async_client(auth_service, transport, token="nope") as c:
+        with pytest.raises(errors.Unauthenticated, match="wrong bearer token"):
+            await c.encode([png(56, 56, 9)])
+    async with async_client(auth_service, transport, token=AUTH_TOKEN) as c:
+        (info,) = await c.encode([png(56, 56, 9)], wait=True)
+        assert info.num_tokens > 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_unreachable_server_is_unavailable(transport):
+    from tests.service_fixtures import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    c = EncoderClient.http(f"http://{address}", timeout=5) if transport == "http" else \
+        EncoderClient.grpc(address, timeout=5)
+    with c, pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+        c.metadata()
+
+
+def test_bad_layouts_are_refused_before_any_request(service):
+    with sync_client(service, "grpc") as c:
+        with pytest.raises(errors.InvalidInput, match="ends past the prompt"):
+            list(c.iter_chunks(([("a", 5, 10)], 12), 4))
+        with pytest.raises(errors.InvalidInput, match="overlap"):
+            list(c.iter_chunks(([("a", 0, 10), ("b", 5, 3)], 20), 4))
+        with pytest.raises(errors.InvalidInput, match="chunk_size"):
+            list(c.iter_chunks(([("a", 0, 10)], 20), 0))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_caller_supplied_id(service, transport):
+    from encoder_service.client import ImageSource
+
+    with sync_client(service, transport) as c:
+        (info,) = c.encode([ImageSource(data=png(112, 56, 11), caller_id=f"doc-7-{transport}")], return_embeddings=True)
+        assert info.id.endswith(f"doc-7-{transport}")
+        got = c.fetch([(info.id, 10)], 8, 10 + info.num_tokens)
+        assert torch.equal(got.rows, info.embedding)
+
+
+def test_remote_error_types():
+    import grpc
+
+    from encoder_service.client.errors import remote_error
+
+    err = remote_error("overloaded", "queue full", 429, 3.0)
+    assert isinstance(err, errors.Overloaded) and err.retry_after_s == 3.0 and err.status == 429
+    assert isinstance(remote_error("limit", "too big", 413), errors.InvalidInput)
+    # No kind (a proxy's answer, gRPC's own limits): the status decides.
+    assert isinstance(remote_error(None, "<html>bad gateway", 503), errors.Unavailable)
+    assert isinstance(remote_error(None, "Received message larger than max", grpc.StatusCode.RESOURCE_EXHAUSTED),
+                      errors.InvalidInput)
+    other = remote_error(None, "teapot", 418)
+    assert type(other) is errors.EncoderServiceError and "418" in str(other)

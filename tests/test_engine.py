@@ -1,0 +1,197 @@
+"""Engine and scheduler: packing order and budget, failure isolation, thread death, backpressure,
+deadlines and cancellation. A fake encode function stands in for the tower (no model needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from encoder_service.engine.engine import Engine, Job
+from encoder_service.engine.scheduler import Scheduler, WorkItem, batch_budget
+from encoder_service.errors import DeadlineExceeded, ImageDecodeError, Overloaded, Unavailable
+
+WAIT_S = 10  # bound on every wait in this file
+
+
+def _item(loop, n: int, deadline=None) -> WorkItem:
+    return WorkItem(num_patches=n, prepared=loop.create_future(), future=loop.create_future(), deadline=deadline)
+
+
+async def test_packing_keeps_order_and_budget():
+    loop = asyncio.get_running_loop()
+    s = Scheduler(budget=8)
+    a = [_item(loop, n) for n in (3, 3, 3)]
+    b = [_item(loop, n) for n in (8, 1)]
+    c = [_item(loop, 20)]  # over the budget: a batch of its own
+    d = [_item(loop, 2), _item(loop, 2)]
+    for req in (a, b, c, d):
+        s.push(req)
+    batches = []
+    while len(s):
+        batches.append(s.next_batch())
+    assert [[it.num_patches for it in bt] for bt in batches] == [[3, 3], [3], [8], [1], [20], [2, 2]]
+    flat = [it for bt in batches for it in bt]
+    assert flat == a + b + c + d  # arrival order of requests, placeholder order inside each
+    assert [(it.seq, it.index) for it in a] == [(1, 0), (1, 1), (1, 2)]
+    assert s.queued_patches == 0
+
+
+def test_budget_is_capped_by_the_largest_bucket():
+    assert batch_budget(16384, (1024, 4096)) == 4096
+    assert batch_budget(2048, (1024, 4096)) == 2048
+    assert batch_budget(3000, ()) == 3000
+
+
+async def test_dead_items_are_dropped_before_a_batch_is_built():
+    loop = asyncio.get_running_loop()
+    s = Scheduler(budget=100)
+    now = time.monotonic()
+    keep1, gone, expired, keep2 = (_item(loop, 4), _item(loop, 4), _item(loop, 4, deadline=now - 1), _item(loop, 4))
+    s.push([keep1, gone, expired, keep2])
+    gone.release()
+    assert s.next_batch(now) == [keep1, keep2]
+    assert gone.future.cancelled()
+    with pytest.raises(DeadlineExceeded, match="deadline"):
+        expired.future.result()
+    assert s.queued_patches == 0
+
+
+class FakeTower:
+    """encode_fn for the engine: rows = pixel_values[:, :2] * 2; a batch containing a NaN raises; `gate`
+    holds the GPU thread so tests can build queues; `calls` records the batches (first pixel of each image)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Semaphore(0)
+        self.calls: list[list[float]] = []
+        self.die = False
+
+    def __call__(self, pixel_values, grids):
+        self.entered.release()
+        assert self.gate.wait(WAIT_S)
+        if self.die:
+            raise _ThreadKiller("simulated fatal GPU error")
+        self.calls.append([float(pv[0, 0]) for pv in pixel_values])
+        if any(torch.isnan(pv).any() for pv in pixel_values):
+            raise RuntimeError("NaN in batch")
+        return [pv[:, :2] * 2 for pv in pixel_values]
+
+
+class _ThreadKiller(BaseException):
+    pass
+
+
+def _job(tag: float, patches: int = 4) -> Job:
+    def prepare():
+        if tag < 0:
+            raise ImageDecodeError(f"image {tag} is corrupt")
+        return torch.full((patches, 3), tag), (1, 2, patches // 2)
+
+    return Job(prepare, patches)
+
+
+async def _entered(tower: FakeTower) -> None:
+    assert await asyncio.to_thread(tower.entered.acquire, True, WAIT_S)
+
+
+@pytest.fixture
+async def engine_and_tower():
+    tower = FakeTower()
+    engine = Engine(tower, batch_tokens=8, max_queue=6, cpu_threads=2)
+    await engine.start()
+    yield engine, tower
+    tower.gate.set()
+    await engine.stop()
+
+
+async def _results(items):
+    return await asyncio.wait_for(asyncio.gather(*(it.future for it in items), return_exceptions=True), WAIT_S)
+
+
+async def test_engine_batches_in_order_and_answers(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    first = engine.submit([_job(1.0)])
+    await _entered(tower)  # the GPU thread holds batch [1]; the rest queue up behind it
+    second = engine.submit([_job(2.0), _job(3.0), _job(4.0)])
+    third = engine.submit([_job(5.0)])
+    tower.gate.set()
+    out = await _results(first + second + third)
+    assert [float(r.rows[0, 0]) for r in out] == [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert out[1].rows.shape == (4, 2) and out[1].grid_thw == (1, 2, 2)
+    assert {"preprocess_ms", "queue_ms", "encode_ms"} <= set(out[0].timings)
+    assert [t for call in tower.calls for t in call] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(sum(1 for _ in call) * 4 <= 8 for call in tower.calls)  # budget 8 = two 4-patch images
+
+
+async def test_failing_batch_fails_only_its_requests(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    ok_before = engine.submit([_job(1.0)])
+    await _entered(tower)
+    bad = engine.submit([_job(float("nan")), _job(7.0)])  # one batch: both fail
+    ok_after = engine.submit([_job(3.0)])
+    corrupt = engine.submit([_job(-1.0)])  # fails in preprocessing: only this image
+    tower.gate.set()
+    r_before, r_bad1, r_bad2, r_after, r_corrupt = await _results(ok_before + bad + ok_after + corrupt)
+    assert float(r_before.rows[0, 0]) == 2.0 and float(r_after.rows[0, 0]) == 6.0
+    assert isinstance(r_bad1, Unavailable) and "NaN in batch" in str(r_bad1)
+    assert isinstance(r_bad2, Unavailable)
+    assert isinstance(r_corrupt, ImageDecodeError)
+    assert engine.alive
+    (again,) = await _results(engine.submit([_job(9.0)]))
+    assert float(again.rows[0, 0]) == 18.0
+
+
+async def test_backpressure_overloaded_with_retry_after(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    running = engine.submit([_job(1.0)])
+    await _entered(tower)
+    queued = engine.submit([_job(2.0) for _ in range(6)])  # max_queue=6 (one batch may already be handed off)
+    with pytest.raises(Overloaded, match="max_queue is 6") as info:
+        engine.submit([_job(3.0) for _ in range(6)])
+    assert info.value.retry_after_s >= 1
+    tower.gate.set()
+    assert all(not isinstance(r, Exception) for r in await _results(running + queued))
+    assert engine.queue_depth == 0
+
+
+async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    running = engine.submit([_job(1.0)])
+    await _entered(tower)
+    waiting = engine.submit([_job(2.0), _job(2.5)])  # the one batch allowed to wait for the GPU
+    expired = engine.submit([_job(3.0)], deadline=time.monotonic() - 0.001)
+    cancelled = engine.submit([_job(4.0)])
+    cancelled[0].release()  # its only caller left
+    later = engine.submit([_job(5.0)])
+    tower.gate.set()
+    r = await _results(running + waiting + expired + cancelled + later)
+    assert isinstance(r[3], DeadlineExceeded)
+    assert isinstance(r[4], asyncio.CancelledError)
+    assert float(r[5].rows[0, 0]) == 10.0
+    seen = [t for call in tower.calls for t in call]
+    assert 3.0 not in seen and 4.0 not in seen  # dropped before any batch was built
+
+
+async def test_gpu_thread_death_is_noticed():
+    tower = FakeTower()
+    engine = Engine(tower, batch_tokens=8, max_queue=8, cpu_threads=1)
+    await engine.start()
+    try:
+        tower.die = True
+        (r,) = await _results(engine.submit([_job(1.0)]))
+        assert isinstance(r, Unavailable) and "simulated fatal GPU error" in str(r)
+        await asyncio.to_thread(engine._thread.join, WAIT_S)
+        assert not engine.alive
+        with pytest.raises(Unavailable, match="engine is down"):
+            engine.submit([_job(2.0)])
+    finally:
+        await engine.stop()

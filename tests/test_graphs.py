@@ -1,0 +1,187 @@
+"""The graph runner (runtime/graphs.py): padding, segment boundaries, order, spill, copy-out.
+
+CPU (CI): `GraphRunner(capture=False)` does everything but capture/replay (static buffers, padding,
+copy-in of every buffer, the tower run on the static buffers, copy-out), for every tiny family, in float64;
+each image's output must EQUAL the tower run on that image alone, unpadded. The batches include the SGLang stale-boundary
+case: equal patch totals, different image sizes, replayed one after another on the same graph.
+
+GPU (`-m gpu`, skipped without CUDA): the same batches through captured graphs, against eager per image.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encoder_service.models.loader import load_model
+from encoder_service.runtime import fused
+from encoder_service.runtime.graphs import GraphRunner, _chunked_boundaries
+from encoder_service.runtime.runner import EagerRunner, make_runner
+from encoder_service.testing.tiny import TINY_FAMILIES
+
+BUCKETS = [64, 128, 256]
+
+# Patch grids (t, h, w); merge 2, so h and w are even. Batches with equal totals but different sizes:
+SAME_TOTAL_SINGLE = [[(1, 8, 8)], [(1, 4, 16)], [(1, 16, 4)], [(1, 2, 32)]]  # 64 each: bucket 64, single
+SAME_TOTAL_MULTI = [  # 80 each: bucket 128, multi
+    [(1, 8, 8), (1, 4, 4)],
+    [(1, 4, 4), (1, 8, 8)],
+    [(1, 4, 16), (1, 4, 4)],
+    [(1, 10, 6), (1, 2, 10)],
+    [(1, 2, 8), (1, 4, 4), (1, 6, 8)],
+]
+MIXED = [  # several buckets in one call, a video, and one image over the largest bucket (spills to eager)
+    [(1, 8, 12), (2, 4, 4), (1, 10, 6), (1, 4, 4)],
+    [(1, 16, 20), (1, 4, 4), (1, 12, 14), (1, 8, 8), (1, 6, 6)],
+    [(1, 2, 2)] * 9 + [(1, 14, 14)],
+]
+
+
+def pixels(grids, patch_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t * h * w, patch_dim, generator=g) for t, h, w in grids]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    cache = {}
+
+    # float64 on the CPU: there the tower's result for an image is bit-identical alone or in any batch
+    # (float32 CPU GEMMs round differently with the row count), so padding must not change a bit.
+    def get(family, device="cpu", dtype=torch.float64):
+        key = (family, device, dtype)
+        if key not in cache:
+            lm = load_model(tiny_checkpoint(family), device=device, dtype=dtype)
+            fused.prepare_tower(lm.tower)
+            cache[key] = lm
+        return cache[key]
+
+    return get
+
+
+@torch.no_grad()
+def alone(lm, pv, grid):
+    """The tower on one image, unpadded, no runner."""
+    x = pv.to(lm.device, lm.dtype)
+    return lm.tower(x, lm.tower.metadata([grid]).to(lm.device))
+
+
+def check_batch(runner, lm, grids, seed, atol=0.0, rtol=0.0):
+    pvs = pixels(grids, lm.spec.patch_dim, seed)
+    outs = runner.encode(pvs, grids)
+    assert len(outs) == len(grids)
+    for i, (out, pv, g) in enumerate(zip(outs, pvs, grids)):
+        ref = alone(lm, pv, g)
+        assert out.shape == ref.shape == (t_tokens(g), lm.spec.row_width)
+        assert out.is_contiguous() and out.untyped_storage().nbytes() == out.numel() * out.element_size()
+        if atol == 0 and rtol == 0:
+            # Bit-equal, except where the CPU BLAS takes its matrix-vector path for a one-row GEMM (a
+            # one-token image alone): there 1e-12 of the output scale (any boundary or padding error
+            # shows at 1e-2 and above).
+            diff = (out - ref).abs().max().item()
+            assert diff <= 1e-12 * ref.abs().max().item(), f"image {i} {g} of {grids}: max diff {diff}"
+        else:
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err <= rtol, f"image {i} {g} of {grids}: relative error {err}"
+    return outs
+
+
+def t_tokens(g):
+    t, h, w = g
+    return t * h * w // 4
+
+
+def test_chunked_boundaries():
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert _chunked_boundaries(cu, 12, 4, 3).tolist() == [0, 5, 12, 12]
+    assert _chunked_boundaries(cu, 30, 8, 6).tolist() == [0, 5, 12, 20, 28, 30, 30]
+    assert _chunked_boundaries(cu, 30, 100, 3).tolist() == [0, 5, 12, 30]
+    with pytest.raises(ValueError):
+        _chunked_boundaries(cu, 30, 8, 4)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_static_buffers_equal_unpadded_eager(loaded, family):
+    lm = loaded(family)
+    runner = GraphRunner(lm, buckets=BUCKETS, capture=False, max_images=12)
+    assert runner.describe()["runner"] == "static_buffers"
+    seed = 0
+    # Many replays in a row on the same graphs, alternating sizes with equal totals.
+    for _ in range(2):
+        for grids in SAME_TOTAL_SINGLE + SAME_TOTAL_MULTI + MIXED:
+            seed += 1
+            check_batch(runner, lm, grids, seed)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_exact_buckets(loaded, family):
+    """An image of exactly an exact bucket's size replays that bucket's unpadded one-segment graph; a
+    smaller single image that lands in the same bucket goes to its multi graph (padded)."""
+    lm = loaded(family)
+    runner = GraphRunner(lm, buckets=BUCKETS, capture=False, exact_buckets=[96, 64])
+    assert runner.buckets == [64, 96, 128, 256]
+    kinds = lambda grids: [g.kind for _, g in runner.plan(grids)]  # noqa: E731
+    assert kinds([(1, 8, 12)]) == ["exact"] and kinds([(1, 8, 8)]) == ["exact"]
+    assert kinds([(1, 10, 8)]) == ["multi"]  # 80 patches in bucket 96
+    assert kinds([(1, 10, 12)]) == ["single"]  # 120 in 128
+    assert runner.graphs[(96, "exact")].pad(lm.tower.metadata([(1, 8, 12)])).cu_seqlens.tolist() == [0, 96]
+    seed = 50
+    for grids in [[(1, 8, 12)], [(1, 12, 8)], [(1, 10, 8)], [(1, 8, 8)], [(1, 4, 16)], [(1, 8, 12), (1, 4, 4)]] * 2:
+        seed += 1
+        check_batch(runner, lm, grids, seed)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_outputs_are_owned(loaded, family):
+    """Outputs never alias the static buffers: a later batch must not change an earlier answer."""
+    lm = loaded(family)
+    runner = GraphRunner(lm, buckets=BUCKETS, capture=False)
+    first = runner.encode(pixels([(1, 8, 8)], lm.spec.patch_dim, 1), [(1, 8, 8)])[0]
+    kept = first.clone()
+    runner.encode(pixels([(1, 4, 16)], lm.spec.patch_dim, 2), [(1, 4, 16)])
+    assert torch.equal(first, kept)
+
+
+def test_padding_rows_stay_finite(loaded):
+    lm = loaded("qwen2_5_vl")
+    runner = GraphRunner(lm, buckets=[256], capture=False)
+    graph = runner.graphs[(256, "multi")]
+    grids = [(1, 4, 4), (1, 6, 8)]
+    out = graph.run(pixels(grids, lm.spec.patch_dim, 3), graph.pad(lm.tower.metadata(grids)))
+    assert out.shape[0] == 256 // 4 and torch.isfinite(out).all()
+
+
+def test_make_runner_eager_on_cpu(loaded):
+    lm = loaded("qwen2_vl")
+    runner = make_runner(lm, cuda_graphs=True, buckets=BUCKETS)
+    assert isinstance(runner, EagerRunner) and runner.describe()["runner"] == "eager"
+    check_batch(runner, lm, MIXED[0], 7)
+    # max_batch_patches splits a batch into several tower calls; results unchanged.
+    split = EagerRunner(lm, max_batch_patches=100)
+    check_batch(split, lm, MIXED[0], 7)
+    assert runner.encode([], []) == []
+    with pytest.raises(ValueError):
+        runner.encode(pixels([(1, 4, 4)], lm.spec.patch_dim, 0), [(1, 4, 8)])
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_equals_eager(loaded, family, dtype):
+    lm = loaded(family, "cuda", dtype)
+    runner = make_runner(lm, cuda_graphs=True, buckets=BUCKETS)
+    assert isinstance(runner, GraphRunner) and runner.describe()["graphs"] == 2 * len(BUCKETS)
+    exact = GraphRunner(lm, buckets=BUCKETS, exact_buckets=[64, 96])  # captured exact graphs too
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    seed = 100
+    for _ in range(3):
+        for grids in SAME_TOTAL_SINGLE + SAME_TOTAL_MULTI + MIXED:
+            seed += 1
+            check_batch(runner, lm, grids, seed, rtol=tol, atol=tol)
+            check_batch(exact, lm, grids, seed, rtol=tol, atol=tol)

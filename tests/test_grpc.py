@@ -1,0 +1,293 @@
+"""gRPC API against a real grpc.aio server over the real core, tiny random models (tests/service_fixtures.py).
+
+Fetch answers are checked against slices of the whole embedding (Encode with return_embeddings); bad input
+against a status code and a message naming the problem, with the server still serving afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from encoder_service import errors
+from encoder_service.api import grpc_server, wire
+from encoder_service.api.proto import encoder_pb2 as pb
+from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.client import AsyncEncoderClient
+from encoder_service.ranges import chunks, plan_chunk
+
+pytest_plugins = ["tests.service_fixtures"]
+pytestmark = pytest.mark.timeout(60)
+
+
+def image_bytes(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def client(svc, **kw) -> AsyncEncoderClient:
+    return AsyncEncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
+
+
+def expected_chunk(full: dict, items, start: int, end: int, row_width: int) -> torch.Tensor:
+    """What the LLM's embeddings buffer for [start, end) must hold at image positions (NaN elsewhere)."""
+    out = torch.full((end - start, row_width), float("nan"))
+    for s in plan_chunk(items, start, end):
+        out[s.position - start:s.position - start + s.num_rows] = full[s.id][s.row_start:s.row_end]
+    return out
+
+
+async def encode_whole(c, images):
+    infos = await c.encode(images, return_embeddings=True)
+    return infos, {i.id: i.embedding for i in infos}
+
+
+@pytest.mark.parametrize("fixture", ["service", "service_qwen3"])
+async def test_fetch_equals_slices_of_the_whole_embedding(fixture, request):
+    svc = request.getfixturevalue(fixture)
+    async with client(svc) as c:
+        infos, full = await encode_whole(c, [image_bytes(224, 224, 1), image_bytes(84, 140, 2),
+                                             image_bytes(56, 56, 3)])
+        meta = await c.metadata()
+        width = meta["row_width"]
+        assert all(i.row_width == width and full[i.id].shape == (i.num_tokens, width) for i in infos)
+        if fixture == "service_qwen3":
+            assert infos[0].layout == "main+deepstack3" and width == 4 * infos[0].hidden_size
+        # text, image, text, image, image (adjacent), text
+        offset, items = 3, []
+        for info in infos:
+            items.append((info.id, offset, info.num_tokens))
+            offset += info.num_tokens + (0 if info is infos[1] else 5)
+        prompt_len = offset + 2
+        # 1: every chunk splits images; 7: straddles; 50: several images per chunk; prompt_len: one chunk
+        for chunk_size in (1, 7, 50, prompt_len):
+            for start, end in chunks(prompt_len, chunk_size):
+                wanted = [(i, o) for i, o, n in items if o < end and start < o + n]
+                if not wanted:
+                    continue
+                out = torch.full((end - start, width), float("nan"))
+                got = await c.fetch(wanted, start, end, out=out)
+                assert got.rows is out
+                expected = expected_chunk(full, items, start, end, width)
+                assert torch.equal(out.isnan(), expected.isnan())  # text positions untouched
+                assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+                packed = await c.fetch(wanted, start, end)  # no buffer: rows in segment order
+                assert torch.equal(packed.rows, torch.cat([full[s.id][s.row_start:s.row_end]
+                                                           for s in packed.segments]))
+
+
+async def test_fetch_messages_stay_under_1_mib(service_qwen3):
+    async with client(service_qwen3) as c:
+        (info,) = await c.encode([image_bytes(256, 256, 4)], wait=True)
+    image_bytes_ = info.num_tokens * info.row_width * wire.DTYPES[info.dtype].itemsize
+    copies = -(-(5 << 20) // image_bytes_)  # > 5 MiB of rows: more than one default 4 MiB message
+    request = pb.FetchRequest(items=[pb.FetchItem(id=info.id, offset=k * info.num_tokens) for k in range(copies)],
+                              start=0, end=copies * info.num_tokens)
+    async with grpc.aio.insecure_channel(service_qwen3.grpc_address) as channel:
+        messages = [m async for m in pb_grpc.EncoderStub(channel).Fetch(request, timeout=30)]
+    assert messages[0].WhichOneof("part") == "header" and len(messages) >= 6
+    assert all(m.ByteSize() <= 1 << 20 for m in messages)
+    assert sum(len(m.data) for m in messages[1:]) == copies * image_bytes_
+
+
+async def test_client_disconnect_mid_stream_leaves_the_server_serving(service, monkeypatch, caplog):
+    # Many small messages, and a record of how far each server-side stream got.
+    monkeypatch.setattr(grpc_server, "FETCH_DATA_BYTES", 4096)
+    streams = []  # [pieces sent, pieces in all] per Fetch
+    data_chunks = wire.grpc_data_chunks
+
+    def recorded_chunks(rows, max_bytes):
+        stream = [0, -(-rows.numel() * rows.element_size() // max_bytes)]
+        streams.append(stream)
+        for piece in data_chunks(rows, max_bytes):
+            stream[0] += 1
+            yield piece
+
+    def cancelled_fetches() -> float:
+        labels = {"method": "fetch", "outcome": "cancelled"}
+        return service.core.metrics.registry.get_sample_value("encoder_requests_total", labels) or 0
+
+    monkeypatch.setattr(grpc_server.wire, "grpc_data_chunks", recorded_chunks)
+    caplog.set_level(logging.WARNING)
+    before = cancelled_fetches()
+    async with client(service) as c:
+        (info,) = await c.encode([image_bytes(224, 224, 5)], wait=True)
+        items = [(info.id, k * info.num_tokens) for k in range(64)]
+        request = pb.FetchRequest(items=[pb.FetchItem(id=i, offset=o) for i, o in items], start=0,
+                                  end=64 * info.num_tokens)
+        for _ in range(2):
+            async with grpc.aio.insecure_channel(service.grpc_address) as channel:
+                call = pb_grpc.EncoderStub(channel).Fetch(request, timeout=30)
+                received = 0
+                async for _message in call:
+                    received += 1
+                    if received == 3:
+                        call.cancel()
+                        break
+            # ... and a client that vanishes without cancelling: its channel closes under the stream.
+            channel = grpc.aio.insecure_channel(service.grpc_address)
+            call = pb_grpc.EncoderStub(channel).Fetch(request, timeout=30)
+            assert (await call.read()).WhichOneof("part") == "header"
+            await channel.close()
+        # The server ends each handler as cancelled (bounded wait: it learns of the disconnect asynchronously)
+        for _ in range(200):
+            if cancelled_fetches() - before >= 4:
+                break
+            await asyncio.sleep(0.05)
+        assert cancelled_fetches() - before == 4
+        # ... early, not after sending everything: flow control keeps it near the reader. (A stream whose
+        # client left right after the header may be cancelled before it starts on the rows: 2 to 4 entries.)
+        assert 2 <= len(streams) <= 4 and all(sent < total for sent, total in streams), streams
+        got = await c.fetch(items, 0, 64 * info.num_tokens)  # still serving, complete answers
+        assert got.rows.shape[0] == 64 * info.num_tokens
+    assert not [r for r in caplog.records if r.name.startswith("encoder_service") and r.levelno >= logging.ERROR]
+
+
+async def test_concurrent_clients(service):
+    images = [image_bytes(112, 112 + 28 * k, 100 + k) for k in range(6)]
+
+    async def one(k: int):
+        async with client(service) as c:
+            infos, full = await encode_whole(c, [images[k], images[(k + 1) % 6]])
+            items = [(infos[0].id, 0, infos[0].num_tokens), (infos[1].id, infos[0].num_tokens, infos[1].num_tokens)]
+            total = infos[0].num_tokens + infos[1].num_tokens
+            rows = []
+            async for chunk in c.iter_chunks((items, total), chunk_size=5):
+                rows.append(chunk.rows)
+            assert torch.equal(torch.cat(rows), torch.cat([full[infos[0].id], full[infos[1].id]]))
+            return infos[0].id
+
+    ids = await asyncio.wait_for(asyncio.gather(*(one(k) for k in range(6))), 30)
+    assert len(set(ids)) == 6
+
+
+async def test_same_image_from_many_clients_encodes_once(service):
+    data = image_bytes(168, 168, 7)
+    def encoded():
+        return service.core.metrics.registry.get_sample_value("encoder_images_encoded_total")
+
+    before = encoded()
+
+    async def one():
+        async with client(service) as c:
+            (info,) = await c.encode([data], wait=True)
+            return info.id
+
+    ids = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(8))), 30)
+    assert len(set(ids)) == 1
+    assert encoded() - before == 1
+
+
+async def _serving(svc):
+    async with client(svc) as c:
+        (info,) = await c.encode([image_bytes(56, 56, 8)], wait=True)
+        assert (await c.fetch([(info.id, 0)], 0, info.num_tokens)).rows.shape[0] == info.num_tokens
+
+
+@pytest.mark.parametrize("call, code, words", [
+    (lambda c, i: c.encode([b"not an image at all"]), "INVALID_ARGUMENT", "image 0: not an image"),
+    (lambda c, i: c.encode([]), "INVALID_ARGUMENT", "no images"),
+    (lambda c, i: c.encode([image_bytes(56, 56, k) for k in range(9)]), "INVALID_ARGUMENT",
+     "number of images in the request is 9, over the limit of 8"),
+    (lambda c, i: c.fetch([(i.id, 0)], 5, 5), "INVALID_ARGUMENT", "end must be > start"),
+    (lambda c, i: c.fetch([(i.id, 0), (i.id, 1)], 0, 8), "INVALID_ARGUMENT", "overlap"),
+    (lambda c, i: c.fetch([(i.id, -3)], 0, 8), "INVALID_ARGUMENT", "offset must be >= 0"),
+    (lambda c, i: c.fetch([("0" * 32, 0)], 0, 8), "NOT_FOUND", "unknown id '0000"),
+    (lambda c, i: c.fetch([("no such id", 0)], 0, 8), "NOT_FOUND", "unknown id 'no such id'"),
+])
+async def test_bad_input_gets_a_status_and_a_message(service, call, code, words):
+    async with client(service) as c:
+        (info,) = await c.encode([image_bytes(56, 56, 9)], wait=True)
+        with pytest.raises(errors.EncoderServiceError, match=words) as exc:
+            await call(c, info)
+        assert exc.value.status == getattr(grpc.StatusCode, code)
+    await _serving(service)
+
+
+async def test_request_over_the_receive_limit(service):
+    async with client(service) as c:
+        with pytest.raises(errors.InvalidInput) as exc:
+            await c.encode([b"\0" * (4 << 20)])
+        assert exc.value.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await _serving(service)
+
+
+@pytest.fixture(scope="module")
+def small_queue_service(request, tiny_checkpoint):
+    from tests.service_fixtures import _running
+
+    return _running(request, tiny_checkpoint("qwen2_5_vl"), "--max-queue", "1")
+
+
+async def test_overload_is_resource_exhausted_with_a_retry_hint(small_queue_service):
+    request = pb.EncodeRequest(images=[pb.Image(data=image_bytes(56, 56, 10 + k)) for k in range(2)])
+    async with grpc.aio.insecure_channel(small_queue_service.grpc_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await pb_grpc.EncoderStub(channel).Encode(request, timeout=30)
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "encode queue is full" in exc.value.details() and "max_queue is 1" in exc.value.details()
+    trailing = dict(exc.value.trailing_metadata())
+    assert trailing["error-kind"] == "overloaded" and float(trailing["retry-after-s"]) > 0
+    async with client(small_queue_service) as c:  # the client maps it to Overloaded with the hint
+        with pytest.raises(errors.Overloaded, match="queue is full") as err:
+            await c.encode([image_bytes(56, 56, 20 + k) for k in range(2)])
+        assert err.value.retry_after_s == float(trailing["retry-after-s"])
+    await _serving(small_queue_service)
+
+
+async def test_health_is_serving_only_when_ready(small_queue_service, monkeypatch):
+    async def check(service_name=""):
+        async with grpc.aio.insecure_channel(small_queue_service.grpc_address) as channel:
+            return (await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service_name), timeout=10)).status
+
+    assert await check() == health_pb2.HealthCheckResponse.SERVING
+    assert await check("encoder.v1.Encoder") == health_pb2.HealthCheckResponse.SERVING
+    monkeypatch.setattr(small_queue_service.core, "ready", lambda: False)
+    assert await check() == health_pb2.HealthCheckResponse.NOT_SERVING
+    monkeypatch.undo()
+    assert await check() == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_auth(auth_service):
+    from tests.service_fixtures import AUTH_TOKEN
+
+    for token, words in ((None, "missing bearer token"), ("wrong", "wrong bearer token")):
+        async with client(auth_service, token=token) as c:
+            for call in (lambda: c.encode([image_bytes(56, 56, 11)]), lambda: c.fetch([("0" * 32, 0)], 0, 4),
+                         c.metadata):
+                with pytest.raises(errors.Unauthenticated, match=words) as exc:
+                    await call()
+                assert exc.value.status == grpc.StatusCode.UNAUTHENTICATED
+    async with grpc.aio.insecure_channel(auth_service.grpc_address) as channel:  # health needs no token
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    async with client(auth_service, token=AUTH_TOKEN) as c:
+        (info,) = await c.encode([image_bytes(56, 56, 11)], wait=True)
+        assert (await c.fetch([(info.id, 2)], 0, 6)).rows.shape[0] == min(4, info.num_tokens)
+        assert (await c.metadata())["family"] == "qwen2_vl"
+
+
+async def test_timings_in_trailing_metadata(service):
+    request = pb.EncodeRequest(images=[pb.Image(data=image_bytes(56, 84, 12))], wait=True)
+    async with grpc.aio.insecure_channel(service.grpc_address) as channel:
+        call = pb_grpc.EncoderStub(channel).Encode(request, timeout=30)
+        response = await call
+        trailing = dict(await call.trailing_metadata())
+    assert response.images[0].num_tokens > 0
+    assert {"x-timing-decode-ms", "x-timing-total-ms"} <= set(trailing)
+    assert float(trailing["x-timing-total-ms"]) >= 0
+
+
+def test_wire_chunk_size_is_under_a_mebibyte():
+    assert grpc_server.FETCH_DATA_BYTES == wire.GRPC_DATA_BYTES <= (1 << 20) - 16

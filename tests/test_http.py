@@ -1,0 +1,429 @@
+"""HTTP API against a real uvicorn server on 127.0.0.1 with tiny random models (tests/service_fixtures.py).
+
+Embeddings are checked against the tower's own output for the same preprocessed input; fetch against
+slices of the whole embedding; bad input against a 4xx naming the problem with the server still serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from encoder_service.api import wire
+from encoder_service.ranges import chunks
+
+pytest_plugins = ["tests.service_fixtures", "tests.conftest_redis"]
+
+TIMEOUT = httpx.Timeout(30.0)
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height (the pixel data is not there)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b"\0" * 16))
+            + png_chunk(b"IEND", b""))
+
+
+def client(svc, **kw) -> httpx.Client:
+    return httpx.Client(base_url=svc.url, timeout=TIMEOUT, **kw)
+
+
+def encode_json(c: httpx.Client, images: list[bytes], **opts) -> httpx.Response:
+    body = {"images": [{"data": base64.b64encode(d).decode()} for d in images], **opts}
+    return c.post("/v1/encode", json=body)
+
+
+def embedding_of(d: dict) -> torch.Tensor:
+    e = d["embedding"]
+    flat = torch.frombuffer(bytearray(base64.b64decode(e["data"])), dtype=wire.DTYPES[e["dtype"]])
+    return flat.view(*e["shape"])
+
+
+@lru_cache(maxsize=None)
+def _reference_model(checkpoint: str):
+    from encoder_service.models.loader import load_model
+    from encoder_service.preprocessing import PreprocessConfig
+
+    loaded = load_model(checkpoint, device="cpu", dtype="float32")
+    return loaded, PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
+
+
+def reference_rows(svc, data: bytes) -> torch.Tensor:
+    """The tower's own output for this image, run alone, outside the service."""
+    from encoder_service.preprocessing import ImageLimits, preprocess
+
+    loaded, cfg = _reference_model(str(svc.checkpoint))
+    pre = preprocess(data, cfg, ImageLimits(max_image_bytes=1 << 24, max_pixels=1 << 26))
+    grid = tuple(int(x) for x in pre.grid_thw)
+    with torch.inference_mode():
+        return loaded.tower(pre.pixel_values.to(loaded.dtype), loaded.tower.metadata([grid])).float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4)
+
+
+def images_encoded(svc) -> float:
+    return svc.core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
+
+
+def assert_still_serving(c: httpx.Client, seed: int = 999) -> None:
+    assert c.get("/health/live").status_code == 200
+    assert c.get("/health/ready").status_code == 200
+    r = encode_json(c, [image_bytes(64, 64, seed)], wait=True)
+    assert r.status_code == 200, r.text
+
+
+# ---- round trips -----------------------------------------------------------------------------------------
+def test_health_metadata_metrics(service):
+    with client(service) as c:
+        assert c.get("/health/live").json() == {"live": True}
+        assert c.get("/health/ready").json() == {"ready": True}
+        meta = c.get("/v1/metadata").json()
+        assert meta["family"] == "qwen2_5_vl" and meta["row_width"] == 48 and meta["layout"] == "main"
+        assert meta["limits"]["max_images"] == 8
+        text = c.get("/metrics").text
+        assert "encoder_queue_depth" in text and "encoder_in_flight_requests" in text
+
+
+def test_encode_multipart_binary_json_round_trip(service):
+    a, b = image_bytes(100, 60, 1), image_bytes(50, 90, 2, "JPEG")
+    with client(service) as c:
+        r = c.post("/v1/encode?wait=true", files=[("image", ("a.png", a, "image/png")),
+                                                   ("image", ("b.jpg", b, "image/jpeg"))])
+        assert r.status_code == 200, r.text
+        infos = r.json()["images"]
+        assert len(infos) == 2 and infos[0]["cached"] is False
+        for info in infos:
+            t, h, w = info["grid_thw"]
+            assert info["num_tokens"] == t * h * w // 4 and info["row_width"] == 48 and info["dtype"] == "float32"
+        assert {"x-timing-decode-ms", "x-timing-queue-ms", "x-timing-encode-ms"} <= set(r.headers)
+
+        r2 = c.post("/v1/encode", content=a, headers={"content-type": "application/octet-stream"})
+        assert r2.status_code == 200 and r2.json()["images"][0]["id"] == infos[0]["id"]
+        assert r2.json()["images"][0]["cached"] is True
+        r3 = c.post("/v1/encode", content=b, headers={"content-type": "image/jpeg"})
+        assert r3.json()["images"][0]["id"] == infos[1]["id"]
+
+        r4 = encode_json(c, [a, b], return_embeddings=True)
+        assert r4.status_code == 200, r4.text
+        for d, data in zip(r4.json()["images"], (a, b)):
+            rows = embedding_of(d)
+            assert rows.shape == (d["num_tokens"], 48)
+            assert_close(rows, reference_rows(service, data))
+
+
+def test_caller_ids_and_fetch_while_encoding(service):
+    data = image_bytes(120, 80, 3)
+    with client(service) as c:
+        body = {"images": [{"data": base64.b64encode(data).decode(), "id": "req-7/img-0"}]}
+        info = c.post("/v1/encode", json=body).json()["images"][0]
+        assert info["id"] == "u:req-7/img-0"
+        # No wait: the fetch below waits for the encode still in flight.
+        r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0,
+                                      "end": info["num_tokens"], "timeout_s": 20})
+        assert r.status_code == 200, r.text
+        header, rows = wire.decode_http(r.content)
+        assert header.num_rows == info["num_tokens"]
+        assert_close(rows, reference_rows(service, data))
+
+
+@pytest.mark.parametrize("svc_name", ["service", "service_qwen3"])
+def test_fetch_equals_slices_of_the_whole_embedding(request, svc_name):
+    svc = request.getfixturevalue(svc_name)
+    imgs = [image_bytes(w, h, 10 + i) for i, (w, h) in enumerate([(90, 60), (64, 64), (200, 40), (70, 130)])]
+    with client(svc) as c:
+        r = encode_json(c, imgs, return_embeddings=True)
+        assert r.status_code == 200, r.text
+        infos = r.json()["images"]
+        whole = [embedding_of(d) for d in infos]
+        width = infos[0]["row_width"]
+        if svc_name == "service_qwen3":
+            assert infos[0]["layout"] == "main+deepstack3" and width == 4 * infos[0]["hidden_size"]
+        for rows, data in zip(whole, imgs):
+            assert_close(rows, reference_rows(svc, data))
+        # Prompt: text, img0, img1 adjacent, text, img2, text, img3, text.
+        offsets, pos = [], 5
+        for i, d in enumerate(infos):
+            offsets.append(pos)
+            pos += d["num_tokens"] + (0 if i == 0 else 3)
+        prompt_len = pos + 2
+        expected = torch.zeros(prompt_len, width)
+        for off, rows in zip(offsets, whole):
+            expected[off:off + rows.shape[0]] = rows
+        items = [{"id": d["id"], "offset": off} for d, off in zip(infos, offsets)]
+        for chunk_size in (3, 7, 16, prompt_len):
+            got = torch.zeros(prompt_len, width)
+            for start, end in chunks(prompt_len, chunk_size):
+                r = c.post("/v1/fetch", json={"items": items, "start": start, "end": end})
+                assert r.status_code == 200, r.text
+                header, rows = wire.decode_http(r.content)
+                assert all(start <= s.position and s.position + s.num_rows <= end for s in header.segments)
+                at = 0
+                for s in header.segments:
+                    got[s.position:s.position + s.num_rows] = rows[at:at + s.num_rows]
+                    at += s.num_rows
+            assert torch.equal(got, expected), f"chunk size {chunk_size}"
+        r = c.post("/v1/fetch", json={"items": items, "start": 0, "end": prompt_len},
+                   headers={"accept": "application/safetensors"})
+        assert r.headers["content-type"] == "application/safetensors"
+        header, rows = wire.decode_safetensors(r.content)
+        assert [s.id for s in header.segments] == [d["id"] for d in infos]
+        assert torch.equal(rows, torch.cat(whole))
+
+
+# ---- concurrency -----------------------------------------------------------------------------------------
+def test_concurrent_clients(service):
+    imgs = [image_bytes(40 + 8 * i, 70, 100 + i) for i in range(12)]
+
+    def one(i: int):
+        with client(service) as c:
+            return encode_json(c, [imgs[i], imgs[(i + 1) % len(imgs)]], return_embeddings=True)
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(one, range(len(imgs))))
+    for i, r in enumerate(responses):
+        assert r.status_code == 200, r.text
+    for i in (0, 5):
+        assert_close(embedding_of(responses[i].json()["images"][0]), reference_rows(service, imgs[i]))
+
+
+def test_same_image_from_many_clients_is_encoded_once(service):
+    data = image_bytes(96, 96, 4242)
+    before = images_encoded(service)
+
+    def one(_):
+        with client(service) as c:
+            return encode_json(c, [data], wait=True)
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(16)))
+    assert all(r.status_code == 200 for r in responses)
+    assert len({r.json()["images"][0]["id"] for r in responses}) == 1
+    assert images_encoded(service) - before == 1
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+def _truncated_jpeg() -> bytes:
+    data = image_bytes(120, 120, 5, "JPEG")
+    return data[: len(data) // 2]
+
+
+BAD_ENCODES = {
+    "invalid base64": ({"images": [{"data": "!!not base64!!"}]}, 400, "base64"),
+    "not an image": ({"images": [{"data": base64.b64encode(b"hello, world").decode()}]}, 400, "image 0"),
+    "zero bytes": ({"images": [{"data": ""}]}, 400, "empty"),
+    "truncated jpeg": ({"images": [{"data": base64.b64encode(_truncated_jpeg()).decode()}], "wait": True},
+                       400, "trunc"),
+    "decompression bomb": ({"images": [{"data": base64.b64encode(png_claiming(60000, 60000)).decode()}]},
+                           400, "pixel"),
+    "zero-sized image": ({"images": [{"data": base64.b64encode(png_claiming(0, 10)).decode()}]}, 400, "image 0"),
+    "aspect over 200": ({"images": [{"data": base64.b64encode(image_bytes(2, 450, 6)).decode()}]}, 400, "aspect"),
+    "too many images": ({"images": [{"data": base64.b64encode(image_bytes(32, 32, 7)).decode()}] * 9},
+                        400, "number of images"),
+    "no images": ({"images": []}, 400, "no images"),
+    "url images off": ({"images": [{"url": "http://example.com/a.png"}]}, 400, "url images are disabled"),
+    "unknown field": ({"imgs": []}, 400, "bad JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENCODES))
+def test_bad_encode_is_a_4xx_naming_the_problem(service, case):
+    body, status, needle = BAD_ENCODES[case]
+    with client(service) as c:
+        r = c.post("/v1/encode", json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert needle.lower() in err["message"].lower(), err
+        assert_still_serving(c)
+
+
+def test_truncated_jpeg_without_wait_fails_at_fetch(service):
+    with client(service) as c:
+        info = encode_json(c, [_truncated_jpeg()[:-7]]).json()["images"][0]  # header is fine: answered
+        r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0, "end": 4})
+        assert r.status_code == 400 and "trunc" in r.json()["error"]["message"].lower(), r.text
+        assert_still_serving(c)
+
+
+def test_body_too_large_is_413(service):
+    big = b"\0" * (3 << 20)  # limit is 2 MiB
+    with client(service) as c:
+        r = c.post("/v1/encode", content=big, headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 413 and "request body" in r.json()["error"]["message"]
+
+        def stream():  # chunked: no Content-Length, so the server must count
+            for _ in range(12):
+                yield b"\0" * (256 << 10)
+
+        r = c.post("/v1/encode", content=stream(), headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 413 and "request body" in r.json()["error"]["message"]
+        assert_still_serving(c)
+
+
+def test_wrong_content_type_is_415(service):
+    with client(service) as c:
+        r = c.post("/v1/encode", content=b"hi", headers={"content-type": "text/plain"})
+        assert r.status_code == 415 and "text/plain" in r.json()["error"]["message"]
+        r = c.post("/v1/fetch", content=b"{}", headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 415
+
+
+def test_bad_fetches(service):
+    with client(service) as c:
+        info = encode_json(c, [image_bytes(64, 64, 77)], wait=True).json()["images"][0]
+        n, iid = info["num_tokens"], info["id"]
+        cases = [
+            ({"items": [{"id": "0" * 32, "offset": 0}], "start": 0, "end": 4}, 404, "unknown id"),
+            ({"items": [{"id": "not-an-id", "offset": 0}], "start": 0, "end": 4}, 404, "unknown id"),
+            ({"items": [{"id": iid, "offset": 0}], "start": -1, "end": 4}, 400, "start"),
+            ({"items": [{"id": iid, "offset": 0}], "start": 4, "end": 4}, 400, "end"),
+            ({"items": [{"id": iid, "offset": -3}], "start": 0, "end": 4}, 400, "offset"),
+            ({"items": [{"id": iid, "offset": 0}, {"id": iid, "offset": n - 1}], "start": 0, "end": 4},
+             400, "overlap"),
+            ({"items": [{"id": iid}], "start": 0, "end": 4}, 400, "offset"),
+        ]
+        for body, status, needle in cases:
+            r = c.post("/v1/fetch", json=body)
+            assert r.status_code == status, (body, r.text)
+            assert needle in r.json()["error"]["message"], (body, r.text)
+        # A chunk past every image is valid and empty; the same image twice (not overlapping) is fine.
+        r = c.post("/v1/fetch", json={"items": [{"id": iid, "offset": 0}, {"id": iid, "offset": n}],
+                                      "start": n - 1, "end": n + 1})
+        header, rows = wire.decode_http(r.content)
+        assert [(s.row_start, s.row_end) for s in header.segments] == [(n - 1, n), (0, 1)]
+        r = c.post("/v1/fetch", json={"items": [{"id": iid, "offset": 0}], "start": n + 5, "end": n + 9})
+        assert r.status_code == 200 and wire.decode_http(r.content)[0].num_rows == 0
+        assert_still_serving(c)
+
+
+def test_auth(auth_service):
+    from tests.service_fixtures import AUTH_TOKEN
+
+    data = image_bytes(64, 64, 8)
+    with client(auth_service) as c:
+        assert c.get("/health/live").status_code == 200
+        assert c.get("/health/ready").status_code == 200
+        r = encode_json(c, [data])
+        assert r.status_code == 401 and "missing bearer token" in r.json()["error"]["message"]
+        r = c.post("/v1/encode", json={"images": []}, headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401 and "wrong bearer token" in r.json()["error"]["message"]
+        assert c.get("/v1/metadata").status_code == 401
+        assert c.post("/v1/fetch", json={}).status_code == 401
+    with client(auth_service, headers={"authorization": f"Bearer {AUTH_TOKEN}"}) as c:
+        r = encode_json(c, [data], return_embeddings=True)
+        assert r.status_code == 200, r.text
+        assert_close(embedding_of(r.json()["images"][0]), reference_rows(auth_service, data))
+
+
+def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkpoint):
+    from tests.service_fixtures import RunningService, make_settings
+
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    a, b = (RunningService(make_settings(ckpt, "--redis-url", redis_server.url, grpc=False), ckpt) for _ in "ab")
+    request.addfinalizer(a.close)
+    request.addfinalizer(b.close)
+    data = image_bytes(80, 60, 31337)
+    with client(a) as ca:
+        info = encode_json(ca, [data], wait=True).json()["images"][0]
+    a.call(a.core.store.redis.flush)  # the write-behind has landed in Redis
+    before = images_encoded(b)
+    with client(b) as cb:  # replica b never saw the image: fetch reads it from Redis
+        r = cb.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 2}], "start": 0, "end": 6})
+        assert r.status_code == 200, r.text
+        header, rows = wire.decode_http(r.content)
+        assert header.segments[0].row_start == 0 and rows.shape[0] == 4
+        assert_close(rows, reference_rows(a, data)[:4])
+        again = encode_json(cb, [data], wait=True).json()["images"][0]
+        assert again["id"] == info["id"] and again["cached"] is True
+    assert images_encoded(b) == before
+
+
+def test_url_images_only_from_allowed_hosts(request, tiny_checkpoint):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.service_fixtures import RunningService, make_settings
+
+    data = image_bytes(70, 50, 2024)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            routes = {"/img.png": (200, data, {}), "/big.png": (200, b"\0" * (2 << 20), {}),
+                      "/hop": (302, b"", {"Location": "/img.png"}),
+                      "/away": (302, b"", {"Location": "http://elsewhere.invalid/img.png"})}
+            status, body, headers = routes.get(self.path, (404, b"", {}))
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    request.addfinalizer(http.shutdown)
+    base = f"http://127.0.0.1:{http.server_address[1]}"
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    svc = RunningService(make_settings(ckpt, "--allow-url-hosts", "127.0.0.1", grpc=False), ckpt)
+    request.addfinalizer(svc.close)
+    with client(svc) as c:
+        r = c.post("/v1/encode", json={"images": [{"url": f"{base}/hop"}], "return_embeddings": True})
+        assert r.status_code == 200, r.text
+        assert_close(embedding_of(r.json()["images"][0]), reference_rows(svc, data))
+        for path, needle in (("/away", "another host"), ("/big.png", "over the limit"), ("/nope", "HTTP 404")):
+            r = c.post("/v1/encode", json={"images": [{"url": base + path}]})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        r = c.post("/v1/encode", json={"images": [{"url": "http://localhost:1/a.png"}]})
+        assert r.status_code == 400 and "not in --allow-url-hosts" in r.json()["error"]["message"]
+
+
+def test_pins_exhausted_is_429_with_retry_after(request, tiny_checkpoint):
+    from tests.service_fixtures import RunningService, make_settings
+
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    svc = RunningService(make_settings(ckpt, "--max-pinned-bytes", "1KiB", grpc=False), ckpt)
+    request.addfinalizer(svc.close)
+    with client(svc) as c:
+        r = encode_json(c, [image_bytes(64, 64, 55)])  # 4 tokens x 48 x 4 bytes = 768 B: fits
+        assert r.status_code == 200, r.text
+        r = encode_json(c, [image_bytes(120, 120, 56)])
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert "max-pinned-bytes" in r.json()["error"]["message"]
+
+
+def test_wait_timeout_is_504_and_the_encode_goes_on(service):
+    data = image_bytes(110, 70, 777)
+    with client(service) as c:
+        r = encode_json(c, [data], wait=True, timeout_s=1e-6)
+        assert r.status_code == 504 and "timeout_s" in r.json()["error"]["message"], r.text
+        info = encode_json(c, [data]).json()["images"][0]
+        r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0,
+                                      "end": info["num_tokens"], "timeout_s": 20})
+        assert r.status_code == 200
+        assert_close(wire.decode_http(r.content)[1], reference_rows(service, data))
