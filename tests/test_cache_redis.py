@@ -146,6 +146,32 @@ async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
     await store.close()
 
 
+async def test_header_alone_is_read_and_verified(redis_server):
+    writer, reader = await open_store(redis_server.url), await open_store(redis_server.url)
+    entry = make_entry(3, 120, 4 * 96, "main+deepstack3", torch.bfloat16)
+    await writer.get_or_create("k", creator(entry, []))
+    await writer.redis.flush()
+    direct = redis.Redis.from_url(redis_server.url)
+    gets = direct.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    header = await reader.header("k")
+    assert header is not None and header.num_rows == 120 and header.row_width == 4 * 96
+    assert (header.grid_thw, header.layout, header.dtype) == (entry.header.grid_thw, "main+deepstack3", torch.bfloat16)
+    assert direct.info("commandstats").get("cmdstat_get", {}).get("calls", 0) == gets  # the value was not pulled
+    stats = reader.stats()
+    assert stats["redis_header_hits"] == 1 and stats["redis_hits"] == 0 and reader.peek("k") is None
+    assert stats["local_entries"] == 0  # nothing promoted
+    assert await reader.header("missing") is None
+    good = direct.get("k")
+    for name, bad in {"truncated": good[:-8], "header bytes overwritten": good[:12] + b"\x00\x00" + good[14:],
+                      "valid entry of another key": make_entry(6).to_bytes("another-key")}.items():
+        direct.set("k", bad)
+        assert await reader.header("k") is None, name
+    assert reader.stats()["redis_corrupt"] == 3
+    direct.close()
+    await writer.close()
+    await reader.close()
+
+
 async def test_range_read_notices_a_value_replaced_after_its_header_was_cached(redis_server):
     store = await open_store(redis_server.url)
     first, second = make_entry(1), make_entry(2)

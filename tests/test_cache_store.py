@@ -115,6 +115,24 @@ async def test_chunked_fetch_keeps_the_pin_until_release():
     assert store.stats()["local_pinned_keys"] == 0
 
 
+async def test_peek_and_header_neither_count_nor_promote():
+    entry_bytes = 32 * 64 * 4
+    store = EmbeddingStore(2 * entry_bytes)
+    entries = []
+    for i in range(2):
+        enc = CountingEncoder(seed=i)
+        enc.gate.set()
+        entries.append((await store.get_or_create(f"k{i}", enc))[0])
+    before = store.stats()
+    assert store.peek("k0") is entries[0] and store.peek("unknown") is None
+    assert await store.header("k0") == entries[0].header and await store.header("unknown") is None
+    assert store.stats() == before  # no local hit/miss counted
+    filler = CountingEncoder(seed=9)
+    filler.gate.set()
+    await store.get_or_create("k2", filler)
+    assert store.peek("k0") is None and store.peek("k1") is entries[1]  # k0 stayed the oldest: evicted
+
+
 async def test_device_tier_is_bounded_separately():
     entry_bytes = 32 * 64 * 4
     store = EmbeddingStore(16 * MIB, gpu_bytes=2 * entry_bytes, gpu_device="cpu")  # "cpu" stands in for cuda

@@ -6,32 +6,19 @@ those), equal to slices of the whole embedding.
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from encoder_service import errors
 from encoder_service.client import AsyncEncoderClient, EncoderClient, PromptLayout
 from encoder_service.ranges import chunks, plan_chunk
+from tests.images import image_bytes as png
+from tests.images import noise_image as pil_image
 
 pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORTS = ["http", "grpc"]
-
-
-def pil_image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    buf = io.BytesIO()
-    pil_image(width, height, seed).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def sync_client(svc, transport: str, **kw) -> EncoderClient:

@@ -7,15 +7,13 @@ against a status code and a message naming the problem, with the server still se
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 
 import grpc
-import numpy as np
+import httpx
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
 
 from encoder_service import errors
 from encoder_service.api import grpc_server, wire
@@ -23,16 +21,10 @@ from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.client import AsyncEncoderClient
 from encoder_service.ranges import chunks, plan_chunk
+from tests.images import image_bytes
 
 pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
-
-
-def image_bytes(width: int, height: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def client(svc, **kw) -> AsyncEncoderClient:
@@ -257,6 +249,28 @@ async def test_health_is_serving_only_when_ready(small_queue_service, monkeypatc
     assert await check() == health_pb2.HealthCheckResponse.NOT_SERVING
     monkeypatch.undo()
     assert await check() == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_stop_says_not_serving_during_the_grace_period(tiny_checkpoint):
+    from encoder_service.api.service import Service, bind_socket
+    from tests.service_fixtures import make_settings
+
+    svc = Service(make_settings(tiny_checkpoint("qwen2_5_vl")), http_sock=bind_socket("127.0.0.1", 0))
+    await svc.start()
+    stopping = None
+    try:
+        async with grpc.aio.insecure_channel(svc.grpc_address) as channel, \
+                httpx.AsyncClient(base_url=svc.http_address, timeout=10) as http:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            stopping = asyncio.create_task(svc.stop(grace_s=10))
+            # gRPC is in its grace period (the Watch stream keeps it there) and HTTP still serves.
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await http.get("/health/ready")).status_code == 503
+            assert not stopping.done()
+            watch.cancel()
+    finally:
+        await (stopping or svc.stop(grace_s=0))
 
 
 async def test_auth(auth_service):

@@ -7,20 +7,17 @@ slices of the whole embedding; bad input against a 4xx naming the problem with t
 from __future__ import annotations
 
 import base64
-import io
-import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import httpx
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_service.api import wire
 from encoder_service.ranges import chunks
+from tests.images import image_bytes, png_header_only
 
 pytest_plugins = ["tests.service_fixtures", "tests.conftest_redis"]
 
@@ -28,25 +25,6 @@ TIMEOUT = httpx.Timeout(30.0)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
-def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A tiny PNG whose header claims width x height (the pixel data is not there)."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b"\0" * 16))
-            + png_chunk(b"IEND", b""))
-
-
 def client(svc, **kw) -> httpx.Client:
     return httpx.Client(base_url=svc.url, timeout=TIMEOUT, **kw)
 
@@ -88,6 +66,15 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def images_encoded(svc) -> float:
     return svc.core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
+
+
+def scraped(c: httpx.Client, sample: str) -> float:
+    """One sample's value in GET /metrics (0 when absent)."""
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        for s in family.samples:
+            if s.name == sample:
+                return s.value
+    return 0.0
 
 
 def assert_still_serving(c: httpx.Client, seed: int = 999) -> None:
@@ -142,12 +129,15 @@ def test_caller_ids_and_fetch_while_encoding(service):
         body = {"images": [{"data": base64.b64encode(data).decode(), "id": "req-7/img-0"}]}
         info = c.post("/v1/encode", json=body).json()["images"][0]
         assert info["id"] == "u:req-7/img-0"
+        fetched = scraped(c, "encoder_fetch_rows_total"), scraped(c, "encoder_fetch_bytes_total")
         # No wait: the fetch below waits for the encode still in flight.
         r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0,
                                       "end": info["num_tokens"], "timeout_s": 20})
         assert r.status_code == 200, r.text
         header, rows = wire.decode_http(r.content)
         assert header.num_rows == info["num_tokens"]
+        assert scraped(c, "encoder_fetch_rows_total") - fetched[0] == info["num_tokens"]
+        assert scraped(c, "encoder_fetch_bytes_total") - fetched[1] == rows.numel() * rows.element_size()
         assert_close(rows, reference_rows(service, data))
 
 
@@ -238,9 +228,9 @@ BAD_ENCODES = {
     "zero bytes": ({"images": [{"data": ""}]}, 400, "empty"),
     "truncated jpeg": ({"images": [{"data": base64.b64encode(_truncated_jpeg()).decode()}], "wait": True},
                        400, "trunc"),
-    "decompression bomb": ({"images": [{"data": base64.b64encode(png_claiming(60000, 60000)).decode()}]},
+    "decompression bomb": ({"images": [{"data": base64.b64encode(png_header_only(60000, 60000)).decode()}]},
                            400, "pixel"),
-    "zero-sized image": ({"images": [{"data": base64.b64encode(png_claiming(0, 10)).decode()}]}, 400, "image 0"),
+    "zero-sized image": ({"images": [{"data": base64.b64encode(png_header_only(0, 10)).decode()}]}, 400, "image 0"),
     "aspect over 200": ({"images": [{"data": base64.b64encode(image_bytes(2, 450, 6)).decode()}]}, 400, "aspect"),
     "too many images": ({"images": [{"data": base64.b64encode(image_bytes(32, 32, 7)).decode()}] * 9},
                         400, "number of images"),
@@ -351,12 +341,18 @@ def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkp
         info = encode_json(ca, [data], wait=True).json()["images"][0]
     a.call(a.core.store.redis.flush)  # the write-behind has landed in Redis
     before = images_encoded(b)
+
+    async def store_stats():  # on b's loop: the store is not thread-safe
+        return b.core.store.stats()
+
     with client(b) as cb:  # replica b never saw the image: fetch reads it from Redis
         r = cb.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 2}], "start": 0, "end": 6})
         assert r.status_code == 200, r.text
         header, rows = wire.decode_http(r.content)
         assert header.segments[0].row_start == 0 and rows.shape[0] == 4
         assert_close(rows, reference_rows(a, data)[:4])
+        stats = b.call(store_stats)
+        assert stats["redis_header_hits"] == 1 and stats["redis_hits"] == 0  # the entry itself stayed in Redis
         again = encode_json(cb, [data], wait=True).json()["images"][0]
         assert again["id"] == info["id"] and again["cached"] is True
     assert images_encoded(b) == before

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from encoder_service.preprocessing import (
     preprocess,
     probe,
 )
+from tests.images import png_header_only
 
 DATA = Path(__file__).parent / "data"
 PHOTOS = ["grace_hopper.jpg", "rocket.jpg", "camera.png"]  # real photographs, see data/README.md
@@ -311,17 +310,6 @@ def test_unreadable_config_file(tmp_path):
 
 
 # ---- limits and hostile input ----
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A real, small PNG whose header claims width x height (8-bit RGB); its pixel data is never read."""
-
-    def chunk(kind: bytes, payload: bytes) -> bytes:
-        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    rows = zlib.compress(b"\x00" * 1024)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
 
 
 def test_encoded_bytes_over_limit():

@@ -59,6 +59,12 @@ class EncodeResult:
     timings: dict[str, float] = field(default_factory=dict)  # ms
 
 
+def timing_headers(timings: dict[str, float]) -> tuple[tuple[str, str], ...]:
+    """`timings` as (key, value) pairs, for HTTP headers and gRPC trailing metadata alike:
+    x-timing-<name>-ms, e.g. x-timing-decode-ms, x-timing-queue-ms, x-timing-encode-ms."""
+    return tuple((f"x-timing-{k.removesuffix('_ms').replace('_', '-')}-ms", f"{v:.3f}") for k, v in timings.items())
+
+
 @dataclass(frozen=True)
 class FetchItem:
     id: str
@@ -81,7 +87,6 @@ class _Probed:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     data: bytes
-    hash_ms: float
 
 
 class EncoderCore:
@@ -112,6 +117,7 @@ class EncoderCore:
         self._failures: OrderedDict[str, errors.EncoderServiceError] = OrderedDict()  # recent failed encodes
         self._reserved = 0  # queue slots promised to fills that have not submitted yet
         self._ready = False
+        self._draining = False
         self._started = False
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -127,6 +133,11 @@ class EncoderCore:
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
         self._ready = True
 
+    def drain(self) -> None:
+        """Readiness off for good (probes and gRPC Health say NOT_SERVING, so traffic moves elsewhere);
+        requests still arriving are served until the transports stop."""
+        self._draining = True
+
     async def stop(self) -> None:
         self._ready = False
         if self._started:
@@ -138,7 +149,7 @@ class EncoderCore:
         return not self._started or self.engine.alive
 
     def ready(self) -> bool:
-        return self._ready and self.engine.alive
+        return self._ready and not self._draining and self.engine.alive
 
     def metadata(self) -> dict:
         s, spec = self.settings, self.spec
@@ -181,7 +192,7 @@ class EncoderCore:
         unique: dict[str, _Probed] = {}
         for p in probed:
             unique.setdefault(p.key.name, p)
-        hits = {name: self.store.local.get(name) for name in unique}
+        hits = {name: self.store.peek(name) for name in unique}
         for name, entry in hits.items():  # a caller id may name other bytes than this time: trust the entry
             if entry is not None:
                 unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
@@ -236,7 +247,6 @@ class EncoderCore:
 
     def _probe(self, index: int, data: bytes, caller_id: str | None) -> _Probed:
         """CPU thread: content hash (or caller key) and header-only sizing of one image."""
-        t0 = time.perf_counter()
         try:
             header = self._pp.probe(data, self.limits)
             plan = self._pp.plan(header, self.preprocess_cfg)
@@ -248,8 +258,7 @@ class EncoderCore:
             key = caller_key(caller_id, self.model_fp)
         else:
             key = make_key(data, self.model_fp, self.settings.cache.hash)
-        return _Probed(key, tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens), data,
-                       (time.perf_counter() - t0) * 1e3)
+        return _Probed(key, tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens), data)
 
     def _reserve(self, n: int) -> None:
         """All-or-none admission of a request's misses into the engine queue (429 when full)."""
@@ -375,6 +384,8 @@ class EncoderCore:
         t_read = time.perf_counter()
         rows = torch.cat(parts) if parts else torch.empty((0, self.spec.row_width), dtype=self.loaded.dtype)
         self.metrics.cache_ms.labels(op="fetch").observe((t_read - t_plan) * 1e3)
+        self.metrics.fetch_rows.inc(rows.shape[0])
+        self.metrics.fetch_bytes.inc(rows.numel() * rows.element_size())
         return FetchResult(segments=segments, rows=rows.contiguous(), dtype=self.dtype,
                            row_width=self.spec.row_width, layout=self.spec.layout,
                            timings={"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3})
@@ -386,12 +397,10 @@ class EncoderCore:
             raise type(exc)(f"encode of id {key.id!r} failed: {exc.message}") if type(exc) in _PLAIN else exc
         if name in self._planned:
             return self._planned[name][1]
-        entry = self.store.local.get(name)
-        if entry is None:
-            entry = await self.store.get(key)  # Redis (promotes to the local tier)
-        if entry is None:
+        header = await self.store.header(key)  # local tier, else only the entry's header from Redis
+        if header is None:
             raise errors.NotFound(f"unknown id {key.id!r}: never encoded here, or evicted (encode it again)")
-        return entry.num_rows
+        return header.num_rows
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
         wanted = key.name in self._interest
@@ -404,7 +413,7 @@ class EncoderCore:
                 self._want(key.name, -1)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
-        tier = "local" if self.store.local.get(key.name) is not None else "redis"
+        tier = "local" if self.store.peek(key) is not None else "redis"
         self.metrics.cache_hits.labels(tier=tier).inc()
         return rows
 

@@ -8,7 +8,8 @@ from encoder_service.api import wire
 from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.wire import RowWriter, WireError, WireHeader
 
-# Trailing-metadata keys (see docs/CONTRACTS.md, Wire format), besides the x-timing-* ones.
+# Trailing-metadata keys (see docs/CONTRACTS.md, Wire format), besides the x-timing-* ones
+# (api/core.py: timing_headers).
 ERROR_KIND = "error-kind"
 RETRY_AFTER_S = "retry-after-s"
 
@@ -38,11 +39,6 @@ def info_to_proto(info) -> pb.ImageInfo:
 def embedding_from_bytes(info: pb.ImageInfo, data: bytes) -> torch.Tensor:
     """One image's [num_tokens, row_width] rows from EncodeResponse.embeddings."""
     return wire.rows_from_bytes(data, info.dtype, info.row_width, info.num_tokens)
-
-
-def timing_metadata(timings: dict[str, float]) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata with the same keys and values as HTTP's timing headers (x-timing-<name>-ms)."""
-    return tuple((f"x-timing-{k.removesuffix('_ms').replace('_', '-')}-ms", f"{v:.3f}") for k, v in timings.items())
 
 
 class FetchAssembler:

@@ -20,7 +20,7 @@ from encoder_service.api import errors as api_errors
 from encoder_service.api import grpc_messages as msgs
 from encoder_service.api import wire
 from encoder_service.api.auth import BearerAuth
-from encoder_service.api.core import FetchItem, ImageInput
+from encoder_service.api.core import FetchItem, ImageInput, timing_headers
 from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.errors import EncoderServiceError, InvalidInput, Overloaded
@@ -36,8 +36,9 @@ _REQUEST_OVERHEAD_BYTES = 1 << 20
 FETCH_DATA_BYTES = wire.GRPC_DATA_BYTES
 
 
-async def start(core, settings) -> grpc.aio.Server:
-    """Serve `core` on settings.server.host:settings.server.grpc_port (started; caller stops it)."""
+async def start(core, settings) -> tuple[grpc.aio.Server, ReadinessHealth]:
+    """Serve `core` on settings.server.host:settings.server.grpc_port (started; caller stops it, after
+    `health.enter_graceful_shutdown()` so open Health.Watch streams hear NOT_SERVING during the grace)."""
     server = grpc.aio.server(
         interceptors=[_AuthInterceptor(BearerAuth(settings.server.auth_token))],
         options=[
@@ -49,12 +50,13 @@ async def start(core, settings) -> grpc.aio.Server:
             ("grpc.so_reuseport", 0),
         ])
     pb_grpc.add_EncoderServicer_to_server(EncoderServicer(core), server)
-    health_pb2_grpc.add_HealthServicer_to_server(ReadinessHealth(core), server)
+    health_servicer = ReadinessHealth(core)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{settings.server.host}:{settings.server.grpc_port}"
     server.add_insecure_port(address)  # raises RuntimeError when the address can't be bound
     await server.start()
     log.info("gRPC serving %s on %s", SERVICE_NAME, address)
-    return server
+    return server, health_servicer
 
 
 class EncoderServicer(pb_grpc.EncoderServicer):
@@ -67,7 +69,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             result = await self._core.encode(images, wait=request.wait or request.return_embeddings,
                                              return_embeddings=request.return_embeddings,
                                              timeout_s=context.time_remaining())
-            context.set_trailing_metadata(msgs.timing_metadata(result.timings))
+            context.set_trailing_metadata(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
 
@@ -79,7 +81,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             result = await self._core.fetch(items, request.start, request.end, timeout_s=context.time_remaining())
             header = wire.WireHeader.of(result.segments, result.rows, result.layout)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
-            context.set_trailing_metadata(msgs.timing_metadata(result.timings))
+            context.set_trailing_metadata(timing_headers(result.timings))
             await context.write(pb.FetchChunk(header=msgs.header_to_proto(header)))
             # Each write waits for flow control: the stream stays a few messages ahead of the reader.
             for piece in wire.grpc_data_chunks(result.rows, FETCH_DATA_BYTES):

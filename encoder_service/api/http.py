@@ -23,7 +23,7 @@ from starlette.types import Message, Receive
 from encoder_service.api import errors as api_errors
 from encoder_service.api import wire
 from encoder_service.api.auth import BearerAuth
-from encoder_service.api.core import EncoderCore, FetchItem, ImageInput
+from encoder_service.api.core import EncoderCore, FetchItem, ImageInput, timing_headers
 from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def create_app(core: EncoderCore) -> FastAPI:
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
                                   "dtype": wire.dtype_name(rows.dtype), "shape": list(rows.shape)}
             out.append(d)
-        return JSONResponse({"images": out, "timings": result.timings}, headers=_timing_headers(result.timings))
+        return JSONResponse({"images": out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 
     async def _fetch(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
@@ -159,7 +159,7 @@ def create_app(core: EncoderCore) -> FastAPI:
             payload, media = wire.encode_safetensors(header, result.rows), SAFETENSORS
         else:
             payload, media = wire.encode_http(header, result.rows), OCTET
-        return Response(payload, media_type=media, headers=_timing_headers(result.timings))
+        return Response(payload, media_type=media, headers=dict(timing_headers(result.timings)))
 
     return app
 
@@ -252,9 +252,3 @@ def _qfloat(q, name: str) -> float | None:
         return float(value)
     except ValueError:
         raise InvalidInput(f"query parameter {name} must be a number, got {value!r}") from None
-
-
-def _timing_headers(timings: dict[str, float]) -> dict[str, str]:
-    """x-timing-<name>-ms headers, e.g. x-timing-decode-ms, x-timing-queue-ms, x-timing-encode-ms."""
-    return {f"x-timing-{k.removesuffix('_ms').replace('_', '-')}-ms": f"{v:.3f}" for k, v in timings.items()}
-

@@ -30,6 +30,8 @@ class Metrics:
                                   registry=r)
         self.cache_hits = Counter("encoder_cache_hits", "Cache hits per tier", ["tier"], registry=r)
         self.cache_misses = Counter("encoder_cache_misses", "Cache misses (images encoded)", registry=r)
+        self.fetch_rows = Counter("encoder_fetch_rows", "Embedding rows served by fetch", registry=r)
+        self.fetch_bytes = Counter("encoder_fetch_bytes", "Embedding row bytes served by fetch", registry=r)
         self.images_encoded = Counter("encoder_images_encoded", "Images run through the ViT", registry=r)
         self.batch_failures = Counter("encoder_batch_failures", "ViT batches that raised", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Images waiting for the GPU", registry=r)

@@ -75,6 +75,7 @@ class Service:
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self._grpc = None
+        self._grpc_health = None
         self.http_address: str | None = None
         self.grpc_address: str | None = None
 
@@ -90,7 +91,7 @@ class Service:
         if s.server.grpc_port:
             from encoder_service.api import grpc_server
 
-            self._grpc = await grpc_server.start(self.core, s)
+            self._grpc, self._grpc_health = await grpc_server.start(self.core, s)
             self.grpc_address = f"{s.server.host}:{s.server.grpc_port}"
         log.info("%s", startup_summary(self, load_s=load_s, total_s=time.perf_counter() - t0))
 
@@ -120,7 +121,12 @@ class Service:
             await self._grpc.wait_for_termination()
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop taking requests, let in-flight ones finish (up to grace_s), then stop the core."""
+        """Report not ready, stop taking requests, let in-flight ones finish (up to grace_s), then stop the
+        core. Readiness goes first so gRPC Health says NOT_SERVING (and /health/ready 503) during the grace."""
+        if self.core is not None:
+            self.core.drain()
+        if self._grpc_health is not None:
+            await self._grpc_health.enter_graceful_shutdown()  # open Health.Watch streams hear it now
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         if self._http is not None:

@@ -72,6 +72,10 @@ class LocalTier:
         self.counters["hits" if entry is not None else "misses"] += 1
         return entry
 
+    def peek(self, key: str) -> Entry | None:
+        """The entry if present, without counting a hit/miss or moving it in the LRU order."""
+        return self._pinned.get(key) or self._lru.get(key)
+
     def put(self, key: str, entry: Entry) -> bool:
         """Insert or replace; False when an unpinned entry cannot fit even in an empty LRU."""
         self._expire_leases()
@@ -106,7 +110,7 @@ class LocalTier:
                 pin.deadline = deadline
                 heapq.heappush(self._deadlines, (deadline, key))
             return
-        entry = self._pinned.get(key) or self._lru.get(key)
+        entry = self.peek(key)
         if entry is not None:
             nbytes = entry.nbytes
         elif nbytes is None:

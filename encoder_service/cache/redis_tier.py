@@ -2,7 +2,8 @@
 
   - Writes are write-behind: `write_behind` queues the entry (bounded in bytes; over the bound the write
     is dropped and counted) and one writer task serializes it (in a thread) and SETs it with a TTL backstop.
-  - Reads: `get` fetches and verifies a whole value; `read_rows` reads only a chunk's rows with GETRANGE.
+  - Reads: `get` fetches and verifies a whole value; `read_rows` reads only a chunk's rows with GETRANGE;
+    `header` reads only the fixed header (row count, width, grid) and the value's length.
     Range scheme (see entry.py): the header is read once per key (GETRANGE of HEADER_LEN bytes) and kept in
     a small cache; each range read is then ONE MULTI/EXEC round trip of [header, STRLEN, the blocks covering
     the rows, the trailer]. MULTI makes the four replies one snapshot of the value, and the header re-read
@@ -76,7 +77,7 @@ class RedisTier:
         self._headers: OrderedDict[str, tuple[EntryHeader, bytes]] = OrderedDict()
         self._header_cache_size = header_cache_size
         self.counters = dict(
-            hits=0, misses=0, range_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
+            hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, skipped_down=0,
         )  # fmt: skip
 
@@ -104,70 +105,91 @@ class RedisTier:
 
     async def get(self, key: str) -> Entry | None:
         """Whole entry, verified; None on a miss, a corrupt value, or while Redis is down."""
-        if not self._available():
-            return None
-        try:
-            data = await self._client.get(key)
-        except RedisError as exc:
-            self._on_error(exc)
-            return None
-        if data is None:
-            self.counters["misses"] += 1
-            return None
-        try:
-            entry = await _maybe_in_thread(len(data), Entry.from_bytes, data, key)
-        except CorruptEntry as exc:
-            self._on_corrupt(key, exc)
-            return None
-        self.counters["hits"] += 1
-        return entry
+        return await self._read(key, self._get)
 
     async def read_rows(self, key: str, start: int, end: int) -> torch.Tensor | None:
         """Rows [start, end) read with GETRANGE, verified; None on a miss/corrupt/down.
         InvalidInput when the range is outside the stored entry."""
+        return await self._read(key, self._read_rows, start, end)
+
+    async def header(self, key: str) -> EntryHeader | None:
+        """The entry's header alone (rows, width, grid, ...): one round trip of [GETRANGE of the header,
+        STRLEN], verified (digest, key tag, length); None on a miss/corrupt/down. Cached for `read_rows`."""
+        return await self._read(key, self._header)
+
+    async def _read(self, key: str, read, *args):
+        """`await read(key, *args)`; None while down, and a corrupt value or a Redis error (counted) is a miss."""
         if not self._available():
             return None
         try:
-            for _ in range(2):  # a second try only when the value changed under a cached header
-                cached = self._headers.get(key) or await self._read_header(key)
-                if cached is None:
-                    self.counters["misses"] += 1
-                    return None
-                header, raw_header = cached
-                header.check_rows(start, end)
-                lo, hi = header.block_bytes_range(*header.block_span(start, end))
-                async with self._client.pipeline(transaction=True) as pipe:
-                    pipe.getrange(key, 0, HEADER_LEN - 1)
-                    pipe.strlen(key)
-                    pipe.getrange(key, lo, hi - 1)
-                    pipe.getrange(key, header.trailer_offset, header.total_len - 1)
-                    now_header, strlen, blocks, trailer = await pipe.execute()
-                if now_header == raw_header:
-                    break
-                self._headers.pop(key, None)  # evicted or rewritten since the header was cached
-            else:
-                raise CorruptEntry("value changed twice during a range read")
-            if strlen != header.total_len:
-                raise CorruptEntry(f"value is {strlen} bytes, the header says {header.total_len}")
-            rows = await _maybe_in_thread(len(blocks), rows_from_blocks, header, trailer, start, end, blocks)
+            return await read(key, *args)
         except CorruptEntry as exc:
             self._on_corrupt(key, exc)
-            return None
         except RedisError as exc:
             self._on_error(exc)
+        return None
+
+    async def _get(self, key: str) -> Entry | None:
+        data = await self._client.get(key)
+        if data is None:
+            self.counters["misses"] += 1
             return None
+        entry = await _maybe_in_thread(len(data), Entry.from_bytes, data, key)
+        self.counters["hits"] += 1
+        return entry
+
+    async def _read_rows(self, key: str, start: int, end: int) -> torch.Tensor | None:
+        for _ in range(2):  # a second try only when the value changed under a cached header
+            cached = self._headers.get(key) or await self._read_header(key)
+            if cached is None:
+                self.counters["misses"] += 1
+                return None
+            header, raw_header = cached
+            header.check_rows(start, end)
+            lo, hi = header.block_bytes_range(*header.block_span(start, end))
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.getrange(key, 0, HEADER_LEN - 1)
+                pipe.strlen(key)
+                pipe.getrange(key, lo, hi - 1)
+                pipe.getrange(key, header.trailer_offset, header.total_len - 1)
+                now_header, strlen, blocks, trailer = await pipe.execute()
+            if now_header == raw_header:
+                break
+            self._headers.pop(key, None)  # evicted or rewritten since the header was cached
+        else:
+            raise CorruptEntry("value changed twice during a range read")
+        if strlen != header.total_len:
+            raise CorruptEntry(f"value is {strlen} bytes, the header says {header.total_len}")
+        rows = await _maybe_in_thread(len(blocks), rows_from_blocks, header, trailer, start, end, blocks)
         self.counters["range_hits"] += 1
         return rows
+
+    async def _header(self, key: str) -> EntryHeader | None:
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.getrange(key, 0, HEADER_LEN - 1)
+            pipe.strlen(key)
+            raw, strlen = await pipe.execute()
+        if not raw:
+            self.counters["misses"] += 1
+            return None
+        header = self._cache_header(key, raw)
+        if strlen != header.total_len:
+            raise CorruptEntry(f"value is {strlen} bytes, the header says {header.total_len}")
+        self.counters["header_hits"] += 1
+        return header
 
     async def _read_header(self, key: str) -> tuple[EntryHeader, bytes] | None:
         raw = await self._client.getrange(key, 0, HEADER_LEN - 1)
         if not raw:
             return None
+        return self._cache_header(key, raw), raw
+
+    def _cache_header(self, key: str, raw: bytes) -> EntryHeader:
         header = EntryHeader.parse(raw, key)
         self._headers[key] = (header, raw)
         if len(self._headers) > self._header_cache_size:
             self._headers.popitem(last=False)
-        return header, raw
+        return header
 
     # ---- writes ---------------------------------------------------------------------------------
 

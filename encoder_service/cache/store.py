@@ -4,6 +4,8 @@
                            lease_s=300, max_pinned_bytes=local_bytes // 2)
     await store.start() ... await store.close()
     await store.get(key)                          -> Entry | None       local, then Redis (promoted)
+    store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
+    await store.header(key)                       -> EntryHeader | None local, else Redis header only
     await store.get_or_create(key, create)        -> (Entry, was_cached) single flight
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, in-flight fill, Redis GETRANGE
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
@@ -36,7 +38,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from encoder_service.cache.entry import Entry
+from encoder_service.cache.entry import Entry, EntryHeader
 from encoder_service.cache.keys import CacheKey
 from encoder_service.cache.local import LocalTier
 from encoder_service.cache.redis_tier import RedisTier
@@ -93,6 +95,19 @@ class EmbeddingStore:
             if entry is not None:
                 self.local.put(name, entry)
         return entry
+
+    def peek(self, key: Key) -> Entry | None:
+        """The local tier's entry, or None; no hit/miss counted, no LRU promotion, no Redis."""
+        return self.local.peek(_name(key))
+
+    async def header(self, key: Key) -> EntryHeader | None:
+        """The entry's header (num_rows, row_width, grid_thw, ...) from the local tier, else read alone
+        from Redis (GETRANGE of the fixed header, verified; the rows stay there, nothing is promoted)."""
+        name = _name(key)
+        entry = self.local.peek(name)
+        if entry is not None:
+            return entry.header
+        return await self.redis.header(name) if self.redis is not None else None
 
     async def read_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
         """Rows [start, end) as a CPU tensor [end - start, row_width] (a read-only view), or None when no

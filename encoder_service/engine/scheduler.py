@@ -35,11 +35,6 @@ class WorkItem:
     seq: int = 0  # request arrival number (set by the scheduler)
     index: int = 0  # placeholder order inside the request
 
-    def add_interest(self, deadline: float | None) -> None:
-        self.interest += 1
-        if self.deadline is not None:
-            self.deadline = None if deadline is None else max(self.deadline, deadline)
-
     def release(self) -> None:
         """One caller left (cancelled). The item is dropped at the next batch if nobody else waits."""
         self.interest = max(0, self.interest - 1)

@@ -1,0 +1,34 @@
+"""Images made in memory for the tests: random-noise pictures, and PNGs whose header claims any size."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image
+
+
+def noise_image(width: int, height: int, seed: int) -> Image.Image:
+    """An RGB picture of uniform random pixels (the same for the same seed)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
+    """`noise_image` encoded as `fmt` (PNG, JPEG, ...)."""
+    buf = io.BytesIO()
+    noise_image(width, height, seed).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A real, small PNG whose header claims width x height (8-bit RGB); its pixel data is never read."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    rows = zlib.compress(b"\x00" * 1024)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
