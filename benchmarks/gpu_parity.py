@@ -6,9 +6,10 @@ checkpoint prefix (`visual.` / `model.visual.`) with a config.json in a temp dir
 loader, and compare the outputs on random pixel values for 448x448, 720p, 1080p and a batch of three
 mixed sizes. Qwen3 compares the main rows and each deepstack level.
 
-Relative error = max|ours - ref| / max|ref| (mean: mean|ours - ref| / mean|ref|). Writes
-$OUT/gpu_parity.json and $OUT/gpu_parity.md (OUT defaults to ./gpu_out); exits 1 if any max relative
-error is above 1e-2.
+Relative errors: max|d| / max|ref|, mean|d| / mean|ref| and ||d|| / ||ref|| (d = ours - ref). In bf16 the
+script also runs transformers in float32 on the same weights and checks that ours is no further from it
+than transformers' own bf16 run is (see `passes`). Writes $OUT/gpu_parity.json and $OUT/gpu_parity.md (OUT
+defaults to ./gpu_out); exits 1 on a failure.
 
     python benchmarks/gpu_parity.py            # GPU: real sizes, bfloat16 (torch 2.11+, transformers 5.x)
     python benchmarks/gpu_parity.py --small    # CPU: tiny towers, float32, small images (a smoke test)
@@ -17,6 +18,7 @@ error is above 1e-2.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -137,16 +139,27 @@ def reference_rows(output) -> torch.Tensor:
     return torch.cat([output.pooler_output, *deepstack], dim=1)
 
 
-def rel_errors(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    diff = (ours.float() - ref.float()).abs()
-    return (diff.max() / ref.float().abs().max()).item(), (diff.mean() / ref.float().abs().mean()).item()
+def rel_errors(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(max|d| / max|ref|, mean|d| / mean|ref|, ||d||_2 / ||ref||_2) with d = ours - ref."""
+    ours, ref = ours.double(), ref.double()
+    diff = (ours - ref).abs()
+    return (
+        (diff.max() / ref.abs().max()).item(),
+        (diff.mean() / ref.abs().mean()).item(),
+        (diff.norm() / ref.norm()).item(),
+    )
 
 
 @torch.no_grad()
 def compare_family(family: str, vision: dict, images: dict, device, dtype) -> list[dict]:
+    """Ours against transformers in `dtype`, and (when dtype is lower than float32) both against transformers
+    in float32 on the same weights: bf16 rounding through ~30 random-weight layers moves any bf16 run by a
+    few 1e-2 from float32, transformers' own included, so "ours is no further from float32 than transformers'
+    bf16 is" is the check that separates a defect from rounding noise."""
     with tempfile.TemporaryDirectory() as tmp:
         reference = build_reference(family, vision, device, dtype, Path(tmp))
         ours = load_model(tmp, device=device, dtype=dtype)
+    reference32 = copy.deepcopy(reference).float() if dtype != torch.float32 else None
     width, levels = ours.spec.out_hidden_size, 1 + ours.spec.num_deepstack
     rows = []
     for case, sizes in images.items():
@@ -154,21 +167,22 @@ def compare_family(family: str, vision: dict, images: dict, device, dtype) -> li
         num_patches = sum(t * h * w for t, h, w in grids)
         generator = torch.Generator().manual_seed(0)
         pixel_values = torch.randn(num_patches, ours.spec.patch_dim, generator=generator).to(device)
+        grid_thw = torch.tensor(grids, device=device)
         out = ours.tower(pixel_values.to(dtype), ours.tower.metadata(grids).to(device))
-        ref = reference_rows(reference(pixel_values, grid_thw=torch.tensor(grids, device=device)))
+        ref = reference_rows(reference(pixel_values.to(dtype), grid_thw=grid_thw))
+        ref32 = reference_rows(reference32(pixel_values, grid_thw=grid_thw)) if reference32 is not None else None
         for level in range(levels):
             sl = slice(level * width, (level + 1) * width)
-            max_err, mean_err = rel_errors(out[:, sl], ref[:, sl])
+            max_err, mean_err, norm_err = rel_errors(out[:, sl], ref[:, sl])
             name = "main" if level == 0 else f"deepstack_{level}"
-            rows.append(
-                dict(family=family, case=case, level=name, grids=grids, patches=num_patches)
-                | dict(max_rel_err=max_err, mean_rel_err=mean_err)
-            )
-            print(
-                f"{family:11s} {case:11s} {name:12s} patches {num_patches:6d}  "
-                f"max rel err {max_err:.2e}  mean rel err {mean_err:.2e}"
-            )
-    del reference, ours
+            row = dict(family=family, case=case, level=name, grids=grids, patches=num_patches)
+            row |= dict(max_rel_err=max_err, mean_rel_err=mean_err, norm_rel_err=norm_err)
+            if ref32 is not None:
+                row["ours_vs_fp32"] = rel_errors(out[:, sl], ref32[:, sl])[2]
+                row["transformers_vs_fp32"] = rel_errors(ref[:, sl], ref32[:, sl])[2]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "grids"}))
+    del reference, reference32, ours
     return rows
 
 
@@ -194,12 +208,14 @@ def markdown(setup: dict, rows: list[dict]) -> str:
         "",
         ", ".join(f"{k}: {v}" for k, v in setup.items()),
         "",
-        "| family | case | level | patches | max rel err | mean rel err |",
-        "|---|---|---|---|---|---|",
+        "| family | case | level | patches | max rel err | mean rel err | norm rel err "
+        "| ours vs fp32 (norm) | transformers bf16 vs fp32 (norm) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['family']} | {r['case']} | {r['level']} | {r['patches']} "
-        f"| {r['max_rel_err']:.2e} | {r['mean_rel_err']:.2e} |"
+        f"| {r['max_rel_err']:.2e} | {r['mean_rel_err']:.2e} | {r['norm_rel_err']:.2e} "
+        f"| {r.get('ours_vs_fp32', float('nan')):.2e} | {r.get('transformers_vs_fp32', float('nan')):.2e} |"
         for r in rows
     ]
     return "\n".join(lines) + "\n"
@@ -226,13 +242,21 @@ def main() -> int:
     report = dict(setup=setup, max_allowed=MAX_REL_ERR, results=rows)
     (out_dir / "gpu_parity.json").write_text(json.dumps(report, indent=2))
     (out_dir / "gpu_parity.md").write_text(markdown(setup, rows))
-    worst = max(rows, key=lambda r: r["max_rel_err"])
-    if worst["max_rel_err"] > MAX_REL_ERR:
-        where = f"{worst['family']} {worst['case']} {worst['level']}"
-        print(f"FAIL: {where}: max rel err {worst['max_rel_err']:.2e} > {MAX_REL_ERR}")
-        return 1
-    print(f"OK: worst max rel err {worst['max_rel_err']:.2e} ({worst['family']} {worst['case']} {worst['level']})")
-    return 0
+    failures = [r for r in rows if not passes(r)]
+    for r in failures:
+        print(f"FAIL: {r['family']} {r['case']} {r['level']}: {json.dumps({k: v for k, v in r.items() if k != 'grids'})}")
+    worst = max(rows, key=lambda r: r["norm_rel_err"])
+    print(f"worst norm rel err vs transformers {worst['norm_rel_err']:.2e} ({worst['family']} {worst['case']})")
+    return 1 if failures else 0
+
+
+def passes(row: dict) -> bool:
+    """float32: within MAX_REL_ERR of transformers. Lower precision: ours no further from transformers'
+    float32 output than transformers' own run in that precision (10% slack), or within MAX_REL_ERR of it."""
+    if "ours_vs_fp32" not in row:
+        return row["max_rel_err"] <= MAX_REL_ERR
+    no_worse = row["ours_vs_fp32"] <= 1.1 * row["transformers_vs_fp32"]
+    return no_worse or row["norm_rel_err"] <= MAX_REL_ERR
 
 
 if __name__ == "__main__":

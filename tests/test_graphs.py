@@ -91,6 +91,24 @@ def t_tokens(g):
     return t * h * w // 4
 
 
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mlp_padding_is_exact(tiny_checkpoint, family, dtype):
+    """prepare_tower zero-pads the MLP width to a multiple of 128 (and fuses gate/up): same output bits."""
+    plain = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
+    prepared = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
+    report = fused.prepare_tower(prepared.tower)
+    assert report["mlp_padded"].endswith("-> 128")
+    mlp = prepared.tower.blocks[0].mlp
+    assert mlp.padded_size == 128 and mlp.down_weight.shape[1] == 128
+    grids = [(1, 8, 12), (1, 4, 4), (2, 4, 4)]
+    pv = torch.cat(pixels(grids, plain.spec.patch_dim, 0)).to(dtype)
+    with torch.no_grad():
+        ref = plain.tower(pv, plain.tower.metadata(grids))
+        out = prepared.tower(pv, prepared.tower.metadata(grids))
+    assert torch.equal(out, ref)
+
+
 def test_chunked_boundaries():
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     assert _chunked_boundaries(cu, 12, 4, 3).tolist() == [0, 5, 12, 12]

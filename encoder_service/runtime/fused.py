@@ -15,7 +15,6 @@ Two things, both leaving the towers' files (models/) untouched:
        qkv    = n1 @ Wqkv^T + b                             cuBLAS
        q, k   = rotary(qkv) in float32                      one Triton kernel (was ~20 eager kernels)
        o      = attention(q, k, v)                          runtime/attention.py dispatch
-                (Qwen2.5 window layers: rotary + attention in one Triton kernel instead)
        x1     = c1 + o @ Wproj^T                            one GEMM, residual in the epilogue (in place, beta 1)
        n2, c2 = norm2(x1), x1 + down.bias                   one Triton kernel
        h      = silu(n2 @ Wg^T) * (n2 @ Wu^T)               one GEMM + one Triton kernel (Qwen2.5)
@@ -39,7 +38,7 @@ from torch import nn
 
 from encoder_service.models.layers import RMSNorm, VisionAttention, VisionBlock
 from encoder_service.models.qwen3_vl import Qwen3VLTower
-from encoder_service.runtime.attention import SHORT_SEGMENT_MAX, varlen_attention
+from encoder_service.runtime.attention import varlen_attention
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +165,9 @@ class FusedVisionBlock(VisionBlock):
         w2, b2, eps2, rms2 = _norm_params(self.norm2)
         c1, n1 = _kernels.norm_residual(x, w1, b1, eps1, rms1, attn.proj.bias)
         qkv = F.linear(n1, attn.qkv.weight, attn.qkv.bias)
-        if max_seqlen <= SHORT_SEGMENT_MAX and attn.qkv.weight.shape[1] // attn.num_heads <= 256:
-            # Windows: rotary inside the attention kernel (q and k never round-trip through memory).
-            o = _kernels.short_segment_rotary_attention(qkv, cos, sin, cu_seqlens, max_seqlen, attn.num_heads)
-        else:
-            q, k = _kernels.rotary_qk(qkv, cos, sin, attn.num_heads)
-            v = qkv.view(n, 3, attn.num_heads, -1)[:, 2]
-            o = varlen_attention(q, k, v, cu_seqlens, max_seqlen)
+        q, k = _kernels.rotary_qk(qkv, cos, sin, attn.num_heads)
+        v = qkv.view(n, 3, attn.num_heads, -1)[:, 2]
+        o = varlen_attention(q, k, v, cu_seqlens, max_seqlen)
         # In place (c1 is this block's own buffer): out-of-place addmm would first copy c1 into a new output.
         x1 = c1.addmm_(o.reshape(n, -1), attn.proj.weight.t())
         c2, n2 = _kernels.norm_residual(x1, w2, b2, eps2, rms2, mlp.down_bias)

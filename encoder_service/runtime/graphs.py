@@ -160,7 +160,7 @@ class GraphRunner:
         max_padding: float = 0.05,
         exact_buckets: Sequence[int] = (),
     ):
-        self.eager = EagerRunner(loaded)
+        self.eager = EagerRunner(loaded, max_batch_patches=max_batch_patches)  # spill / policy path
         self.tower, self.spec = loaded.tower, loaded.spec
         self.device, self.dtype = self.eager.device, self.eager.dtype
         self.merge_unit = self.spec.merge_size**2
