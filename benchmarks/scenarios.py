@@ -23,90 +23,27 @@ the image count).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import io
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_parity import REAL, SMALL, build_reference, setup_info  # noqa: E402
+from _service_setup import InProcessService, build_checkpoint, jpeg, sync  # noqa: E402
+from gpu_parity import REAL, SMALL, setup_info  # noqa: E402
 
-from encoder_service.api.service import Service, bind_socket  # noqa: E402
+from encoder_service.api.service import bind_socket  # noqa: E402
 from encoder_service.client import EncoderClient  # noqa: E402
 from encoder_service.settings import Settings  # noqa: E402
 
-# Preprocessing of the released checkpoints (DESIGN.md section 2); --small keeps images at most 256 tokens.
-PREPROCESS = {
-    "qwen2_5_vl": dict(min_pixels=3136, max_pixels=12845056, image_mean=[0.48145466, 0.4578275, 0.40821073],
-                       image_std=[0.26862954, 0.26130258, 0.27577711]),
-    "qwen3_vl": dict(min_pixels=65536, max_pixels=16777216, image_mean=[0.5] * 3, image_std=[0.5] * 3),
-}
 # Peak memory for 64 images may exceed the 8-image peak by this factor and still count as "bounded".
 PEAK_GROWTH_LIMIT = 1.25
-
-
-def build_checkpoint(family: str, small: bool, device: torch.device, dtype: torch.dtype, directory: Path) -> None:
-    """Random-weight vision tower of the real (or --small) size, saved as a checkpoint the service loads."""
-    vision = (SMALL if small else REAL)[family]
-    model = build_reference(family, vision, device, dtype, directory)
-    del model  # the service loads its own copy; free this one before measuring memory
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    pre = dict(PREPROCESS[family], patch_size=vision["patch_size"], temporal_patch_size=2, merge_size=2,
-               image_processor_type="Qwen2VLImageProcessor", do_resize=True, do_rescale=True,
-               rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
-    if small:
-        pre.update(min_pixels=4 * (2 * vision["patch_size"]) ** 2, max_pixels=256 * (2 * vision["patch_size"]) ** 2)
-    (directory / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
-
-
-def jpeg(width: int, height: int, seed: int, comment: str = "") -> bytes:
-    """A photo-like JPEG (gradients + noise). `comment` changes the bytes (and so the cache key), not the
-    pixels."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    phase = rng.uniform(0, 6.28, 3)
-    base = np.stack([127 + 100 * np.sin(x / (37 + 13 * c) + y / (53 + 7 * c) + phase[c]) for c in range(3)], -1)
-    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buf, format="JPEG", quality=92, comment=comment.encode())
-    return buf.getvalue()
-
-
-class InProcessService:
-    """Service (core + HTTP on 127.0.0.1, free port) on its own thread's event loop."""
-
-    def __init__(self, settings: Settings, http_sock):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="service-loop", daemon=True)
-        self.thread.start()
-        self.service = Service(settings, http_sock=http_sock)
-        self._run(self.service.start(), timeout=1800)
-        self.url = self.service.http_address
-
-    def _run(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self._run(self.service.stop(grace_s=5), timeout=60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fetch_all(client: EncoderClient, infos, chunk_size: int) -> int:

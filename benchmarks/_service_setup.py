@@ -1,0 +1,94 @@
+"""Shared setup of the end-to-end benchmarks (scenarios.py, load_bench.py): a real-size random-weight
+checkpoint the service loads, photo-like JPEGs, and the service (core + HTTP, optionally gRPC, on
+127.0.0.1) running on its own thread's event loop in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+# Preprocessing of the released checkpoints (DESIGN.md section 2); --small keeps images at most 256 tokens.
+PREPROCESS = {
+    "qwen2_5_vl": dict(min_pixels=3136, max_pixels=12845056, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                       image_std=[0.26862954, 0.26130258, 0.27577711]),
+    "qwen3_vl": dict(min_pixels=65536, max_pixels=16777216, image_mean=[0.5] * 3, image_std=[0.5] * 3),
+}
+
+
+def build_checkpoint(family: str, small: bool, device: torch.device, dtype: torch.dtype, directory: Path) -> None:
+    """Random-weight vision tower of the real (or --small) size, saved as a checkpoint the service loads."""
+    from gpu_parity import REAL, SMALL, build_reference  # transformers: imported only when needed
+
+    vision = (SMALL if small else REAL)[family]
+    model = build_reference(family, vision, device, dtype, directory)
+    del model  # the service loads its own copy; free this one before measuring memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    pre = dict(PREPROCESS[family], patch_size=vision["patch_size"], temporal_patch_size=2, merge_size=2,
+               image_processor_type="Qwen2VLImageProcessor", do_resize=True, do_rescale=True,
+               rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
+    if small:
+        pre.update(min_pixels=4 * (2 * vision["patch_size"]) ** 2, max_pixels=256 * (2 * vision["patch_size"]) ** 2)
+    (directory / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+
+
+def photo(width: int, height: int, seed: int) -> np.ndarray:
+    """[height, width, 3] uint8, photo-like (gradients + noise)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    phase = rng.uniform(0, 6.28, 3)
+    base = np.stack([127 + 100 * np.sin(x / (37 + 13 * c) + y / (53 + 7 * c) + phase[c]) for c in range(3)], -1)
+    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+
+
+def jpeg(width: int, height: int, seed: int, comment: str = "") -> bytes:
+    """A photo-like JPEG (gradients + noise). `comment` changes the bytes (and so the cache key), not the
+    pixels."""
+    buf = io.BytesIO()
+    Image.fromarray(photo(width, height, seed), "RGB").save(buf, format="JPEG", quality=92, comment=comment.encode())
+    return buf.getvalue()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on `host` a moment ago (for servers that take a number, not a socket)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class InProcessService:
+    """Service (core + HTTP on 127.0.0.1, free port; gRPC too when the settings give it a port) on its own
+    thread's event loop. `core`: an already built EncoderCore (api/service.py: build_core) to serve."""
+
+    def __init__(self, settings, http_sock, core=None):
+        from encoder_service.api.service import Service
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="service-loop", daemon=True)
+        self.thread.start()
+        self.service = Service(settings, core=core, http_sock=http_sock)
+        self._run(self.service.start(), timeout=1800)
+        self.url = self.service.http_address
+        self.grpc_address = self.service.grpc_address
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self._run(self.service.stop(grace_s=5), timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

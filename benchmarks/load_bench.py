@@ -1,0 +1,454 @@
+"""Load benchmark of the running service (issue 5, item 7): uvicorn + grpc.aio on 127.0.0.1, this process.
+
+Model: the Qwen2.5-VL-7B vision tower at its real size, random weights, bfloat16, CUDA graphs on (the
+service's default buckets), saved to a temp dir and loaded by our loader (the service's own build_core).
+
+  1. model only: the service's runner (`runner.encode`, synchronized) on 720p images preprocessed exactly as
+     the engine does (`preprocess` with the core's config), in batches of 1, 2 and as many as one engine
+     batch holds (the service's default batch_tokens, capped at the largest graph bucket: 3 images at 720p);
+     images/s. The best of these is the reference of the target.
+  2. encode under load: distinct 720p JPEGs (distinct pixels and bytes per request: no cache hits), one
+     image per HTTP request (`POST /v1/encode?wait=true`, AsyncEncoderClient, a keep-alive connection
+     per worker), closed loop at concurrency 1, 4, 16, 64, each level bounded in requests and seconds;
+     images/s, p50/p99 latency, and from the service's /metrics over the level: mean images per ViT batch,
+     GPU-thread busy share, mean preprocess and queue ms. Target: the best level reaches >= 90% of (1).
+  3. fetch of one cached 1080p entry, all its rows (19 MB in bf16), over HTTP and over gRPC (EncoderClient,
+     `out=` a preallocated buffer), sequential; p50/p99 ms. Target: p50 <= 3 ms on loopback.
+
+The load generator runs in a child process (this script with --client) so that its Python work does not
+share the service's GIL; the service, the model-only runs and the child are all started and bounded here.
+
+    python benchmarks/load_bench.py            # GPU (H100: about 2-3 minutes)
+    python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
+
+Prints a markdown table; writes $OUT/load_bench.json and $OUT/load_bench.md (OUT defaults to ./bench_out).
+Exits 1 when a correctness check fails (request errors, cache hits on distinct images, fetched rows wrong
+or HTTP/gRPC disagreeing); targets are reported (met / MISSED), not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+FAMILY = "qwen2_5_vl"
+LEVELS = (1, 4, 16, 64)
+ENCODE_SIZE, FETCH_SIZE = (1280, 720), (1920, 1080)
+SERVICE_TARGET = 0.90  # service images/s >= 90% of model-only
+FETCH_TARGET_MS = 3.0  # p50 of a whole cached 1080p entry on loopback
+# Per mode: requests per level (a level also stops starting requests after level_s), warm-up requests,
+# fetch iterations (and seconds) per transport, seconds per model-only batch size, the child's limit.
+CONFIGS = {
+    "full": dict(requests={1: 48, 4: 96, 16: 192, 64: 320}, level_s=30.0, warmup=8, fetch_iters=100, fetch_s=10.0,
+                 model_s=2.0, model_iters=200, request_timeout_s=60.0, client_limit_s=300.0, cache_bytes="24GiB"),
+    "small": dict(requests={1: 4, 4: 8, 16: 16, 64: 64}, level_s=20.0, warmup=2, fetch_iters=10, fetch_s=5.0,
+                  model_s=0.5, model_iters=20, request_timeout_s=60.0, client_limit_s=240.0, cache_bytes="2GiB"),
+}
+# Image index ranges (each image's content is a function of its index): never shared between phases.
+MODEL_ONLY_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_000_000, 4_000_000
+
+
+# ---- images -----------------------------------------------------------------------------------------------
+def distinct_jpeg(base: np.ndarray, index: int) -> bytes:
+    """`base` shifted by an index-dependent offset with the index stamped in as 32 8x8 blocks: distinct pixels
+    (and bytes) per index, the same size and photo-like statistics for all."""
+    from PIL import Image
+
+    h, w = base.shape[:2]
+    img = np.roll(base, shift=((17 * (index // w)) % h, index % w), axis=(0, 1))
+    for bit in range(32):
+        img[:8, 8 * bit:8 * bit + 8] = 255 if (index >> bit) & 1 else 0
+    buf = io.BytesIO()
+    Image.fromarray(img, "RGB").save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def make_jpegs(size: tuple[int, int], indices, seed: int = 0) -> list[bytes]:
+    from _service_setup import photo
+
+    base = photo(*size, seed=seed)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
+        return list(pool.map(lambda i: distinct_jpeg(base, i), indices))
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), q)) if samples else float("nan")
+
+
+# ---- load generator (child process) -----------------------------------------------------------------------
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of the service's /metrics (counters, histogram sums and counts)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def server_side(before: dict, after: dict, wall_s: float) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    batches = d.get("encoder_encode_ms_count", 0.0)
+    images = d.get("encoder_images_encoded_total", 0.0)
+
+    def mean(name):
+        n = d.get(f"{name}_count", 0.0)
+        return d.get(f"{name}_sum", 0.0) / n if n else None
+
+    return dict(vit_batches=int(batches), vit_images=int(images),
+                images_per_batch=images / batches if batches else None,
+                patches_per_batch=mean("encoder_batch_patches"), vit_ms_per_batch=mean("encoder_encode_ms"),
+                gpu_thread_busy=d.get("encoder_encode_ms_sum", 0.0) / (wall_s * 1e3) if wall_s else None,
+                preprocess_ms=mean("encoder_preprocess_ms"), queue_ms=mean("encoder_queue_ms"))
+
+
+async def run_level(url: str, images: list[bytes], concurrency: int, level_s: float, timeout_s: float) -> dict:
+    """Closed loop: `concurrency` workers, each sends its next image once its previous answer is back, until
+    the images run out or level_s has passed (requests in flight then finish, each bounded by timeout_s)."""
+    import httpx
+
+    from encoder_service.client import AsyncEncoderClient
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    latencies, errors, hits, tokens = [], [], 0, set()
+    queue = iter(images)
+    async with AsyncEncoderClient.http(url, timeout=timeout_s, limits=limits) as client:
+        await client.metadata()  # one connection up before the clock starts
+        before = await asyncio.to_thread(scrape, url)
+        start = time.perf_counter()
+        deadline = start + level_s
+
+        async def worker():
+            nonlocal hits
+            while time.perf_counter() < deadline:
+                data = next(queue, None)
+                if data is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    (info,) = await client.encode([data], wait=True)
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                latencies.append((time.perf_counter() - t0) * 1e3)
+                hits += bool(info.cached)
+                tokens.add(info.num_tokens)
+
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))),
+                               level_s + timeout_s + 30)
+        wall = time.perf_counter() - start
+        after = await asyncio.to_thread(scrape, url)
+    done = len(latencies)
+    row = dict(concurrency=concurrency, requests=done, errors=len(errors), error_samples=errors[:3], cache_hits=hits,
+               num_tokens=sorted(tokens), wall_s=wall, images_per_s=done / wall if wall else 0.0,
+               p50_ms=percentile(latencies, 50), p99_ms=percentile(latencies, 99),
+               mean_ms=float(np.mean(latencies)) if latencies else float("nan"),
+               time_capped=done + len(errors) < len(images))
+    return row | server_side(before, after, wall)
+
+
+def time_fetches(client, info, out, iters: int, budget_s: float) -> tuple[list[float], object]:
+    for _ in range(3):  # warm-up: connection, first-touch of buffers
+        client.fetch([(info.id, 0)], 0, info.num_tokens, out=out)
+    samples, result = [], None
+    start = time.perf_counter()
+    while len(samples) < iters and (len(samples) < 5 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        result = client.fetch([(info.id, 0)], 0, info.num_tokens, out=out)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples, result
+
+
+def fetch_bench(url: str, grpc_target: str, cfg: dict) -> tuple[list[dict], list[str]]:
+    import torch
+
+    from encoder_service.client import EncoderClient
+
+    (data,) = make_jpegs(FETCH_SIZE, [FETCH_BASE], seed=1)
+    with EncoderClient.http(url, timeout=cfg["request_timeout_s"]) as client:
+        (info,) = client.encode([data], wait=True)
+    dtype = getattr(torch, info.dtype)
+    nbytes = info.num_tokens * info.row_width * torch.empty((), dtype=dtype).element_size()
+    rows, checks, got = [], [], {}
+    for transport in ("http", "grpc"):
+        out = torch.empty(info.num_tokens, info.row_width, dtype=dtype)
+        make = EncoderClient.http if transport == "http" else EncoderClient.grpc
+        with make(url if transport == "http" else grpc_target, timeout=cfg["request_timeout_s"]) as client:
+            samples, result = time_fetches(client, info, out, cfg["fetch_iters"], cfg["fetch_s"])
+        served = sum(s.num_rows for s in result.segments) if result is not None else 0
+        if served != info.num_tokens:
+            checks.append(f"fetch over {transport}: {served} rows, expected {info.num_tokens}")
+        got[transport] = out
+        p50 = percentile(samples, 50)
+        rows.append(dict(transport=transport, image=f"{FETCH_SIZE[0]}x{FETCH_SIZE[1]}", rows=info.num_tokens,
+                         row_width=info.row_width, dtype=info.dtype, mbytes=nbytes / 1e6, iterations=len(samples),
+                         p50_ms=p50, p99_ms=percentile(samples, 99), min_ms=min(samples),
+                         gb_per_s_at_p50=nbytes / (p50 * 1e-3) / 1e9))
+    if not torch.equal(got["http"], got["grpc"]):
+        checks.append("fetch: HTTP and gRPC returned different rows")
+    return rows, checks
+
+
+async def drive(url: str, cfg: dict) -> dict:
+    counts = {int(c): n for c, n in cfg["requests"].items()}  # JSON keys are strings
+    total = sum(counts[c] for c in LEVELS)
+    t0 = time.perf_counter()
+    warm = make_jpegs(ENCODE_SIZE, range(WARMUP_BASE, WARMUP_BASE + cfg["warmup"]))
+    images = make_jpegs(ENCODE_SIZE, range(LEVEL_BASE, LEVEL_BASE + total))
+    sizes = [len(b) for b in images]
+    print(f"client: {total} + {len(warm)} distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs "
+          f"(mean {np.mean(sizes) / 1e3:.0f} kB) made in {time.perf_counter() - t0:.1f} s", flush=True)
+    await run_level(url, warm, min(4, len(warm)), cfg["level_s"], cfg["request_timeout_s"])  # warm-up
+    levels, at = [], 0
+    for c in LEVELS:
+        row = await run_level(url, images[at:at + counts[c]], c, cfg["level_s"], cfg["request_timeout_s"])
+        at += counts[c]
+        levels.append(row)
+        print("client level", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+              flush=True)
+    return dict(levels=levels, jpeg_kb=float(np.mean(sizes) / 1e3))
+
+
+def client_main(config_path: str) -> int:
+    job = json.loads(Path(config_path).read_text())
+    cfg = job["cfg"]
+    result = asyncio.run(drive(job["http"], cfg))
+    try:
+        fetch_rows, checks = fetch_bench(job["http"], job["grpc"], cfg)
+    except Exception as exc:  # noqa: BLE001 - keep the load results, report the fetch failure
+        fetch_rows, checks = [], [f"fetch benchmark failed: {type(exc).__name__}: {exc}"[:500]]
+    for r in fetch_rows:
+        print("client fetch", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
+              flush=True)
+    Path(job["result"]).write_text(json.dumps(result | dict(fetch=fetch_rows, fetch_checks=checks)))
+    return 0
+
+
+# ---- model only (this process) ----------------------------------------------------------------------------
+def model_only(core, cfg: dict, device) -> list[dict]:
+    """runner.encode on preprocessed 720p images (CPU float32 pixel values, as the engine hands them over),
+    synchronized per call; and the same plus the engine's copy of each output to the host."""
+    import torch
+
+    from _service_setup import sync
+    from encoder_service.engine.scheduler import batch_budget
+    from encoder_service.preprocessing import preprocess
+
+    runner = core.runner
+    datas = make_jpegs(ENCODE_SIZE, range(MODEL_ONLY_BASE, MODEL_ONLY_BASE + 4))
+    pre = [preprocess(d, core.preprocess_cfg, core.limits) for d in datas]
+    grid, patches = tuple(pre[0].grid_thw), pre[0].pixel_values.shape[0]
+    per_batch = max(1, batch_budget(core.settings.engine.batch_tokens, runner.buckets) // patches)
+    rows = []
+    for b in sorted({1, 2, per_batch} & set(range(1, per_batch + 1))):
+        pvs = [pre[i % len(pre)].pixel_values for i in range(b)]
+        grids = [tuple(pre[i % len(pre)].grid_thw) for i in range(b)]
+        route = "eager"
+        if hasattr(runner, "plan"):
+            route = ", ".join("eager" if g is None else f"graph {g.bucket}/{g.kind}" for _, g in runner.plan(grids))
+        row = dict(batch=b, grid_thw=list(grid), patches=b * patches, route=route)
+        for name, to_host in (("model", False), ("model_d2h", True)):
+            def call():
+                outs = runner.encode(pvs, grids)
+                if to_host:
+                    [o.to("cpu") for o in outs]
+                sync(device)
+
+            for _ in range(2):
+                call()
+            times = []
+            start = time.perf_counter()
+            while len(times) < cfg["model_iters"] and (len(times) < 5 or time.perf_counter() - start < cfg["model_s"]):
+                t0 = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - t0) * 1e3)
+            row[f"{name}_ms"] = float(np.median(times))
+            row[f"{name}_images_per_s"] = b / (row[f"{name}_ms"] / 1e3)  # median: robust to host hiccups
+            row[f"{name}_iters"] = len(times)
+        rows.append(row)
+        print("model only", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+              flush=True)
+    del pre
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- report -----------------------------------------------------------------------------------------------
+def _f(v, fmt=".1f", none="n/a"):
+    return none if v is None or v != v else format(v, fmt)
+
+
+def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dict], summary: dict,
+             checks: list[str], notes: list[str]) -> str:
+    ref = summary["model_only_images_per_s"]
+    lines = ["# Load benchmark (service on 127.0.0.1: uvicorn + grpc.aio, in process)", "",
+             ", ".join(f"{k}: {v}" for k, v in setup.items()), ""]
+    lines += [f"> {n}" for n in notes] + ([""] if notes else [])
+    lines += [f"## Encode under load: distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs, one image per HTTP request, "
+              "wait=true", "",
+              "| concurrency | requests | errors | images/s | % of model-only | p50 ms | p99 ms | images / ViT batch "
+              "| ViT ms / batch | GPU thread busy | preprocess ms | queue ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in levels:
+        busy = None if r["gpu_thread_busy"] is None else 100 * r["gpu_thread_busy"]
+        capped = " (time cap)" if r["time_capped"] else ""
+        lines.append(f"| {r['concurrency']} | {r['requests']}{capped} | {r['errors']} | {r['images_per_s']:.1f} "
+                     f"| {100 * r['images_per_s'] / ref:.0f}% | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} "
+                     f"| {_f(r['images_per_batch'], '.2f')} | {_f(r['vit_ms_per_batch'])} | {_f(busy, '.0f')}% "
+                     f"| {_f(r['preprocess_ms'])} | {_f(r['queue_ms'])} |")
+    lines += ["", "## Model only: runner.encode on the same preprocessed images (synchronized per batch; images/s from the median)", "",
+              "| batch (images) | patches | route | ms / batch | images/s | with D2H ms / batch | with D2H images/s |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {m['batch']} | {m['patches']} | {m['route']} | {m['model_ms']:.2f} | {m['model_images_per_s']:.1f} "
+              f"| {m['model_d2h_ms']:.2f} | {m['model_d2h_images_per_s']:.1f} |" for m in model]
+    lines += ["", "## Fetch: all rows of one cached entry, sequential requests", "",
+              "| transport | image | rows x width | MB | iterations | p50 ms | p99 ms | min ms | GB/s at p50 "
+              f"| target p50 <= {FETCH_TARGET_MS:g} ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {f['transport']} | {f['image']} | {f['rows']} x {f['row_width']} {f['dtype']} | {f['mbytes']:.1f} "
+              f"| {f['iterations']} | {f['p50_ms']:.2f} | {f['p99_ms']:.2f} | {f['min_ms']:.2f} "
+              f"| {f['gb_per_s_at_p50']:.1f} | {'met' if f['p50_ms'] <= FETCH_TARGET_MS else 'MISSED'} |" for f in fetch]
+    s = summary
+    lines += ["", f"Service best: {s['service_images_per_s']:.1f} images/s at concurrency {s['service_concurrency']} = "
+              f"{100 * s['service_fraction']:.0f}% of model-only {ref:.1f} images/s (batch of {s['model_only_batch']}); "
+              f"target >= {100 * SERVICE_TARGET:.0f}%: {'met' if s['service_target_met'] else 'MISSED'}.",
+              "", "Checks: " + ("all passed" if not checks else "; ".join(checks))]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
+    parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # the load generator (child)
+    args = parser.parse_args()
+    if args.client:
+        return client_main(args.client)
+
+    import torch
+
+    from _service_setup import InProcessService, build_checkpoint, free_port
+    from encoder_service.api.service import bind_socket, build_core
+    from encoder_service.settings import Settings
+    from gpu_parity import REAL, setup_info
+
+    if not args.small and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
+    device = torch.device("cpu" if args.small else "cuda")
+    dtype = torch.float32 if args.small else torch.bfloat16
+    cfg = CONFIGS["small" if args.small else "full"]
+    out_dir = Path(os.environ.get("OUT", "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = Path(tmp) / "checkpoint"
+        checkpoint.mkdir()
+        if args.small:
+            from encoder_service.testing.tiny import build_tiny_checkpoint
+
+            build_tiny_checkpoint(FAMILY, checkpoint)
+        else:
+            build_checkpoint(FAMILY, False, device, dtype, checkpoint)
+        t_ckpt = time.perf_counter()
+        http_sock = bind_socket("127.0.0.1", 0)
+        settings = Settings.from_args([
+            "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
+            "--host", "127.0.0.1", "--http-port", str(http_sock.getsockname()[1]), "--grpc-port", str(free_port()),
+            "--log-level", "warning", "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
+        ], env={})
+        core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
+        t_core = time.perf_counter()
+        runner = core.runner.describe()
+        print(f"checkpoint {t_ckpt - t_start:.1f} s, load + capture {t_core - t_ckpt:.1f} s, runner "
+              f"{json.dumps({k: runner.get(k) for k in ('runner', 'graphs', 'capture_s', 'graph_mib')})}", flush=True)
+        setup = setup_info(device, dtype, args.small) | dict(
+            model="tiny qwen2_5_vl (encoder_service/testing/tiny.py)" if args.small else "Qwen2.5-VL-7B vision tower",
+            runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
+            max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
+            # asyncio sets TCP_NODELAY on accepted connections only when the listening socket says IPPROTO_TCP
+            http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
+        if not args.small:
+            setup["vision"] = json.dumps(REAL[FAMILY])
+        model = model_only(core, cfg, device)
+        t_model = time.perf_counter()
+
+        svc = InProcessService(settings, http_sock, core=core)
+        try:
+            print(f"service up: {svc.url} grpc {svc.grpc_address}", flush=True)
+            job = Path(tmp) / "job.json"
+            result_path = Path(tmp) / "result.json"
+            job.write_text(json.dumps(dict(http=svc.url, grpc=svc.grpc_address, cfg=cfg, result=str(result_path))))
+            try:
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client", str(job)],
+                                      timeout=cfg["client_limit_s"], check=False)
+                client_status = f"exit {proc.returncode}"
+            except subprocess.TimeoutExpired:  # the child is killed by subprocess.run
+                client_status = f"killed after {cfg['client_limit_s']:g} s"
+            result = json.loads(result_path.read_text()) if result_path.exists() else None
+        finally:
+            svc.close()
+    t_end = time.perf_counter()
+
+    checks = []
+    if result is None:
+        checks.append(f"load generator failed ({client_status})")
+        result = dict(levels=[], fetch=[], fetch_checks=[], jpeg_kb=None)
+    levels, fetch = result["levels"], result["fetch"]
+    for r in levels:
+        if r["errors"]:
+            checks.append(f"concurrency {r['concurrency']}: {r['errors']} errors, e.g. {r['error_samples'][:1]}")
+        if r["cache_hits"]:
+            checks.append(f"concurrency {r['concurrency']}: {r['cache_hits']} cache hits on distinct images")
+        if not r["requests"]:
+            checks.append(f"concurrency {r['concurrency']}: no request completed")
+    checks += result["fetch_checks"]
+
+    best_model = max(model, key=lambda m: m["model_images_per_s"])
+    best_level = max(levels, key=lambda r: r["images_per_s"]) if levels else dict(images_per_s=0.0, concurrency=None)
+    ref = best_model["model_images_per_s"]
+    summary = dict(model_only_images_per_s=ref, model_only_batch=best_model["batch"],
+                   service_images_per_s=best_level["images_per_s"], service_concurrency=best_level["concurrency"],
+                   service_fraction=best_level["images_per_s"] / ref,
+                   service_target_met=best_level["images_per_s"] >= SERVICE_TARGET * ref,
+                   fetch_p50_ms={f["transport"]: f["p50_ms"] for f in fetch},
+                   fetch_target_met={f["transport"]: f["p50_ms"] <= FETCH_TARGET_MS for f in fetch},
+                   seconds=dict(checkpoint=t_ckpt - t_start, load_and_capture=t_core - t_ckpt,
+                                model_only=t_model - t_core, service_and_load=t_end - t_model,
+                                total=t_end - t_start))
+    setup["jpeg_kb"] = None if result.get("jpeg_kb") is None else round(result["jpeg_kb"])
+    notes = []
+    if args.small:
+        notes.append("--small: a CPU smoke test of the script; its numbers say nothing about the targets.")
+    if not setup["http_server_nodelay"]:
+        notes.append("The HTTP listening socket (api/service.py: bind_socket) was made with proto 0, so asyncio does "
+                     "not set TCP_NODELAY on the connections it accepts: on keep-alive connections a response "
+                     "written in two parts waits for the client's delayed ACK (~40 ms on Linux loopback). HTTP "
+                     "latencies above include that stall.")
+    report = markdown(setup, model, levels, fetch, summary, checks, notes)
+    (out_dir / "load_bench.json").write_text(json.dumps(
+        dict(setup=setup, summary=summary, model_only=model, levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
+             targets=dict(service_fraction=SERVICE_TARGET, fetch_p50_ms=FETCH_TARGET_MS)), indent=2))
+    (out_dir / "load_bench.md").write_text(report)
+    print(report)
+    print(f"total {t_end - t_start:.1f} s")
+    return 1 if checks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
