@@ -336,7 +336,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
     parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # the load generator (child)
+    parser.add_argument("--always-graphs", action="store_true",
+                        help="experiment: route every batch that fits a bucket through its graph (no eager policy)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="experiment: sys.setswitchinterval for the service process (GIL hand-off latency)")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.client:
         return client_main(args.client)
 
@@ -373,6 +379,8 @@ def main() -> int:
             "--log-level", "warning", "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
         ], env={})
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
+        if args.always_graphs and hasattr(core.runner, "eager_min_patches"):
+            core.runner.eager_min_patches = None
         t_core = time.perf_counter()
         runner = core.runner.describe()
         print(f"checkpoint {t_ckpt - t_start:.1f} s, load + capture {t_core - t_ckpt:.1f} s, runner "
@@ -382,7 +390,8 @@ def main() -> int:
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
             # asyncio sets TCP_NODELAY on accepted connections only when the listening socket says IPPROTO_TCP
-            http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
+            http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP,
+            always_graphs=args.always_graphs, switch_interval_ms=sys.getswitchinterval() * 1e3)
         if not args.small:
             setup["vision"] = json.dumps(REAL[FAMILY])
         model = model_only(core, cfg, device)
