@@ -1,4 +1,4 @@
-"""EncoderCore: the one core that HTTP and gRPC adapt (see docs/CONTRACTS.md, "Service core").
+"""EncoderCore: the one core that HTTP and gRPC adapt (see docs/interfaces.md, "Service core").
 
 encode: hash the raw bytes (cache key) and read the image header (probe + plan) on CPU threads, pin each id
 for its lease, and answer per image (id, grid_thw, num_tokens, ...) before the ViT runs. Misses go through

@@ -8,7 +8,7 @@ from encoder_service.api import wire
 from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.wire import RowWriter, WireError, WireHeader
 
-# Trailing-metadata keys (see docs/CONTRACTS.md, Wire format), besides the x-timing-* ones
+# Trailing-metadata keys (see docs/interfaces.md, Wire format), besides the x-timing-* ones
 # (api/core.py: timing_headers).
 ERROR_KIND = "error-kind"
 RETRY_AFTER_S = "retry-after-s"

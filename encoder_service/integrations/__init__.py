@@ -27,7 +27,7 @@ Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; an engine with its own kernels does the 
 `chunked_prefill` returns the logits (equal to transformers' forward with pixel_values on the same
 prompt; tests/test_integration_prefill.py) and, per chunk, the rows it needed and received.
 
-Example (the client answers ImageInfo-like objects and FetchResult-like answers, see docs/CONTRACTS.md):
+Example (the client answers ImageInfo-like objects and FetchResult-like answers, see docs/interfaces.md):
 
     infos = client.encode([png_a, png_b])
     prompt = build_prompt([system_ids, infos[0], infos[1], question_ids],

@@ -1,7 +1,7 @@
 """Image preprocessing for the Qwen-VL vision towers, equal to transformers' PIL-backend processor.
 
 `probe` and `plan` size an image from its header alone (so `encode` can answer before decoding);
-`preprocess` produces the tower's input. See docs/CONTRACTS.md, Preprocessing.
+`preprocess` produces the tower's input. See docs/interfaces.md, Preprocessing.
 """
 
 from .config import PreprocessConfig
