@@ -29,13 +29,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from typing import Sequence
 
 import torch
 
 from encoder_service.runtime.packing import pack
-from encoder_service.runtime.runner import EagerRunner, GridTHW, _check_inputs, patches_of, split_rows, tokens_of
+from encoder_service.runtime.runner import (
+    DeviceMetadataCache,
+    EagerRunner,
+    GridTHW,
+    _check_inputs,
+    patches_of,
+    split_rows,
+    tokens_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +184,7 @@ class GraphRunner:
         if any(b % self.merge_unit for b in self.exact_buckets):
             raise ValueError(f"exact buckets must be multiples of {self.merge_unit}: {sorted(self.exact_buckets)}")
         self.mode = "cuda_graphs" if capture else "static_buffers"
-        self._meta_cache: OrderedDict = OrderedDict()
-        self._meta_cache_size = meta_cache_size
+        self._device_meta = DeviceMetadataCache(meta_cache_size)
 
         capture = capture and self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if capture else None
@@ -256,19 +262,11 @@ class GraphRunner:
         shape costs a device-to-device copy per replay instead of a host-to-device one). None if the batch
         does not fit the graph's slots."""
         key = (graph.bucket, graph.kind, tuple(grids))
-        meta = self._meta_cache.get(key)
-        if meta is None:
-            try:
-                meta = graph.pad(self.tower.metadata(grids)).to(self.device)
-            except ValueError as e:
-                log.warning("batch %s does not fit graph %s/%s (%s): running eagerly", grids, graph.bucket, graph.kind, e)
-                return None
-            self._meta_cache[key] = meta
-            if len(self._meta_cache) > self._meta_cache_size:
-                self._meta_cache.popitem(last=False)
-        else:
-            self._meta_cache.move_to_end(key)
-        return meta
+        try:
+            return self._device_meta.get(key, lambda: graph.pad(self.tower.metadata(grids)).to(self.device))
+        except ValueError as e:
+            log.warning("batch %s does not fit graph %s/%s (%s): running eagerly", grids, graph.bucket, graph.kind, e)
+            return None
 
     def describe(self) -> dict:
         return {

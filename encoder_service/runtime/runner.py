@@ -84,6 +84,27 @@ def split_rows(out: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     return [piece.clone() for piece in torch.split(out, list(counts), dim=0)]
 
 
+class DeviceMetadataCache:
+    """A small LRU of batch metadata already on the device, keyed by the batch's shape: a repeated batch
+    shape costs a device-to-device copy per replay instead of building and uploading it again (cos/sin
+    alone are 7 MB for a 1080p Qwen2.5 image). Used by the eager and the graph runner."""
+
+    def __init__(self, size: int):
+        self._entries: OrderedDict = OrderedDict()
+        self._size = size
+
+    def get(self, key, build):
+        meta = self._entries.get(key)
+        if meta is None:
+            meta = build()  # may raise: nothing is cached then
+            self._entries[key] = meta
+            if len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return meta
+
+
 class EagerRunner:
     """Runs the tower eagerly: one forward per batch (per chunk of at most `max_batch_patches` patches)."""
 
@@ -97,22 +118,12 @@ class EagerRunner:
         self.dtype = loaded.dtype if loaded.dtype is not None else _module_dtype(self.tower)
         self.buckets: list[int] = []
         self.max_batch_patches = max_batch_patches
-        self._meta_cache: OrderedDict = OrderedDict()
-        self._meta_cache_size = meta_cache_size
+        self._device_meta = DeviceMetadataCache(meta_cache_size)
 
     def device_metadata(self, grid_thw: list[GridTHW]):
         """tower.metadata(grid_thw) on the device, from a small LRU keyed by the batch's grids (a repeated
         batch shape skips the host-to-device copy of cos/sin: 7 MB for a 1080p Qwen2.5 image)."""
-        key = tuple(grid_thw)
-        meta = self._meta_cache.get(key)
-        if meta is None:
-            meta = self.tower.metadata(list(grid_thw)).to(self.device)
-            self._meta_cache[key] = meta
-            if len(self._meta_cache) > self._meta_cache_size:
-                self._meta_cache.popitem(last=False)
-        else:
-            self._meta_cache.move_to_end(key)
-        return meta
+        return self._device_meta.get(tuple(grid_thw), lambda: self.tower.metadata(list(grid_thw)).to(self.device))
 
     @torch.inference_mode()
     def forward_batch(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[GridTHW]) -> torch.Tensor:
