@@ -54,6 +54,13 @@ def test_from_rows_copies_out_of_the_batch():
     assert entry.tensor.is_contiguous()
 
 
+def test_from_rows_without_copy_takes_owned_host_rows():
+    rows = torch.randn(6, 8).bfloat16()
+    entry = Entry.from_rows(rows, (1, 2, 12), "main", copy=False)
+    assert entry.tensor.data_ptr() == rows.data_ptr()  # the engine's rows are not copied a second time
+    assert torch.equal(Entry.from_bytes(entry.to_bytes()).tensor, rows)
+
+
 def test_rows_are_views_of_the_right_rows_and_ranges_are_checked():
     rows = make_rows(20, 16, 3, torch.bfloat16)
     entry = Entry.from_rows(rows, (1, 4, 20), "main+deepstack3")

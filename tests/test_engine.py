@@ -189,7 +189,7 @@ async def test_gpu_thread_death_is_noticed():
         tower.die = True
         (r,) = await _results(engine.submit([_job(1.0)]))
         assert isinstance(r, Unavailable) and "simulated fatal GPU error" in str(r)
-        await asyncio.to_thread(engine._thread.join, WAIT_S)
+        await asyncio.to_thread(engine._threads[0].join, WAIT_S)
         assert not engine.alive
         with pytest.raises(Unavailable, match="engine is down"):
             engine.submit([_job(2.0)])

@@ -150,6 +150,21 @@ def test_exact_buckets(loaded, family):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_solo_images_take_their_exact_graphs(loaded, family):
+    """Images with an exact graph and at least solo_min_patches run alone on it, whatever they were batched
+    with; the rest are packed as before; every output lands at its input position."""
+    lm = loaded(family)
+    runner = GraphRunner(lm, buckets=BUCKETS, capture=False, exact_buckets=[96, 64], solo_min_patches=64)
+    grids = [(1, 8, 12), (1, 4, 4), (1, 8, 8), (1, 2, 2), (1, 12, 8), (2, 4, 8)]
+    routes = [(b.indices, g.bucket, g.kind) for b, g in runner.plan(grids)]
+    assert routes == [((0,), 96, "exact"), ((1, 3, 5), 96, "multi"), ((2,), 64, "exact"), ((4,), 96, "exact")]
+    check_batch(runner, lm, grids, 70)
+    # Below solo_min_patches (the default, 4096, at these sizes) the same batch packs.
+    packed = GraphRunner(lm, buckets=BUCKETS, capture=False, exact_buckets=[96, 64])
+    assert all(g.kind != "exact" for _, g in packed.plan(grids))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_outputs_are_owned(loaded, family):
     """Outputs never alias the static buffers: a later batch must not change an earlier answer."""
     lm = loaded(family)

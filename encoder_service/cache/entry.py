@@ -189,13 +189,15 @@ class Entry:
 
     @classmethod
     def from_rows(
-        cls, rows: torch.Tensor, grid_thw, layout: str, *, block_bytes: int = BLOCK_TARGET_BYTES
+        cls, rows: torch.Tensor, grid_thw, layout: str, *, block_bytes: int = BLOCK_TARGET_BYTES, copy: bool = True
     ) -> Entry:
-        """Own copy of `rows` [num_tokens, row_width] on the host, contiguous. `block_bytes`: size of a
-        checksummed block (rounded to whole rows; one row at least).
+        """The entry of `rows` [num_tokens, row_width]. `block_bytes`: size of a checksummed block (rounded
+        to whole rows; one row at least).
 
-        Always copies: a view into a batch output (or a CUDA-graph static buffer) would pin the whole
+        Copies by default: a view into a batch output (or a CUDA-graph static buffer) would pin the whole
         batch in memory or change under us. A device tensor is copied to the host here (synchronizing).
+        `copy=False` takes `rows` as they are when they are already an owned, contiguous host tensor (the
+        engine's outputs: engine/engine.py EncodedImage), and copies otherwise.
         """
         if rows.dim() != 2 or rows.shape[0] == 0 or rows.dtype not in DTYPE_CODES:
             raise InvalidInput(
@@ -203,7 +205,7 @@ class Entry:
             )
         if len(layout.encode("ascii")) > LAYOUT_BYTES:
             raise InvalidInput(f"layout name {layout!r} is longer than {LAYOUT_BYTES} bytes")
-        tensor = rows.detach().to("cpu", copy=True).contiguous()
+        tensor = rows.detach().to("cpu", copy=copy).contiguous()
         num_rows, row_width = tensor.shape
         row_bytes = row_width * tensor.dtype.itemsize
         header = EntryHeader(

@@ -2,11 +2,16 @@
 
     submit() --(CPU pool: decode/resize/patchify)--> Scheduler --(batcher task)--> handoff --> GPU thread
                                                                                    (<= 1 waiting batch)
+    GPU thread: launch the batch, queue its device-to-host copy (runtime/transfer.py) --> in flight
+                (<= 1 waiting) --> completion thread: wait for the copy, answer the futures
+
 The batcher (a task on the event loop) waits until the GPU thread has taken the previous batch, then packs
 the next one from whatever is queued, so batches grow while the GPU is busy and the CPU work of the next
-batch overlaps the ViT of the current one. The GPU thread answers through futures via
-`loop.call_soon_threadsafe`; it never touches the loop otherwise. A batch that raises fails only its own
-items; if the thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
+batch overlaps the ViT of the current one. The GPU thread never waits for the GPU: it launches the next
+batch while the completion thread waits for the previous one's rows, so the GPU runs batches back to back
+(at most three batches are launched and unanswered at a time). Answers go through futures via
+`loop.call_soon_threadsafe`; the threads never touch the loop otherwise. A batch that raises fails only its
+own items; if a thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from encoder_service.engine.scheduler import Scheduler, WorkItem, batch_budget, drop
 from encoder_service.errors import Overloaded, Unavailable
+from encoder_service.runtime.transfer import HostCopier
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ PrepareFn = Callable[[], tuple[torch.Tensor, GridTHW]]
 
 @dataclass(frozen=True)
 class EncodedImage:
-    rows: torch.Tensor  # [num_tokens, row_width], CPU, contiguous, owned
+    rows: torch.Tensor  # [num_tokens, row_width], CPU, contiguous, owned (nothing else refers to it)
     grid_thw: GridTHW
     timings: dict[str, float]  # preprocess_ms, queue_ms, encode_ms (whole batch), batch_images
 
@@ -51,20 +57,21 @@ class Job:
 
 class Engine:
     def __init__(self, encode_fn: EncodeFn, *, batch_tokens: int, buckets: Sequence[int] = (), max_queue: int = 256,
-                 cpu_threads: int | None = None, metrics=None, to_host: bool = True):
+                 cpu_threads: int | None = None, metrics=None):
         self._encode_fn = encode_fn
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
         self.cpu_pool = ThreadPoolExecutor(max_workers=cpu_threads or min(8, os.cpu_count() or 2),
                                            thread_name_prefix="encoder-cpu")
         self._metrics = metrics
-        self._to_host = to_host
+        self._copier = HostCopier()
         self._handoff: queue.Queue = queue.Queue()
+        self._in_flight: queue.Queue = queue.Queue(maxsize=1)  # launched batches waiting for their rows
         self._on_gpu: set[WorkItem] = set()  # handed to the GPU thread, not answered yet (loop-side view)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot: asyncio.Semaphore | None = None
         self._wakeup: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._batcher: asyncio.Task | None = None
         self._death: BaseException | None = None
         self._stopping = False
@@ -75,8 +82,10 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._slot = asyncio.Semaphore(1)
         self._wakeup = asyncio.Event()
-        self._thread = threading.Thread(target=self._gpu_main, name="encoder-gpu", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._thread_main, args=(loop_fn,), name=name, daemon=True)
+                         for name, loop_fn in (("encoder-gpu", self._gpu_loop), ("encoder-complete", self._complete_loop))]
+        for thread in self._threads:
+            thread.start()
         self._batcher = asyncio.create_task(self._batch_loop(), name="encoder-batcher")
         self._batcher.add_done_callback(self._batcher_done)
 
@@ -87,15 +96,16 @@ class Engine:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
         self._fail_all(Unavailable("the service is shutting down"))
-        if self._thread is not None and self._thread.is_alive():
-            self._handoff.put(None)
-            await asyncio.to_thread(self._thread.join)
+        if any(t.is_alive() for t in self._threads):
+            self._handoff.put(None)  # the GPU thread passes it on to the completion thread
+            for thread in self._threads:
+                await asyncio.to_thread(thread.join)
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
-        return (self._death is None and not self._stopping and self._thread is not None and self._thread.is_alive()
-                and self._batcher is not None and not self._batcher.done())
+        return (self._death is None and not self._stopping and bool(self._threads)
+                and all(t.is_alive() for t in self._threads) and self._batcher is not None and not self._batcher.done())
 
     @property
     def queue_depth(self) -> int:
@@ -176,16 +186,22 @@ class Engine:
         self._death = exc or RuntimeError("batcher exited")
         self._fail_all(Unavailable(self._down_reason()))
 
-    # ---- GPU thread ------------------------------------------------------------------------------------
-    def _gpu_main(self) -> None:
+    # ---- GPU and completion threads ---------------------------------------------------------------------
+    def _thread_main(self, loop_fn) -> None:
         try:
-            self._gpu_loop()
+            loop_fn()
         except BaseException as exc:  # noqa: BLE001 - the death is logged, recorded and answered to callers
-            log.critical("GPU thread died: %r", exc, exc_info=exc)
+            log.critical("%s thread died: %r", threading.current_thread().name, exc, exc_info=exc)
             self._death = exc
             self._call_loop(self._fail_all, Unavailable(self._down_reason()))
 
     def _gpu_loop(self) -> None:
+        try:
+            self._launch_batches()
+        finally:  # however the GPU thread ends, the completion thread ends after the batches in flight
+            self._put_in_flight(None)
+
+    def _launch_batches(self) -> None:
         while True:
             work = self._handoff.get()
             if work is None:
@@ -197,13 +213,39 @@ class Engine:
                 outputs = self._encode_fn([pg[0] for pg, _ in inputs], [tuple(pg[1]) for pg, _ in inputs])
                 if len(outputs) != len(items):
                     raise RuntimeError(f"encode returned {len(outputs)} outputs for {len(items)} images")
-                if self._to_host:
-                    outputs = [o.to("cpu").contiguous() for o in outputs]
+                rows = self._copier.start(outputs)
             except Exception as exc:  # a failing batch fails its own items; the thread goes on
-                log.exception("ViT batch of %d images failed", len(items))
-                self._call_loop(self._fail_batch, items, exc)
+                self._batch_failed(items, exc)
+                continue
+            if not self._put_in_flight((items, inputs, rows, started)):  # waits while the previous batch waits
+                raise RuntimeError("the completion thread is gone")
+
+    def _put_in_flight(self, work) -> bool:
+        """Queue a launched batch (or the end sentinel) for the completion thread; False if it died."""
+        while True:
+            try:
+                self._in_flight.put(work, timeout=0.1)
+                return True
+            except queue.Full:
+                if not self._threads[1].is_alive():
+                    return False
+
+    def _complete_loop(self) -> None:
+        while True:
+            work = self._in_flight.get()
+            if work is None:
+                return
+            items, inputs, rows, started = work
+            try:
+                outputs = rows.wait()  # the batch's kernels and its copy to the host are done
+            except Exception as exc:
+                self._batch_failed(items, exc)
                 continue
             self._call_loop(self._finish_batch, items, inputs, outputs, started, time.monotonic())
+
+    def _batch_failed(self, items, exc: Exception) -> None:
+        log.error("ViT batch of %d images failed", len(items), exc_info=exc)
+        self._call_loop(self._fail_batch, items, exc)
 
     def _call_loop(self, fn, *args) -> None:
         try:

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from encoder_service.runtime.packing import pack
+from encoder_service.runtime.packing import PackedBatch, pack
 from encoder_service.runtime.runner import (
     DeviceMetadataCache,
     EagerRunner,
@@ -166,6 +166,7 @@ class GraphRunner:
         eager_min_patches: int | None = 8192,
         max_padding: float = 0.05,
         exact_buckets: Sequence[int] = (),
+        solo_min_patches: int | None = 4096,
     ):
         self.eager = EagerRunner(loaded, max_batch_patches=max_batch_patches)  # spill / policy path
         self.tower, self.spec = loaded.tower, loaded.spec
@@ -179,6 +180,11 @@ class GraphRunner:
         # A batch this large keeps the GPU busy through eager launches, so a graph buys nothing there and
         # its padding costs: such a batch runs eagerly when its bucket would pad more than max_padding.
         self.eager_min_patches, self.max_padding = eager_min_patches, max_padding
+        # An image this large with an exact graph of its own runs alone on that graph, whatever it was
+        # batched with: at 4096+ patches one image fills the GPU, so packing buys nothing, and a replay is a
+        # single launch (an eager batch is ~500 launches from a thread that shares the GIL with the HTTP
+        # server and the preprocessing pool). Smaller images still pack: 8 x 448^2 in one graph beats 8 replays.
+        self.solo_min_patches = solo_min_patches
         self.buckets = sorted({-(-int(b) // self.merge_unit) * self.merge_unit for b in buckets} | set(exact_buckets))
         self.exact_buckets = frozenset(int(b) for b in exact_buckets)
         if any(b % self.merge_unit for b in self.exact_buckets):
@@ -234,8 +240,15 @@ class GraphRunner:
         return outputs
 
     def plan(self, grids: list[GridTHW]) -> list[tuple]:
-        """[(PackedBatch, _Graph or None for eager)] for a batch of images (runtime/packing.py)."""
-        plan = pack([patches_of(g) for g in grids], self.buckets, segments=[g[0] for g in grids], slots=self._slots)
+        """[(PackedBatch, _Graph or None for eager)] for a batch of images, in order of first input index:
+        solo images (see solo_min_patches) on their exact graphs, the rest packed (runtime/packing.py)."""
+        solo = {i for i, g in enumerate(grids) if self._solo(g)}
+        rest = [i for i in range(len(grids)) if i not in solo]
+        plan = [PackedBatch((i,), patches_of(grids[i]), 1, patches_of(grids[i])) for i in sorted(solo)]
+        packed = pack([patches_of(grids[i]) for i in rest], self.buckets, segments=[grids[i][0] for i in rest],
+                      slots=self._slots)
+        plan += [dataclasses.replace(b, indices=tuple(rest[j] for j in b.indices)) for b in packed]
+        plan.sort(key=lambda b: b.indices[0])
         routes = []
         for batch in plan:
             graph = None
@@ -249,6 +262,11 @@ class GraphRunner:
                 graph = self.graphs[(batch.bucket, kind)]
             routes.append((batch, graph))
         return routes
+
+    def _solo(self, grid: GridTHW) -> bool:
+        n = patches_of(grid)
+        return (self.solo_min_patches is not None and grid[0] == 1 and n >= self.solo_min_patches
+                and n in self.exact_buckets)
 
     def _prefer_eager(self, batch) -> bool:
         return (
@@ -279,6 +297,7 @@ class GraphRunner:
             "max_images": self.max_images,
             "eager_min_patches": self.eager_min_patches,
             "max_padding": self.max_padding,
+            "solo_min_patches": self.solo_min_patches,
             "capture_s": round(self.capture_s, 3),
             "graph_mib": round(self.graph_bytes / 2**20, 1),
         }
