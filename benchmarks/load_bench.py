@@ -14,8 +14,10 @@ service's default buckets), saved to a temp dir and loaded by our loader (the se
      images/s, p50/p99 latency, and from the service's /metrics over the level: mean images per ViT batch,
      mean time from a batch's launch to its rows on the host (batches overlap: the engine launches the next
      one while the previous one's rows are copied), mean preprocess and queue ms. Target: the best level reaches >= 90% of (1).
-  3. fetch of one cached 1080p entry, all its rows (19 MB in bf16), over HTTP and over gRPC (EncoderClient,
-     `out=` a preallocated buffer), sequential; p50/p99 ms. Target: p50 <= 3 ms on loopback.
+  3. fetch of one cached 1080p entry, all its rows (19 MB in bf16), sequential, p50/p99 ms, EncoderClient with
+     `out=` a preallocated buffer: over the HTTP and the gRPC socket, and through shared memory (client and
+     server on one host; the server writes into the client's file: into `out` itself when it comes from
+     `alloc_rows`, else into a staging file the client copies out of). Target: p50 <= 3 ms on loopback.
 
 The load generator runs in a child process (this script with --client) so that its Python work does not
 share the service's GIL; the service, the model-only runs and the child are all started and bounded here.
@@ -175,6 +177,14 @@ def time_fetches(client, info, out, iters: int, budget_s: float) -> tuple[list[f
     return samples, result
 
 
+# Fetch variants: (name, transport, shm, out): out "alloc" is a buffer from the client's alloc_rows (the server
+# writes the rows straight into it), "tensor" a plain preallocated tensor (shm: one copy on the client).
+FETCH_VARIANTS = (("http", "http", False, "tensor"), ("grpc", "grpc", False, "tensor"),
+                  ("http + shm, alloc_rows out", "http", True, "alloc"),
+                  ("grpc + shm, alloc_rows out", "grpc", True, "alloc"),
+                  ("grpc + shm, plain tensor out", "grpc", True, "tensor"))
+
+
 def fetch_bench(url: str, grpc_target: str, cfg: dict) -> tuple[list[dict], list[str]]:
     import torch
 
@@ -186,22 +196,25 @@ def fetch_bench(url: str, grpc_target: str, cfg: dict) -> tuple[list[dict], list
     dtype = getattr(torch, info.dtype)
     nbytes = info.num_tokens * info.row_width * torch.empty((), dtype=dtype).element_size()
     rows, checks, got = [], [], {}
-    for transport in ("http", "grpc"):
-        out = torch.empty(info.num_tokens, info.row_width, dtype=dtype)
+    for name, transport, shm, out_kind in FETCH_VARIANTS:
         make = EncoderClient.http if transport == "http" else EncoderClient.grpc
-        with make(url if transport == "http" else grpc_target, timeout=cfg["request_timeout_s"]) as client:
+        with make(url if transport == "http" else grpc_target, timeout=cfg["request_timeout_s"], shm=shm) as client:
+            out = (client.alloc_rows(info.num_tokens, info.row_width, dtype) if out_kind == "alloc"
+                   else torch.empty(info.num_tokens, info.row_width, dtype=dtype))
             samples, result = time_fetches(client, info, out, cfg["fetch_iters"], cfg["fetch_s"])
+            got[name] = out.clone()
         served = sum(s.num_rows for s in result.segments) if result is not None else 0
         if served != info.num_tokens:
-            checks.append(f"fetch over {transport}: {served} rows, expected {info.num_tokens}")
-        got[transport] = out
+            checks.append(f"fetch over {name}: {served} rows, expected {info.num_tokens}")
         p50 = percentile(samples, 50)
-        rows.append(dict(transport=transport, image=f"{FETCH_SIZE[0]}x{FETCH_SIZE[1]}", rows=info.num_tokens,
+        rows.append(dict(transport=name, image=f"{FETCH_SIZE[0]}x{FETCH_SIZE[1]}", rows=info.num_tokens,
                          row_width=info.row_width, dtype=info.dtype, mbytes=nbytes / 1e6, iterations=len(samples),
                          p50_ms=p50, p99_ms=percentile(samples, 99), min_ms=min(samples),
                          gb_per_s_at_p50=nbytes / (p50 * 1e-3) / 1e9))
-    if not torch.equal(got["http"], got["grpc"]):
-        checks.append("fetch: HTTP and gRPC returned different rows")
+    reference = got["http"]
+    for name, rows_got in got.items():
+        if not torch.equal(rows_got, reference):
+            checks.append(f"fetch: {name} returned other rows than http")
     return rows, checks
 
 
@@ -383,6 +396,7 @@ def main() -> int:
             "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
             "--host", "127.0.0.1", "--http-port", str(http_sock.getsockname()[1]), "--grpc-port", str(free_port()),
             "--log-level", "warning", "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
+            "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
         ], env={})
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
         t_core = time.perf_counter()

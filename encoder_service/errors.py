@@ -73,6 +73,13 @@ class Unavailable(EncoderServiceError):
     kind = "unavailable"
 
 
+class FailedPrecondition(EncoderServiceError):
+    """The request is well formed but this server is not set up for it (e.g. shared-memory fetch is off).
+    HTTP 400 / FAILED_PRECONDITION: retrying the same request here will not help."""
+
+    kind = "failed_precondition"
+
+
 class ModelLoadError(EncoderServiceError):
     """Checkpoint problems: unsupported architecture, missing/unexpected/mis-shaped weights."""
 

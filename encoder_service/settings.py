@@ -84,6 +84,8 @@ class ServerSettings:
     grpc_port: int  # 0: gRPC off
     auth_token: str | None = field(repr=False)
     log_level: str
+    shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (api/shm.py)
+    shm_dir: str = "/dev/shm"  # the only directory those files may be in
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,11 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images may name (none: URLs off)"),
     "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
+    "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
+    "shm_dir": (str, "/dev/shm", "directory of those files (client and server must share it)"),
 }
+# On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
+_SWITCHES = ("cuda_graphs", "shm_fetch")
 
 
 def flag(name: str) -> str:
@@ -217,7 +223,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags are kept as raw strings (None when absent) so that env twins and validation go one way."""
     for name, (_, default, help_text) in OPTIONS.items():
         shown = f" (default {default})" if default not in (None, "") else ""
-        if name == "cuda_graphs":
+        if name in _SWITCHES:
             parser.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"{help_text} [env {env_name(name)}]")
             continue
@@ -238,7 +244,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         if raw is None:
             values[name] = None
             continue
-        if isinstance(raw, bool):  # --cuda-graphs / --no-cuda-graphs
+        if isinstance(raw, bool):  # --cuda-graphs / --no-cuda-graphs, --shm-fetch / --no-shm-fetch
             values[name] = raw
             continue
         try:
@@ -271,12 +277,15 @@ def _build(v: dict) -> Settings:
     pinned = v["max_pinned_bytes"] if v["max_pinned_bytes"] is not None else v["cache_bytes"] // 2
     if pinned > v["cache_bytes"]:
         raise SettingsError(f"--max-pinned-bytes ({pinned}) is over --cache-bytes ({v['cache_bytes']})")
+    if not os.path.isabs(v["shm_dir"]):
+        raise SettingsError(f"--shm-dir / ENCODER_SHM_DIR must be an absolute path, got {v['shm_dir']!r}")
     if v["redis_url"] and not re.match(r"^(redis|rediss|unix)://", v["redis_url"]):
         raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
     return Settings(
         model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
-                              auth_token=v["auth_token"] or None, log_level=v["log_level"]),
+                              auth_token=v["auth_token"] or None, log_level=v["log_level"],
+                              shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
                             cache_bytes=v["cache_bytes"], gpu_cache_bytes=v["gpu_cache_bytes"], hash=v["hash"],
                             lease_s=v["lease_s"], max_pinned_bytes=pinned),

@@ -43,6 +43,15 @@ def test_flag_beats_env_beats_default():
     assert "secret" not in repr(Settings.from_args(["--model", "m", "--auth-token", "secret"], env={}))
 
 
+def test_shm_fetch_switch():
+    assert Settings.from_args(["--model", "m"], env={}).server.shm_fetch is False
+    s = Settings.from_args(["--model", "m"], env={"ENCODER_SHM_FETCH": "true", "ENCODER_SHM_DIR": "/run/shm"})
+    assert s.server.shm_fetch is True and s.server.shm_dir == "/run/shm"
+    s = Settings.from_args(["--model", "m", "--no-shm-fetch"], env={"ENCODER_SHM_FETCH": "1"})
+    assert s.server.shm_fetch is False and s.server.shm_dir == "/dev/shm"
+    assert Settings.from_args(["--model", "m", "--shm-fetch"], env={}).server.shm_fetch is True
+
+
 @pytest.mark.parametrize("args, env, needle", [
     ([], {}, "--model / ENCODER_MODEL is required"),
     (["--model", "m", "--cache-bytes", "lots"], {}, "--cache-bytes / ENCODER_CACHE_BYTES"),
@@ -55,6 +64,8 @@ def test_flag_beats_env_beats_default():
     (["--model", "m", "--max-body-bytes", "1MiB"], {}, "--max-image-bytes"),
     (["--model", "m"], {"ENCODER_CUDA_GRAPHS": "maybe"}, "not a boolean"),
     (["--model", "m", "--redis-url", "localhost:6379"], {}, "redis://"),
+    (["--model", "m", "--shm-dir", "shm"], {}, "--shm-dir / ENCODER_SHM_DIR must be an absolute path"),
+    (["--model", "m"], {"ENCODER_SHM_FETCH": "maybe"}, "ENCODER_SHM_FETCH"),
 ])
 def test_bad_values_raise_naming_the_setting(args, env, needle):
     with pytest.raises(SettingsError) as info:

@@ -36,4 +36,4 @@ def test_stubs_import_as_a_package():
     assert encoder_pb2_grpc.EncoderStub is not None
     assert encoder_pb2.DESCRIPTOR.package == "encoder.v1"
     assert set(encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].methods_by_name) == {
-        "Encode", "Fetch", "Metadata"}
+        "Encode", "Fetch", "Metadata", "Release"}

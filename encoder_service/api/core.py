@@ -5,7 +5,9 @@ for its lease, and answer per image (id, grid_thw, num_tokens, ...) before the V
 the store's single flight; the fill submits the image to the engine, which decodes it on a CPU thread and
 runs it on the GPU thread. `wait=True` waits for the rows (and can return them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image; the store
-reads only those (waiting, up to the timeout, for images still encoding).
+reads only those (waiting, up to the timeout, for images still encoding). With a `ShmTarget` the rows go
+into the client's shared-memory file instead of the result (api/shm.py).
+release: drop the encode pins of ids the caller is done with (leases end early).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service import errors
+from encoder_service.api import shm as shm_mod
 from encoder_service.api.metrics import Metrics
+from encoder_service.api.shm import ShmTarget
 from encoder_service.api.urls import UrlFetcher
+from encoder_service.api.wire import WireHeader
 from encoder_service.cache import EmbeddingStore, Entry, caller_key, key_from_id, make_key, model_fingerprint
 from encoder_service.engine.engine import Engine, Job
 from encoder_service.engine.scheduler import WorkItem
@@ -74,11 +79,16 @@ class FetchItem:
 @dataclass
 class FetchResult:
     segments: list[Segment]  # placeholder order; rows of segment k follow those of segment k-1
-    rows: torch.Tensor  # [sum rows, row_width], CPU, contiguous
+    rows: torch.Tensor | None  # [sum rows, row_width], CPU, contiguous; None when written to shared memory
     dtype: str
     row_width: int
     layout: str
     timings: dict[str, float] = field(default_factory=dict)
+    shm_bytes: int | None = None  # bytes written into the caller's ShmTarget
+
+    def header(self) -> WireHeader:
+        """The wire header (api/wire.py) of this result, rows or not."""
+        return WireHeader(self.dtype, self.row_width, self.layout, tuple(self.segments))
 
 
 @dataclass
@@ -111,6 +121,8 @@ class EncoderCore:
         self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
         self.urls = UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes)
+        srv = settings.server
+        self.shm = shm_mod.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self._planned: dict[str, tuple[tuple[int, int, int], int]] = {}  # in-flight name -> (grid, num_tokens)
         self._items: dict[str, WorkItem] = {}  # in-flight name -> its engine item
         self._interest: dict[str, int] = {}  # in-flight name -> requests still wanting it
@@ -145,6 +157,8 @@ class EncoderCore:
             await self.engine.stop()
         await self.urls.close()
         await self.store.close()
+        if self.shm is not None:
+            await asyncio.to_thread(self.shm.close)  # waits for copies in flight
 
     def live(self) -> bool:
         return not self._started or self.engine.alive
@@ -168,6 +182,7 @@ class EncoderCore:
             "limits": {"max_images": s.limits.max_images, "max_body_bytes": s.limits.max_body_bytes,
                        "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
                        "url_images": bool(s.limits.allow_url_hosts)},
+            "shm_fetch": self.shm is not None,
         }
 
     # ---- encode ----------------------------------------------------------------------------------------
@@ -293,9 +308,8 @@ class EncoderCore:
             finally:
                 self._items.pop(name, None)
             timings.update({k: v for k, v in encoded.timings.items() if k.endswith("_ms")})
-            # The entry copies and lays out ~20-70 MB: on a CPU thread, not on the event loop.
-            return await asyncio.get_running_loop().run_in_executor(
-                self.engine.cpu_pool, Entry.from_rows, encoded.rows, encoded.grid_thw, self.spec.layout)
+            # The engine's rows are owned host tensors: the entry takes them without a copy.
+            return Entry.from_rows(encoded.rows, encoded.grid_thw, self.spec.layout, copy=False)
 
         async def fill() -> tuple[Entry, bool]:
             try:
@@ -373,34 +387,74 @@ class EncoderCore:
             raise errors.Unavailable("the encode engine is down")
 
     # ---- fetch -----------------------------------------------------------------------------------------
-    async def fetch(self, items: list[FetchItem], start: int, end: int,
-                    timeout_s: float | None = None) -> FetchResult:
+    async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
+                    shm: ShmTarget | None = None) -> FetchResult:
+        """The rows of `items` inside [start, end); with `shm`, written into that client file instead (the
+        target is checked before any wait for rows) and the result carries `shm_bytes`, no rows."""
         t0 = time.perf_counter()
         self._check_serving()
+        if shm is not None and self.shm is None:
+            raise shm_mod.disabled()
         if not items:
             raise errors.InvalidInput("no items in the fetch")
-        if len(items) > self.settings.limits.max_images * 16:
-            raise errors.LimitExceeded("number of fetch items", len(items), self.settings.limits.max_images * 16)
+        self._check_id_count("fetch items", len(items))
         keys = {it.id: key_from_id(it.id, self.model_fp, self.settings.cache.hash) for it in items}
         sizes = {i: await self._num_tokens(k) for i, k in keys.items()}
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
+        places = mapping = None
+        if shm is not None:
+            places = shm_mod.placements(segments, start, self._row_bytes, shm.by_position)
+            mapping = self.shm.check(shm, max((at + n for at, n in places), default=0))
         t_plan = time.perf_counter()
         try:
             parts = await asyncio.wait_for(
                 asyncio.gather(*(self._rows(keys[s.id], s) for s in segments)), timeout_s)
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s}") from None
+        except BaseException as exc:
+            if mapping is not None:
+                self.shm.release(mapping)
+            if isinstance(exc, TimeoutError):
+                raise errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s}") from None
+            raise
         t_read = time.perf_counter()
+        num_rows = sum(p.shape[0] for p in parts)
+        nbytes = num_rows * self._row_bytes
+        self.metrics.cache_ms.labels(op="fetch").observe((t_read - t_plan) * 1e3)
+        self.metrics.fetch_rows.inc(num_rows)
+        self.metrics.fetch_bytes.inc(nbytes)
+        timings = {"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3}
+        common = dict(segments=segments, dtype=self.dtype, row_width=self.spec.row_width, layout=self.spec.layout,
+                      timings=timings)
+        if mapping is not None:  # each segment's rows straight to its place in the file: no concatenation
+            if any(p.numel() * p.element_size() != n for (_, n), p in zip(places, parts)):
+                self.shm.release(mapping)  # rows of another width or dtype than checked: never write past them
+                raise errors.EncoderServiceError("cached rows do not match this model's row size")
+            written = await self.shm.write(mapping, shm.offset, [(at, p) for (at, _), p in zip(places, parts)])
+            timings["shm_ms"] = (time.perf_counter() - t_read) * 1e3
+            return FetchResult(rows=None, shm_bytes=written, **common)
         if len(parts) == 1:  # one image in the chunk: its rows are already one contiguous view, no copy
             rows = parts[0]
         else:
             rows = torch.cat(parts) if parts else torch.empty((0, self.spec.row_width), dtype=self.loaded.dtype)
-        self.metrics.cache_ms.labels(op="fetch").observe((t_read - t_plan) * 1e3)
-        self.metrics.fetch_rows.inc(rows.shape[0])
-        self.metrics.fetch_bytes.inc(rows.numel() * rows.element_size())
-        return FetchResult(segments=segments, rows=rows.contiguous(), dtype=self.dtype,
-                           row_width=self.spec.row_width, layout=self.spec.layout,
-                           timings={"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3})
+        return FetchResult(rows=rows.contiguous(), **common)
+
+    def _check_id_count(self, what: str, n: int) -> None:
+        limit = self.settings.limits.max_images * 16  # ids of a whole prompt, not of one encode request
+        if n > limit:
+            raise errors.LimitExceeded(f"number of {what}", n, limit)
+
+    # ---- release ---------------------------------------------------------------------------------------
+    def release(self, ids: list[str]) -> int:
+        """End the encode pins (leases) of `ids` early: one holder per distinct id, as encode pinned one per
+        distinct image. Returns how many ids had a pin to drop; unknown, expired or already released ids count
+        0 (not an error); malformed ids are InvalidInput. Entries stay cached (plain LRU entries now)."""
+        self._check_id_count("ids to release", len(ids))
+        names = {}
+        for i in ids:
+            try:
+                names.setdefault(key_from_id(i, self.model_fp, self.settings.cache.hash).name, i)
+            except errors.NotFound as exc:  # key_from_id's "unknown id" is a malformed one here
+                raise errors.InvalidInput(exc.message.replace("unknown id", "malformed id", 1)) from None
+        return sum(self.store.release(name) for name in names)
 
     async def _num_tokens(self, key) -> int:
         name = key.name

@@ -32,6 +32,7 @@ KINDS: dict[str, ErrorMapping] = {
     "deadline": ErrorMapping(504, "DEADLINE_EXCEEDED"),
     "unauthenticated": ErrorMapping(401, "UNAUTHENTICATED"),
     "unavailable": ErrorMapping(503, "UNAVAILABLE"),
+    "failed_precondition": ErrorMapping(400, "FAILED_PRECONDITION"),
     "model": ErrorMapping(500, "FAILED_PRECONDITION"),
     "internal": ErrorMapping(500, "INTERNAL"),
 }

@@ -64,3 +64,21 @@ class FetchAssembler:
         if self._writer is None:
             raise WireError("Fetch stream ended without a header")
         return self._writer.header, self._writer.finish()
+
+
+class ShmReply:
+    """The answer to a Fetch with a ShmTarget: one header message (with shm_bytes) and nothing else."""
+
+    def __init__(self):
+        self._header: pb.FetchHeader | None = None
+
+    def add(self, msg: pb.FetchChunk) -> None:
+        if msg.WhichOneof("part") != "header" or self._header is not None:
+            raise WireError("an shm Fetch stream carried more than its header: the server ignored the shm "
+                            "target (does it predate shared-memory fetch?)")
+        self._header = msg.header
+
+    def finish(self) -> tuple[WireHeader, int]:
+        if self._header is None:
+            raise WireError("Fetch stream ended without a header")
+        return header_from_proto(self._header), self._header.shm_bytes

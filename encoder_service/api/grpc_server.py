@@ -2,7 +2,8 @@
 
 Thin on purpose: convert messages, call the core, map errors once (api/errors.py). Fetch streams a header
 message, then the rows' bytes in messages of at most 1 MiB: under every peer's default 4 MiB receive
-limit, and streaming was 3x faster than one big unary reply (DESIGN.md section 5).
+limit, and streaming was 3x faster than one big unary reply (DESIGN.md section 5). A Fetch with a
+ShmTarget answers the header alone (the rows are in the client's file, api/shm.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from encoder_service.api.auth import BearerAuth
 from encoder_service.api.core import FetchItem, ImageInput, timing_headers
 from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.api.shm import ShmTarget
 from encoder_service.errors import EncoderServiceError, InvalidInput, Overloaded
 
 log = logging.getLogger(__name__)
@@ -78,14 +80,25 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         # its pending write, so the rows are released at once (a dropped generator waits for the GC).
         async with self._rpc(context, "fetch"):
             items = [FetchItem(id=i.id, offset=i.offset) for i in request.items]
-            result = await self._core.fetch(items, request.start, request.end, timeout_s=context.time_remaining())
-            header = wire.WireHeader.of(result.segments, result.rows, result.layout)
+            shm = (ShmTarget(request.shm.name, request.shm.offset, request.shm.by_position)
+                   if request.HasField("shm") else None)
+            result = await self._core.fetch(items, request.start, request.end, timeout_s=context.time_remaining(),
+                                            shm=shm)
+            header = msgs.header_to_proto(result.header())
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
-            await context.write(pb.FetchChunk(header=msgs.header_to_proto(header)))
+            if shm is not None:  # the rows are in the client's file: the header alone answers
+                header.shm_bytes = result.shm_bytes
+                await context.write(pb.FetchChunk(header=header))
+                return
+            await context.write(pb.FetchChunk(header=header))
             # Each write waits for flow control: the stream stays a few messages ahead of the reader.
             for piece in wire.grpc_data_chunks(result.rows, FETCH_DATA_BYTES):
                 await context.write(pb.FetchChunk(data=bytes(piece)))
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        async with self._rpc(context, "release"):
+            return pb.ReleaseResponse(released=self._core.release(list(request.ids)))
 
     async def Metadata(self, request: pb.MetadataRequest, context) -> pb.MetadataResponse:
         async with self._rpc(context):

@@ -5,6 +5,9 @@ POST /v1/encode   multipart (field `image`, repeated), a binary body (applicatio
                   "wait", "return_embeddings", "timeout_s"}.
 POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> api/wire.py payload
                   (application/octet-stream; application/safetensors when Accept asks for it).
+                  With "shm": {"name", "offset", "by_position"} the rows go into that client file (api/shm.py)
+                  and the answer is JSON: the wire header's fields + "shm_bytes".
+POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
 GET  /health/live, /health/ready, /v1/metadata, /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
 """
@@ -24,6 +27,7 @@ from encoder_service.api import errors as api_errors
 from encoder_service.api import wire
 from encoder_service.api.auth import BearerAuth
 from encoder_service.api.core import EncoderCore, FetchItem, ImageInput, timing_headers
+from encoder_service.api.shm import ShmTarget
 from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded
 
 log = logging.getLogger(__name__)
@@ -54,11 +58,22 @@ class FetchItemJson(_Strict):
     offset: int
 
 
+class ShmJson(_Strict):
+    name: str
+    offset: int
+    by_position: bool = False
+
+
 class FetchJson(_Strict):
     items: list[FetchItemJson]
     start: int
     end: int
     timeout_s: float | None = None
+    shm: ShmJson | None = None
+
+
+class ReleaseJson(_Strict):
+    ids: list[str]
 
 
 def create_app(core: EncoderCore) -> FastAPI:
@@ -100,6 +115,10 @@ def create_app(core: EncoderCore) -> FastAPI:
     @app.post("/v1/fetch")
     async def fetch(request: Request):
         return await _observed("fetch", lambda: _fetch(request))
+
+    @app.post("/v1/release")
+    async def release(request: Request):
+        return await _observed("release", lambda: _release(request))
 
     async def _observed(method: str, handler):
         """Request metrics around one handler; errors are answered here so they are counted too."""
@@ -152,14 +171,26 @@ def create_app(core: EncoderCore) -> FastAPI:
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
         body = _parse(FetchJson, await _bounded(request, max_body).body())
+        shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
-                                  timeout_s=body.timeout_s)
-        header = wire.WireHeader.of(result.segments, result.rows, result.layout)
+                                  timeout_s=body.timeout_s, shm=shm)
+        header = result.header()
+        if shm is not None:  # the rows are in the client's file: the header alone answers
+            return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
+                                headers=dict(timing_headers(result.timings)))
         if SAFETENSORS in request.headers.get("accept", ""):
             payload, media = wire.encode_safetensors(header, result.rows), SAFETENSORS
         else:
             payload, media = wire.encode_http(header, result.rows), OCTET
         return Response(payload, media_type=media, headers=dict(timing_headers(result.timings)))
+
+    async def _release(request: Request) -> Response:
+        auth.check(request.headers.get("authorization"))
+        ctype = _content_type(request)
+        if ctype != "application/json":
+            raise _unsupported(ctype, "application/json")
+        body = _parse(ReleaseJson, await _bounded(request, max_body).body())
+        return JSONResponse({"released": core.release(body.ids)})
 
     return app
 

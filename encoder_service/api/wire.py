@@ -203,7 +203,7 @@ class RowWriter:
         self.header, self._out, self._start = header, out, start
         dtype = DTYPES[header.dtype]
         if out is not None:
-            _check_out(header, out, start)
+            check_out(header, out, start)
         direct = out is not None and out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
         # Bytes go into `dest`; `targets` are (first dest row, num rows) per segment, in payload order.
         if direct:
@@ -239,15 +239,24 @@ class RowWriter:
         if self._out is None or self._dest is self._out:
             return self._dest
         # Staged (GPU, other dtype, or strided `out`): one copy per segment, casting as needed.
-        done = 0
-        for s in self.header.segments:
-            self._out[s.position - self._start:s.position - self._start + s.num_rows].copy_(
-                self._dest[done:done + s.num_rows])
-            done += s.num_rows
-        return self._out
+        return place_rows(self.header, self._dest, self._out, self._start, checked=True)
 
 
-def _check_out(header: WireHeader, out: torch.Tensor, start: int) -> None:
+def place_rows(header: WireHeader, rows: torch.Tensor, out: torch.Tensor, start: int = 0, *,
+               checked: bool = False) -> torch.Tensor:
+    """Packed `rows` [num_rows, row_width] (segment order) into `out` at row position - start, one copy per
+    segment (casting, to any device); returns `out`. Raises WireError when `out` can't hold them."""
+    if not checked:
+        check_out(header, out, start)
+    done = 0
+    for s in header.segments:
+        out[s.position - start:s.position - start + s.num_rows].copy_(rows[done:done + s.num_rows])
+        done += s.num_rows
+    return out
+
+
+def check_out(header: WireHeader, out: torch.Tensor, start: int) -> None:
+    """WireError unless `out` [rows, row_width] holds every segment at row position - start."""
     if out.dim() != 2 or out.shape[1] != header.row_width:
         raise WireError(f"out must be [rows, {header.row_width}] for this payload, got {tuple(out.shape)}")
     need = max((s.position + s.num_rows - start for s in header.segments), default=0)

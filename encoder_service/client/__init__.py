@@ -7,6 +7,12 @@
         for chunk in client.iter_chunks(layout, chunk_size=2048):       # only the rows each chunk needs
             ...  # chunk.start, chunk.end, chunk.segments, chunk.rows
 
+        client.release([i.id for i in infos])                            # done: end the pins early
+
+Same host as a server started with --shm-fetch: `EncoderClient.grpc(..., shm=True)` fetches through
+shared-memory files (client/shm.py); `client.alloc_rows(n, row_width, dtype)` gives a buffer the server
+writes into directly (pass it, or row slices of it, as `out`).
+
 Server errors arrive as encoder_service.errors types (InvalidInput, NotFound, Overloaded, ...).
 """
 

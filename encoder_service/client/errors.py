@@ -16,6 +16,7 @@ _BY_KIND: dict[str, type[errors.EncoderServiceError]] = {
     "deadline": errors.DeadlineExceeded,
     "unauthenticated": errors.Unauthenticated,
     "unavailable": errors.Unavailable,
+    "failed_precondition": errors.FailedPrecondition,
 }
 # When the server sent no kind (a proxy's answer, gRPC's own limits): the status decides.
 _KIND_BY_HTTP = {400: "invalid_input", 401: "unauthenticated", 404: "not_found", 413: "limit",

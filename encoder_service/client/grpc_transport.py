@@ -31,8 +31,9 @@ def _encode_request(images: list[ImageSource], wait: bool, return_embeddings: bo
         wait=wait, return_embeddings=return_embeddings)
 
 
-def _fetch_request(items, start: int, end: int) -> pb.FetchRequest:
-    return pb.FetchRequest(items=[pb.FetchItem(id=i, offset=o) for i, o in items], start=start, end=end)
+def _fetch_request(items, start: int, end: int, shm: dict | None = None) -> pb.FetchRequest:
+    return pb.FetchRequest(items=[pb.FetchItem(id=i, offset=o) for i, o in items], start=start, end=end,
+                           shm=pb.ShmTarget(**shm) if shm is not None else None)
 
 
 def _infos(response: pb.EncodeResponse) -> list[ImageInfo]:
@@ -76,6 +77,24 @@ class GrpcTransport:
             call.cancel()  # no-op after a clean end; frees the stream when decoding failed midway
         return assembler.finish()
 
+    def fetch_shm(self, items, start, end, target, timeout):
+        reply = msgs.ShmReply()
+        call = self._stub.Fetch(_fetch_request(items, start, end, target), timeout=timeout, metadata=self._md)
+        try:
+            for message in call:
+                reply.add(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        finally:
+            call.cancel()
+        return reply.finish()
+
+    def release(self, ids, timeout):
+        try:
+            return self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=timeout, metadata=self._md).released
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+
     def metadata(self, timeout):
         try:
             return json.loads(self._stub.Metadata(pb.MetadataRequest(), timeout=timeout, metadata=self._md).json)
@@ -113,6 +132,25 @@ class AsyncGrpcTransport:
         finally:
             call.cancel()
         return assembler.finish()
+
+    async def fetch_shm(self, items, start, end, target, timeout):
+        reply = msgs.ShmReply()
+        call = self._stub.Fetch(_fetch_request(items, start, end, target), timeout=timeout, metadata=self._md)
+        try:
+            async for message in call:
+                reply.add(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        finally:
+            call.cancel()
+        return reply.finish()
+
+    async def release(self, ids, timeout):
+        try:
+            response = await self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return response.released
 
     async def metadata(self, timeout):
         try:

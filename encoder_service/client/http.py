@@ -1,7 +1,8 @@
 """HTTP transports (httpx, blocking and async) for EncoderClient / AsyncEncoderClient.
 
 Encode sends multipart (raw bytes, field `image`) unless an image is a URL or carries a caller id, which
-only the JSON form (base64) can say. Fetch asks for the octet-stream payload (api/wire.py).
+only the JSON form (base64) can say. Fetch asks for the octet-stream payload (api/wire.py); an shm fetch
+gets a JSON header (the rows are in the client's file).
 """
 
 from __future__ import annotations
@@ -46,8 +47,18 @@ def _embedding(d: dict):
     return wire.rows_from_bytes(base64.b64decode(e["data"]), e["dtype"], int(e["shape"][1]), int(e["shape"][0]))
 
 
-def _fetch_json(items, start: int, end: int, timeout) -> dict:
-    return {"items": [{"id": i, "offset": o} for i, o in items], "start": start, "end": end, "timeout_s": timeout}
+def _fetch_json(items, start: int, end: int, timeout, shm: dict | None = None) -> dict:
+    body = {"items": [{"id": i, "offset": o} for i, o in items], "start": start, "end": end, "timeout_s": timeout}
+    return body | {"shm": shm} if shm is not None else body
+
+
+def _shm_reply(response: httpx.Response) -> tuple[wire.WireHeader, int]:
+    """(header, shm_bytes) of an shm fetch's JSON answer."""
+    try:
+        d = response.json()
+        return wire.WireHeader.from_dict(d), int(d["shm_bytes"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise wire.WireError(f"not an shm fetch answer ({response.headers.get('content-type')}): {exc!r}") from None
 
 
 def _check(response: httpx.Response) -> httpx.Response:
@@ -89,6 +100,12 @@ class HttpTransport:
                               headers={"accept": "application/octet-stream"})
         return wire.decode_http(response.content, out, start)
 
+    def fetch_shm(self, items, start, end, target, timeout):
+        return _shm_reply(self._post("/v1/fetch", timeout, json=_fetch_json(items, start, end, timeout, target)))
+
+    def release(self, ids, timeout):
+        return int(self._post("/v1/release", timeout, json={"ids": ids}).json()["released"])
+
     def metadata(self, timeout):
         try:
             return _check(self._http.get("/v1/metadata", timeout=timeout)).json()
@@ -117,6 +134,13 @@ class AsyncHttpTransport:
         response = await self._post("/v1/fetch", timeout, json=_fetch_json(items, start, end, timeout),
                                     headers={"accept": "application/octet-stream"})
         return wire.decode_http(response.content, out, start)
+
+    async def fetch_shm(self, items, start, end, target, timeout):
+        return _shm_reply(await self._post("/v1/fetch", timeout,
+                                           json=_fetch_json(items, start, end, timeout, target)))
+
+    async def release(self, ids, timeout):
+        return int((await self._post("/v1/release", timeout, json={"ids": ids})).json()["released"])
 
     async def metadata(self, timeout):
         try:

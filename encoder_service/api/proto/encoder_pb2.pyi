@@ -63,14 +63,26 @@ class FetchItem(_message.Message):
     def __init__(self, id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("items", "start", "end")
+    __slots__ = ("items", "start", "end", "shm")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[FetchItem]
     start: int
     end: int
-    def __init__(self, items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+    shm: ShmTarget
+    def __init__(self, items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ...) -> None: ...
+
+class ShmTarget(_message.Message):
+    __slots__ = ("name", "offset", "by_position")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    by_position: bool
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., by_position: _Optional[bool] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("id", "position", "row_start", "row_end")
@@ -85,20 +97,22 @@ class Segment(_message.Message):
     def __init__(self, id: _Optional[str] = ..., position: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("version", "dtype", "row_width", "layout", "num_rows", "segments")
+    __slots__ = ("version", "dtype", "row_width", "layout", "num_rows", "segments", "shm_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     dtype: str
     row_width: int
     layout: str
     num_rows: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[str] = ..., row_width: _Optional[int] = ..., layout: _Optional[str] = ..., num_rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    shm_bytes: int
+    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[str] = ..., row_width: _Optional[int] = ..., layout: _Optional[str] = ..., num_rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -107,6 +121,18 @@ class FetchChunk(_message.Message):
     header: FetchHeader
     data: bytes
     def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class MetadataRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,11 @@ class EncoderStub:
                 request_serializer=encoder__pb2.MetadataRequest.SerializeToString,
                 response_deserializer=encoder__pb2.MetadataResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/encoder.v1.Encoder/Release',
+                request_serializer=encoder__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=encoder__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -64,6 +69,8 @@ class EncoderServicer:
     def Fetch(self, request, context):
         """Rows of the images overlapping one prompt chunk [start, end): one FetchChunk with the header,
         then FetchChunks with row bytes, each message at most 1 MiB (so no receive limit needs raising).
+        With FetchRequest.shm set, the rows go into that shared-memory file instead and the stream is the
+        header message alone (FetchHeader.shm_bytes says how many bytes were written).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,6 +78,13 @@ class EncoderServicer:
 
     def Metadata(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Ends the encode pins (leases) of ids the caller is done with; entries stay cached.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,6 +106,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Metadata,
                     request_deserializer=encoder__pb2.MetadataRequest.FromString,
                     response_serializer=encoder__pb2.MetadataResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=encoder__pb2.ReleaseRequest.FromString,
+                    response_serializer=encoder__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class Encoder:
             '/encoder.v1.Encoder/Metadata',
             encoder__pb2.MetadataRequest.SerializeToString,
             encoder__pb2.MetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoder.v1.Encoder/Release',
+            encoder__pb2.ReleaseRequest.SerializeToString,
+            encoder__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -136,6 +136,8 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_MAX_PIXELS" $srv.maxPixels)
     (list "ENCODER_ALLOW_URL_HOSTS" (join "," ($srv.allowUrlHosts | default list)))
     (list "ENCODER_LOG_LEVEL" $srv.logLevel)
+    (list "ENCODER_SHM_FETCH" $srv.shmFetch)
+    (list "ENCODER_SHM_DIR" $srv.shmDir)
     (list "HF_HOME" .Values.model.cache.mountPath)
     (list "HOME" "/tmp") }}
 {{- range $literal }}

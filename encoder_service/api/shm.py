@@ -1,0 +1,210 @@
+"""Server side of the shared-memory fetch: write a chunk's rows into a co-located client's file.
+
+A fetch may name `ShmTarget(name, offset, by_position)`: a file the CLIENT created and owns,
+`<--shm-dir>/encoder-fetch-<32 hex>` (client/shm.py). The core hands the chunk's row tensors here and
+answers only the header; the bytes never cross a socket (TCP through Python is ~16-36 ms for a 19 MB
+1080p chunk, a parallel memcpy into a mapping ~1-3 ms).
+
+Where the rows go (`row_bytes` = row_width x dtype size):
+  - packed (by_position false): exactly the wire payload, segment after segment, from `offset`;
+  - by_position: segment rows at `offset + (position - start) * row_bytes`, as into a fetch `out`
+    buffer (the client's own tensor in the file: no copy on its side); rows between segments untouched.
+
+The file is the client's: it is checked strictly, and never grown or truncated here (so a request can't
+make the server allocate): the name is a bare `encoder-fetch-<32 hex>` opened relative to the shm dir's
+fd with O_NOFOLLOW (no paths, no symlinks), it must be a regular file, and the whole write must fit
+inside its current size. Trust: the file is mode 0600, so only a client running as the server's own uid
+can hand one over (it could signal the server anyway); a client that shrinks its file during a write
+crashes the server with SIGBUS, which that uid could do by other means too.
+
+Mappings are kept in a small LRU keyed by (name, st_dev, st_ino, st_size) and re-stat'ed per request,
+so a reused client file stays mapped and its pages stay faulted in on this side too. Copies run on a
+small dedicated thread pool (`Tensor.copy_` releases the GIL and is itself multi-threaded), not on the
+engine's CPU pool, which is busy preprocessing under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import re
+import stat
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from encoder_service.errors import FailedPrecondition, InvalidInput
+from encoder_service.ranges import Segment
+
+NAME_RE = re.compile(r"^encoder-fetch-[0-9a-f]{32}$")
+MAX_OPEN = 16  # mappings kept open (a client reuses one file; a few clients per host)
+COPY_THREADS = 2
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO never hangs us
+
+
+@dataclass(frozen=True)
+class ShmTarget:
+    name: str  # encoder-fetch-<32 hex>, a file directly in the server's shm dir
+    offset: int  # byte offset of the first row (packed) or of row `start` (by_position)
+    by_position: bool = False
+
+
+def disabled() -> FailedPrecondition:
+    return FailedPrecondition("shared-memory fetch is off on this server: start it with --shm-fetch "
+                              "(ENCODER_SHM_FETCH=true), or fetch without shm")
+
+
+def placements(segments: list[Segment], start: int, row_bytes: int, by_position: bool) -> list[tuple[int, int]]:
+    """(byte offset from the target offset, byte length) of each segment's rows, in segment order."""
+    out, packed = [], 0
+    for s in segments:
+        n = s.num_rows * row_bytes
+        out.append(((s.position - start) * row_bytes if by_position else packed, n))
+        packed += n
+    return out
+
+
+class _Mapping:
+    """One client file mapped MAP_SHARED; `users` copies in flight (closed only at zero)."""
+
+    def __init__(self, key: tuple, fd: int, size: int):
+        self.key, self.size = key, size
+        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # torch.frombuffer holds a reference to the mmap, not a buffer export: mm.close() would succeed under a
+        # live view and unmap it. Hence `users`: nothing closes a mapping while a copy may touch it.
+        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)  # [size]
+        self.users, self.evicted = 0, False
+
+    def close(self) -> None:
+        self.bytes = None
+        self.mm.close()
+
+
+class ShmWriter:
+    """`await writer.write(target, segments, parts, start, row_bytes)`; `close()` at shutdown.
+    Bookkeeping on the event loop, copies on the pool; `_lock` covers what the pool's done-callbacks touch."""
+
+    def __init__(self, directory: str, *, max_open: int = MAX_OPEN, threads: int = COPY_THREADS):
+        self.directory = directory
+        try:
+            self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            from encoder_service.settings import SettingsError
+
+            raise SettingsError(f"--shm-dir / ENCODER_SHM_DIR {directory!r} is not a usable directory: "
+                                f"{exc.strerror}") from None
+        self._max_open = max_open
+        self._open: OrderedDict[tuple, _Mapping] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shm-copy")
+        self.counters = dict(opens=0, evictions=0, writes=0)
+
+    def check(self, target: ShmTarget, extent: int) -> _Mapping:
+        """Validate `target` for a write of `extent` bytes from its offset; the mapping, with one more user
+        (hand it to `write`, or `release` it). Raises InvalidInput naming the problem."""
+        if target.offset < 0:
+            raise InvalidInput(f"shm offset must be >= 0, got {target.offset}")
+        name = target.name
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise InvalidInput(f"shm name {name!r:.80} is invalid: expected a bare file name "
+                               "encoder-fetch-<32 lowercase hex> (no directories)")
+        try:
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise InvalidInput(f"shm file {name} not found in {self.directory}: client and server must share "
+                               "that directory (same host, same pod or a shared mount)") from None
+        except OSError as exc:
+            raise InvalidInput(f"shm file {name}: {exc.strerror}") from None
+        key = (name, st.st_dev, st.st_ino, st.st_size)
+        with self._lock:
+            m = self._open.get(key) if stat.S_ISREG(st.st_mode) else None
+            if m is not None:
+                self._open.move_to_end(key)
+                m.users += 1
+        if m is None:
+            m = self._map(name)  # also refuses what is not a regular file (S_ISLNK above, anything else)
+        if target.offset + extent > m.size:
+            self.release(m)
+            raise InvalidInput(f"shm file {name} is {m.size} bytes; this fetch writes {extent} bytes at offset "
+                               f"{target.offset} (needs {target.offset + extent}): grow the file")
+        return m
+
+    def _map(self, name: str) -> _Mapping:
+        try:
+            fd = os.open(name, _OPEN_FLAGS, dir_fd=self._dir_fd)
+        except OSError as exc:
+            why = "is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+            raise InvalidInput(f"shm file {name} in {self.directory} can't be opened: {why}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidInput(f"shm file {name} is not a regular file")
+            if st.st_size == 0:
+                raise InvalidInput(f"shm file {name} is empty: the client sizes it (ftruncate) before fetching")
+            m = _Mapping((name, st.st_dev, st.st_ino, st.st_size), fd, st.st_size)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+        with self._lock:
+            # A file of the same name with another inode or size is gone or was replaced: drop its mapping.
+            for old in [k for k in self._open if k[0] == name]:
+                self._evict(old)
+            self._open[m.key] = m
+            m.users += 1
+            while len(self._open) > self._max_open:
+                self._evict(next(iter(self._open)))
+        self.counters["opens"] += 1
+        return m
+
+    def _evict(self, key: tuple) -> None:  # under _lock
+        m = self._open.pop(key)
+        m.evicted = True
+        self.counters["evictions"] += 1
+        if m.users == 0:
+            m.close()
+
+    def release(self, m: _Mapping) -> None:
+        with self._lock:
+            m.users -= 1
+            if m.evicted and m.users == 0 and m.bytes is not None:
+                m.close()
+
+    async def write(self, m: _Mapping, offset: int, pieces: list[tuple[int, torch.Tensor]]) -> int:
+        """Copy each (byte offset from `offset`, rows tensor) into the mapping on the copy pool; releases `m`
+        (also when cancelled: the release waits for a copy already running). Returns the bytes written."""
+        try:
+            future = self._pool.submit(_copy, m.bytes, offset, pieces)
+        except BaseException:
+            self.release(m)
+            raise
+        future.add_done_callback(lambda _: self.release(m))
+        self.counters["writes"] += 1
+        return await asyncio.wrap_future(future)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self.counters, open=len(self._open))
+
+    def close(self) -> None:
+        """Wait for copies in flight, then unmap everything (the files stay: they are the clients')."""
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for m in self._open.values():
+                m.close()
+            self._open.clear()
+        os.close(self._dir_fd)
+
+
+def _copy(dest: torch.Tensor, offset: int, pieces: list[tuple[int, torch.Tensor]]) -> int:
+    """Pool thread: each piece's rows as raw bytes into dest[offset + at:]; no concatenation."""
+    total = 0
+    for at, rows in pieces:
+        src = rows.detach().reshape(-1).view(torch.uint8)  # contiguous rows: a view
+        lo = offset + at
+        dest[lo:lo + src.numel()].copy_(src)
+        total += src.numel()
+    return total

@@ -1,0 +1,174 @@
+"""Client side of the shared-memory fetch: the files a client owns (server side: api/shm.py; no server
+imports here).
+
+A client built with `shm=True` creates files `<shm_dir>/encoder-fetch-<32 hex>` (O_CREAT|O_EXCL, mode
+0600, ftruncate'd, mapped MAP_SHARED); a fetch names one (`ShmTarget` name + offset) and the server writes
+the rows into it, answering only the header. Two kinds of file:
+  - staging: a fetch whose `out` is not in one of our files gets the packed rows in a staging file, then
+    one copy into `out` (or into a new tensor). Reused across fetches, so pages stay faulted in on both
+    sides; replaced by a larger file (the old one unlinked) when a chunk needs more; one per fetch in flight.
+  - `alloc_rows(num_rows, row_width, dtype)`: a tensor in a file of its own; fetch(out=it, or a row slice
+    of it) has the server write each segment at its row `position - start`: no copy on the client.
+Every file is unlinked on `close()` (or once nothing maps it any more). A mapping stays valid while any
+tensor views it (torch.frombuffer keeps the mmap object alive), so tensors handed out survive close().
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+PREFIX = "encoder-fetch-"
+DEFAULT_DIR = "/dev/shm"
+IDLE_STAGING = 2  # staging files kept for reuse when no fetch uses them (more only while fetches overlap)
+_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(eq=False)
+class ShmFile:
+    """One file we created, mapped. `data`: uint8 [size] over the mapping (None once dropped)."""
+
+    name: str
+    size: int
+    base: int  # address of byte 0 in this process
+    data: torch.Tensor | None
+    unlink: weakref.finalize  # unlinks the file: at close(), or when the mapping is collected
+
+    @classmethod
+    def create(cls, directory: str, nbytes: int) -> ShmFile:
+        size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        for _ in range(4):  # 128 random bits: a clash means something else writes our names
+            path = os.path.join(directory, PREFIX + secrets.token_hex(16))
+            try:
+                fd = os.open(path, _CREATE_FLAGS, 0o600)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"could not create a fresh {PREFIX}* file in {directory}")
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        data = torch.frombuffer(mm, dtype=torch.uint8)
+        return cls(os.path.basename(path), size, data.data_ptr(), data, weakref.finalize(mm, _unlink, path))
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Byte offset of CPU tensor `t` in this file when all of it lies inside, else None."""
+        lo = t.data_ptr() - self.base
+        end = lo + t.numel() * t.element_size()
+        return lo if self.unlink.alive and 0 <= lo and end <= self.size else None
+
+
+class ShmBuffers:
+    """The shared-memory files of one client. Thread-safe (a blocking client may be shared by threads)."""
+
+    def __init__(self, directory: str = DEFAULT_DIR):
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"shm_dir {directory!r} is not a directory (the server's --shm-dir, shared)")
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._idle: list[ShmFile] = []  # staging files no fetch is using
+        self._busy: set[ShmFile] = set()  # staging files a fetch is using
+        self._allocated: list[ShmFile] = []  # alloc_rows files (their `data` dropped: the tensors hold the maps)
+        self._closed = False
+
+    def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
+        """A zeroed [num_rows, row_width] tensor in a new file of ours: use it (or row slices) as fetch `out`."""
+        dtype = torch_dtype(dtype)
+        nbytes = num_rows * row_width * dtype.itemsize
+        if self._closed:
+            raise RuntimeError("the client's shared memory is closed")
+        f = self._new(nbytes)
+        rows = f.data[:nbytes].view(dtype).view(num_rows, row_width)
+        f.data = None  # the file lives as long as `rows` (or a view of it) does
+        with self._lock:
+            self._allocated = [a for a in self._allocated if a.unlink.alive] + [f]
+        return rows
+
+    def locate(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """(file name, byte offset) when CPU tensor `t` lies inside an alloc_rows file, else None."""
+        if t.device.type != "cpu":
+            return None
+        with self._lock:
+            for f in self._allocated:
+                offset = f.offset_of(t)
+                if offset is not None:
+                    return f.name, offset
+        return None
+
+    def take_staging(self, nbytes: int) -> ShmFile:
+        """A staging file of at least `nbytes` for one fetch; give it back with `give_staging`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the client's shared memory is closed")
+            fit = [f for f in self._idle if f.size >= nbytes]
+            if fit:
+                f = min(fit, key=lambda f: f.size)
+                self._idle.remove(f)
+                self._busy.add(f)
+                return f
+            if self._idle:  # too small for this chunk: replace the largest idle one by a bigger file
+                old = max(self._idle, key=lambda f: f.size)
+                self._idle.remove(old)
+                old.unlink()
+                nbytes = max(nbytes, 2 * old.size)  # grow geometrically: chunks vary a little in size
+        f = self._new(nbytes)
+        with self._lock:
+            self._busy.add(f)
+        return f
+
+    def give_staging(self, f: ShmFile, reuse: bool = True) -> None:
+        """Back to the idle list; `reuse=False` (the fetch failed: the server may still write) unlinks it."""
+        with self._lock:
+            self._busy.discard(f)
+            if not reuse or self._closed or len(self._idle) >= IDLE_STAGING:
+                f.unlink()
+                f.data = None
+            else:
+                self._idle.append(f)
+
+    def files(self) -> list[str]:
+        """Names of the files this client has in the shm dir now."""
+        with self._lock:
+            every = self._idle + list(self._busy) + self._allocated
+            return [f.name for f in every if f.unlink.alive]
+
+    def close(self) -> None:
+        """Unlink every file (tensors from alloc_rows stay valid: their mappings live on until dropped)."""
+        with self._lock:
+            self._closed = True
+            for f in self._idle + list(self._busy) + self._allocated:
+                f.unlink()
+            for f in self._idle:
+                f.data = None
+            self._idle, self._allocated = [], []
+
+    def _new(self, nbytes: int) -> ShmFile:
+        try:
+            return ShmFile.create(self.directory, nbytes)
+        except OSError as exc:
+            raise OSError(exc.errno, f"can't create a shared-memory file in {self.directory}: {exc.strerror}") \
+                from exc
