@@ -14,6 +14,7 @@ many-images: one request with 64 images of 2560x1440 completes (encode wait=True
     python benchmarks/scenarios.py                         # GPU: Qwen2.5-VL-7B tower, bfloat16
     python benchmarks/scenarios.py --family qwen3_vl       # GPU: Qwen3-VL-8B tower (deepstack rows)
     python benchmarks/scenarios.py --small                 # CPU: tiny tower, small images (smoke test)
+    python benchmarks/scenarios.py --shm                   # fetches through shared memory, not the socket
 
 Prints one markdown table per scenario and writes $OUT/scenarios.json and $OUT/scenarios.md
 (OUT defaults to ./gpu_out). Exits 1 if a check fails (row counts, or the many-images peak growing with
@@ -143,6 +144,8 @@ def main() -> int:
     parser.add_argument("--many", type=int, default=64, help="images in the many-images request")
     parser.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk (tokens) of the fetches")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="the service's --batch-tokens")
+    parser.add_argument("--shm", action="store_true",
+                        help="fetch through shared memory (server --shm-fetch, client shm=True) instead of HTTP")
     args = parser.parse_args()
     if not args.small and not torch.cuda.is_available():
         parser.error("needs a CUDA device (use --small for a CPU smoke test)")
@@ -161,15 +164,15 @@ def main() -> int:
             "--batch-tokens", str(args.batch_tokens), "--max-images", str(max(64, args.many)),
             "--max-body-bytes", "1GiB", "--max-image-bytes", "64MiB", "--max-queue", str(max(256, 2 * args.many)),
             "--cache-bytes", "48GiB" if not args.small else "2GiB",
-        ], env={})
+        ] + (["--shm-fetch"] if args.shm else []), env={})
         setup = setup_info(device, dtype, args.small) | dict(
             family=args.family, vision=json.dumps((SMALL if args.small else REAL)[args.family]),
-            chunk_size=args.chunk_size, batch_tokens=args.batch_tokens,
+            chunk_size=args.chunk_size, batch_tokens=args.batch_tokens, fetch="shared memory" if args.shm else "HTTP",
             cuda_graphs=settings.engine.cuda_graphs)
         print(json.dumps(setup))
         svc = InProcessService(settings, http_sock)
         try:
-            with EncoderClient.http(svc.url, timeout=600) as client:
+            with EncoderClient.http(svc.url, timeout=600, shm=args.shm) as client:
                 turns = multi_turn(client, device, args.rounds, turn_size, args.chunk_size)
                 counts = sorted({min(8, args.many), args.many})
                 many = many_images(client, device, counts, many_size, args.chunk_size, args.batch_tokens)
