@@ -187,11 +187,14 @@ def compare_family(family: str, vision: dict, images: dict, device, dtype) -> li
 
 
 def setup_info(device: torch.device, dtype: torch.dtype, small: bool) -> dict:
-    try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        commit = git.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    # BENCH_COMMIT: for copies of the tree without their own git history (the device machine's copy)
+    commit = os.environ.get("BENCH_COMMIT")
+    if not commit:
+        try:
+            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+            commit = git.stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         dtype=str(dtype).removeprefix("torch."),

@@ -105,3 +105,4 @@ def shm_service(request, tiny_checkpoint, shm_dir) -> RunningService:
 @pytest.fixture(scope="session")
 def shm_service_qwen3(request, tiny_checkpoint, shm_dir) -> RunningService:
     return _running(request, tiny_checkpoint("qwen3_vl"), "--shm-fetch", "--shm-dir", str(shm_dir))
+

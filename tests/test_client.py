@@ -10,25 +10,17 @@ import pytest
 import torch
 
 from encoder_service import errors
-from encoder_service.client import AsyncEncoderClient, EncoderClient, PromptLayout
+from encoder_service.client import EncoderClient, PromptLayout
 from encoder_service.ranges import chunks, plan_chunk
 from tests.images import image_bytes as png
 from tests.images import noise_image as pil_image
+
+from tests.clients import async_client, sync_client
 
 pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORTS = ["http", "grpc"]
-
-
-def sync_client(svc, transport: str, **kw) -> EncoderClient:
-    return EncoderClient.http(svc.url, timeout=30, **kw) if transport == "http" else \
-        EncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
-
-
-def async_client(svc, transport: str, **kw) -> AsyncEncoderClient:
-    return AsyncEncoderClient.http(svc.url, timeout=30, **kw) if transport == "http" else \
-        AsyncEncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
 
 
 class FetchSpy:

@@ -21,25 +21,17 @@ from encoder_service import errors
 from encoder_service.api import shm as server_shm
 from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
-from encoder_service.client import AsyncEncoderClient, EncoderClient, PromptLayout
+from encoder_service.client import PromptLayout
 from encoder_service.client.shm import ShmFile
 from encoder_service.ranges import chunks, plan_chunk
 from tests.images import image_bytes as png
+
+from tests.clients import async_client, sync_client
 
 pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORTS = ["http", "grpc"]
-
-
-def sync_client(svc, transport: str, **kw) -> EncoderClient:
-    return EncoderClient.http(svc.url, timeout=30, **kw) if transport == "http" else \
-        EncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
-
-
-def async_client(svc, transport: str, **kw) -> AsyncEncoderClient:
-    return AsyncEncoderClient.http(svc.url, timeout=30, **kw) if transport == "http" else \
-        AsyncEncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
 
 
 def layout_of(infos) -> PromptLayout:

@@ -66,28 +66,22 @@ class GrpcTransport:
         return _infos(response)
 
     def fetch(self, items, start, end, out, timeout):
-        assembler = msgs.FetchAssembler(out, start)
-        call = self._stub.Fetch(_fetch_request(items, start, end), timeout=timeout, metadata=self._md)
+        return self._stream(_fetch_request(items, start, end), msgs.FetchAssembler(out, start), timeout)
+
+    def fetch_shm(self, items, start, end, target, timeout):
+        return self._stream(_fetch_request(items, start, end, target), msgs.ShmReply(), timeout)
+
+    def _stream(self, request, sink, timeout):
+        """One Fetch stream into `sink` (add(message) per message, then finish())."""
+        call = self._stub.Fetch(request, timeout=timeout, metadata=self._md)
         try:
             for message in call:
-                assembler.add(message)
+                sink.add(message)
         except grpc.RpcError as exc:
             raise _error(exc) from exc
         finally:
             call.cancel()  # no-op after a clean end; frees the stream when decoding failed midway
-        return assembler.finish()
-
-    def fetch_shm(self, items, start, end, target, timeout):
-        reply = msgs.ShmReply()
-        call = self._stub.Fetch(_fetch_request(items, start, end, target), timeout=timeout, metadata=self._md)
-        try:
-            for message in call:
-                reply.add(message)
-        except grpc.RpcError as exc:
-            raise _error(exc) from exc
-        finally:
-            call.cancel()
-        return reply.finish()
+        return sink.finish()
 
     def release(self, ids, timeout):
         try:
@@ -122,28 +116,21 @@ class AsyncGrpcTransport:
         return _infos(response)
 
     async def fetch(self, items, start, end, out, timeout):
-        assembler = msgs.FetchAssembler(out, start)
-        call = self._stub.Fetch(_fetch_request(items, start, end), timeout=timeout, metadata=self._md)
-        try:
-            async for message in call:
-                assembler.add(message)
-        except grpc.RpcError as exc:
-            raise _error(exc) from exc
-        finally:
-            call.cancel()
-        return assembler.finish()
+        return await self._stream(_fetch_request(items, start, end), msgs.FetchAssembler(out, start), timeout)
 
     async def fetch_shm(self, items, start, end, target, timeout):
-        reply = msgs.ShmReply()
-        call = self._stub.Fetch(_fetch_request(items, start, end, target), timeout=timeout, metadata=self._md)
+        return await self._stream(_fetch_request(items, start, end, target), msgs.ShmReply(), timeout)
+
+    async def _stream(self, request, sink, timeout):
+        call = self._stub.Fetch(request, timeout=timeout, metadata=self._md)
         try:
             async for message in call:
-                reply.add(message)
+                sink.add(message)
         except grpc.RpcError as exc:
             raise _error(exc) from exc
         finally:
             call.cancel()
-        return reply.finish()
+        return sink.finish()
 
     async def release(self, ids, timeout):
         try:
