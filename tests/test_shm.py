@@ -8,6 +8,7 @@ server in place; every bad target gets a 4xx / gRPC status naming the problem an
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import secrets
 import stat
@@ -299,3 +300,26 @@ async def test_writer_never_unmaps_under_a_copy(tmp_path):
         writer.close()
         for f in files:
             f.unlink()
+
+
+async def test_a_full_shm_mount_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    """The server reserves the range before it writes: a full tmpfs answers ENOSPC (FailedPrecondition),
+    where a store into a sparse page would have been SIGBUS. ENOSPC is injected: no test can fill /dev/shm."""
+    writer = server_shm.ShmWriter(str(tmp_path))
+    f = ShmFile.create(str(tmp_path), 1 << 16)
+    rows = torch.ones(16, 64)
+    try:
+        def no_space(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(server_shm.os, "posix_fallocate", no_space)
+        m = writer.check(server_shm.ShmTarget(f.name, 0), rows.numel() * 4)
+        with pytest.raises(errors.FailedPrecondition, match="no room for 4096 bytes"):
+            await writer.write(m, 0, [(0, rows)])
+        assert m.users == 0 and not f.data.any()  # released, nothing written
+        monkeypatch.undo()
+        m = writer.check(server_shm.ShmTarget(f.name, 0), rows.numel() * 4)
+        assert await writer.write(m, 0, [(0, rows)]) == rows.numel() * 4
+    finally:
+        writer.close()
+        f.unlink()

@@ -74,6 +74,7 @@ class _Mapping:
 
     def __init__(self, key: tuple, fd: int, size: int):
         self.key, self.size = key, size
+        self.fd = os.dup(fd)  # for posix_fallocate before each write (see _copy)
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         # torch.frombuffer holds a reference to the mmap, not a buffer export: mm.close() would succeed under a
         # live view and unmap it. Hence `users`: nothing closes a mapping while a copy may touch it.
@@ -83,6 +84,7 @@ class _Mapping:
     def close(self) -> None:
         self.bytes = None
         self.mm.close()
+        os.close(self.fd)
 
 
 class ShmWriter:
@@ -177,7 +179,7 @@ class ShmWriter:
         """Copy each (byte offset from `offset`, rows tensor) into the mapping on the copy pool; releases `m`
         (also when cancelled: the release waits for a copy already running). Returns the bytes written."""
         try:
-            future = self._pool.submit(_copy, m.bytes, offset, pieces)
+            future = self._pool.submit(_copy, m, offset, pieces, self.directory)
         except BaseException:
             self.release(m)
             raise
@@ -199,12 +201,23 @@ class ShmWriter:
         os.close(self._dir_fd)
 
 
-def _copy(dest: torch.Tensor, offset: int, pieces: list[tuple[int, torch.Tensor]]) -> int:
-    """Pool thread: each piece's rows as raw bytes into dest[offset + at:]; no concatenation."""
+def _copy(m: _Mapping, offset: int, pieces: list[tuple[int, torch.Tensor]], directory: str) -> int:
+    """Pool thread: each piece's rows as raw bytes into the mapping at offset + at; no concatenation.
+
+    The range is allocated first: a sized tmpfs file can still be sparse, and a store into a page the
+    filesystem can't back (a full /dev/shm: Docker's default is 64 MiB) would kill the process with SIGBUS.
+    posix_fallocate answers ENOSPC instead, and never grows the file (the range is inside its size)."""
+    extent = max((at + rows.numel() * rows.element_size() for at, rows in pieces), default=0)
+    if extent:
+        try:
+            os.posix_fallocate(m.fd, offset, extent)
+        except OSError as exc:
+            raise FailedPrecondition(f"shm file {m.key[0]}: no room for {extent} bytes in {directory} "
+                                     f"({exc.strerror}); give the shared-memory mount more space") from None
     total = 0
     for at, rows in pieces:
         src = rows.detach().reshape(-1).view(torch.uint8)  # contiguous rows: a view
         lo = offset + at
-        dest[lo:lo + src.numel()].copy_(src)
+        m.bytes[lo:lo + src.numel()].copy_(src)
         total += src.numel()
     return total

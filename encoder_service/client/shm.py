@@ -66,6 +66,9 @@ class ShmFile:
             raise FileExistsError(f"could not create a fresh {PREFIX}* file in {directory}")
         try:
             os.ftruncate(fd, size)
+            # Back every page now: a sparse tmpfs file on a full mount would SIGBUS whoever touches the
+            # missing page (the server, mid-write); this fails here instead, with ENOSPC.
+            os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             _unlink(path)

@@ -76,6 +76,7 @@ class Engine:
         self._death: BaseException | None = None
         self._stopping = False
         self._batch_s = 0.05  # moving average of one batch's GPU time, for Retry-After
+        self._last_done = 0.0  # when the previous batch's rows arrived (time.monotonic())
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -257,7 +258,10 @@ class Engine:
     def _finish_batch(self, items, inputs, outputs, started: float, ended: float) -> None:
         self._on_gpu.difference_update(items)
         encode_ms = (ended - started) * 1e3
-        self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - started)
+        # Batches overlap (the next one is launched before this one's rows arrive): this batch's own share
+        # of the GPU starts when the previous one finished, if that was after its launch.
+        self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - max(started, self._last_done))
+        self._last_done = ended
         m = self._metrics
         if m is not None:
             m.encode_ms.observe(encode_ms)
