@@ -306,20 +306,27 @@ async def test_a_full_shm_mount_is_an_error_not_a_crash(tmp_path, monkeypatch):
     """The server reserves the range before it writes: a full tmpfs answers ENOSPC (FailedPrecondition),
     where a store into a sparse page would have been SIGBUS. ENOSPC is injected: no test can fill /dev/shm."""
     writer = server_shm.ShmWriter(str(tmp_path))
-    f = ShmFile.create(str(tmp_path), 1 << 16)
+    sparse = tmp_path / ("encoder-fetch-" + secrets.token_hex(16))  # sized but never allocated: all holes
+    sparse.touch(mode=0o600)
+    os.truncate(sparse, 1 << 16)
+    f = ShmFile.create(str(tmp_path), 1 << 16)  # our client's files are allocated at creation
     rows = torch.ones(16, 64)
     try:
         def no_space(fd, offset, length):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         monkeypatch.setattr(server_shm.os, "posix_fallocate", no_space)
-        m = writer.check(server_shm.ShmTarget(f.name, 0), rows.numel() * 4)
+        m = writer.check(server_shm.ShmTarget(sparse.name, 0), rows.numel() * 4)
+        assert m.sparse
         with pytest.raises(errors.FailedPrecondition, match="no room for 4096 bytes"):
             await writer.write(m, 0, [(0, rows)])
-        assert m.users == 0 and not f.data.any()  # released, nothing written
+        assert m.users == 0 and not sparse.read_bytes().strip(b"\0")  # released, nothing written
+        m = writer.check(server_shm.ShmTarget(f.name, 0), rows.numel() * 4)  # no holes: no fallocate needed
+        assert not m.sparse and await writer.write(m, 0, [(0, rows)]) == rows.numel() * 4
         monkeypatch.undo()
-        m = writer.check(server_shm.ShmTarget(f.name, 0), rows.numel() * 4)
+        m = writer.check(server_shm.ShmTarget(sparse.name, 0), rows.numel() * 4)
         assert await writer.write(m, 0, [(0, rows)]) == rows.numel() * 4
+        assert os.stat(sparse).st_blocks * 512 >= rows.numel() * 4  # the written range is allocated now
     finally:
         writer.close()
         f.unlink()

@@ -80,6 +80,7 @@ class _Mapping:
         # live view and unmap it. Hence `users`: nothing closes a mapping while a copy may touch it.
         self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)  # [size]
         self.users, self.evicted = 0, False
+        self.sparse = True  # the file had holes at the last check (see ShmWriter.check)
 
     def close(self) -> None:
         self.bytes = None
@@ -130,6 +131,9 @@ class ShmWriter:
                 m.users += 1
         if m is None:
             m = self._map(name)  # also refuses what is not a regular file (S_ISLNK above, anything else)
+        # Holes in the file: reserve the range before writing (_copy). Our client reserves every page at
+        # creation, so this is normally False and the write costs one stat, not a fallocate per fetch.
+        m.sparse = st.st_blocks * 512 < st.st_size
         if target.offset + extent > m.size:
             self.release(m)
             raise InvalidInput(f"shm file {name} is {m.size} bytes; this fetch writes {extent} bytes at offset "
@@ -204,11 +208,11 @@ class ShmWriter:
 def _copy(m: _Mapping, offset: int, pieces: list[tuple[int, torch.Tensor]], directory: str) -> int:
     """Pool thread: each piece's rows as raw bytes into the mapping at offset + at; no concatenation.
 
-    The range is allocated first: a sized tmpfs file can still be sparse, and a store into a page the
-    filesystem can't back (a full /dev/shm: Docker's default is 64 MiB) would kill the process with SIGBUS.
-    posix_fallocate answers ENOSPC instead, and never grows the file (the range is inside its size)."""
+    A file with holes gets its range allocated first: a sized tmpfs file can be sparse, and a store into a
+    page the filesystem can't back (a full /dev/shm: Docker's default is 64 MiB) would kill the process with
+    SIGBUS. posix_fallocate answers ENOSPC instead, and never grows the file (the range is inside its size)."""
     extent = max((at + rows.numel() * rows.element_size() for at, rows in pieces), default=0)
-    if extent:
+    if extent and m.sparse:
         try:
             os.posix_fallocate(m.fd, offset, extent)
         except OSError as exc:
