@@ -87,7 +87,9 @@ class FetchResult:
     shm_bytes: int | None = None  # bytes written into the caller's ShmTarget
 
     def header(self) -> WireHeader:
-        """The wire header (api/wire.py) of this result, rows or not."""
+        """The wire header (api/wire.py) of this result; with rows, checked against the segments."""
+        if self.rows is not None:
+            return WireHeader.of(self.segments, self.rows, self.layout)
         return WireHeader(self.dtype, self.row_width, self.layout, tuple(self.segments))
 
 

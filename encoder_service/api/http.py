@@ -166,11 +166,7 @@ def create_app(core: EncoderCore) -> FastAPI:
         return JSONResponse({"images": out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 
     async def _fetch(request: Request) -> Response:
-        auth.check(request.headers.get("authorization"))
-        ctype = _content_type(request)
-        if ctype != "application/json":
-            raise _unsupported(ctype, "application/json")
-        body = _parse(FetchJson, await _bounded(request, max_body).body())
+        body = await _json_body(request, FetchJson)
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
                                   timeout_s=body.timeout_s, shm=shm)
@@ -184,12 +180,16 @@ def create_app(core: EncoderCore) -> FastAPI:
             payload, media = wire.encode_http(header, result.rows), OCTET
         return Response(payload, media_type=media, headers=dict(timing_headers(result.timings)))
 
-    async def _release(request: Request) -> Response:
+    async def _json_body(request: Request, model: type[_Strict]):
+        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch and release)."""
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
-        body = _parse(ReleaseJson, await _bounded(request, max_body).body())
+        return _parse(model, await _bounded(request, max_body).body())
+
+    async def _release(request: Request) -> Response:
+        body = await _json_body(request, ReleaseJson)
         return JSONResponse({"released": core.release(body.ids)})
 
     return app

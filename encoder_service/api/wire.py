@@ -239,15 +239,13 @@ class RowWriter:
         if self._out is None or self._dest is self._out:
             return self._dest
         # Staged (GPU, other dtype, or strided `out`): one copy per segment, casting as needed.
-        return place_rows(self.header, self._dest, self._out, self._start, checked=True)
+        return place_rows(self.header, self._dest, self._out, self._start)
 
 
-def place_rows(header: WireHeader, rows: torch.Tensor, out: torch.Tensor, start: int = 0, *,
-               checked: bool = False) -> torch.Tensor:
+def place_rows(header: WireHeader, rows: torch.Tensor, out: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Packed `rows` [num_rows, row_width] (segment order) into `out` at row position - start, one copy per
     segment (casting, to any device); returns `out`. Raises WireError when `out` can't hold them."""
-    if not checked:
-        check_out(header, out, start)
+    check_out(header, out, start)
     done = 0
     for s in header.segments:
         out[s.position - start:s.position - start + s.num_rows].copy_(rows[done:done + s.num_rows])
