@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from encoder_service.cache import EmbeddingStore, Entry  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 ENTRIES = [  # name, rows, row_width, layout
     ("Qwen2.5-VL-7B 1080p", 2691, 3584, "main"),

@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny random-weight checkpoints, built once per test session in a temp dir."""
+"""Fixtures every tier shares: tiny random-weight checkpoints and real redis-servers on loopback.
+
+Tiers, each with its own conftest.py: unit/ (modules on their own), service/ (the real HTTP and gRPC
+servers over the real core), deploy/ (Dockerfile and Helm chart, offline), gpu/ (skipped without CUDA).
+Helpers the tiers share (test images, a redis-server runner, the in-process service, client builders) are
+in support/.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from encoder_service.models.loader import load_model
+from encoder_service.runtime import fused
 from encoder_service.testing.tiny import build_tiny_checkpoint
+from tests.support.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +34,37 @@ def tiny_checkpoint(tmp_path_factory):
 
     return get
 
+
+@pytest.fixture
+def redis_server():
+    """A fresh redis-server per test: maxmemory 8mb, allkeys-lru, persistence off, 127.0.0.1 only."""
+    server = RedisServer(maxmemory="8mb", policy="allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server_noevict():
+    """A small server that refuses writes when full (the default policy): for OOM tests."""
+    server = RedisServer(maxmemory="2mb", policy="noeviction").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_checkpoint):
+    """`loaded(family, device="cpu", dtype=torch.float64) -> LoadedModel` of the tiny checkpoint, prepared for
+    the runners; cached per (family, device, dtype)."""
+    cache = {}
+
+    # float64 on the CPU: there the tower's result for an image is bit-identical alone or in any batch
+    # (float32 CPU GEMMs round differently with the row count), so padding must not change a bit.
+    def get(family, device="cpu", dtype=torch.float64):
+        key = (family, device, dtype)
+        if key not in cache:
+            lm = load_model(tiny_checkpoint(family), device=device, dtype=dtype)
+            fused.prepare_tower(lm.tower)
+            cache[key] = lm
+        return cache[key]
+
+    return get

@@ -1,7 +1,7 @@
 """Builds the core from settings and runs HTTP (uvicorn) and gRPC on one asyncio loop.
 
     service = Service(settings); await service.start(); ...; await service.stop()
-Used by the CLI (serve until SIGTERM) and by the tests (tests/service_fixtures.py). The model loads on a
+Used by the CLI (serve until SIGTERM) and by the tests (tests/support/service.py). The model loads on a
 worker thread so the loop stays responsive; readiness turns true only after the warm-up encode.
 """
 

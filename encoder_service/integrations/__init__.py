@@ -25,7 +25,7 @@ Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; an engine with its own kernels does the 
 5. Decode as usual from the cache, at positions `cache_len + rope_delta` (`decode_step`).
 
 `chunked_prefill` returns the logits (equal to transformers' forward with pixel_values on the same
-prompt; tests/test_integration_prefill.py) and, per chunk, the rows it needed and received.
+prompt; tests/service/test_integration_prefill.py) and, per chunk, the rows it needed and received.
 
 Example (the client answers ImageInfo-like objects and FetchResult-like answers, see docs/interfaces.md):
 

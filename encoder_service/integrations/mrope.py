@@ -9,7 +9,7 @@ number of tokens). So positions fall behind token indices; `rope_delta = max pos
 is what decoding adds to the cache length to continue the sequence.
 
 This equals transformers' `Qwen*VLModel.get_rope_index` for still images (t = 1, time interval 1;
-tested against it in tests/test_integration_prefill.py).
+tested against it in tests/service/test_integration_prefill.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Graph kinds per bucket (two per bucket):
 
 `capture=False` builds the same static buffers, pads, copies in, runs the tower eagerly ON THE STATIC
 BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding, boundary and order
-logic exactly (tests/test_graphs.py).
+logic exactly (tests/unit/test_graphs.py).
 """
 
 from __future__ import annotations

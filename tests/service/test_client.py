@@ -1,4 +1,4 @@
-"""The Python clients (blocking and asyncio, HTTP and gRPC) against the real servers (tests/service_fixtures.py).
+"""The Python clients (blocking and asyncio, HTTP and gRPC) against the real servers (tests/support/service.py).
 
 iter_chunks must yield, per prompt chunk, exactly the rows of the images overlapping it (fetching only
 those), equal to slices of the whole embedding.
@@ -12,12 +12,11 @@ import torch
 from encoder_service import errors
 from encoder_service.client import EncoderClient, PromptLayout
 from encoder_service.ranges import chunks, plan_chunk
-from tests.images import image_bytes as png
-from tests.images import noise_image as pil_image
+from tests.support.images import image_bytes as png
+from tests.support.images import noise_image as pil_image
 
-from tests.clients import async_client, sync_client
+from tests.support.clients import async_client, sync_client
 
-pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORTS = ["http", "grpc"]
@@ -115,7 +114,7 @@ def test_iter_chunks_into_the_callers_buffer(service, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_errors_map_to_the_same_types_on_both_transports(service, auth_service, transport):
-    from tests.service_fixtures import AUTH_TOKEN
+    from tests.support.service import AUTH_TOKEN
 
     async with async_client(service, transport) as c:
         with pytest.raises(errors.InvalidInput, match="image 0: not an image"):
@@ -137,7 +136,7 @@ async def test_errors_map_to_the_same_types_on_both_transports(service, auth_ser
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_unreachable_server_is_unavailable(transport):
-    from tests.service_fixtures import free_port
+    from tests.support.service import free_port
 
     address = f"127.0.0.1:{free_port()}"
     c = EncoderClient.http(f"http://{address}", timeout=5) if transport == "http" else \

@@ -1,14 +1,10 @@
 """Real servers for tests: the whole service (core + uvicorn HTTP + gRPC) on 127.0.0.1, free ports, tiny
 random model, running on its own event loop in a background thread (so sync and async tests can both use it).
 
-Register with `pytest_plugins = ["tests.service_fixtures"]`. Fixtures (session scope, built on first use):
-  - `service`:        qwen2_5_vl, small limits (TEST_LIMITS), no auth.
-  - `service_qwen3`:  qwen3_vl (deepstack rows), same limits.
-  - `auth_service`:   qwen2_vl with --auth-token AUTH_TOKEN.
-  - `shm_service`, `shm_service_qwen3`: like `service` / `service_qwen3` with --shm-fetch, --shm-dir `shm_dir`.
-Each is a `RunningService`: `.url` (http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.core`
-(the EncoderCore), `.checkpoint`, `.settings`, and `.call(coro_fn)` to run a coroutine on the service's loop
-(the core's asyncio objects belong to that loop).
+The fixtures that start them are in tests/service/conftest.py. A `RunningService` has `.url`
+(http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.core` (the EncoderCore), `.checkpoint`,
+`.settings`, and `.call(coro_fn)` to run a coroutine on the service's loop (the core's asyncio objects
+belong to that loop).
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ import asyncio
 import concurrent.futures
 import threading
 from pathlib import Path
-
-import pytest
 
 from encoder_service.api.service import Service, bind_socket
 from encoder_service.settings import Settings
@@ -70,39 +64,7 @@ class RunningService:
             self.loop.close()
 
 
-def _running(request, checkpoint: Path, *extra: str) -> RunningService:
+def running(request, checkpoint: Path, *extra: str) -> RunningService:
     svc = RunningService(make_settings(checkpoint, *extra), checkpoint)
     request.addfinalizer(svc.close)
     return svc
-
-
-@pytest.fixture(scope="session")
-def service(request, tiny_checkpoint) -> RunningService:
-    return _running(request, tiny_checkpoint("qwen2_5_vl"))
-
-
-@pytest.fixture(scope="session")
-def service_qwen3(request, tiny_checkpoint) -> RunningService:
-    return _running(request, tiny_checkpoint("qwen3_vl"))
-
-
-@pytest.fixture(scope="session")
-def auth_service(request, tiny_checkpoint) -> RunningService:
-    return _running(request, tiny_checkpoint("qwen2_vl"), "--auth-token", AUTH_TOKEN)
-
-
-@pytest.fixture(scope="session")
-def shm_dir(tmp_path_factory) -> Path:
-    """The --shm-dir of the shm services (a private directory, so tests can plant links and odd files)."""
-    return tmp_path_factory.mktemp("shm")
-
-
-@pytest.fixture(scope="session")
-def shm_service(request, tiny_checkpoint, shm_dir) -> RunningService:
-    return _running(request, tiny_checkpoint("qwen2_5_vl"), "--shm-fetch", "--shm-dir", str(shm_dir))
-
-
-@pytest.fixture(scope="session")
-def shm_service_qwen3(request, tiny_checkpoint, shm_dir) -> RunningService:
-    return _running(request, tiny_checkpoint("qwen3_vl"), "--shm-fetch", "--shm-dir", str(shm_dir))
-

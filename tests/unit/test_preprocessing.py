@@ -23,9 +23,9 @@ from encoder_service.preprocessing import (
     preprocess,
     probe,
 )
-from tests.images import png_header_only
+from tests.support.images import png_header_only
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 PHOTOS = ["grace_hopper.jpg", "rocket.jpg", "camera.png"]  # real photographs, see data/README.md
 
 QWEN2_5 = VisionSpec("qwen2_5_vl", "qwen2_5_vl", 14, 2, 2, 3, 2048, 0)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "encoder-service"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 SCENARIOS = ["default"] + [p.stem for p in CI_VALUES]

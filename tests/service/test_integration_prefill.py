@@ -30,7 +30,7 @@ from encoder_service.integrations import (
     mrope_position_ids,
 )
 from encoder_service.testing.tiny import build_tiny_checkpoint
-from tests.service_fixtures import RunningService, make_settings
+from tests.support.service import RunningService, make_settings
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 REL_TOL = 1e-4
@@ -82,11 +82,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the service: core + HTTP + gRPC on loopback (tests/service_fixtures.py), with a fetch counter
+# the service: core + HTTP + gRPC on loopback (tests/support/service.py), with a fetch counter
 
 
 class _CountingService:
-    """The real service (tests/service_fixtures.py: core + HTTP + gRPC on loopback) serving `checkpoint`;
+    """The real service (tests/support/service.py: core + HTTP + gRPC on loopback) serving `checkpoint`;
     `fetch_log` records what the core answered to every fetch, whichever transport carried it."""
 
     def __init__(self, checkpoint: Path):

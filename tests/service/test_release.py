@@ -15,10 +15,9 @@ from encoder_service import errors
 from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.cache import key_from_id
-from tests.images import image_bytes as png
-from tests.test_client import async_client, sync_client
+from tests.support.images import image_bytes as png
+from tests.support.clients import async_client, sync_client
 
-pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORTS = ["http", "grpc"]
@@ -73,7 +72,7 @@ async def test_each_encode_holds_its_own_pin(service, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_bad_releases(service, auth_service, transport):
-    from tests.service_fixtures import AUTH_TOKEN
+    from tests.support.service import AUTH_TOKEN
 
     async with async_client(service, transport) as c:
         with pytest.raises(errors.InvalidInput, match="malformed id 'not an id'"):

@@ -1,4 +1,4 @@
-"""HTTP API against a real uvicorn server on 127.0.0.1 with tiny random models (tests/service_fixtures.py).
+"""HTTP API against a real uvicorn server on 127.0.0.1 with tiny random models (tests/support/service.py).
 
 Embeddings are checked against the tower's own output for the same preprocessed input; fetch against
 slices of the whole embedding; bad input against a 4xx naming the problem with the server still serving.
@@ -17,9 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_service.api import wire
 from encoder_service.ranges import chunks
-from tests.images import image_bytes, png_header_only
+from tests.support.images import image_bytes, png_header_only
 
-pytest_plugins = ["tests.service_fixtures", "tests.conftest_redis"]
 
 TIMEOUT = httpx.Timeout(30.0)
 
@@ -311,7 +310,7 @@ def test_bad_fetches(service):
 
 
 def test_auth(auth_service):
-    from tests.service_fixtures import AUTH_TOKEN
+    from tests.support.service import AUTH_TOKEN
 
     data = image_bytes(64, 64, 8)
     with client(auth_service) as c:
@@ -330,7 +329,7 @@ def test_auth(auth_service):
 
 
 def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkpoint):
-    from tests.service_fixtures import RunningService, make_settings
+    from tests.support.service import RunningService, make_settings
 
     ckpt = tiny_checkpoint("qwen2_5_vl")
     a, b = (RunningService(make_settings(ckpt, "--redis-url", redis_server.url, grpc=False), ckpt) for _ in "ab")
@@ -362,7 +361,7 @@ def test_url_images_only_from_allowed_hosts(request, tiny_checkpoint):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from tests.service_fixtures import RunningService, make_settings
+    from tests.support.service import RunningService, make_settings
 
     data = image_bytes(70, 50, 2024)
 
@@ -400,7 +399,7 @@ def test_url_images_only_from_allowed_hosts(request, tiny_checkpoint):
 
 
 def test_pins_exhausted_is_429_with_retry_after(request, tiny_checkpoint):
-    from tests.service_fixtures import RunningService, make_settings
+    from tests.support.service import RunningService, make_settings
 
     ckpt = tiny_checkpoint("qwen2_5_vl")
     svc = RunningService(make_settings(ckpt, "--max-pinned-bytes", "1KiB", grpc=False), ckpt)

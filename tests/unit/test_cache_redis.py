@@ -13,7 +13,6 @@ import torch
 from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.cache.entry import HEADER_LEN, EntryHeader
 
-pytest_plugins = ["conftest_redis"]
 
 MIB = 1 << 20
 FAST = dict(socket_timeout_s=0.3, connect_timeout_s=0.3, probe_min_s=0.05, probe_max_s=0.2, oom_cooldown_s=0.2)
@@ -259,7 +258,7 @@ async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis
 
 
 async def test_unreachable_at_start_then_comes_up(caplog):
-    from redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     caplog.set_level(logging.INFO, logger="encoder_service.cache")
     server = RedisServer()

@@ -1,4 +1,4 @@
-"""gRPC API against a real grpc.aio server over the real core, tiny random models (tests/service_fixtures.py).
+"""gRPC API against a real grpc.aio server over the real core, tiny random models (tests/support/service.py).
 
 Fetch answers are checked against slices of the whole embedding (Encode with return_embeddings); bad input
 against a status code and a message naming the problem, with the server still serving afterwards.
@@ -21,9 +21,8 @@ from encoder_service.api.proto import encoder_pb2 as pb
 from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.client import AsyncEncoderClient
 from encoder_service.ranges import chunks, plan_chunk
-from tests.images import image_bytes
+from tests.support.images import image_bytes
 
-pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -216,9 +215,9 @@ async def test_request_over_the_receive_limit(service):
 
 @pytest.fixture(scope="module")
 def small_queue_service(request, tiny_checkpoint):
-    from tests.service_fixtures import _running
+    from tests.support.service import running
 
-    return _running(request, tiny_checkpoint("qwen2_5_vl"), "--max-queue", "1")
+    return running(request, tiny_checkpoint("qwen2_5_vl"), "--max-queue", "1")
 
 
 async def test_overload_is_resource_exhausted_with_a_retry_hint(small_queue_service):
@@ -253,7 +252,7 @@ async def test_health_is_serving_only_when_ready(small_queue_service, monkeypatc
 
 async def test_stop_says_not_serving_during_the_grace_period(tiny_checkpoint):
     from encoder_service.api.service import Service, bind_socket
-    from tests.service_fixtures import make_settings
+    from tests.support.service import make_settings
 
     svc = Service(make_settings(tiny_checkpoint("qwen2_5_vl")), http_sock=bind_socket("127.0.0.1", 0))
     await svc.start()
@@ -274,7 +273,7 @@ async def test_stop_says_not_serving_during_the_grace_period(tiny_checkpoint):
 
 
 async def test_auth(auth_service):
-    from tests.service_fixtures import AUTH_TOKEN
+    from tests.support.service import AUTH_TOKEN
 
     for token, words in ((None, "missing bearer token"), ("wrong", "wrong bearer token")):
         async with client(auth_service, token=token) as c:

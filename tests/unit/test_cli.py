@@ -15,7 +15,7 @@ import pytest
 
 from encoder_service.settings import Settings, SettingsError, parse_size
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sizes():
@@ -76,7 +76,7 @@ def test_bad_values_raise_naming_the_setting(args, env, needle):
 def test_serve_demo_model_then_sigterm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
     env["PYTHONPATH"] = str(REPO)
-    from tests.service_fixtures import free_port
+    from tests.support.service import free_port
 
     grpc_port = free_port()
     proc = subprocess.Popen(

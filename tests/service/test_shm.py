@@ -1,4 +1,4 @@
-"""Shared-memory fetch (api/shm.py, client/shm.py) against the real servers (tests/service_fixtures.py).
+"""Shared-memory fetch (api/shm.py, client/shm.py) against the real servers (tests/support/service.py).
 
 Every shm fetch must equal the wire fetch byte for byte (chunks that split images, several images per
 chunk, Qwen3 deepstack rows), over HTTP and gRPC, sync and async; `out` from alloc_rows is written by the
@@ -25,11 +25,10 @@ from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.client import PromptLayout
 from encoder_service.client.shm import ShmFile
 from encoder_service.ranges import chunks, plan_chunk
-from tests.images import image_bytes as png
+from tests.support.images import image_bytes as png
 
-from tests.clients import async_client, sync_client
+from tests.support.clients import async_client, sync_client
 
-pytest_plugins = ["tests.service_fixtures"]
 pytestmark = pytest.mark.timeout(60)
 
 TRANSPORTS = ["http", "grpc"]

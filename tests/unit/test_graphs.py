@@ -5,7 +5,7 @@ copy-in of every buffer, the tower run on the static buffers, copy-out), for eve
 each image's output must EQUAL the tower run on that image alone, unpadded. The batches include the SGLang stale-boundary
 case: equal patch totals, different image sizes, replayed one after another on the same graph.
 
-GPU (`-m gpu`, skipped without CUDA): the same batches through captured graphs, against eager per image.
+tests/gpu/test_graphs_cuda.py runs the same batches (tests/support/graph_cases.py) through captured graphs.
 """
 
 from __future__ import annotations
@@ -18,77 +18,14 @@ from encoder_service.runtime import fused
 from encoder_service.runtime.graphs import GraphRunner, _chunked_boundaries
 from encoder_service.runtime.runner import EagerRunner, make_runner
 from encoder_service.testing.tiny import TINY_FAMILIES
-
-BUCKETS = [64, 128, 256]
-
-# Patch grids (t, h, w); merge 2, so h and w are even. Batches with equal totals but different sizes:
-SAME_TOTAL_SINGLE = [[(1, 8, 8)], [(1, 4, 16)], [(1, 16, 4)], [(1, 2, 32)]]  # 64 each: bucket 64, single
-SAME_TOTAL_MULTI = [  # 80 each: bucket 128, multi
-    [(1, 8, 8), (1, 4, 4)],
-    [(1, 4, 4), (1, 8, 8)],
-    [(1, 4, 16), (1, 4, 4)],
-    [(1, 10, 6), (1, 2, 10)],
-    [(1, 2, 8), (1, 4, 4), (1, 6, 8)],
-]
-MIXED = [  # several buckets in one call, a video, and one image over the largest bucket (spills to eager)
-    [(1, 8, 12), (2, 4, 4), (1, 10, 6), (1, 4, 4)],
-    [(1, 16, 20), (1, 4, 4), (1, 12, 14), (1, 8, 8), (1, 6, 6)],
-    [(1, 2, 2)] * 9 + [(1, 14, 14)],
-]
-
-
-def pixels(grids, patch_dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(t * h * w, patch_dim, generator=g) for t, h, w in grids]
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):
-    cache = {}
-
-    # float64 on the CPU: there the tower's result for an image is bit-identical alone or in any batch
-    # (float32 CPU GEMMs round differently with the row count), so padding must not change a bit.
-    def get(family, device="cpu", dtype=torch.float64):
-        key = (family, device, dtype)
-        if key not in cache:
-            lm = load_model(tiny_checkpoint(family), device=device, dtype=dtype)
-            fused.prepare_tower(lm.tower)
-            cache[key] = lm
-        return cache[key]
-
-    return get
-
-
-@torch.no_grad()
-def alone(lm, pv, grid):
-    """The tower on one image, unpadded, no runner."""
-    x = pv.to(lm.device, lm.dtype)
-    return lm.tower(x, lm.tower.metadata([grid]).to(lm.device))
-
-
-def check_batch(runner, lm, grids, seed, atol=0.0, rtol=0.0):
-    pvs = pixels(grids, lm.spec.patch_dim, seed)
-    outs = runner.encode(pvs, grids)
-    assert len(outs) == len(grids)
-    for i, (out, pv, g) in enumerate(zip(outs, pvs, grids)):
-        ref = alone(lm, pv, g)
-        assert out.shape == ref.shape == (t_tokens(g), lm.spec.row_width)
-        assert out.is_contiguous() and out.untyped_storage().nbytes() == out.numel() * out.element_size()
-        if atol == 0 and rtol == 0:
-            # Bit-equal, except where the CPU BLAS takes its matrix-vector path for a one-row GEMM (a
-            # one-token image alone): there 1e-12 of the output scale (any boundary or padding error
-            # shows at 1e-2 and above).
-            diff = (out - ref).abs().max().item()
-            assert diff <= 1e-12 * ref.abs().max().item(), f"image {i} {g} of {grids}: max diff {diff}"
-        else:
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            assert err <= rtol, f"image {i} {g} of {grids}: relative error {err}"
-    return outs
-
-
-def t_tokens(g):
-    t, h, w = g
-    return t * h * w // 4
+from tests.support.graph_cases import (
+    BUCKETS,
+    MIXED,
+    SAME_TOTAL_MULTI,
+    SAME_TOTAL_SINGLE,
+    check_batch,
+    pixels,
+)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -195,26 +132,3 @@ def test_make_runner_eager_on_cpu(loaded):
     assert runner.encode([], []) == []
     with pytest.raises(ValueError):
         runner.encode(pixels([(1, 4, 4)], lm.spec.patch_dim, 0), [(1, 4, 8)])
-
-
-# ---- GPU -----------------------------------------------------------------------------------------
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replay_equals_eager(loaded, family, dtype):
-    lm = loaded(family, "cuda", dtype)
-    runner = make_runner(lm, cuda_graphs=True, buckets=BUCKETS)
-    assert isinstance(runner, GraphRunner) and runner.describe()["graphs"] == 2 * len(BUCKETS)
-    exact = GraphRunner(lm, buckets=BUCKETS, exact_buckets=[64, 96])  # captured exact graphs too
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    seed = 100
-    for _ in range(3):
-        for grids in SAME_TOTAL_SINGLE + SAME_TOTAL_MULTI + MIXED:
-            seed += 1
-            check_batch(runner, lm, grids, seed, rtol=tol, atol=tol)
-            check_batch(exact, lm, grids, seed, rtol=tol, atol=tol)
