@@ -93,7 +93,6 @@ class CacheSettings:
     redis_url: str | None = field(repr=False)  # may hold a password
     redis_ttl_s: int
     cache_bytes: int
-    gpu_cache_bytes: int
     hash: str
     lease_s: float
     max_pinned_bytes: int
@@ -189,7 +188,6 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "redis_url": (str, None, "enables the shared Redis tier"),
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
     "cache_bytes": (_non_negative(parse_size), "4GiB", "in-process host LRU size"),
-    "gpu_cache_bytes": (_non_negative(parse_size), "0", "optional GPU LRU tier"),
     "hash": (_choice(HASHES), "blake3", "content hash of image bytes"),
     "lease_s": (_positive(float), "300", "how long an encoded id stays pinned until fetched"),
     "max_pinned_bytes": (_non_negative(parse_size), None, "bound on pinned entries (half of --cache-bytes)"),
@@ -287,8 +285,8 @@ def _build(v: dict) -> Settings:
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
-                            cache_bytes=v["cache_bytes"], gpu_cache_bytes=v["gpu_cache_bytes"], hash=v["hash"],
-                            lease_s=v["lease_s"], max_pinned_bytes=pinned),
+                            cache_bytes=v["cache_bytes"], hash=v["hash"], lease_s=v["lease_s"],
+                            max_pinned_bytes=pinned),
         engine=EngineSettings(cuda_graphs=cuda_graphs, graph_buckets=v["graph_buckets"],
                               batch_tokens=v["batch_tokens"], max_queue=v["max_queue"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
