@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
+
 HASHES = ("blake3", "xxh3_128", "sha256")
 DTYPES = ("bfloat16", "float16", "float32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -84,8 +86,8 @@ class ServerSettings:
     grpc_port: int  # 0: gRPC off
     auth_token: str | None = field(repr=False)
     log_level: str
-    shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (api/shm.py)
-    shm_dir: str = "/dev/shm"  # the only directory those files may be in
+    shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
+    shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
-    "shm_dir": (str, "/dev/shm", "directory of those files (client and server must share it)"),
+    "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
 _SWITCHES = ("cuda_graphs", "shm_fetch")

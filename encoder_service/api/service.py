@@ -15,8 +15,8 @@ import time
 
 import uvicorn
 
-from encoder_service.api.core import EncoderCore
-from encoder_service.api.metrics import Metrics
+from encoder_service.core import EncoderCore
+from encoder_service.core.metrics import Metrics
 from encoder_service.settings import Settings, format_size
 
 log = logging.getLogger("encoder_service")

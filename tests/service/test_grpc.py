@@ -16,9 +16,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_service import errors
-from encoder_service.api import grpc_server, wire
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.api import grpc_server
+from encoder_service.protocol import wire
+from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.client import AsyncEncoderClient
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes
@@ -80,7 +82,7 @@ async def test_fetch_equals_slices_of_the_whole_embedding(fixture, request):
 async def test_fetch_messages_stay_under_1_mib(service_qwen3):
     async with client(service_qwen3) as c:
         (info,) = await c.encode([image_bytes(256, 256, 4)], wait=True)
-    image_bytes_ = info.num_tokens * info.row_width * wire.DTYPES[info.dtype].itemsize
+    image_bytes_ = info.num_tokens * info.row_width * torch_dtype(info.dtype).itemsize
     copies = -(-(5 << 20) // image_bytes_)  # > 5 MiB of rows: more than one default 4 MiB message
     request = pb.FetchRequest(items=[pb.FetchItem(id=info.id, offset=k * info.num_tokens) for k in range(copies)],
                               start=0, end=copies * info.num_tokens)

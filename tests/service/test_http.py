@@ -15,7 +15,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from encoder_service.api import wire
+from encoder_service.protocol import wire
+from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.ranges import chunks
 from tests.support.images import image_bytes, png_header_only
 
@@ -35,7 +36,7 @@ def encode_json(c: httpx.Client, images: list[bytes], **opts) -> httpx.Response:
 
 def embedding_of(d: dict) -> torch.Tensor:
     e = d["embedding"]
-    flat = torch.frombuffer(bytearray(base64.b64decode(e["data"])), dtype=wire.DTYPES[e["dtype"]])
+    flat = torch.frombuffer(bytearray(base64.b64decode(e["data"])), dtype=torch_dtype(e["dtype"]))
     return flat.view(*e["shape"])
 
 

@@ -52,7 +52,7 @@ async def test_dead_items_are_dropped_before_a_batch_is_built():
     now = time.monotonic()
     keep1, gone, expired, keep2 = (_item(loop, 4), _item(loop, 4), _item(loop, 4, deadline=now - 1), _item(loop, 4))
     s.push([keep1, gone, expired, keep2])
-    gone.release()
+    gone.wanted = lambda: False  # its callers all left
     assert s.next_batch(now) == [keep1, keep2]
     assert gone.future.cancelled()
     with pytest.raises(DeadlineExceeded, match="deadline"):
@@ -170,7 +170,7 @@ async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
     waiting = engine.submit([_job(2.0), _job(2.5)])  # the one batch allowed to wait for the GPU
     expired = engine.submit([_job(3.0)], deadline=time.monotonic() - 0.001)
     cancelled = engine.submit([_job(4.0)])
-    cancelled[0].release()  # its only caller left
+    cancelled[0].wanted = lambda: False  # its only caller left
     later = engine.submit([_job(5.0)])
     tower.gate.set()
     r = await _results(running + waiting + expired + cancelled + later)

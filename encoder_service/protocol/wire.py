@@ -25,14 +25,13 @@ from typing import Iterator
 import torch
 
 from encoder_service.errors import InvalidInput
+from encoder_service.protocol.dtypes import DTYPES, UnsupportedDtype, dtype_name
 from encoder_service.ranges import Segment
 
 VERSION = 1
 # Largest row-data piece of one gRPC message: 1 MiB less room for the field tag, length and oneof.
 GRPC_MESSAGE_BYTES = 1 << 20
 GRPC_DATA_BYTES = GRPC_MESSAGE_BYTES - 64
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -40,18 +39,11 @@ _MAX_HEADER_BYTES = 64 << 20  # a header this big is corrupt, not a long segment
 
 # Raw bytes are copied to and from tensors as they sit in memory: the wire is little-endian.
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-    raise ImportError("encoder_service.api.wire assumes a little-endian host")
+    raise ImportError("encoder_service.protocol.wire assumes a little-endian host")
 
 
 class WireError(InvalidInput):
     """A payload that can't be decoded: short, corrupt, or not matching the caller's buffer."""
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
-    if name not in DTYPES:
-        raise WireError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-    return name
 
 
 @dataclass(frozen=True)
@@ -76,7 +68,8 @@ class WireHeader:
 
     @classmethod
     def of(cls, segments, rows: torch.Tensor, layout: str) -> WireHeader:
-        """The header for `rows` [sum rows, row_width] cut into `segments` (a core FetchResult's parts)."""
+        """The header for `rows` [sum rows, row_width] cut into `segments` (a core FetchResult's parts);
+        ValueError when the rows are not the segments' rows (a server bug, never sent)."""
         header = cls(dtype_name(rows.dtype), int(rows.shape[1]), layout,
                      tuple(Segment(s.id, s.position, s.row_start, s.row_end) for s in segments))
         if rows.dim() != 2 or rows.shape[0] != header.num_rows:
@@ -99,6 +92,8 @@ class WireHeader:
             segments = tuple(Segment(str(i), int(p), int(a), int(b)) for i, p, a, b in d["segments"])
             header = cls(dtype_name(d["dtype"]), int(d["row_width"]), str(d["layout"]), segments)
             num_rows = int(d["num_rows"])
+        except UnsupportedDtype as exc:
+            raise WireError(exc.message) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"malformed fetch header: {exc!r}") from exc
         if header.row_width <= 0 or any(s.num_rows <= 0 or s.row_start < 0 or s.position < 0 for s in segments):
