@@ -162,6 +162,28 @@ async def test_backpressure_overloaded_with_retry_after(engine_and_tower):
     assert engine.queue_depth == 0
 
 
+async def test_admission_counts_permits_until_submitted_or_released(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    running = engine.submit([_job(1.0)])
+    await _entered(tower)
+    permits = engine.admit(4)  # max_queue=6
+    with pytest.raises(Overloaded, match="4 images waiting, max_queue is 6, this request adds 3"):
+        engine.admit(3)  # all or none
+    assert engine.permits == 4
+    submitted = engine.submit([_job(2.0), _job(3.0)], permits=permits[:2])  # no second check
+    permits[2].release()
+    permits[2].release()  # idempotent
+    assert engine.permits == 1
+    with pytest.raises(Overloaded):
+        engine.submit([_job(4.0) for _ in range(6)])  # without permits: admitted here
+    assert engine.permits == 1
+    permits[3].release()
+    tower.gate.set()
+    assert all(not isinstance(r, Exception) for r in await _results(running + submitted))
+    assert engine.permits == 0 and engine.queue_depth == 0
+
+
 async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
     engine, tower = engine_and_tower
     tower.gate.clear()
