@@ -19,6 +19,7 @@ import torch
 
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.errors import InvalidInput
+from encoder_service.protocol import image_info
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.shm import DEFAULT_DIR
@@ -35,15 +36,9 @@ class ImageSource:
 
 
 @dataclass(frozen=True)
-class ImageInfo:
-    id: str
-    grid_thw: tuple[int, int, int]
-    num_tokens: int
-    row_width: int
-    hidden_size: int
-    layout: str
-    dtype: str
-    cached: bool
+class ImageInfo(image_info.ImageInfo):
+    """The server's answer for one image (protocol/image_info.py), and its rows when asked."""
+
     embedding: torch.Tensor | None = field(default=None, repr=False)  # with return_embeddings
 
 

@@ -1,5 +1,6 @@
 """What the core takes and answers. The transports build the inputs from their requests and turn the
-results into their answers (protocol/ has the payloads and messages both ends share)."""
+results into their answers (protocol/ has the payloads and messages both ends share, and `ImageInfo`,
+the per-image encode answer)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from encoder_service.protocol.image_info import ImageInfo
 from encoder_service.ranges import Segment
 
 
@@ -15,18 +17,6 @@ class ImageInput:  # exactly one of data / url
     data: bytes | None = None
     url: str | None = None
     caller_id: str | None = None  # optional caller-supplied id (own namespace, "u:<id>")
-
-
-@dataclass(frozen=True)
-class ImageInfo:  # answered once the header is read and sized
-    id: str
-    grid_thw: tuple[int, int, int]
-    num_tokens: int
-    row_width: int
-    hidden_size: int
-    layout: str
-    dtype: str
-    cached: bool
 
 
 @dataclass

@@ -2,6 +2,7 @@
 server's but `ranges` and `errors`):
 
   wire.py           the fetch payload: header + raw little-endian rows (HTTP octet-stream, safetensors, gRPC)
+  image_info.py     what encode answers per image
   grpc_messages.py  encoder.v1 messages <-> wire headers and encode answers; gRPC trailing-metadata keys
   proto/            the stubs generated from proto/encoder.proto (scripts/gen_proto.sh)
   shm.py            the shared-memory fetch target: file-name rule, where the rows go in the file

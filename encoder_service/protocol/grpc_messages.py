@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from encoder_service.protocol import wire
+from encoder_service.protocol.image_info import ImageInfo
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
 
@@ -30,8 +31,8 @@ def header_from_proto(msg: pb.FetchHeader) -> WireHeader:
         "segments": [[s.id, s.position, s.row_start, s.row_end] for s in msg.segments]})
 
 
-def info_to_proto(info) -> pb.ImageInfo:
-    """An encode answer's per-image info (core/types.py: ImageInfo) as its message."""
+def info_to_proto(info: ImageInfo) -> pb.ImageInfo:
+    """`info` (image_info.py: ImageInfo) as its message."""
     return pb.ImageInfo(id=info.id, grid_thw=list(info.grid_thw), num_tokens=info.num_tokens,
                         row_width=info.row_width, hidden_size=info.hidden_size, layout=info.layout,
                         dtype=info.dtype, cached=info.cached)

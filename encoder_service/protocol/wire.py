@@ -136,14 +136,9 @@ def encode_http(header: WireHeader, rows: torch.Tensor) -> bytes:
 
 def decode_http(body: bytes | memoryview, out: torch.Tensor | None = None, start: int = 0):
     """(header, rows) from an octet-stream body; with `out`, rows is `out` with the segments written in."""
-    body = memoryview(body).cast("B")
-    if len(body) < _U32.size:
-        raise WireError(f"fetch payload is {len(body)} bytes, shorter than its 4-byte header length")
-    (head_len,) = _U32.unpack_from(body)
-    if head_len > min(_MAX_HEADER_BYTES, len(body) - _U32.size):
-        raise WireError(f"fetch header length {head_len} exceeds the {len(body)}-byte payload")
-    header = WireHeader.from_json(body[_U32.size:_U32.size + head_len])
-    return header, _decode_rows(header, body[_U32.size + head_len:], out, start)
+    head, data = _split_header(body, _U32, "fetch payload")
+    header = WireHeader.from_json(head)
+    return header, _decode_rows(header, data, out, start)
 
 
 def encode_safetensors(header: WireHeader, rows: torch.Tensor) -> bytes:
@@ -158,20 +153,25 @@ def encode_safetensors(header: WireHeader, rows: torch.Tensor) -> bytes:
 
 def decode_safetensors(body: bytes | memoryview, out: torch.Tensor | None = None, start: int = 0):
     """Like decode_http, for the safetensors variant (parsed here so rows go straight into `out`)."""
-    body = memoryview(body).cast("B")
-    if len(body) < _U64.size:
-        raise WireError(f"safetensors payload is {len(body)} bytes, shorter than its 8-byte header length")
-    (head_len,) = _U64.unpack_from(body)
-    if head_len > min(_MAX_HEADER_BYTES, len(body) - _U64.size):
-        raise WireError(f"safetensors header length {head_len} exceeds the {len(body)}-byte payload")
+    head, data = _split_header(body, _U64, "safetensors payload")
     try:
-        meta = json.loads(bytes(body[_U64.size:_U64.size + head_len]))
+        meta = json.loads(bytes(head))
         header = WireHeader.from_json(meta["__metadata__"]["header"].encode())
         lo, hi = meta["rows"]["data_offsets"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise WireError(f"not an encoder_service safetensors payload: {exc!r}") from exc
-    data = body[_U64.size + head_len:]
     return header, _decode_rows(header, data[lo:hi], out, start)
+
+
+def _split_header(body: bytes | memoryview, length: struct.Struct, what: str) -> tuple[memoryview, memoryview]:
+    """(header bytes, the rest) of `body` = little-endian header length | header | rest."""
+    body = memoryview(body).cast("B")
+    if len(body) < length.size:
+        raise WireError(f"{what} is {len(body)} bytes, shorter than its {length.size}-byte header length")
+    (head_len,) = length.unpack_from(body)
+    if head_len > min(_MAX_HEADER_BYTES, len(body) - length.size):
+        raise WireError(f"{what}: header length {head_len} exceeds the {len(body)}-byte payload")
+    return body[length.size:length.size + head_len], body[length.size + head_len:]
 
 
 def grpc_data_chunks(rows: torch.Tensor, max_bytes: int = GRPC_DATA_BYTES) -> Iterator[memoryview]:
