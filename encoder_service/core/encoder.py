@@ -31,7 +31,7 @@ from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
 from encoder_service.core.urls import UrlFetcher
-from encoder_service.engine.engine import Engine, Job
+from encoder_service.engine.engine import Engine, Job, Permit
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.shm import ShmTarget, placements
 from encoder_service.ranges import Segment, plan_chunk
@@ -155,19 +155,7 @@ class EncoderCore:
             if entry is not None:
                 unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
                                                    num_tokens=entry.num_rows)
-        misses = [name for name, entry in hits.items() if entry is None and name not in self.flights]
-        permits = dict(zip(misses, self.engine.admit(len(misses))))  # all or none: 429 when the queue is full
-        pinned: list[str] = []
-        try:
-            for name, p in unique.items():
-                self.store.pin(p.key, nbytes=p.num_tokens * self._row_bytes)
-                pinned.append(name)
-        except errors.Overloaded:  # pins are full: 429, and nothing of this request stays admitted or pinned
-            for permit in permits.values():
-                permit.release()
-            for name in pinned:
-                self.store.release(name)
-            raise
+        permits = self._admit_and_pin(unique, hits)
         for entry in hits.values():
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
@@ -188,6 +176,24 @@ class EncoderCore:
                 result.embeddings = [done[p.key.name][0].tensor for p in probed]
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         return result
+
+    def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None]) -> dict[str, Permit]:
+        """Queue room for the ids neither cached nor in flight (their permits, by name), and a pin on every
+        id for its lease; all or none: Overloaded (429) when the queue or the pins are full."""
+        misses = [name for name, entry in hits.items() if entry is None and name not in self.flights]
+        permits = dict(zip(misses, self.engine.admit(len(misses))))
+        pinned: list[str] = []
+        try:
+            for name, p in unique.items():
+                self.store.pin(p.key, nbytes=p.num_tokens * self._row_bytes)
+                pinned.append(name)
+        except errors.Overloaded:  # nothing of this request stays admitted or pinned
+            for permit in permits.values():
+                permit.release()
+            for name in pinned:
+                self.store.release(name)
+            raise
+        return permits
 
     def _info(self, p: Probed, cached: bool) -> ImageInfo:
         spec = self.spec

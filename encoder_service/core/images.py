@@ -18,8 +18,7 @@ from encoder_service import errors, preprocessing
 from encoder_service.cache import CacheKey, caller_key, make_key
 from encoder_service.core.types import ImageInput
 from encoder_service.core.urls import UrlFetcher
-
-GridTHW = tuple[int, int, int]
+from encoder_service.engine.engine import GridTHW
 
 
 @dataclass(frozen=True)

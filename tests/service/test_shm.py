@@ -1,4 +1,5 @@
-"""Shared-memory fetch (protocol/shm.py, core/shm_writer.py, client/shm.py) against the real servers (tests/support/service.py).
+"""Shared-memory fetch (protocol/shm.py, core/shm_writer.py, client/shm.py) against the real servers
+(tests/support/service.py).
 
 Every shm fetch must equal the wire fetch byte for byte (chunks that split images, several images per
 chunk, Qwen3 deepstack rows), over HTTP and gRPC, sync and async; `out` from alloc_rows is written by the
