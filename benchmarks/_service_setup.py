@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-# Preprocessing of the released checkpoints (DESIGN.md section 2); --small keeps images at most 256 tokens.
+# Preprocessing of the released checkpoints (their preprocessor_config.json); --small keeps images at most 256
+# tokens.
 PREPROCESS = {
     "qwen2_5_vl": dict(min_pixels=3136, max_pixels=12845056, image_mean=[0.48145466, 0.4578275, 0.40821073],
                        image_std=[0.26862954, 0.26130258, 0.27577711]),

@@ -268,7 +268,7 @@ def model_only(core, cfg: dict, device) -> list[dict]:
 
     runner = core.runner
     datas = make_jpegs(ENCODE_SIZE, range(MODEL_ONLY_BASE, MODEL_ONLY_BASE + 4))
-    pre = [preprocess(d, core.preprocess_cfg, core.limits) for d in datas]
+    pre = [preprocess(d, core.preprocess_cfg, core.images.limits) for d in datas]
     grid, patches = tuple(pre[0].grid_thw), pre[0].pixel_values.shape[0]
     per_batch = max(1, batch_budget(core.settings.engine.batch_tokens, runner.buckets) // patches)
     eager = getattr(runner, "eager", runner)

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
+
 HASHES = ("blake3", "xxh3_128", "sha256")
 DTYPES = ("bfloat16", "float16", "float32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -84,8 +86,8 @@ class ServerSettings:
     grpc_port: int  # 0: gRPC off
     auth_token: str | None = field(repr=False)
     log_level: str
-    shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (api/shm.py)
-    shm_dir: str = "/dev/shm"  # the only directory those files may be in
+    shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
+    shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,6 @@ class CacheSettings:
     redis_url: str | None = field(repr=False)  # may hold a password
     redis_ttl_s: int
     cache_bytes: int
-    gpu_cache_bytes: int
     hash: str
     lease_s: float
     max_pinned_bytes: int
@@ -189,7 +190,6 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "redis_url": (str, None, "enables the shared Redis tier"),
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
     "cache_bytes": (_non_negative(parse_size), "4GiB", "in-process host LRU size"),
-    "gpu_cache_bytes": (_non_negative(parse_size), "0", "optional GPU LRU tier"),
     "hash": (_choice(HASHES), "blake3", "content hash of image bytes"),
     "lease_s": (_positive(float), "300", "how long an encoded id stays pinned until fetched"),
     "max_pinned_bytes": (_non_negative(parse_size), None, "bound on pinned entries (half of --cache-bytes)"),
@@ -205,7 +205,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
-    "shm_dir": (str, "/dev/shm", "directory of those files (client and server must share it)"),
+    "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
 _SWITCHES = ("cuda_graphs", "shm_fetch")
@@ -287,8 +287,8 @@ def _build(v: dict) -> Settings:
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
-                            cache_bytes=v["cache_bytes"], gpu_cache_bytes=v["gpu_cache_bytes"], hash=v["hash"],
-                            lease_s=v["lease_s"], max_pinned_bytes=pinned),
+                            cache_bytes=v["cache_bytes"], hash=v["hash"], lease_s=v["lease_s"],
+                            max_pinned_bytes=pinned),
         engine=EngineSettings(cuda_graphs=cuda_graphs, graph_buckets=v["graph_buckets"],
                               batch_tokens=v["batch_tokens"], max_queue=v["max_queue"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],

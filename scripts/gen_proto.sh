@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Regenerates the committed gRPC stubs from proto/encoder.proto.
-#   scripts/gen_proto.sh [OUT_DIR]   (default: encoder_service/api/proto)
+#   scripts/gen_proto.sh [OUT_DIR]   (default: encoder_service/protocol/proto)
 # tests/unit/test_proto.py runs this into a temporary directory and compares bytes, so the committed stubs can't
 # drift from the .proto. The stubs check the grpcio / protobuf versions at import: regenerating with a newer
 # grpcio-tools raises the minimum runtime versions (keep pyproject's pins in step).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-out="${1:-$root/encoder_service/api/proto}"
+out="${1:-$root/encoder_service/protocol/proto}"
 python="${PYTHON:-$root/.venv/bin/python}"
 mkdir -p "$out"
 "$python" -m grpc_tools.protoc -I "$root/proto" \

@@ -1,9 +1,9 @@
 """gRPC (grpc.aio) adapter over EncoderCore: encoder.v1.Encoder plus the standard grpc.health.v1.Health.
 
-Thin on purpose: convert messages, call the core, map errors once (api/errors.py). Fetch streams a header
-message, then the rows' bytes in messages of at most 1 MiB: under every peer's default 4 MiB receive
-limit, and streaming was 3x faster than one big unary reply (DESIGN.md section 5). A Fetch with a
-ShmTarget answers the header alone (the rows are in the client's file, api/shm.py).
+Thin on purpose: convert messages (protocol/grpc_messages.py), call the core, map errors once
+(api/errors.py). Fetch streams a header message, then the rows' bytes in messages of at most 1 MiB: under
+every peer's default 4 MiB receive limit, and streaming measured 3x faster than one big unary reply. A
+Fetch with a ShmTarget answers the header alone (the rows are in the client's file, protocol/shm.py).
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from encoder_service.api import errors as api_errors
-from encoder_service.api import grpc_messages as msgs
-from encoder_service.api import wire
 from encoder_service.api.auth import BearerAuth
-from encoder_service.api.core import FetchItem, ImageInput, timing_headers
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
-from encoder_service.api.shm import ShmTarget
+from encoder_service.core import FetchItem, ImageInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, Overloaded
+from encoder_service.protocol import grpc_messages as msgs
+from encoder_service.protocol import wire
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.protocol.shm import ShmTarget
+from encoder_service.protocol.timing import timing_headers
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +85,16 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                    if request.HasField("shm") else None)
             result = await self._core.fetch(items, request.start, request.end, timeout_s=context.time_remaining(),
                                             shm=shm)
-            header = msgs.header_to_proto(result.header())
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
             if shm is not None:  # the rows are in the client's file: the header alone answers
-                header.shm_bytes = result.shm_bytes
-                await context.write(pb.FetchChunk(header=header))
+                header = wire.WireHeader(result.dtype, result.row_width, result.layout, tuple(result.segments))
+                message = msgs.header_to_proto(header)
+                message.shm_bytes = result.shm_bytes
+                await context.write(pb.FetchChunk(header=message))
                 return
-            await context.write(pb.FetchChunk(header=header))
+            header = wire.WireHeader.of(result.segments, result.rows, result.layout)  # checks rows against segments
+            await context.write(pb.FetchChunk(header=msgs.header_to_proto(header)))
             # Each write waits for flow control: the stream stays a few messages ahead of the reader.
             for piece in wire.grpc_data_chunks(result.rows, FETCH_DATA_BYTES):
                 await context.write(pb.FetchChunk(data=bytes(piece)))
@@ -148,7 +151,7 @@ async def _abort(context, exc: Exception):
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer token in the `authorization` metadata (api/auth.py); Health and reflection stay open."""
+    """Bearer token in the `authorization` metadata (auth.py); Health and reflection stay open."""
 
     def __init__(self, auth: BearerAuth):
         self._auth = auth

@@ -3,10 +3,10 @@
 POST /v1/encode   multipart (field `image`, repeated), a binary body (application/octet-stream or image/*,
                   one image; options in the query), or JSON {"images": [{"data": b64} | {"url": ...}, "id"?],
                   "wait", "return_embeddings", "timeout_s"}.
-POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> api/wire.py payload
+POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> protocol/wire.py payload
                   (application/octet-stream; application/safetensors when Accept asks for it).
-                  With "shm": {"name", "offset", "by_position"} the rows go into that client file (api/shm.py)
-                  and the answer is JSON: the wire header's fields + "shm_bytes".
+                  With "shm": {"name", "offset", "by_position"} the rows go into that client file
+                  (protocol/shm.py) and the answer is JSON: the wire header's fields + "shm_bytes".
 POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
 GET  /health/live, /health/ready, /v1/metadata, /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
@@ -18,17 +18,20 @@ import base64
 import binascii
 import logging
 import time
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.types import Message, Receive
 
 from encoder_service.api import errors as api_errors
-from encoder_service.api import wire
 from encoder_service.api.auth import BearerAuth
-from encoder_service.api.core import EncoderCore, FetchItem, ImageInput, timing_headers
-from encoder_service.api.shm import ShmTarget
+from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded
+from encoder_service.protocol import wire
+from encoder_service.protocol.dtypes import dtype_name
+from encoder_service.protocol.shm import ShmTarget
+from encoder_service.protocol.timing import timing_headers
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +164,7 @@ def create_app(core: EncoderCore) -> FastAPI:
             if result.embeddings is not None:
                 rows = result.embeddings[i]
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
-                                  "dtype": wire.dtype_name(rows.dtype), "shape": list(rows.shape)}
+                                  "dtype": dtype_name(rows.dtype), "shape": list(rows.shape)}
             out.append(d)
         return JSONResponse({"images": out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 
@@ -170,10 +173,11 @@ def create_app(core: EncoderCore) -> FastAPI:
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
                                   timeout_s=body.timeout_s, shm=shm)
-        header = result.header()
         if shm is not None:  # the rows are in the client's file: the header alone answers
+            header = wire.WireHeader(result.dtype, result.row_width, result.layout, tuple(result.segments))
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
                                 headers=dict(timing_headers(result.timings)))
+        header = wire.WireHeader.of(result.segments, result.rows, result.layout)  # checks rows against segments
         if SAFETENSORS in request.headers.get("accept", ""):
             payload, media = wire.encode_safetensors(header, result.rows), SAFETENSORS
         else:

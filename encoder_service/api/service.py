@@ -15,8 +15,8 @@ import time
 
 import uvicorn
 
-from encoder_service.api.core import EncoderCore
-from encoder_service.api.metrics import Metrics
+from encoder_service.core import EncoderCore
+from encoder_service.core.metrics import Metrics
 from encoder_service.settings import Settings, format_size
 
 log = logging.getLogger("encoder_service")
@@ -34,9 +34,8 @@ def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
         loaded = load_model(m.model, device=m.device, dtype=m.dtype, revision=m.revision)
     runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets))
     cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
-    store = EmbeddingStore(c.cache_bytes, c.gpu_cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s,
-                           lease_s=c.lease_s, max_pinned_bytes=c.max_pinned_bytes,
-                           gpu_device=loaded.device if str(loaded.device).startswith("cuda") else "cuda")
+    store = EmbeddingStore(c.cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s, lease_s=c.lease_s,
+                           max_pinned_bytes=c.max_pinned_bytes)
     return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store, metrics=Metrics())
 
 
@@ -142,8 +141,6 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
     s, core = service.settings, service.core
     spec = core.spec
     tiers = [f"host LRU {format_size(s.cache.cache_bytes)} (pinned <= {format_size(s.cache.max_pinned_bytes)})"]
-    if s.cache.gpu_cache_bytes:
-        tiers.append(f"GPU LRU {format_size(s.cache.gpu_cache_bytes)}")
     if s.cache.redis_url:
         tiers.append(f"Redis (ttl {s.cache.redis_ttl_s}s)")
     memory = ""

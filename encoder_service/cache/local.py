@@ -6,7 +6,7 @@ evict an id in the middle of a chunked prefill. A pin is a lease: a count and a 
     the same image each hold it; one releasing does not unpin the other's).
   - `release` drops one holder; at zero the entry goes back to the LRU (most recently used end).
   - at the deadline the pin goes whatever the count (a client that never releases cannot leak pins).
-A key can be pinned before its entry exists (the engine answers `encode` before the ViT runs): the pin
+A key can be pinned before its entry exists (the core answers `encode` before the ViT runs): the pin
 then reserves `nbytes`, the expected size, and the entry takes the reserved place when it arrives.
 Pinned bytes are bounded by `max_pinned_bytes`; a pin over the bound raises `Overloaded` (HTTP 429)
 rather than evicting something silently. Leases expire lazily: every operation first pops the due

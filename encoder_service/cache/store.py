@@ -1,7 +1,7 @@
-"""EmbeddingStore: the cache the engine talks to (tiers + single flight + leases).
+"""EmbeddingStore: the cache the core talks to (tiers + single flight + leases).
 
-    store = EmbeddingStore(local_bytes, gpu_bytes=0, redis_url=None, redis_ttl_s=86400,
-                           lease_s=300, max_pinned_bytes=local_bytes // 2)
+    store = EmbeddingStore(local_bytes, redis_url=None, redis_ttl_s=86400, lease_s=300,
+                           max_pinned_bytes=local_bytes // 2)
     await store.start() ... await store.close()
     await store.get(key)                          -> Entry | None       local, then Redis (promoted)
     store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
@@ -9,17 +9,17 @@
     await store.get_or_create(key, create)        -> (Entry, was_cached) single flight
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, in-flight fill, Redis GETRANGE
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
-    store.stats()                                 -> dict (flat counters for Prometheus)
+    store.stats()                                 -> dict (flat counters)
 
-`key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; an optional
-device LRU (`gpu_bytes`, copies of host entries, `device_rows`); Redis when `redis_url` is set.
+`key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; Redis when
+`redis_url` is set.
 
 Single flight: the first miss of a key starts one fill task (Redis read, else `create()`); every
 concurrent caller awaits that task through `asyncio.shield`, so a caller that is cancelled (a client went
 away) does not cancel the encode the others wait for. A failure reaches every waiter and nothing is cached;
 the next call tries again. `was_cached` is False only for the call whose fill ran `create()`.
 
-Leases, the flow the engine should follow:
+Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
      full), then `get_or_create` in the background. The pin reserves the bytes until the entry lands.
   2. `fetch` chunks: `read_rows` (waits for an in-flight fill). Fetching does NOT unpin: a chunked prefill
@@ -56,13 +56,11 @@ class EmbeddingStore:
     def __init__(
         self,
         local_bytes: int,
-        gpu_bytes: int = 0,
         redis_url: str | None = None,
         *,
         redis_ttl_s: float = 86400,
         lease_s: float = 300,
         max_pinned_bytes: int | None = None,
-        gpu_device: str | torch.device = "cuda",
         redis_options: dict | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -70,8 +68,6 @@ class EmbeddingStore:
         self.local = LocalTier(
             local_bytes, local_bytes // 2 if max_pinned_bytes is None else max_pinned_bytes, clock=clock
         )
-        self.gpu = LocalTier(gpu_bytes, clock=clock) if gpu_bytes > 0 else None
-        self.gpu_device = torch.device(gpu_device)
         self.redis = RedisTier(redis_url, ttl_s=redis_ttl_s, **(redis_options or {})) if redis_url else None
         self._inflight: dict[str, asyncio.Task] = {}
         self.counters = dict(fills=0, creates=0, joins=0, fill_failures=0)
@@ -122,11 +118,6 @@ class EmbeddingStore:
             return await self.redis.read_rows(name, start, end)
         return None
 
-    def device_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
-        """Rows [start, end) from the device tier (a view on `gpu_device`), or None."""
-        entry = self.gpu.get(_name(key)) if self.gpu is not None else None
-        return entry.rows(start, end) if entry is not None else None
-
     # ---- fill -----------------------------------------------------------------------------------
 
     async def get_or_create(self, key: Key, create: Callable[[], Awaitable[Entry]]) -> tuple[Entry, bool]:
@@ -152,13 +143,13 @@ class EmbeddingStore:
         if self.redis is not None:
             entry = await self.redis.get(name)
             if entry is not None:
-                self._put_local(name, entry)
+                self.local.put(name, entry)
                 return entry, False
         entry = await create()
         if not isinstance(entry, Entry):
             raise TypeError(f"create() for {name} returned {type(entry).__name__}, expected Entry")
         self.counters["creates"] += 1
-        self._put_local(name, entry)
+        self.local.put(name, entry)
         if self.redis is not None:
             self.redis.write_behind(name, entry)
         return entry, True
@@ -169,11 +160,6 @@ class EmbeddingStore:
         if not task.cancelled() and task.exception() is not None:  # also marks it retrieved
             self.counters["fill_failures"] += 1
             log.debug("fill of %s failed: %r", name, task.exception())
-
-    def _put_local(self, name: str, entry: Entry) -> None:
-        self.local.put(name, entry)
-        if self.gpu is not None and entry.nbytes <= self.gpu.capacity_bytes:
-            self.gpu.put(name, Entry(entry.header, entry.tensor.to(self.gpu_device, non_blocking=True)))
 
     # ---- leases ---------------------------------------------------------------------------------
 
@@ -186,10 +172,9 @@ class EmbeddingStore:
         return self.local.release(_name(key))
 
     def stats(self) -> dict:
-        """Flat dict: `local_*`, `gpu_*`, `redis_*` and single-flight counters, plus `redis_state`."""
+        """Flat dict: `local_*`, `redis_*` and single-flight counters, plus `redis_state`."""
         out = dict(self.counters, inflight=len(self._inflight))
-        tiers = {"local": self.local.stats(), "gpu": self.gpu.stats() if self.gpu else None}
-        tiers["redis"] = self.redis.stats() if self.redis else None
+        tiers = {"local": self.local.stats(), "redis": self.redis.stats() if self.redis else None}
         for tier, values in tiers.items():
             for name, value in (values or {}).items():
                 out[f"{tier}_{name}"] = value

@@ -17,9 +17,12 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from encoder_service.api import wire
-from encoder_service.client.shm import DEFAULT_DIR, ShmBuffers, ShmFile, torch_dtype
+from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.errors import InvalidInput
+from encoder_service.protocol import image_info
+from encoder_service.protocol import wire
+from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
 
 
@@ -33,15 +36,9 @@ class ImageSource:
 
 
 @dataclass(frozen=True)
-class ImageInfo:
-    id: str
-    grid_thw: tuple[int, int, int]
-    num_tokens: int
-    row_width: int
-    hidden_size: int
-    layout: str
-    dtype: str
-    cached: bool
+class ImageInfo(image_info.ImageInfo):
+    """The server's answer for one image (protocol/image_info.py), and its rows when asked."""
+
     embedding: torch.Tensor | None = field(default=None, repr=False)  # with return_embeddings
 
 
@@ -134,7 +131,7 @@ class _ShmFetch:
             raise wire.WireError(f"the server wrote {shm_bytes} bytes into shared memory, its header announces "
                                  f"{header.payload_bytes} (does it predate shared-memory fetch?)")
         if self._staging is None:
-            if wire.DTYPES[header.dtype] != self._out.dtype:
+            if torch_dtype(header.dtype) != self._out.dtype:
                 raise wire.WireError(f"the server wrote {header.dtype} rows into a {self._out.dtype} buffer")
             wire.check_out(header, self._out, self._start)
             return self._out
@@ -142,8 +139,7 @@ class _ShmFetch:
         if header.payload_bytes > f.size:
             raise wire.WireError(f"the header announces {header.payload_bytes} row bytes, over the "
                                  f"{f.size}-byte staging file")
-        rows = f.data[:header.payload_bytes].view(wire.DTYPES[header.dtype]).view(header.num_rows,
-                                                                                  header.row_width)
+        rows = f.data[:header.payload_bytes].view(torch_dtype(header.dtype)).view(header.num_rows, header.row_width)
         return rows.clone() if self._out is None else wire.place_rows(header, rows, self._out, self._start)
 
     def close(self, ok: bool) -> None:

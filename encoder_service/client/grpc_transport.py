@@ -6,11 +6,11 @@ import json
 
 import grpc
 
-from encoder_service.api import grpc_messages as msgs
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.client.base import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
+from encoder_service.protocol import grpc_messages as msgs
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 
 # Fetch messages are <= 1 MiB, but Encode with return_embeddings answers in one message.
 DEFAULT_MAX_RECEIVE_BYTES = 1 << 30

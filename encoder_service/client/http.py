@@ -1,8 +1,8 @@
 """HTTP transports (httpx, blocking and async) for EncoderClient / AsyncEncoderClient.
 
 Encode sends multipart (raw bytes, field `image`) unless an image is a URL or carries a caller id, which
-only the JSON form (base64) can say. Fetch asks for the octet-stream payload (api/wire.py); an shm fetch
-gets a JSON header (the rows are in the client's file).
+only the JSON form (base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py); an shm
+fetch gets a JSON header (the rows are in the client's file).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import base64
 
 import httpx
 
-from encoder_service.api import wire
 from encoder_service.client.base import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
 from encoder_service.errors import DeadlineExceeded, Unavailable
+from encoder_service.protocol import wire
 
 
 def _headers(token: str | None) -> dict[str, str]:

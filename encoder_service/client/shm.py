@@ -1,5 +1,5 @@
-"""Client side of the shared-memory fetch: the files a client owns (server side: api/shm.py; no server
-imports here).
+"""Client side of the shared-memory fetch: the files a client owns (the target both ends agree on:
+protocol/shm.py; the server's writer: core/shm_writer.py).
 
 A client built with `shm=True` creates files `<shm_dir>/encoder-fetch-<32 hex>` (O_CREAT|O_EXCL, mode
 0600, ftruncate'd, mapped MAP_SHARED); a fetch names one (`ShmTarget` name + offset) and the server writes
@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-PREFIX = "encoder-fetch-"
-DEFAULT_DIR = "/dev/shm"
+from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.shm import DEFAULT_DIR, PREFIX, new_name
+
 IDLE_STAGING = 2  # staging files kept for reuse when no fetch uses them (more only while fetches overlap)
 _CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 def _unlink(path: str) -> None:
@@ -56,7 +51,7 @@ class ShmFile:
     def create(cls, directory: str, nbytes: int) -> ShmFile:
         size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         for _ in range(4):  # 128 random bits: a clash means something else writes our names
-            path = os.path.join(directory, PREFIX + secrets.token_hex(16))
+            path = os.path.join(directory, new_name())
             try:
                 fd = os.open(path, _CREATE_FLAGS, 0o600)
                 break

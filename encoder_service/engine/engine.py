@@ -12,6 +12,11 @@ batch while the completion thread waits for the previous one's rows, so the GPU 
 (at most three batches are launched and unanswered at a time). Answers go through futures via
 `loop.call_soon_threadsafe`; the threads never touch the loop otherwise. A batch that raises fails only its
 own items; if a thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
+
+Admission is checked once, in `admit(n)`: room for n images in the queue (at most max_queue, counting the
+permits handed out and not used yet), all or none, else Overloaded (HTTP 429). A caller that admits early
+(the core, before it answers encode) submits later with those permits; `submit` without permits admits
+its jobs itself.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from encoder_service.engine.scheduler import Scheduler, WorkItem, batch_budget, drop
+from encoder_service.engine.scheduler import Scheduler, WorkItem, always_wanted, batch_budget, drop
 from encoder_service.errors import Overloaded, Unavailable
 from encoder_service.runtime.transfer import HostCopier
 
@@ -49,10 +54,25 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class Job:
-    """One image to encode: `prepare` runs on a CPU thread and returns (pixel_values, grid_thw)."""
+    """One image to encode: `prepare` runs on a CPU thread and returns (pixel_values, grid_thw); the image
+    is dropped from the queue once `wanted()` is false."""
 
     prepare: PrepareFn
     num_patches: int
+    wanted: Callable[[], bool] = always_wanted
+
+
+class Permit:
+    """Room for one image in the encode queue, from `Engine.admit`: counted in the queue's occupancy until
+    `submit` uses it (the queued image counts itself then) or `release()` gives it back (idempotent)."""
+
+    def __init__(self, engine: Engine):
+        self._engine: Engine | None = engine
+
+    def release(self) -> None:
+        if self._engine is not None:
+            self._engine._permits -= 1
+            self._engine = None
 
 
 class Engine:
@@ -61,6 +81,7 @@ class Engine:
         self._encode_fn = encode_fn
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
+        self._permits = 0  # admitted images not submitted yet (Permit objects not used or released)
         self.cpu_pool = ThreadPoolExecutor(max_workers=cpu_threads or min(8, os.cpu_count() or 2),
                                            thread_name_prefix="encoder-cpu")
         self._metrics = metrics
@@ -110,27 +131,49 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
+        """Images queued for a batch (the encoder_queue_depth gauge)."""
         return len(self._scheduler)
 
-    # ---- submission (event loop) -----------------------------------------------------------------------
-    def submit(self, jobs: Sequence[Job], *, deadline: float | None = None) -> list[WorkItem]:
-        """Queue one request's images (placeholder order); all or none. `deadline`: time.monotonic() seconds.
+    @property
+    def permits(self) -> int:
+        """Images admitted and not submitted yet."""
+        return self._permits
 
-        Raises Overloaded when the queue would exceed max_queue, Unavailable when the engine is down.
-        Each item's `future` resolves to an EncodedImage or raises; `item.release()` on caller cancel.
+    # ---- admission and submission (event loop) ---------------------------------------------------------
+    def admit(self, n: int) -> list[Permit]:
+        """Room for `n` images, all or none: Overloaded (with a Retry-After hint) when the images queued plus
+        the permits outstanding plus `n` would exceed max_queue."""
+        waiting = len(self._scheduler) + self._permits
+        if n and waiting + n > self.max_queue:
+            raise Overloaded(f"encode queue is full: {waiting} images waiting, max_queue is {self.max_queue}, "
+                             f"this request adds {n}", retry_after_s=self.retry_after_s())
+        self._permits += n
+        return [Permit(self) for _ in range(n)]
+
+    def submit(self, jobs: Sequence[Job], *, deadline: float | None = None,
+               permits: Sequence[Permit] | None = None) -> list[WorkItem]:
+        """Queue one request's images (placeholder order). `deadline`: time.monotonic() seconds. `permits`:
+        one per job from `admit` (used up here, whatever happens); without them the jobs are admitted here.
+
+        Raises Unavailable when the engine is down, Overloaded when admitting here finds the queue full. Each
+        item's `future` resolves to an EncodedImage or raises; it is cancelled when the job's `wanted()` turns
+        false while it waits.
         """
-        if not self.alive:
-            raise Unavailable(self._down_reason())
-        if len(self._scheduler) + len(jobs) > self.max_queue:
-            raise Overloaded(f"encode queue is full: {len(self._scheduler)} images waiting, max_queue is "
-                             f"{self.max_queue}, this request adds {len(jobs)}", retry_after_s=self.retry_after_s())
-        loop = self._loop
-        items = []
-        for job in jobs:
-            prepared = loop.run_in_executor(self.cpu_pool, _timed, job.prepare)
-            items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
-                                  deadline=deadline))
-        self._scheduler.push(items)
+        try:
+            if not self.alive:
+                raise Unavailable(self._down_reason())
+            if permits is None:
+                permits = self.admit(len(jobs))
+            loop = self._loop
+            items = []
+            for job in jobs:
+                prepared = loop.run_in_executor(self.cpu_pool, _timed, job.prepare)
+                items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
+                                      deadline=deadline, wanted=job.wanted))
+            self._scheduler.push(items)
+        finally:
+            for permit in permits or ():  # the queued items count themselves now
+                permit.release()
         self._gauge()
         self._wakeup.set()
         return items
@@ -146,7 +189,7 @@ class Engine:
         try:
             return await asyncio.wait_for(asyncio.shield(item.future), timeout_s)
         except (asyncio.CancelledError, TimeoutError):
-            item.release()
+            item.future.cancel()  # dropped from the queue; not answered if it is on the GPU already
             raise
 
     # ---- batcher (event loop) --------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Images are kept in arrival order of their requests and placeholder order within a request; a batch is the
 longest prefix of the queue whose patches fit the budget (an image larger than the budget goes alone). The
 budget is `batch_tokens`, capped at the largest graph bucket when graphs are in use so that a batch fills a
-captured bucket instead of falling back to eager. Items whose callers all left, or whose deadline passed,
-are dropped (their futures settled) before a batch is built. Pure and loop-bound: no threads here.
+captured bucket instead of falling back to eager. Items nobody wants any more (`wanted()` is false: their
+callers all left), or whose deadline passed, are dropped (their futures settled) before a batch is built.
+Pure and loop-bound: no threads here.
 """
 
 from __future__ import annotations
@@ -13,37 +14,39 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from encoder_service.errors import DeadlineExceeded
+
+
+def always_wanted() -> bool:
+    return True
 
 
 @dataclass(eq=False)
 class WorkItem:
     """One image waiting for the ViT.
 
-    `prepared` resolves to (pixel_values [num_patches, patch_dim] float32, grid_thw) from a CPU thread;
-    `future` resolves to the engine's `EncodedImage`. Times are `time.monotonic()` seconds.
+    `prepared` resolves to ((pixel_values [num_patches, patch_dim], grid_thw), preprocess ms) from the job's
+    `prepare` on a CPU thread; `future` resolves to the engine's `EncodedImage`. `wanted()` is asked before
+    each batch is built (the core's answer: does a request or a fetch still wait for this image?). Times are
+    `time.monotonic()` seconds.
     """
 
     num_patches: int
     prepared: asyncio.Future
     future: asyncio.Future
     deadline: float | None = None
-    interest: int = 1  # callers still waiting for this image; 0: nobody wants it any more
+    wanted: Callable[[], bool] = always_wanted
     enqueued_at: float = field(default_factory=time.monotonic)
     seq: int = 0  # request arrival number (set by the scheduler)
     index: int = 0  # placeholder order inside the request
-
-    def release(self) -> None:
-        """One caller left (cancelled). The item is dropped at the next batch if nobody else waits."""
-        self.interest = max(0, self.interest - 1)
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
     def droppable(self, now: float) -> bool:
-        return self.future.done() or self.interest == 0 or self.expired(now)
+        return self.future.done() or not self.wanted() or self.expired(now)
 
 
 def drop(item: WorkItem, now: float) -> None:

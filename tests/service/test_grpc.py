@@ -1,7 +1,8 @@
 """gRPC API against a real grpc.aio server over the real core, tiny random models (tests/support/service.py).
 
-Fetch answers are checked against slices of the whole embedding (Encode with return_embeddings); bad input
-against a status code and a message naming the problem, with the server still serving afterwards.
+How gRPC maps the core (tests/unit/test_core.py tests the core itself): Fetch streaming and its message
+sizes, a client leaving mid-stream, status codes and trailing metadata, Health, auth. Bad input gets a
+status code and a message naming the problem, with the server still serving afterwards.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import logging
 import grpc
 import httpx
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_service import errors
-from encoder_service.api import grpc_server, wire
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.api import grpc_server
 from encoder_service.client import AsyncEncoderClient
-from encoder_service.ranges import chunks, plan_chunk
+from encoder_service.protocol import wire
+from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from tests.support.images import image_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,57 +31,10 @@ def client(svc, **kw) -> AsyncEncoderClient:
     return AsyncEncoderClient.grpc(svc.grpc_address, timeout=30, **kw)
 
 
-def expected_chunk(full: dict, items, start: int, end: int, row_width: int) -> torch.Tensor:
-    """What the LLM's embeddings buffer for [start, end) must hold at image positions (NaN elsewhere)."""
-    out = torch.full((end - start, row_width), float("nan"))
-    for s in plan_chunk(items, start, end):
-        out[s.position - start:s.position - start + s.num_rows] = full[s.id][s.row_start:s.row_end]
-    return out
-
-
-async def encode_whole(c, images):
-    infos = await c.encode(images, return_embeddings=True)
-    return infos, {i.id: i.embedding for i in infos}
-
-
-@pytest.mark.parametrize("fixture", ["service", "service_qwen3"])
-async def test_fetch_equals_slices_of_the_whole_embedding(fixture, request):
-    svc = request.getfixturevalue(fixture)
-    async with client(svc) as c:
-        infos, full = await encode_whole(c, [image_bytes(224, 224, 1), image_bytes(84, 140, 2),
-                                             image_bytes(56, 56, 3)])
-        meta = await c.metadata()
-        width = meta["row_width"]
-        assert all(i.row_width == width and full[i.id].shape == (i.num_tokens, width) for i in infos)
-        if fixture == "service_qwen3":
-            assert infos[0].layout == "main+deepstack3" and width == 4 * infos[0].hidden_size
-        # text, image, text, image, image (adjacent), text
-        offset, items = 3, []
-        for info in infos:
-            items.append((info.id, offset, info.num_tokens))
-            offset += info.num_tokens + (0 if info is infos[1] else 5)
-        prompt_len = offset + 2
-        # 1: every chunk splits images; 7: straddles; 50: several images per chunk; prompt_len: one chunk
-        for chunk_size in (1, 7, 50, prompt_len):
-            for start, end in chunks(prompt_len, chunk_size):
-                wanted = [(i, o) for i, o, n in items if o < end and start < o + n]
-                if not wanted:
-                    continue
-                out = torch.full((end - start, width), float("nan"))
-                got = await c.fetch(wanted, start, end, out=out)
-                assert got.rows is out
-                expected = expected_chunk(full, items, start, end, width)
-                assert torch.equal(out.isnan(), expected.isnan())  # text positions untouched
-                assert torch.equal(out.nan_to_num(), expected.nan_to_num())
-                packed = await c.fetch(wanted, start, end)  # no buffer: rows in segment order
-                assert torch.equal(packed.rows, torch.cat([full[s.id][s.row_start:s.row_end]
-                                                           for s in packed.segments]))
-
-
 async def test_fetch_messages_stay_under_1_mib(service_qwen3):
     async with client(service_qwen3) as c:
         (info,) = await c.encode([image_bytes(256, 256, 4)], wait=True)
-    image_bytes_ = info.num_tokens * info.row_width * wire.DTYPES[info.dtype].itemsize
+    image_bytes_ = info.num_tokens * info.row_width * torch_dtype(info.dtype).itemsize
     copies = -(-(5 << 20) // image_bytes_)  # > 5 MiB of rows: more than one default 4 MiB message
     request = pb.FetchRequest(items=[pb.FetchItem(id=info.id, offset=k * info.num_tokens) for k in range(copies)],
                               start=0, end=copies * info.num_tokens)
@@ -142,41 +96,6 @@ async def test_client_disconnect_mid_stream_leaves_the_server_serving(service, m
         got = await c.fetch(items, 0, 64 * info.num_tokens)  # still serving, complete answers
         assert got.rows.shape[0] == 64 * info.num_tokens
     assert not [r for r in caplog.records if r.name.startswith("encoder_service") and r.levelno >= logging.ERROR]
-
-
-async def test_concurrent_clients(service):
-    images = [image_bytes(112, 112 + 28 * k, 100 + k) for k in range(6)]
-
-    async def one(k: int):
-        async with client(service) as c:
-            infos, full = await encode_whole(c, [images[k], images[(k + 1) % 6]])
-            items = [(infos[0].id, 0, infos[0].num_tokens), (infos[1].id, infos[0].num_tokens, infos[1].num_tokens)]
-            total = infos[0].num_tokens + infos[1].num_tokens
-            rows = []
-            async for chunk in c.iter_chunks((items, total), chunk_size=5):
-                rows.append(chunk.rows)
-            assert torch.equal(torch.cat(rows), torch.cat([full[infos[0].id], full[infos[1].id]]))
-            return infos[0].id
-
-    ids = await asyncio.wait_for(asyncio.gather(*(one(k) for k in range(6))), 30)
-    assert len(set(ids)) == 6
-
-
-async def test_same_image_from_many_clients_encodes_once(service):
-    data = image_bytes(168, 168, 7)
-    def encoded():
-        return service.core.metrics.registry.get_sample_value("encoder_images_encoded_total")
-
-    before = encoded()
-
-    async def one():
-        async with client(service) as c:
-            (info,) = await c.encode([data], wait=True)
-            return info.id
-
-    ids = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(8))), 30)
-    assert len(set(ids)) == 1
-    assert encoded() - before == 1
 
 
 async def _serving(svc):

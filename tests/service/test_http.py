@@ -1,23 +1,23 @@
 """HTTP API against a real uvicorn server on 127.0.0.1 with tiny random models (tests/support/service.py).
 
-Embeddings are checked against the tower's own output for the same preprocessed input; fetch against
-slices of the whole embedding; bad input against a 4xx naming the problem with the server still serving.
+How HTTP maps the core (tests/unit/test_core.py tests the core itself): the three encode body forms, the
+fetch payloads, status codes, headers, auth and body limits. Embeddings are checked against the tower's own
+output; bad input against a 4xx naming the problem with the server still serving.
 """
 
 from __future__ import annotations
 
 import base64
-from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 
 import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from encoder_service.api import wire
-from encoder_service.ranges import chunks
+from encoder_service.protocol import wire
+from encoder_service.protocol.dtypes import torch_dtype
 from tests.support.images import image_bytes, png_header_only
+from tests.support.reference import assert_close, reference_rows
 
 
 TIMEOUT = httpx.Timeout(30.0)
@@ -35,32 +35,8 @@ def encode_json(c: httpx.Client, images: list[bytes], **opts) -> httpx.Response:
 
 def embedding_of(d: dict) -> torch.Tensor:
     e = d["embedding"]
-    flat = torch.frombuffer(bytearray(base64.b64decode(e["data"])), dtype=wire.DTYPES[e["dtype"]])
+    flat = torch.frombuffer(bytearray(base64.b64decode(e["data"])), dtype=torch_dtype(e["dtype"]))
     return flat.view(*e["shape"])
-
-
-@lru_cache(maxsize=None)
-def _reference_model(checkpoint: str):
-    from encoder_service.models.loader import load_model
-    from encoder_service.preprocessing import PreprocessConfig
-
-    loaded = load_model(checkpoint, device="cpu", dtype="float32")
-    return loaded, PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
-
-
-def reference_rows(svc, data: bytes) -> torch.Tensor:
-    """The tower's own output for this image, run alone, outside the service."""
-    from encoder_service.preprocessing import ImageLimits, preprocess
-
-    loaded, cfg = _reference_model(str(svc.checkpoint))
-    pre = preprocess(data, cfg, ImageLimits(max_image_bytes=1 << 24, max_pixels=1 << 26))
-    grid = tuple(int(x) for x in pre.grid_thw)
-    with torch.inference_mode():
-        return loaded.tower(pre.pixel_values.to(loaded.dtype), loaded.tower.metadata([grid])).float()
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4)
 
 
 def images_encoded(svc) -> float:
@@ -119,7 +95,7 @@ def test_encode_multipart_binary_json_round_trip(service):
         for d, data in zip(r4.json()["images"], (a, b)):
             rows = embedding_of(d)
             assert rows.shape == (d["num_tokens"], 48)
-            assert_close(rows, reference_rows(service, data))
+            assert_close(rows, reference_rows(service.checkpoint, data))
 
 
 def test_caller_ids_and_fetch_while_encoding(service):
@@ -137,82 +113,36 @@ def test_caller_ids_and_fetch_while_encoding(service):
         assert header.num_rows == info["num_tokens"]
         assert scraped(c, "encoder_fetch_rows_total") - fetched[0] == info["num_tokens"]
         assert scraped(c, "encoder_fetch_bytes_total") - fetched[1] == rows.numel() * rows.element_size()
-        assert_close(rows, reference_rows(service, data))
+        assert_close(rows, reference_rows(service.checkpoint, data))
 
 
-@pytest.mark.parametrize("svc_name", ["service", "service_qwen3"])
-def test_fetch_equals_slices_of_the_whole_embedding(request, svc_name):
-    svc = request.getfixturevalue(svc_name)
-    imgs = [image_bytes(w, h, 10 + i) for i, (w, h) in enumerate([(90, 60), (64, 64), (200, 40), (70, 130)])]
-    with client(svc) as c:
+def test_fetch_payload_per_accept(service):
+    """octet-stream by default, safetensors when Accept asks: the same header and rows, in segment order
+    (which rows a chunk holds is the core's: tests/unit/test_core.py)."""
+    imgs = [image_bytes(w, h, 10 + i) for i, (w, h) in enumerate([(90, 60), (64, 64), (200, 40)])]
+    with client(service) as c:
         r = encode_json(c, imgs, return_embeddings=True)
         assert r.status_code == 200, r.text
         infos = r.json()["images"]
         whole = [embedding_of(d) for d in infos]
-        width = infos[0]["row_width"]
-        if svc_name == "service_qwen3":
-            assert infos[0]["layout"] == "main+deepstack3" and width == 4 * infos[0]["hidden_size"]
-        for rows, data in zip(whole, imgs):
-            assert_close(rows, reference_rows(svc, data))
-        # Prompt: text, img0, img1 adjacent, text, img2, text, img3, text.
-        offsets, pos = [], 5
-        for i, d in enumerate(infos):
-            offsets.append(pos)
-            pos += d["num_tokens"] + (0 if i == 0 else 3)
-        prompt_len = pos + 2
-        expected = torch.zeros(prompt_len, width)
-        for off, rows in zip(offsets, whole):
-            expected[off:off + rows.shape[0]] = rows
+        # Prompt: text(5), img0, img1 adjacent, text(3), img2, text(2).
+        n0, n1, n2 = (d["num_tokens"] for d in infos)
+        offsets = [5, 5 + n0, 5 + n0 + n1 + 3]
+        prompt_len = offsets[2] + n2 + 2
         items = [{"id": d["id"], "offset": off} for d, off in zip(infos, offsets)]
-        for chunk_size in (3, 7, 16, prompt_len):
-            got = torch.zeros(prompt_len, width)
-            for start, end in chunks(prompt_len, chunk_size):
-                r = c.post("/v1/fetch", json={"items": items, "start": start, "end": end})
-                assert r.status_code == 200, r.text
-                header, rows = wire.decode_http(r.content)
-                assert all(start <= s.position and s.position + s.num_rows <= end for s in header.segments)
-                at = 0
-                for s in header.segments:
-                    got[s.position:s.position + s.num_rows] = rows[at:at + s.num_rows]
-                    at += s.num_rows
-            assert torch.equal(got, expected), f"chunk size {chunk_size}"
+        start, end = 6, prompt_len - 3  # the chunk splits img0 and img2
+        r = c.post("/v1/fetch", json={"items": items, "start": start, "end": end})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream", r.text
+        header, rows = wire.decode_http(r.content)
+        assert [s.id for s in header.segments] == [d["id"] for d in infos]
+        assert all(start <= s.position and s.position + s.num_rows <= end for s in header.segments)
+        assert torch.equal(rows, torch.cat([w[s.row_start:s.row_end] for w, s in zip(whole, header.segments)]))
         r = c.post("/v1/fetch", json={"items": items, "start": 0, "end": prompt_len},
                    headers={"accept": "application/safetensors"})
         assert r.headers["content-type"] == "application/safetensors"
         header, rows = wire.decode_safetensors(r.content)
         assert [s.id for s in header.segments] == [d["id"] for d in infos]
         assert torch.equal(rows, torch.cat(whole))
-
-
-# ---- concurrency -----------------------------------------------------------------------------------------
-def test_concurrent_clients(service):
-    imgs = [image_bytes(40 + 8 * i, 70, 100 + i) for i in range(12)]
-
-    def one(i: int):
-        with client(service) as c:
-            return encode_json(c, [imgs[i], imgs[(i + 1) % len(imgs)]], return_embeddings=True)
-
-    with ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(one, range(len(imgs))))
-    for i, r in enumerate(responses):
-        assert r.status_code == 200, r.text
-    for i in (0, 5):
-        assert_close(embedding_of(responses[i].json()["images"][0]), reference_rows(service, imgs[i]))
-
-
-def test_same_image_from_many_clients_is_encoded_once(service):
-    data = image_bytes(96, 96, 4242)
-    before = images_encoded(service)
-
-    def one(_):
-        with client(service) as c:
-            return encode_json(c, [data], wait=True)
-
-    with ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(one, range(16)))
-    assert all(r.status_code == 200 for r in responses)
-    assert len({r.json()["images"][0]["id"] for r in responses}) == 1
-    assert images_encoded(service) - before == 1
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
@@ -325,7 +255,7 @@ def test_auth(auth_service):
     with client(auth_service, headers={"authorization": f"Bearer {AUTH_TOKEN}"}) as c:
         r = encode_json(c, [data], return_embeddings=True)
         assert r.status_code == 200, r.text
-        assert_close(embedding_of(r.json()["images"][0]), reference_rows(auth_service, data))
+        assert_close(embedding_of(r.json()["images"][0]), reference_rows(auth_service.checkpoint, data))
 
 
 def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkpoint):
@@ -349,7 +279,7 @@ def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkp
         assert r.status_code == 200, r.text
         header, rows = wire.decode_http(r.content)
         assert header.segments[0].row_start == 0 and rows.shape[0] == 4
-        assert_close(rows, reference_rows(a, data)[:4])
+        assert_close(rows, reference_rows(a.checkpoint, data)[:4])
         stats = b.call(store_stats)
         assert stats["redis_header_hits"] == 1 and stats["redis_hits"] == 0  # the entry itself stayed in Redis
         again = encode_json(cb, [data], wait=True).json()["images"][0]
@@ -390,7 +320,7 @@ def test_url_images_only_from_allowed_hosts(request, tiny_checkpoint):
     with client(svc) as c:
         r = c.post("/v1/encode", json={"images": [{"url": f"{base}/hop"}], "return_embeddings": True})
         assert r.status_code == 200, r.text
-        assert_close(embedding_of(r.json()["images"][0]), reference_rows(svc, data))
+        assert_close(embedding_of(r.json()["images"][0]), reference_rows(svc.checkpoint, data))
         for path, needle in (("/away", "another host"), ("/big.png", "over the limit"), ("/nope", "HTTP 404")):
             r = c.post("/v1/encode", json={"images": [{"url": base + path}]})
             assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
@@ -421,4 +351,4 @@ def test_wait_timeout_is_504_and_the_encode_goes_on(service):
         r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0,
                                       "end": info["num_tokens"], "timeout_s": 20})
         assert r.status_code == 200
-        assert_close(wire.decode_http(r.content)[1], reference_rows(service, data))
+        assert_close(wire.decode_http(r.content)[1], reference_rows(service.checkpoint, data))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from encoder_service import errors
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.cache import key_from_id
 from tests.support.images import image_bytes as png
 from tests.support.clients import async_client, sync_client

@@ -1,4 +1,5 @@
-"""Shared-memory fetch (api/shm.py, client/shm.py) against the real servers (tests/support/service.py).
+"""Shared-memory fetch (protocol/shm.py, core/shm_writer.py, client/shm.py) against the real servers
+(tests/support/service.py).
 
 Every shm fetch must equal the wire fetch byte for byte (chunks that split images, several images per
 chunk, Qwen3 deepstack rows), over HTTP and gRPC, sync and async; `out` from alloc_rows is written by the
@@ -19,11 +20,12 @@ import pytest
 import torch
 
 from encoder_service import errors
-from encoder_service.api import shm as server_shm
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.client import PromptLayout
 from encoder_service.client.shm import ShmFile
+from encoder_service.core import shm_writer as server_shm
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
+from encoder_service.protocol.shm import ShmTarget
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes as png
 
@@ -258,8 +260,8 @@ def test_shm_off_is_a_clear_error(service, transport, shm_dir):
 
 def test_client_checks_what_the_server_answers(shm_service, shm_dir):
     """An answer whose shm_bytes disagrees with its header (an old server ignoring the target) is an error."""
-    from encoder_service.api import grpc_messages as msgs
-    from encoder_service.api.wire import WireError
+    from encoder_service.protocol import grpc_messages as msgs
+    from encoder_service.protocol.wire import WireError
 
     reply = msgs.ShmReply()
     reply.add(pb.FetchChunk(header=pb.FetchHeader(version=1, dtype="float32", row_width=4, layout="main")))
@@ -279,9 +281,9 @@ async def test_writer_never_unmaps_under_a_copy(tmp_path):
     writer = server_shm.ShmWriter(str(tmp_path), max_open=2)
     files = [ShmFile.create(str(tmp_path), 1 << 20) for _ in range(3)]
     try:
-        m = writer.check(server_shm.ShmTarget(files[0].name, 0), 1 << 20)
+        m = writer.check(ShmTarget(files[0].name, 0), 1 << 20)
         for f in files[1:]:
-            writer.release(writer.check(server_shm.ShmTarget(f.name, 0), 16))
+            writer.release(writer.check(ShmTarget(f.name, 0), 16))
         assert m.evicted and not m.mm.closed and writer.stats()["open"] == 2
         rows = torch.arange(1 << 18, dtype=torch.float32).view(-1, 64)  # 1 MiB
         task = asyncio.ensure_future(writer.write(m, 0, [(0, rows)]))
@@ -292,7 +294,7 @@ async def test_writer_never_unmaps_under_a_copy(tmp_path):
                 break
             await asyncio.sleep(0.01)
         assert m.mm.closed and m.users == 0
-        again = writer.check(server_shm.ShmTarget(files[0].name, 0), 1 << 20)  # mapped afresh
+        again = writer.check(ShmTarget(files[0].name, 0), 1 << 20)  # mapped afresh
         assert await writer.write(again, 0, [(0, rows)]) == 1 << 20
         assert torch.equal(files[0].data.view(torch.float32).view(-1, 64), rows)
     finally:
@@ -315,15 +317,15 @@ async def test_a_full_shm_mount_is_an_error_not_a_crash(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         monkeypatch.setattr(server_shm.os, "posix_fallocate", no_space)
-        m = writer.check(server_shm.ShmTarget(sparse.name, 0), rows.numel() * 4)
+        m = writer.check(ShmTarget(sparse.name, 0), rows.numel() * 4)
         assert m.sparse
         with pytest.raises(errors.FailedPrecondition, match="no room for 4096 bytes"):
             await writer.write(m, 0, [(0, rows)])
         assert m.users == 0 and not sparse.read_bytes().strip(b"\0")  # released, nothing written
-        m = writer.check(server_shm.ShmTarget(f.name, 0), rows.numel() * 4)  # no holes: no fallocate needed
+        m = writer.check(ShmTarget(f.name, 0), rows.numel() * 4)  # no holes: no fallocate needed
         assert not m.sparse and await writer.write(m, 0, [(0, rows)]) == rows.numel() * 4
         monkeypatch.undo()
-        m = writer.check(server_shm.ShmTarget(sparse.name, 0), rows.numel() * 4)
+        m = writer.check(ShmTarget(sparse.name, 0), rows.numel() * 4)
         assert await writer.write(m, 0, [(0, rows)]) == rows.numel() * 4
         assert os.stat(sparse).st_blocks * 512 >= rows.numel() * 4  # the written range is allocated now
     finally:

@@ -133,18 +133,6 @@ async def test_peek_and_header_neither_count_nor_promote():
     assert store.peek("k0") is None and store.peek("k1") is entries[1]  # k0 stayed the oldest: evicted
 
 
-async def test_device_tier_is_bounded_separately():
-    entry_bytes = 32 * 64 * 4
-    store = EmbeddingStore(16 * MIB, gpu_bytes=2 * entry_bytes, gpu_device="cpu")  # "cpu" stands in for cuda
-    for i in range(3):
-        enc = CountingEncoder(seed=i)
-        enc.gate.set()
-        await store.get_or_create(f"k{i}", enc)
-    assert store.device_rows("k0", 0, 4) is None  # evicted from the 2-entry device tier
-    assert torch.equal(store.device_rows("k2", 0, 4), rows(2)[:4])
-    assert store.stats()["local_entries"] == 3 and store.stats()["gpu_entries"] == 2
-
-
 async def test_create_must_return_an_entry():
     store = EmbeddingStore(MIB)
 

@@ -52,7 +52,7 @@ async def test_dead_items_are_dropped_before_a_batch_is_built():
     now = time.monotonic()
     keep1, gone, expired, keep2 = (_item(loop, 4), _item(loop, 4), _item(loop, 4, deadline=now - 1), _item(loop, 4))
     s.push([keep1, gone, expired, keep2])
-    gone.release()
+    gone.wanted = lambda: False  # its callers all left
     assert s.next_batch(now) == [keep1, keep2]
     assert gone.future.cancelled()
     with pytest.raises(DeadlineExceeded, match="deadline"):
@@ -162,6 +162,28 @@ async def test_backpressure_overloaded_with_retry_after(engine_and_tower):
     assert engine.queue_depth == 0
 
 
+async def test_admission_counts_permits_until_submitted_or_released(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    running = engine.submit([_job(1.0)])
+    await _entered(tower)
+    permits = engine.admit(4)  # max_queue=6
+    with pytest.raises(Overloaded, match="4 images waiting, max_queue is 6, this request adds 3"):
+        engine.admit(3)  # all or none
+    assert engine.permits == 4
+    submitted = engine.submit([_job(2.0), _job(3.0)], permits=permits[:2])  # no second check
+    permits[2].release()
+    permits[2].release()  # idempotent
+    assert engine.permits == 1
+    with pytest.raises(Overloaded):
+        engine.submit([_job(4.0) for _ in range(6)])  # without permits: admitted here
+    assert engine.permits == 1
+    permits[3].release()
+    tower.gate.set()
+    assert all(not isinstance(r, Exception) for r in await _results(running + submitted))
+    assert engine.permits == 0 and engine.queue_depth == 0
+
+
 async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
     engine, tower = engine_and_tower
     tower.gate.clear()
@@ -170,7 +192,7 @@ async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
     waiting = engine.submit([_job(2.0), _job(2.5)])  # the one batch allowed to wait for the GPU
     expired = engine.submit([_job(3.0)], deadline=time.monotonic() - 0.001)
     cancelled = engine.submit([_job(4.0)])
-    cancelled[0].release()  # its only caller left
+    cancelled[0].wanted = lambda: False  # its only caller left
     later = engine.submit([_job(5.0)])
     tower.gate.set()
     r = await _results(running + waiting + expired + cancelled + later)

@@ -229,7 +229,7 @@ def test_plan_of_1080p():
     header = ImageHeader(1920, 1080, "JPEG", "RGB")
     qwen2_5 = plan(header, PreprocessConfig.default_for(QWEN2_5))
     assert (qwen2_5.resized_height, qwen2_5.resized_width, qwen2_5.grid_thw) == (1092, 1932, (1, 78, 138))
-    assert qwen2_5.num_tokens == 2691  # DESIGN.md: Qwen2.5-VL 1080p is 2691 tokens
+    assert qwen2_5.num_tokens == 2691  # 39 x 69 merged tokens
     qwen3 = plan(header, PreprocessConfig.default_for(QWEN3))
     assert (qwen3.grid_thw, qwen3.num_tokens) == ((1, 68, 120), 2040)
 

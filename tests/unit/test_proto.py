@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STUBS = ROOT / "encoder_service" / "api" / "proto"
+STUBS = ROOT / "encoder_service" / "protocol" / "proto"
 GENERATED = ("encoder_pb2.py", "encoder_pb2.pyi", "encoder_pb2_grpc.py")
 
 
@@ -31,7 +31,7 @@ def test_regenerating_changes_nothing(tmp_path):
 
 def test_stubs_import_as_a_package():
     # The generated grpc module must import its messages relatively (it lives inside encoder_service).
-    from encoder_service.api.proto import encoder_pb2, encoder_pb2_grpc
+    from encoder_service.protocol.proto import encoder_pb2, encoder_pb2_grpc
 
     assert encoder_pb2_grpc.EncoderStub is not None
     assert encoder_pb2.DESCRIPTOR.package == "encoder.v1"

@@ -8,8 +8,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from encoder_service.api import wire
-from encoder_service.api.wire import RowWriter, WireError, WireHeader
+from encoder_service.protocol import wire
+from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
 from encoder_service.ranges import Segment, plan_chunk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -122,7 +122,6 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_REDIS_URL" $redisUrl)
     (list "ENCODER_REDIS_TTL_S" (ternary "" .Values.redis.ttlS (eq .Values.redis.mode "none")))
     (list "ENCODER_CACHE_BYTES" $srv.cacheBytes)
-    (list "ENCODER_GPU_CACHE_BYTES" $srv.gpuCacheBytes)
     (list "ENCODER_HASH" $srv.hash)
     (list "ENCODER_LEASE_S" $srv.leaseS)
     (list "ENCODER_MAX_PINNED_BYTES" $srv.maxPinnedBytes)

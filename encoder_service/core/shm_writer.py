@@ -1,14 +1,9 @@
 """Server side of the shared-memory fetch: write a chunk's rows into a co-located client's file.
 
-A fetch may name `ShmTarget(name, offset, by_position)`: a file the CLIENT created and owns,
-`<--shm-dir>/encoder-fetch-<32 hex>` (client/shm.py). The core hands the chunk's row tensors here and
-answers only the header; the bytes never cross a socket (TCP through Python is ~16-36 ms for a 19 MB
-1080p chunk, a parallel memcpy into a mapping ~1-3 ms).
-
-Where the rows go (`row_bytes` = row_width x dtype size):
-  - packed (by_position false): exactly the wire payload, segment after segment, from `offset`;
-  - by_position: segment rows at `offset + (position - start) * row_bytes`, as into a fetch `out`
-    buffer (the client's own tensor in the file: no copy on its side); rows between segments untouched.
+A fetch may name a `ShmTarget(name, offset, by_position)` (protocol/shm.py: the name rule and where the
+rows go): a file the CLIENT created and owns in `--shm-dir` (client/shm.py). The core hands the chunk's
+row tensors here and answers only the header; the bytes never cross a socket (TCP through Python is
+~16-36 ms for a 19 MB 1080p chunk, a parallel memcpy into a mapping ~1-3 ms).
 
 The file is the client's: it is checked strictly, and never grown or truncated here (so a request can't
 make the server allocate): the name is a bare `encoder-fetch-<32 hex>` opened relative to the shm dir's
@@ -29,44 +24,24 @@ import asyncio
 import errno
 import mmap
 import os
-import re
 import stat
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from encoder_service.errors import FailedPrecondition, InvalidInput
-from encoder_service.ranges import Segment
+from encoder_service.protocol.shm import NAME_RE, ShmTarget
 
-NAME_RE = re.compile(r"^encoder-fetch-[0-9a-f]{32}$")
 MAX_OPEN = 16  # mappings kept open (a client reuses one file; a few clients per host)
 COPY_THREADS = 2
 _OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO never hangs us
 
 
-@dataclass(frozen=True)
-class ShmTarget:
-    name: str  # encoder-fetch-<32 hex>, a file directly in the server's shm dir
-    offset: int  # byte offset of the first row (packed) or of row `start` (by_position)
-    by_position: bool = False
-
-
 def disabled() -> FailedPrecondition:
     return FailedPrecondition("shared-memory fetch is off on this server: start it with --shm-fetch "
                               "(ENCODER_SHM_FETCH=true), or fetch without shm")
-
-
-def placements(segments: list[Segment], start: int, row_bytes: int, by_position: bool) -> list[tuple[int, int]]:
-    """(byte offset from the target offset, byte length) of each segment's rows, in segment order."""
-    out, packed = [], 0
-    for s in segments:
-        n = s.num_rows * row_bytes
-        out.append(((s.position - start) * row_bytes if by_position else packed, n))
-        packed += n
-    return out
 
 
 class _Mapping:
@@ -89,8 +64,9 @@ class _Mapping:
 
 
 class ShmWriter:
-    """`await writer.write(target, segments, parts, start, row_bytes)`; `close()` at shutdown.
-    Bookkeeping on the event loop, copies on the pool; `_lock` covers what the pool's done-callbacks touch."""
+    """`m = writer.check(target, extent)`, then `await writer.write(m, target.offset, [(at, rows), ...])` (or
+    `writer.release(m)` when nothing is written); `close()` at shutdown. Bookkeeping on the event loop,
+    copies on the pool; `_lock` covers what the pool's done-callbacks touch."""
 
     def __init__(self, directory: str, *, max_open: int = MAX_OPEN, threads: int = COPY_THREADS):
         self.directory = directory

@@ -25,14 +25,13 @@ from typing import Iterator
 import torch
 
 from encoder_service.errors import InvalidInput
+from encoder_service.protocol.dtypes import DTYPES, UnsupportedDtype, dtype_name
 from encoder_service.ranges import Segment
 
 VERSION = 1
 # Largest row-data piece of one gRPC message: 1 MiB less room for the field tag, length and oneof.
 GRPC_MESSAGE_BYTES = 1 << 20
 GRPC_DATA_BYTES = GRPC_MESSAGE_BYTES - 64
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -40,18 +39,11 @@ _MAX_HEADER_BYTES = 64 << 20  # a header this big is corrupt, not a long segment
 
 # Raw bytes are copied to and from tensors as they sit in memory: the wire is little-endian.
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-    raise ImportError("encoder_service.api.wire assumes a little-endian host")
+    raise ImportError("encoder_service.protocol.wire assumes a little-endian host")
 
 
 class WireError(InvalidInput):
     """A payload that can't be decoded: short, corrupt, or not matching the caller's buffer."""
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
-    if name not in DTYPES:
-        raise WireError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-    return name
 
 
 @dataclass(frozen=True)
@@ -76,7 +68,8 @@ class WireHeader:
 
     @classmethod
     def of(cls, segments, rows: torch.Tensor, layout: str) -> WireHeader:
-        """The header for `rows` [sum rows, row_width] cut into `segments` (a core FetchResult's parts)."""
+        """The header for `rows` [sum rows, row_width] cut into `segments` (a core FetchResult's parts);
+        ValueError when the rows are not the segments' rows (a server bug, never sent)."""
         header = cls(dtype_name(rows.dtype), int(rows.shape[1]), layout,
                      tuple(Segment(s.id, s.position, s.row_start, s.row_end) for s in segments))
         if rows.dim() != 2 or rows.shape[0] != header.num_rows:
@@ -99,6 +92,8 @@ class WireHeader:
             segments = tuple(Segment(str(i), int(p), int(a), int(b)) for i, p, a, b in d["segments"])
             header = cls(dtype_name(d["dtype"]), int(d["row_width"]), str(d["layout"]), segments)
             num_rows = int(d["num_rows"])
+        except UnsupportedDtype as exc:
+            raise WireError(exc.message) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"malformed fetch header: {exc!r}") from exc
         if header.row_width <= 0 or any(s.num_rows <= 0 or s.row_start < 0 or s.position < 0 for s in segments):
@@ -141,14 +136,9 @@ def encode_http(header: WireHeader, rows: torch.Tensor) -> bytes:
 
 def decode_http(body: bytes | memoryview, out: torch.Tensor | None = None, start: int = 0):
     """(header, rows) from an octet-stream body; with `out`, rows is `out` with the segments written in."""
-    body = memoryview(body).cast("B")
-    if len(body) < _U32.size:
-        raise WireError(f"fetch payload is {len(body)} bytes, shorter than its 4-byte header length")
-    (head_len,) = _U32.unpack_from(body)
-    if head_len > min(_MAX_HEADER_BYTES, len(body) - _U32.size):
-        raise WireError(f"fetch header length {head_len} exceeds the {len(body)}-byte payload")
-    header = WireHeader.from_json(body[_U32.size:_U32.size + head_len])
-    return header, _decode_rows(header, body[_U32.size + head_len:], out, start)
+    head, data = _split_header(body, _U32, "fetch payload")
+    header = WireHeader.from_json(head)
+    return header, _decode_rows(header, data, out, start)
 
 
 def encode_safetensors(header: WireHeader, rows: torch.Tensor) -> bytes:
@@ -163,20 +153,25 @@ def encode_safetensors(header: WireHeader, rows: torch.Tensor) -> bytes:
 
 def decode_safetensors(body: bytes | memoryview, out: torch.Tensor | None = None, start: int = 0):
     """Like decode_http, for the safetensors variant (parsed here so rows go straight into `out`)."""
-    body = memoryview(body).cast("B")
-    if len(body) < _U64.size:
-        raise WireError(f"safetensors payload is {len(body)} bytes, shorter than its 8-byte header length")
-    (head_len,) = _U64.unpack_from(body)
-    if head_len > min(_MAX_HEADER_BYTES, len(body) - _U64.size):
-        raise WireError(f"safetensors header length {head_len} exceeds the {len(body)}-byte payload")
+    head, data = _split_header(body, _U64, "safetensors payload")
     try:
-        meta = json.loads(bytes(body[_U64.size:_U64.size + head_len]))
+        meta = json.loads(bytes(head))
         header = WireHeader.from_json(meta["__metadata__"]["header"].encode())
         lo, hi = meta["rows"]["data_offsets"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise WireError(f"not an encoder_service safetensors payload: {exc!r}") from exc
-    data = body[_U64.size + head_len:]
     return header, _decode_rows(header, data[lo:hi], out, start)
+
+
+def _split_header(body: bytes | memoryview, length: struct.Struct, what: str) -> tuple[memoryview, memoryview]:
+    """(header bytes, the rest) of `body` = little-endian header length | header | rest."""
+    body = memoryview(body).cast("B")
+    if len(body) < length.size:
+        raise WireError(f"{what} is {len(body)} bytes, shorter than its {length.size}-byte header length")
+    (head_len,) = length.unpack_from(body)
+    if head_len > min(_MAX_HEADER_BYTES, len(body) - length.size):
+        raise WireError(f"{what}: header length {head_len} exceeds the {len(body)}-byte payload")
+    return body[length.size:length.size + head_len], body[length.size + head_len:]
 
 
 def grpc_data_chunks(rows: torch.Tensor, max_bytes: int = GRPC_DATA_BYTES) -> Iterator[memoryview]:

@@ -1,15 +1,16 @@
-"""Conversions between encoder.v1 messages and the wire/core types, shared by the gRPC server and client."""
+"""Conversions between encoder.v1 messages and wire headers / encode answers, shared by the gRPC server and
+client."""
 
 from __future__ import annotations
 
 import torch
 
-from encoder_service.api import wire
-from encoder_service.api.proto import encoder_pb2 as pb
-from encoder_service.api.wire import RowWriter, WireError, WireHeader
+from encoder_service.protocol import wire
+from encoder_service.protocol.image_info import ImageInfo
+from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
 
-# Trailing-metadata keys (see docs/interfaces.md, Wire format), besides the x-timing-* ones
-# (api/core.py: timing_headers).
+# Trailing-metadata keys (see docs/interfaces.md, Wire format), besides the x-timing-* ones (timing.py).
 ERROR_KIND = "error-kind"
 RETRY_AFTER_S = "retry-after-s"
 
@@ -30,7 +31,8 @@ def header_from_proto(msg: pb.FetchHeader) -> WireHeader:
         "segments": [[s.id, s.position, s.row_start, s.row_end] for s in msg.segments]})
 
 
-def info_to_proto(info) -> pb.ImageInfo:
+def info_to_proto(info: ImageInfo) -> pb.ImageInfo:
+    """`info` (image_info.py: ImageInfo) as its message."""
     return pb.ImageInfo(id=info.id, grid_thw=list(info.grid_thw), num_tokens=info.num_tokens,
                         row_width=info.row_width, hidden_size=info.hidden_size, layout=info.layout,
                         dtype=info.dtype, cached=info.cached)

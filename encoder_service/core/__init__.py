@@ -1,0 +1,14 @@
+"""The service core, under both transports (api/): one module per step of an encode and a fetch.
+
+  encoder.py     EncoderCore: encode / fetch / release / metadata / readiness; the only place that knows the flow
+  types.py       what it takes and answers (ImageInput, EncodeResult, FetchItem, FetchResult; ImageInfo)
+  images.py      an image from request bytes to engine input: read (urls.py), probe (key + size), prepare
+  flight.py      one Flight per id in flight (plan, waiters, queue permit, fill task); failures remembered
+  shm_writer.py  shared-memory fetch, server side: rows into a co-located client's file
+  urls.py        allow-listed URL images;  metrics.py: Prometheus
+"""
+
+from encoder_service.core.encoder import EncoderCore
+from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
+
+__all__ = ["EncodeResult", "EncoderCore", "FetchItem", "FetchResult", "ImageInfo", "ImageInput"]

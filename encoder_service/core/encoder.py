@@ -1,0 +1,334 @@
+"""EncoderCore: the one core that HTTP and gRPC adapt (api/http.py, api/grpc_server.py).
+
+encode: read each image (images.py: bytes, then on CPU threads the cache key and the size from the header
+alone). Ids neither cached nor in flight are admitted to the engine queue, all or none (429 when full);
+every id is pinned for its lease; the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
+Each id rides one flight (flight.py): the store's single flight, whose create submits the image to the
+engine (decoded on a CPU thread, encoded on the GPU thread). `wait=True` waits for the rows (and can return
+them).
+fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image (sized by its
+flight, else by the cache entry's header); the store reads only those (waiting, up to the timeout, for
+images still encoding). With a `ShmTarget` the rows go into the client's shared-memory file instead of the
+result (shm_writer.py).
+release: drop the encode pins of ids the caller is done with (leases end early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+
+import torch
+
+from encoder_service import errors, preprocessing
+from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint
+from encoder_service.core import shm_writer
+from encoder_service.core.flight import Flight, Flights
+from encoder_service.core.images import ImageReader, Probed, warmup_image
+from encoder_service.core.metrics import Metrics
+from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
+from encoder_service.core.urls import UrlFetcher
+from encoder_service.engine.engine import Engine, Job, Permit
+from encoder_service.protocol.dtypes import dtype_name
+from encoder_service.protocol.shm import ShmTarget, placements
+from encoder_service.ranges import Segment, plan_chunk
+from encoder_service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class EncoderCore:
+    """Built by `build_core(settings)` (api/service.py); `start()` warms up, then `ready()` turns true."""
+
+    def __init__(self, settings: Settings, *, loaded, runner, preprocess_cfg: preprocessing.PreprocessConfig,
+                 store: EmbeddingStore, metrics: Metrics | None = None):
+        self.settings = settings
+        self.loaded, self.runner, self.spec = loaded, runner, loaded.spec
+        self.preprocess_cfg = preprocess_cfg
+        self.store = store
+        self.metrics = metrics or Metrics()
+        self.dtype = dtype_name(loaded.dtype)
+        self.model_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, preprocess_cfg,
+                                          layout=self.spec.layout)
+        lim = settings.limits
+        self.images = ImageReader(
+            preprocess_cfg, preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels),
+            UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
+            hash_algo=settings.cache.hash, dtype=loaded.dtype,
+            pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
+        self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
+                             max_queue=settings.engine.max_queue, metrics=self.metrics)
+        self.flights = Flights()
+        srv = settings.server
+        self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
+        self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
+        self._ready = False
+        self._draining = False
+        self._started = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    async def start(self, *, warmup: bool = True) -> None:
+        """Start the store and engine, then run a real tiny encode through the whole engine."""
+        await self.store.start()
+        await self.engine.start()
+        self._started = True
+        if warmup:
+            t0 = time.perf_counter()
+            data = warmup_image(self.spec.factor)
+            await self.engine.run_one(Job(lambda: self.images.prepare(data, None), 0), timeout_s=600)
+            log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
+        self._ready = True
+
+    def drain(self) -> None:
+        """Readiness off for good (probes and gRPC Health say NOT_SERVING, so traffic moves elsewhere);
+        requests still arriving are served until the transports stop."""
+        self._draining = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._started:
+            await self.engine.stop()
+        await self.images.urls.close()
+        await self.store.close()
+        if self.shm is not None:
+            await asyncio.to_thread(self.shm.close)  # waits for copies in flight
+
+    def live(self) -> bool:
+        return not self._started or self.engine.alive
+
+    def ready(self) -> bool:
+        return self._ready and not self._draining and self.engine.alive
+
+    def metadata(self) -> dict:
+        s, spec = self.settings, self.spec
+        return {
+            "model": s.model.model, "family": spec.family, "model_type": spec.model_type,
+            "fingerprint": self.model_fp, "dtype": self.dtype, "device": str(self.loaded.device),
+            "row_width": spec.row_width, "hidden_size": spec.out_hidden_size, "num_deepstack": spec.num_deepstack,
+            "layout": spec.layout, "patch_size": spec.patch_size, "merge_size": spec.merge_size,
+            "temporal_patch_size": spec.temporal_patch_size,
+            "min_pixels": self.preprocess_cfg.min_pixels, "max_pixels": self.preprocess_cfg.max_pixels,
+            "runner": self.runner.describe(), "buckets": list(self.runner.buckets),
+            "batch_tokens": s.engine.batch_tokens, "max_queue": s.engine.max_queue,
+            "cache": {"local_bytes": s.cache.cache_bytes, "redis": s.cache.redis_url is not None,
+                      "hash": s.cache.hash, "lease_s": s.cache.lease_s},
+            "limits": {"max_images": s.limits.max_images, "max_body_bytes": s.limits.max_body_bytes,
+                       "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
+                       "url_images": bool(s.limits.allow_url_hosts)},
+            "shm_fetch": self.shm is not None,
+        }
+
+    def _check_serving(self) -> None:
+        if not self._ready:
+            raise errors.Unavailable("the service is not ready (model loading or warm-up)")
+        if not self.engine.alive:
+            raise errors.Unavailable("the encode engine is down")
+
+    # ---- encode ----------------------------------------------------------------------------------------
+    async def encode(self, images: list[ImageInput], *, wait: bool = False, return_embeddings: bool = False,
+                     timeout_s: float | None = None) -> EncodeResult:
+        t0 = time.perf_counter()
+        self._check_serving()
+        n, limit = len(images), self.settings.limits.max_images
+        if n == 0:
+            raise errors.InvalidInput("no images in the request")
+        if n > limit:
+            raise errors.LimitExceeded("number of images in the request", n, limit)
+        wait = wait or return_embeddings
+        datas = await asyncio.gather(*(self.images.read(i, img) for i, img in enumerate(images)))
+        t_read = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        probed: list[Probed] = await asyncio.gather(*(
+            loop.run_in_executor(self.engine.cpu_pool, self.images.probe, i, data, img.caller_id)
+            for i, (data, img) in enumerate(zip(datas, images))))
+        t_probe = time.perf_counter()
+        timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
+
+        unique: dict[str, Probed] = {}
+        for p in probed:
+            unique.setdefault(p.key.name, p)
+        hits = {name: self.store.peek(name) for name in unique}
+        for name, entry in hits.items():  # a caller id may name other bytes than this time: trust the entry
+            if entry is not None:
+                unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
+                                                   num_tokens=entry.num_rows)
+        permits = self._admit_and_pin(unique, hits)
+        for entry in hits.values():
+            if entry is not None:
+                self.metrics.cache_hits.labels(tier="local").inc()
+
+        # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
+        flights = {name: self.flights.join(p.key, p.grid_thw, p.num_tokens, permits.get(name),
+                                           functools.partial(self._fill, data=p.data, timings=timings))
+                   for name, p in unique.items()}
+        infos = [self._info(unique[p.key.name], hits[p.key.name] is not None) for p in probed]
+        result = EncodeResult(images=infos, timings=timings)
+        if wait:
+            done = await self._wait_for(flights, timeout_s, t0)  # name -> (entry, created by its flight)
+            # Cached for this request unless its own miss started the flight that ran the encode.
+            result.images = [dataclasses.replace(i, cached=i.cached or not (p.key.name in permits and
+                                                                            done[p.key.name][1]))
+                             for i, p in zip(infos, probed)]
+            if return_embeddings:
+                result.embeddings = [done[p.key.name][0].tensor for p in probed]
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        return result
+
+    def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None]) -> dict[str, Permit]:
+        """Queue room for the ids neither cached nor in flight (their permits, by name), and a pin on every
+        id for its lease; all or none: Overloaded (429) when the queue or the pins are full."""
+        misses = [name for name, entry in hits.items() if entry is None and name not in self.flights]
+        permits = dict(zip(misses, self.engine.admit(len(misses))))
+        pinned: list[str] = []
+        try:
+            for name, p in unique.items():
+                self.store.pin(p.key, nbytes=p.num_tokens * self._row_bytes)
+                pinned.append(name)
+        except errors.Overloaded:  # nothing of this request stays admitted or pinned
+            for permit in permits.values():
+                permit.release()
+            for name in pinned:
+                self.store.release(name)
+            raise
+        return permits
+
+    def _info(self, p: Probed, cached: bool) -> ImageInfo:
+        spec = self.spec
+        return ImageInfo(id=p.key.id, grid_thw=tuple(p.grid_thw), num_tokens=p.num_tokens,
+                         row_width=spec.row_width, hidden_size=spec.out_hidden_size, layout=spec.layout,
+                         dtype=self.dtype, cached=cached)
+
+    async def _fill(self, flight: Flight, *, data: bytes, timings: dict) -> tuple[Entry, bool]:
+        """A flight's task: its id's entry through the store's single flight, (entry, created). Only a miss
+        there (not local, not in Redis, no store fill in flight) runs `create`: the engine encodes `data`,
+        and this request's `timings` get the engine's."""
+        created = False
+
+        async def create() -> Entry:
+            nonlocal created
+            created = True
+            self.metrics.cache_misses.inc()
+            t, h, w = flight.grid_thw
+            job = Job(lambda: self.images.prepare(data, flight.grid_thw), t * h * w, wanted=flight.wanted)
+            permits = None if flight.permit is None else [flight.permit]
+            (item,) = self.engine.submit([job], deadline=self._deadline(), permits=permits)
+            encoded = await item.future
+            timings.update({k: v for k, v in encoded.timings.items() if k.endswith("_ms")})
+            # The engine's rows are owned host tensors: the entry takes them without a copy.
+            return Entry.from_rows(encoded.rows, encoded.grid_thw, self.spec.layout, copy=False)
+
+        missed = flight.permit is not None
+        entry, _ = await self.store.get_or_create(flight.key, create)
+        if missed and not created:  # a local miss served by Redis or by a store fill already in flight
+            self.metrics.cache_hits.labels(tier="redis" if self.store.redis else "inflight").inc()
+        return entry, created
+
+    def _deadline(self) -> float:
+        """Background encodes stay wanted for the lease: past it nobody holds the id any more."""
+        return time.monotonic() + self.settings.cache.lease_s
+
+    async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float) -> dict:
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f.task) for f in flights.values())),
+                                          timeout_s)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"encode did not finish within timeout_s={timeout_s} (waited {time.perf_counter() - t0:.3f}s)"
+            ) from None
+        except asyncio.CancelledError:
+            for name, flight in flights.items():  # the caller left: its images are not wanted by it any more
+                flight.waiters -= 1
+                self.store.release(name)
+            raise
+        return dict(zip(flights, done))
+
+    # ---- fetch -----------------------------------------------------------------------------------------
+    async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
+                    shm: ShmTarget | None = None) -> FetchResult:
+        """The rows of `items` inside [start, end); with `shm`, written into that client file instead (the
+        target is checked before any wait for rows) and the result carries `shm_bytes`, no rows."""
+        t0 = time.perf_counter()
+        self._check_serving()
+        if shm is not None and self.shm is None:
+            raise shm_writer.disabled()
+        if not items:
+            raise errors.InvalidInput("no items in the fetch")
+        self._check_id_count("fetch items", len(items))
+        keys = {it.id: key_from_id(it.id, self.model_fp, self.settings.cache.hash) for it in items}
+        sizes = {i: await self._num_tokens(k) for i, k in keys.items()}
+        segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
+        places = mapping = None
+        if shm is not None:
+            places = placements(segments, start, self._row_bytes, shm.by_position)
+            mapping = self.shm.check(shm, max((at + n for at, n in places), default=0))
+        t_plan = time.perf_counter()
+        try:
+            parts = await asyncio.wait_for(
+                asyncio.gather(*(self._rows(keys[s.id], s) for s in segments)), timeout_s)
+        except BaseException as exc:
+            if mapping is not None:
+                self.shm.release(mapping)
+            if isinstance(exc, TimeoutError):
+                raise errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s}") from None
+            raise
+        t_read = time.perf_counter()
+        num_rows = sum(p.shape[0] for p in parts)
+        self.metrics.cache_ms.labels(op="fetch").observe((t_read - t_plan) * 1e3)
+        self.metrics.fetch_rows.inc(num_rows)
+        self.metrics.fetch_bytes.inc(num_rows * self._row_bytes)
+        timings = {"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3}
+        common = dict(segments=segments, dtype=self.dtype, row_width=self.spec.row_width, layout=self.spec.layout,
+                      timings=timings)
+        if mapping is not None:  # each segment's rows straight to its place in the file: no concatenation
+            if any(p.numel() * p.element_size() != n for (_, n), p in zip(places, parts)):
+                self.shm.release(mapping)  # rows of another width or dtype than checked: never write past them
+                raise errors.EncoderServiceError("cached rows do not match this model's row size")
+            written = await self.shm.write(mapping, shm.offset, [(at, p) for (at, _), p in zip(places, parts)])
+            timings["shm_ms"] = (time.perf_counter() - t_read) * 1e3
+            return FetchResult(rows=None, shm_bytes=written, **common)
+        if len(parts) == 1:  # one image in the chunk: its rows are already one contiguous view, no copy
+            rows = parts[0]
+        else:
+            rows = torch.cat(parts) if parts else torch.empty((0, self.spec.row_width), dtype=self.loaded.dtype)
+        return FetchResult(rows=rows.contiguous(), **common)
+
+    def _check_id_count(self, what: str, n: int) -> None:
+        limit = self.settings.limits.max_images * 16  # ids of a whole prompt, not of one encode request
+        if n > limit:
+            raise errors.LimitExceeded(f"number of {what}", n, limit)
+
+    async def _num_tokens(self, key) -> int:
+        self.flights.raise_failure(key)
+        flight = self.flights.get(key.name)
+        if flight is not None:
+            return flight.num_tokens
+        header = await self.store.header(key)  # local tier, else only the entry's header from Redis
+        if header is None:
+            raise errors.NotFound(f"unknown id {key.id!r}: never encoded here, or evicted (encode it again)")
+        return header.num_rows
+
+    async def _rows(self, key, seg: Segment) -> torch.Tensor:
+        with self.flights.waiting(key.name):
+            rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
+        if rows is None:
+            raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
+        tier = "local" if self.store.peek(key) is not None else "redis"
+        self.metrics.cache_hits.labels(tier=tier).inc()
+        return rows
+
+    # ---- release ---------------------------------------------------------------------------------------
+    def release(self, ids: list[str]) -> int:
+        """End the encode pins (leases) of `ids` early: one holder per distinct id, as encode pinned one per
+        distinct image. Returns how many ids had a pin to drop; unknown, expired or already released ids count
+        0 (not an error); malformed ids are InvalidInput. Entries stay cached (plain LRU entries now)."""
+        self._check_id_count("ids to release", len(ids))
+        names = {}
+        for i in ids:
+            try:
+                names.setdefault(key_from_id(i, self.model_fp, self.settings.cache.hash).name, i)
+            except errors.NotFound as exc:  # key_from_id's "unknown id" is a malformed one here
+                raise errors.InvalidInput(exc.message.replace("unknown id", "malformed id", 1)) from None
+        return sum(self.store.release(name) for name in names)

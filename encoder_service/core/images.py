@@ -1,0 +1,89 @@
+"""An encode's images, from the request to the engine's input:
+
+  read     the bytes: inline, or GET from an allow-listed URL (urls.py)
+  probe    on a CPU thread, before encode answers: the cache key (content hash of the bytes, or the
+           caller's id) and the size from the header alone (grid_thw, num_tokens), no decode
+  prepare  on a CPU thread, when the engine takes the image: full decode + resize + patchify
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from encoder_service import errors, preprocessing
+from encoder_service.cache import CacheKey, caller_key, make_key
+from encoder_service.core.types import ImageInput
+from encoder_service.core.urls import UrlFetcher
+from encoder_service.engine.engine import GridTHW
+
+
+@dataclass(frozen=True)
+class Probed:
+    key: CacheKey
+    grid_thw: GridTHW
+    num_tokens: int
+    data: bytes
+
+
+class ImageReader:
+    """`model_fp` and `hash_algo` make the cache keys; `dtype` is the tower's (pixel values are cast to it on
+    the CPU thread); `pin_memory` when they go to a CUDA device."""
+
+    def __init__(self, cfg: preprocessing.PreprocessConfig, limits: preprocessing.ImageLimits, urls: UrlFetcher, *,
+                 model_fp: str, hash_algo: str, dtype: torch.dtype, pin_memory: bool):
+        self.cfg, self.limits, self.urls = cfg, limits, urls
+        self._model_fp, self._hash = model_fp, hash_algo
+        self._dtype, self._pin_memory = dtype, pin_memory
+
+    async def read(self, index: int, img: ImageInput) -> bytes:
+        if (img.data is None) == (img.url is None):
+            raise errors.InvalidInput(f"image {index}: give exactly one of data or url")
+        if img.url is not None:
+            return await self.urls.fetch(img.url, index)
+        if len(img.data) == 0:
+            raise errors.ImageDecodeError(f"image {index}: empty image data (0 bytes)")
+        return img.data
+
+    def probe(self, index: int, data: bytes, caller_id: str | None) -> Probed:
+        """CPU thread: content hash (or caller key) and header-only sizing of one image."""
+        try:
+            header = preprocessing.probe(data, self.limits)
+            plan = preprocessing.plan(header, self.cfg)
+        except errors.EncoderServiceError as exc:
+            exc.message = f"image {index}: {exc.message}"
+            exc.args = (exc.message,)
+            raise
+        if caller_id is not None:
+            key = caller_key(caller_id, self._model_fp)
+        else:
+            key = make_key(data, self._model_fp, self._hash)
+        return Probed(key, tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens), data)
+
+    def prepare(self, data: bytes, grid_thw: GridTHW | None) -> tuple[torch.Tensor, GridTHW]:
+        """CPU thread: pixel values [num_patches, patch_dim] in the tower's dtype, and the grid, which must
+        be the one encode answered (`grid_thw`; None: not answered, the warm-up)."""
+        pre = preprocessing.preprocess(data, self.cfg, self.limits)
+        grid = tuple(int(x) for x in pre.grid_thw)
+        if grid_thw is not None and grid != tuple(grid_thw):
+            raise errors.ImageDecodeError(f"decoded image has grid {grid}, its header promised {tuple(grid_thw)}")
+        # Cast here, not on the GPU: the patch embedding casts to the model dtype first thing, and the cast
+        # rounds the same on either side, so bf16 halves the host-to-device bytes at no cost in parity.
+        # Pinned memory makes that copy asynchronous on the GPU thread.
+        pixel_values = pre.pixel_values.to(self._dtype)
+        if self._pin_memory:
+            pixel_values = pixel_values.pin_memory()
+        return pixel_values, grid
+
+
+def warmup_image(factor: int) -> bytes:
+    """A small RGB PNG (2x2 merged tokens' worth of pixels) for the readiness encode."""
+    side = 2 * factor
+    img = Image.new("RGB", (side, side))
+    img.putdata([((x * 7) % 256, (y * 13) % 256, ((x + y) * 5) % 256) for y in range(side) for x in range(side)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,43 @@
+"""What the core takes and answers. The transports build the inputs from their requests and turn the
+results into their answers (protocol/ has the payloads and messages both ends share, and `ImageInfo`,
+the per-image encode answer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from encoder_service.protocol.image_info import ImageInfo
+from encoder_service.ranges import Segment
+
+
+@dataclass(frozen=True)
+class ImageInput:  # exactly one of data / url
+    data: bytes | None = None
+    url: str | None = None
+    caller_id: str | None = None  # optional caller-supplied id (own namespace, "u:<id>")
+
+
+@dataclass
+class EncodeResult:
+    images: list[ImageInfo]
+    embeddings: list[torch.Tensor] | None = None  # per image [num_tokens, row_width], CPU, when asked
+    timings: dict[str, float] = field(default_factory=dict)  # ms
+
+
+@dataclass(frozen=True)
+class FetchItem:
+    id: str
+    offset: int  # the image's first placeholder position in the prompt
+
+
+@dataclass
+class FetchResult:
+    segments: list[Segment]  # placeholder order; rows of segment k follow those of segment k-1
+    rows: torch.Tensor | None  # [sum rows, row_width], CPU, contiguous; None when written to shared memory
+    dtype: str
+    row_width: int
+    layout: str
+    timings: dict[str, float] = field(default_factory=dict)  # ms
+    shm_bytes: int | None = None  # bytes written into the caller's ShmTarget

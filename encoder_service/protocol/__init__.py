@@ -1,0 +1,11 @@
+"""What the server and its clients agree on, imported by both ends (the client imports nothing else of the
+server's but `ranges` and `errors`):
+
+  wire.py           the fetch payload: header + raw little-endian rows (HTTP octet-stream, safetensors, gRPC)
+  image_info.py     what encode answers per image
+  grpc_messages.py  encoder.v1 messages <-> wire headers and encode answers; gRPC trailing-metadata keys
+  proto/            the stubs generated from proto/encoder.proto (scripts/gen_proto.sh)
+  shm.py            the shared-memory fetch target: file-name rule, where the rows go in the file
+  timing.py         the x-timing-<name>-ms headers (HTTP) and trailing metadata (gRPC)
+  dtypes.py         the row dtypes by name: the one name <-> torch.dtype table
+"""

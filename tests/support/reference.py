@@ -1,0 +1,33 @@
+"""The tower's own output for an image, run alone outside the service: what every embedding the service
+returns must equal (float32 on the CPU)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _reference_model(checkpoint: str):
+    from encoder_service.models.loader import load_model
+    from encoder_service.preprocessing import PreprocessConfig
+
+    loaded = load_model(checkpoint, device="cpu", dtype="float32")
+    return loaded, PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
+
+
+def reference_rows(checkpoint: Path, data: bytes) -> torch.Tensor:
+    """[num_tokens, row_width] float32: the tower of `checkpoint` on the preprocessed `data`, alone."""
+    from encoder_service.preprocessing import ImageLimits, preprocess
+
+    loaded, cfg = _reference_model(str(checkpoint))
+    pre = preprocess(data, cfg, ImageLimits(max_image_bytes=1 << 24, max_pixels=1 << 26))
+    grid = tuple(int(x) for x in pre.grid_thw)
+    with torch.inference_mode():
+        return loaded.tower(pre.pixel_values.to(loaded.dtype), loaded.tower.metadata([grid])).float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4)

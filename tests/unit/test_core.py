@@ -1,0 +1,312 @@
+"""EncoderCore on its own, no transports: tiny random models on the CPU, built by the service's own builder
+(api/service.py: build_core). What the core does is tested here once; tests/service checks only how HTTP
+and gRPC map it (status codes, headers, streaming, auth, body limits, the wire format).
+
+Same image from many requests: encoded once. Many requests at once: each gets its own images' rows. Fetch:
+per chunk, exactly the overlapping slices of the whole embeddings (Qwen3's deepstack rows too). Flights
+(core/flight.py): a request for an id in flight joins it without queue room, waiters leaving drop the
+queued image, a failure is remembered for fetch, queue permits are given back on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from encoder_service import errors
+from encoder_service.api.service import build_core
+from encoder_service.cache import CacheKey, Entry, make_key
+from encoder_service.core import EncoderCore, FetchItem, ImageInput
+from encoder_service.core.flight import Flights
+from encoder_service.ranges import chunks, plan_chunk
+from tests.support.images import image_bytes
+from tests.support.reference import assert_close, reference_rows
+from tests.support.service import make_settings
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT_S = 20  # bound on every wait in this file
+
+
+class GatedRunner:
+    """The core's runner behind a gate: while `gate` is clear, the GPU thread holds its batch (`entered`
+    says it got there), so a test can build a queue behind it."""
+
+    def __init__(self, runner):
+        self._runner, self.buckets = runner, runner.buckets
+        self.gate, self.entered = threading.Event(), threading.Semaphore(0)
+        self.gate.set()
+
+    def encode(self, pixel_values, grid_thw):
+        self.entered.release()
+        assert self.gate.wait(WAIT_S)
+        return self._runner.encode(pixel_values, grid_thw)
+
+    def describe(self) -> dict:
+        return self._runner.describe()
+
+
+@pytest.fixture
+async def make_core(tiny_checkpoint):
+    """`await make_core(family="qwen2_5_vl", *flags, gated=False) -> EncoderCore`, started (stopped after the
+    test); `gated`: its runner is a GatedRunner (`core.runner`)."""
+    cores = []
+
+    async def make(family: str = "qwen2_5_vl", *flags: str, gated: bool = False) -> EncoderCore:
+        core = build_core(make_settings(tiny_checkpoint(family), *flags, grpc=False))
+        if gated:
+            core = EncoderCore(core.settings, loaded=core.loaded, runner=GatedRunner(core.runner),
+                               preprocess_cfg=core.preprocess_cfg, store=core.store)
+        cores.append(core)
+        await core.start()
+        return core
+
+    yield make
+    for core in cores:
+        if isinstance(core.runner, GatedRunner):
+            core.runner.gate.set()
+        await core.stop()
+
+
+def inputs(*datas: bytes) -> list[ImageInput]:
+    return [ImageInput(data=d) for d in datas]
+
+
+def key_of(core, data: bytes) -> CacheKey:
+    return make_key(data, core.model_fp, core.settings.cache.hash)
+
+
+def images_encoded(core) -> float:
+    """Images through the ViT so far (the warm-up's included)."""
+    return core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
+
+
+async def until(condition, what: str) -> None:
+    for _ in range(int(WAIT_S / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"waited {WAIT_S}s for {what}")
+
+
+async def fetch_all(core, info) -> torch.Tensor:
+    return (await core.fetch([FetchItem(info.id, 0)], 0, info.num_tokens, timeout_s=WAIT_S)).rows
+
+
+# ---- encode and fetch ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+async def test_fetch_equals_slices_of_the_whole_embedding(make_core, tiny_checkpoint, family):
+    core = await make_core(family)
+    imgs = [image_bytes(w, h, 10 + i) for i, (w, h) in enumerate([(90, 60), (64, 64), (200, 40), (70, 130)])]
+    result = await core.encode(inputs(*imgs), return_embeddings=True)
+    infos, whole = result.images, result.embeddings
+    width = infos[0].row_width
+    assert all(w.shape == (i.num_tokens, width) for i, w in zip(infos, whole))
+    if family == "qwen3_vl":
+        assert infos[0].layout == "main+deepstack3" and width == 4 * infos[0].hidden_size
+    for rows, data in zip(whole, imgs):
+        assert_close(rows, reference_rows(tiny_checkpoint(family), data))
+    # Prompt: text(5), img0, img1 adjacent, text(3), img2, text(3), img3, text(2).
+    items, pos = [], 5
+    for k, info in enumerate(infos):
+        items.append((info.id, pos, info.num_tokens))
+        pos += info.num_tokens + (0 if k == 0 else 3)
+    prompt_len = pos - 1
+    expected = torch.zeros(prompt_len, width)
+    for (_, offset, n), rows in zip(items, whole):
+        expected[offset:offset + n] = rows
+    full = dict(zip((i.id for i in infos), whole))
+    # 1: every chunk splits images; 7: straddles; 50: several images per chunk; prompt_len: one chunk
+    for chunk_size in (1, 3, 7, 16, 50, prompt_len):
+        got = torch.zeros(prompt_len, width)
+        for start, end in chunks(prompt_len, chunk_size):
+            overlapping = [it for it in items if it[1] < end and start < it[1] + it[2]]
+            answers = [await core.fetch([FetchItem(i, o) for i, o, _ in asked], start, end)
+                       for asked in (items, overlapping) if asked]
+            for r in answers:  # every item asked, or only those overlapping: the same answer
+                assert r.segments == plan_chunk(items, start, end)
+                assert all(start <= s.position and s.position + s.num_rows <= end for s in r.segments)
+                assert (r.dtype, r.row_width, r.layout) == (infos[0].dtype, width, infos[0].layout)
+                packed = [full[s.id][s.row_start:s.row_end] for s in r.segments]
+                assert torch.equal(r.rows, torch.cat(packed) if packed else torch.empty(0, width))
+            at = 0
+            for s in answers[0].segments:
+                got[s.position:s.position + s.num_rows] = answers[0].rows[at:at + s.num_rows]
+                at += s.num_rows
+        assert torch.equal(got, expected), f"chunk size {chunk_size}"
+
+
+async def test_same_image_from_many_requests_is_encoded_once(make_core):
+    core = await make_core()
+    data = image_bytes(96, 96, 4242)
+    encoded, creates = images_encoded(core), core.store.stats()["creates"]
+    results = await asyncio.wait_for(asyncio.gather(*(core.encode(inputs(data), wait=True) for _ in range(16))),
+                                     WAIT_S)
+    infos = [r.images[0] for r in results]
+    assert len({i.id for i in infos}) == 1
+    assert sum(not i.cached for i in infos) == 1  # the request whose miss ran the encode; the rest joined it
+    assert images_encoded(core) - encoded == 1 and core.store.stats()["creates"] - creates == 1
+    (again,) = (await core.encode(inputs(data))).images
+    assert again.cached
+    rows = await asyncio.gather(*(fetch_all(core, again) for _ in range(4)))
+    assert all(torch.equal(r, rows[0]) for r in rows)
+    assert images_encoded(core) - encoded == 1 and core.engine.permits == 0
+
+
+async def test_concurrent_requests(make_core, tiny_checkpoint):
+    core = await make_core()
+    imgs = [image_bytes(40 + 8 * k, 70, 100 + k) for k in range(12)]
+    encoded = images_encoded(core)
+
+    async def one(k: int):
+        result = await core.encode(inputs(imgs[k], imgs[(k + 1) % len(imgs)]), return_embeddings=True)
+        a, b = result.images
+        items = [FetchItem(a.id, 0), FetchItem(b.id, a.num_tokens)]
+        rows = [(await core.fetch(items, s, e)).rows for s, e in chunks(a.num_tokens + b.num_tokens, 5)]
+        assert torch.equal(torch.cat(rows), torch.cat(result.embeddings))
+        return result
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(k) for k in range(len(imgs)))), WAIT_S)
+    assert len({r.images[0].id for r in results}) == len(imgs)
+    for k in (0, 5):
+        assert_close(results[k].embeddings[0], reference_rows(tiny_checkpoint("qwen2_5_vl"), imgs[k]))
+    assert images_encoded(core) - encoded == len(imgs)  # each once, though two requests asked for each
+
+
+# ---- flights ---------------------------------------------------------------------------------------------
+async def hold_the_gpu(core) -> None:
+    """The GPU thread holds one image and a batch of one more waits for it: what is submitted next queues."""
+    core.runner.gate.clear()
+    await core.encode(inputs(image_bytes(56, 56, 1)))
+    assert await asyncio.to_thread(core.runner.entered.acquire, True, WAIT_S)
+    await core.encode(inputs(image_bytes(56, 56, 2)))
+    await until(lambda: core.engine.queue_depth == 0 and core.engine.permits == 0, "the waiting batch")
+
+
+async def test_a_request_for_an_id_in_flight_joins_it(make_core):
+    core = await make_core("qwen2_5_vl", "--max-queue", "1", gated=True)
+    await hold_the_gpu(core)
+    encoded = images_encoded(core)
+    data = image_bytes(84, 84, 3)
+    name = key_of(core, data).name
+    (first,) = (await core.encode(inputs(data))).images
+    await until(lambda: core.engine.queue_depth == 1, "the image to queue")  # the queue is full now
+    with pytest.raises(errors.Overloaded, match="encode queue is full"):
+        await core.encode(inputs(image_bytes(84, 84, 4)))
+    joined = asyncio.create_task(core.encode(inputs(data), wait=True))  # needs no queue room: joins
+    await until(lambda: core.flights.get(name).waiters == 2, "the second request to join the flight")
+    assert core.engine.permits == 0 and core.engine.queue_depth == 1
+    core.runner.gate.set()
+    (second,) = (await asyncio.wait_for(joined, WAIT_S)).images
+    assert second.id == first.id and not first.cached and second.cached  # the first one's miss ran the encode
+    assert images_encoded(core) - encoded == 3  # the two holding the GPU, and this one once
+
+
+async def test_waiters_leaving_drop_the_queued_image(make_core):
+    core = await make_core("qwen2_5_vl", gated=True)
+    await hold_the_gpu(core)
+    encoded = images_encoded(core)
+    gone, kept = image_bytes(70, 70, 5), image_bytes(98, 70, 6)
+    gone_key, kept_key = key_of(core, gone), key_of(core, kept)
+    requests = [asyncio.create_task(core.encode(inputs(data), wait=True)) for data in (gone, kept)]
+    await until(lambda: core.engine.queue_depth == 2, "both images to queue")
+    kept_flight = core.flights.get(kept_key.name)
+    reading = asyncio.create_task(core.fetch([FetchItem(kept_key.id, 0)], 0, kept_flight.num_tokens,
+                                             timeout_s=WAIT_S))
+    await until(lambda: kept_flight.waiters == 2, "the fetch to wait for the kept image")
+    for task in requests:  # both callers leave; a fetch still waits for the kept image
+        task.cancel()
+    await asyncio.gather(*requests, return_exceptions=True)
+    assert core.flights.get(gone_key.name).waiters == 0 and kept_flight.waiters == 1
+    core.runner.gate.set()
+    rows = (await asyncio.wait_for(reading, WAIT_S)).rows
+    assert rows.shape == (kept_flight.num_tokens, 48)
+    await until(lambda: gone_key.name not in core.flights, "the dropped image's flight to end")
+    assert images_encoded(core) - encoded == 3  # the two holding the GPU, and the kept one: not the dropped one
+    with pytest.raises(errors.NotFound, match="unknown id"):
+        await core.fetch([FetchItem(gone_key.id, 0)], 0, 4)
+    assert not core.store.local.is_pinned(gone_key.name) and not core.store.local.is_pinned(kept_key.name)
+
+
+async def test_a_failed_encode_is_remembered_for_fetch(make_core):
+    core = await make_core()
+    jpeg = image_bytes(120, 120, 5, "JPEG")
+    truncated = jpeg[:len(jpeg) // 2 - 7]  # the header reads fine: encode answers, the decode fails later
+    (info,) = (await core.encode(inputs(truncated))).images
+    await until(lambda: key_of(core, truncated).name not in core.flights, "the encode to fail")
+    for _ in range(2):  # remembered, not a 404
+        with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{info.id}' failed: .*trunc"):
+            await core.fetch([FetchItem(info.id, 0)], 0, 4)
+    with pytest.raises(errors.ImageDecodeError, match="trunc"):  # a new encode forgets it, and tries again
+        await core.encode(inputs(truncated), wait=True)
+    assert core.engine.permits == 0
+
+
+async def test_failures_are_remembered_up_to_a_bound():
+    flights = Flights(failures_kept=2)
+
+    async def fail(flight):
+        raise errors.ImageDecodeError(f"image {flight.key.id} is truncated")
+
+    keys = [make_key(bytes([k]), "fp") for k in range(3)]
+    for key in keys:
+        flight = flights.join(key, (1, 2, 2), 1, None, fail)
+        with pytest.raises(errors.ImageDecodeError):
+            await flight.task
+        assert key.name not in flights
+    flights.raise_failure(keys[0])  # the oldest is forgotten
+    for key in keys[1:]:
+        with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{key.id}' failed: image .* truncated"):
+            flights.raise_failure(key)
+
+
+async def test_queue_permits_are_given_back(make_core, redis_server):
+    # A miss the queue has no room for: 429, nothing admitted or pinned stays.
+    core = await make_core("qwen2_5_vl", "--max-queue", "1")
+    with pytest.raises(errors.Overloaded, match="max_queue is 1"):
+        await core.encode(inputs(image_bytes(56, 56, 10), image_bytes(56, 56, 11)))
+    assert core.engine.permits == 0 and core.store.stats()["local_pinned_keys"] == 0
+    # Admitted, then the pins are full: 429, the permits go back.
+    core = await make_core("qwen2_5_vl", "--max-pinned-bytes", "1KiB")
+    await core.encode(inputs(image_bytes(64, 64, 12)))  # 4 tokens x 48 x 4 bytes = 768 B: fits
+    with pytest.raises(errors.Overloaded, match="max-pinned-bytes"):
+        await core.encode(inputs(image_bytes(120, 120, 13)))
+    assert core.engine.permits == 0
+    # A miss here that Redis has (another replica encoded it): never submitted, the permit goes back.
+    writer = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    reader = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    data = image_bytes(80, 60, 14)
+    (first,) = (await writer.encode(inputs(data), wait=True)).images
+    await writer.store.redis.flush()  # the write-behind has landed
+    encoded = images_encoded(reader)
+    (second,) = (await reader.encode(inputs(data), wait=True)).images
+    assert second.id == first.id and second.cached and images_encoded(reader) == encoded
+    assert reader.engine.permits == 0
+    assert reader.metrics.registry.get_sample_value("encoder_cache_hits_total", {"tier": "redis"}) == 1
+
+
+async def test_a_joined_store_fill_gives_its_permit_back(make_core):
+    # A fill of the store's already in flight for the id (no flight of this core: e.g. a read through the
+    # store by another path) is joined: no encode is submitted, the permit goes back.
+    core = await make_core()
+    data = image_bytes(72, 72, 15)
+    key = key_of(core, data)
+    gate = asyncio.Event()
+
+    async def slow_create() -> Entry:
+        await gate.wait()
+        return Entry.from_rows(torch.zeros(1, 48), (1, 2, 2), "main")
+
+    other = asyncio.create_task(core.store.get_or_create(key, slow_create))
+    await asyncio.sleep(0)
+    encoded = images_encoded(core)
+    request = asyncio.create_task(core.encode(inputs(data), wait=True))
+    await until(lambda: key.name in core.flights, "the request's flight")
+    assert core.engine.permits == 1  # admitted: the core did not know of the store's fill
+    gate.set()
+    (info,) = (await asyncio.wait_for(request, WAIT_S)).images
+    await other
+    assert info.cached and core.engine.permits == 0 and images_encoded(core) == encoded
