@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_parity import REAL, SMALL, build_reference, patch_grid, reference_rows, setup_info  # noqa: E402
 
 from encoder_service.models.loader import load_model  # noqa: E402
-from encoder_service.runtime import fused  # noqa: E402
 from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
 from encoder_service.runtime.runner import EagerRunner, default_buckets, exact_resolution_buckets  # noqa: E402
 
@@ -180,7 +179,6 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir) -
         loaded = load_model(tmp, device=device, dtype=dtype)
     # float32 copy of the same weights: the reference both bf16 runs are measured against.
     reference32 = copy.deepcopy(reference).float() if device.type == "cuda" else None
-    report = fused.prepare_tower(loaded.tower)
     eager = EagerRunner(loaded)
     buckets = default_buckets(loaded.spec, args.max_bucket) if not args.small else [64, 128, 256, 512]
     t0 = time.perf_counter()
@@ -190,7 +188,9 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir) -
     graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
                          exact_buckets=exact)
     (out_dir / f"capture_{family}.json").write_text(json.dumps(graphs.capture_log))
-    print(f"{family}: prepare {report}; graphs {graphs.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    c = loaded.tower.config
+    print(f"{family}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; graphs {graphs.describe()} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
     width = loaded.spec.out_hidden_size
     results = []
     for case, sizes in cases.items():

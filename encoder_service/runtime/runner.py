@@ -19,6 +19,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from encoder_service.ops.fast_path import triton
+
 log = logging.getLogger(__name__)
 
 GridTHW = tuple[int, int, int]
@@ -188,15 +190,13 @@ def make_runner(loaded, *, cuda_graphs: bool, buckets: Sequence[int] | None = No
     """The runner for `loaded` (models/loader.py: LoadedModel).
 
     `buckets` (patch rows; None: `default_buckets`) gain exact buckets (no padding, see graphs.py) for
-    COMMON_RESOLUTIONS below the largest one. cuda_graphs=True on a CUDA device: a GraphRunner that captures graphs per bucket at construction
-    (startup) and logs the buckets, the capture time and the memory the graphs hold. Otherwise (CPU, or
-    `--no-cuda-graphs`): an EagerRunner. Either way the tower's MLPs are prepared for the fast path once
-    (runtime/fused.py: intermediate width padded to a multiple of 128; exact).
+    COMMON_RESOLUTIONS below the largest one. cuda_graphs=True on a CUDA device: a GraphRunner that captures
+    graphs per bucket at construction (startup) and logs the buckets, the capture time and the memory the
+    graphs hold. Otherwise (CPU, or `--no-cuda-graphs`): an EagerRunner.
     """
-    from encoder_service.runtime import fused
-
-    fused.prepare_tower(loaded.tower)
     device = torch.device(loaded.device) if loaded.device is not None else _module_device(loaded.tower)
+    if device.type == "cuda":
+        log.info("fused kernels (ops/, CUDA half precision): %s", "on" if triton is not None else "off: no Triton")
     buckets = sorted({int(b) for b in buckets}) if buckets else default_buckets(loaded.spec)
     # Exact graphs (no padding) for the common resolutions under the largest bucket.
     exact = exact_resolution_buckets(loaded.spec, max(buckets))

@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encoder_service.models.loader import load_model
-from encoder_service.runtime import fused
 from encoder_service.runtime.graphs import GraphRunner, _chunked_boundaries
 from encoder_service.runtime.runner import EagerRunner, make_runner
 from encoder_service.testing.tiny import TINY_FAMILIES
@@ -26,24 +24,6 @@ from tests.support.graph_cases import (
     check_batch,
     pixels,
 )
-
-
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_mlp_padding_is_exact(tiny_checkpoint, family, dtype):
-    """prepare_tower zero-pads the MLP width to a multiple of 128 (and fuses gate/up): same output bits."""
-    plain = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
-    prepared = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
-    report = fused.prepare_tower(prepared.tower)
-    assert report["mlp_padded"].endswith("-> 128")
-    mlp = prepared.tower.blocks[0].mlp
-    assert mlp.padded_size == 128 and mlp.down_weight.shape[1] == 128
-    grids = [(1, 8, 12), (1, 4, 4), (2, 4, 4)]
-    pv = torch.cat(pixels(grids, plain.spec.patch_dim, 0)).to(dtype)
-    with torch.no_grad():
-        ref = plain.tower(pv, plain.tower.metadata(grids))
-        out = prepared.tower(pv, prepared.tower.metadata(grids))
-    assert torch.equal(out, ref)
 
 
 def test_chunked_boundaries():

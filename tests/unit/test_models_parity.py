@@ -180,7 +180,8 @@ def test_bfloat16_norm_and_rotary_round_like_transformers():
     rotary runs in float32 before casting back. Both must be bit-equal to transformers in bfloat16."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as ref
 
-    from encoder_service.models.layers import RMSNorm, apply_rotary
+    from encoder_service.models.layers import RMSNorm
+    from encoder_service.ops.rotary import apply_rotary
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 32, generator=generator).bfloat16()
