@@ -1,6 +1,7 @@
 """Captured CUDA graphs (runtime/graphs.py) against the tower run on each image alone, eager: the same
 batches as the CPU static-buffer tests (tests/support/graph_cases.py), replayed on the same graphs one after
-another, so a stale boundary or window index would show."""
+another, so a stale boundary or window index would show; and a batch for each graph of every bucket the
+service captures."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import torch
 
 from encoder_service.runtime.graphs import GraphRunner
 from encoder_service.runtime.runner import make_runner
-from tests.support.graph_cases import BUCKETS, MIXED, SAME_TOTAL_MULTI, SAME_TOTAL_SINGLE, check_batch
+from encoder_service.settings import DEFAULT_BUCKETS
+from tests.support.graph_cases import (
+    BUCKETS,
+    MIXED,
+    SAME_TOTAL_MULTI,
+    SAME_TOTAL_SINGLE,
+    SERVICE_BUCKETS,
+    bucket_batches,
+    check_batch,
+    narrow_tower,
+)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
@@ -26,3 +37,16 @@ def test_graph_replay_equals_eager(loaded, family, dtype):
             seed += 1
             check_batch(runner, lm, grids, seed, rtol=tol, atol=tol)
             check_batch(exact, lm, grids, seed, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_service_bucket_replays_like_eager(dtype):
+    """make_runner's graphs (settings' ladder + the exact buckets), each graph of each bucket replayed."""
+    lm = narrow_tower("cuda", dtype)
+    runner = make_runner(lm, cuda_graphs=True, buckets=DEFAULT_BUCKETS, eager_min_patches=None)
+    assert isinstance(runner, GraphRunner) and runner.buckets == SERVICE_BUCKETS
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for seed, bucket in enumerate(SERVICE_BUCKETS):
+        for grids, kind in bucket_batches(bucket, runner.exact_buckets):
+            assert [(g.bucket, g.kind) for _, g in runner.plan(grids)] == [(bucket, kind)]
+            check_batch(runner, lm, grids, seed, rtol=tol, atol=tol)
