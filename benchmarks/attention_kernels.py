@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from encoder_service.models.layers import RMSNorm  # noqa: E402
-from encoder_service.models.metadata import build_batch_metadata  # noqa: E402
+from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata  # noqa: E402
 from encoder_service.ops import activation, attention, norm, pos_embed, rotary  # noqa: E402
 
 try:
@@ -125,11 +125,10 @@ def windows(name, grid, d, bucket):
         record(name, "varlen_attn, max_seqlen 64", lambda: varlen_attn(q[:n], k[:n], v[:n], cu, cu, 64, 64), ref, n, fl)
     record(name, "triton short-segment",
            lambda: attention.short_segment_attention_triton(q[:n], k[:n], v[:n], cu, 64), ref, n, fl)
-    # In a graph: dummy windows of 64 rows up to the bucket, slots as GraphRunner sizes them.
-    slots = bucket // 16 + 32 + bucket // 64 + 1
-    padded = bounds + list(range(n + 64, bucket, 64)) + [bucket]
-    padded += [bucket] * (slots + 1 - len(padded))
-    cup = torch.tensor(padded, device=DEV, dtype=torch.int32)
+    # In a (multi) graph: dummy windows of 64 rows up to the bucket, the graph's window slots.
+    shape = PaddedShape.for_graph(bucket, MULTI, max_images=32, merge_unit=4, window_units=4)
+    slots = shape.window_slots
+    cup = meta.padded(shape).cu_window_seqlens.to(DEV)
     record(name, f"graph {bucket}: triton short-segment, {slots} slots",
            lambda: attention.short_segment_attention_triton(q, k, v, cup, 64), ref, n, fl)
     if varlen_attn is not None:
