@@ -53,15 +53,20 @@ def service_graphs():
     # pads by more than 5% eagerly; here the padding is the point).
     runner = GraphRunner(lm, buckets=DEFAULT_BUCKETS, capture=False, exact_buckets=exact, eager_min_patches=None)
     assert runner.buckets == SERVICE_BUCKETS
-    # One thread: thousands of window-sized attention calls cost ~5x more CPU time in a thread pool.
+    return lm, runner
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of window-sized attention calls cost ~5x more CPU time in torch's thread pool."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield lm, runner
+    yield
     torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("bucket", SERVICE_BUCKETS)
-def test_every_service_bucket_equals_eager(service_graphs, bucket):
+def test_every_service_bucket_equals_eager(service_graphs, one_thread, bucket):
     """Padded into each graph of the bucket (exact or single, and multi), every image equals the tower run
     on it alone."""
     lm, runner = service_graphs

@@ -170,7 +170,7 @@ def test_graph_shapes():
     shape = lambda kind, windows=4: PaddedShape.for_graph(  # noqa: E731
         1024, kind, max_images=32, merge_unit=4, window_units=windows
     )
-    # windows: 1024 / 4 units at <= 1/4 window each, + 1 per image, + 16 dummy windows of 64 rows, + 1
+    # windows: 256 units at <= 1/4 window each, + 1 per frame, + 16 dummy windows of 64 rows, + 1
     assert shape(MULTI) == PaddedShape(1024, 33, 1024, 64 + 32 + 16 + 1, 64)
     assert shape(SINGLE) == PaddedShape(1024, 2, 1024, 113, 64)
     assert shape(EXACT) == PaddedShape(1024, 1, 1024, 113, 64)
