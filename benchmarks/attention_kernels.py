@@ -3,9 +3,9 @@
 For the attention layouts of the towers (one long segment; one image + graph padding; Qwen2.5 windows;
 several images), times every candidate the GPU machine offers and checks each against a float32 reference:
 `torch.nn.attention.varlen.varlen_attn`, dense `scaled_dot_product_attention` per backend (flash, cuDNN,
-efficient), the two-segment dense trick (runtime/attention.py), batched dense for equal images, and our
-Triton short-segment kernel (runtime/kernels.py). Also: the padded MLP GEMMs and the fused elementwise
-kernels against the eager torch ops they replace.
+efficient), the two-segment dense trick (ops/attention.py), batched dense for equal images, and our
+Triton short-segment kernel (ops/attention.py). Also: the padded MLP GEMMs and the fused elementwise
+kernels (ops/) against the eager torch ops they replace.
 
     python benchmarks/attention_kernels.py      # GPU only; writes $OUT/attention_kernels.{json,md}
 """
@@ -23,9 +23,9 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from encoder_service.models.layers import RMSNorm, apply_rotary  # noqa: E402
-from encoder_service.models.metadata import build_batch_metadata  # noqa: E402
-from encoder_service.runtime import attention, kernels  # noqa: E402
+from encoder_service.models.layers import RMSNorm  # noqa: E402
+from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata  # noqa: E402
+from encoder_service.ops import activation, attention, norm, pos_embed, rotary  # noqa: E402
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -123,14 +123,14 @@ def windows(name, grid, d, bucket):
     cu = meta.cu_window_seqlens.to(DEV)
     if varlen_attn is not None:
         record(name, "varlen_attn, max_seqlen 64", lambda: varlen_attn(q[:n], k[:n], v[:n], cu, cu, 64, 64), ref, n, fl)
-    record(name, "triton short-segment", lambda: kernels.short_segment_attention(q[:n], k[:n], v[:n], cu, 64), ref, n, fl)
-    # In a graph: dummy windows of 64 rows up to the bucket, slots as GraphRunner sizes them.
-    slots = bucket // 16 + 32 + bucket // 64 + 1
-    padded = bounds + list(range(n + 64, bucket, 64)) + [bucket]
-    padded += [bucket] * (slots + 1 - len(padded))
-    cup = torch.tensor(padded, device=DEV, dtype=torch.int32)
+    record(name, "triton short-segment",
+           lambda: attention.short_segment_attention_triton(q[:n], k[:n], v[:n], cu, 64), ref, n, fl)
+    # In a (multi) graph: dummy windows of 64 rows up to the bucket, the graph's window slots.
+    shape = PaddedShape.for_graph(bucket, MULTI, max_images=32, merge_unit=4, window_units=4)
+    slots = shape.window_slots
+    cup = meta.padded(shape).cu_window_seqlens.to(DEV)
     record(name, f"graph {bucket}: triton short-segment, {slots} slots",
-           lambda: kernels.short_segment_attention(q, k, v, cup, 64), ref, n, fl)
+           lambda: attention.short_segment_attention_triton(q, k, v, cup, 64), ref, n, fl)
     if varlen_attn is not None:
         record(name, f"graph {bucket}: varlen_attn, {slots} slots",
                lambda: varlen_attn(q, k, v, cup, cup, 64, 64), ref, n, fl)
@@ -191,33 +191,35 @@ def elementwise():
     x = torch.randn(n, e, device=DEV, dtype=DT)
     w = torch.randn(e, device=DEV, dtype=DT)
     b = torch.randn(e, device=DEV, dtype=DT)
-    norm = RMSNorm(e).to(DEV, DT)
-    norm.weight.data.copy_(w)
-    ref = norm(x)
-    res, got = kernels.norm_residual(x, w, None, 1e-6, True, b)
-    out.append(dict(op="RMSNorm [10764,1280]", eager_ms=bench(lambda: norm(x)),
-                    fused_ms=bench(lambda: kernels.norm_residual(x, w, None, 1e-6, True, b)), rel_err=rel(got, ref),
-                    note="fused also writes x + bias"))
+    rms = RMSNorm(e).to(DEV, DT)
+    rms.weight.data.copy_(w)
+    ref = rms(x)
+    got, _ = norm.norm_residual_triton(x, w, None, 1e-6, True, b)
+    out.append(dict(op="RMSNorm [10764,1280]", eager_ms=bench(lambda: rms(x)),
+                    fused_ms=bench(lambda: norm.norm_residual_triton(x, w, None, 1e-6, True, b)),
+                    rel_err=rel(got, ref), note="fused also writes x + bias"))
     ln_ref = F.layer_norm(x, (e,), w, b, 1e-6)
-    _, got = kernels.norm_residual(x, w, b, 1e-6, False, b)
+    got, _ = norm.norm_residual_triton(x, w, b, 1e-6, False, b)
     out.append(dict(op="LayerNorm [10764,1280]", eager_ms=bench(lambda: F.layer_norm(x, (e,), w, b, 1e-6)),
-                    fused_ms=bench(lambda: kernels.norm_residual(x, w, b, 1e-6, False, b)), rel_err=rel(got, ln_ref)))
+                    fused_ms=bench(lambda: norm.norm_residual_triton(x, w, b, 1e-6, False, b)),
+                    rel_err=rel(got, ln_ref)))
     qkv_out = torch.randn(n, 3 * e, device=DEV, dtype=DT)
     cos, sin = torch.randn(n, d, device=DEV), torch.randn(n, d, device=DEV)
 
     def eager_rotary():
         q, k, _ = qkv_out.view(n, 3, H, d).unbind(1)
-        return apply_rotary(q, k, cos, sin)
+        return rotary.apply_rotary(q, k, cos, sin)
 
     rq, rk = eager_rotary()
-    fq, fk = kernels.rotary_qk(qkv_out, cos, sin, H)
+    fq, fk = rotary.rotary_qk_triton(qkv_out, cos, sin, H)
     out.append(dict(op="rotary q,k [10764,16,80]", eager_ms=bench(eager_rotary),
-                    fused_ms=bench(lambda: kernels.rotary_qk(qkv_out, cos, sin, H)),
+                    fused_ms=bench(lambda: rotary.rotary_qk_triton(qkv_out, cos, sin, H)),
                     rel_err=max(rel(fq, rq), rel(fk, rk))))
     gu = torch.randn(n, 2 * 3456, device=DEV, dtype=DT)
     ref = F.silu(gu[:, :3456]) * gu[:, 3456:]
     out.append(dict(op="silu(gate)*up [10764,3456]", eager_ms=bench(lambda: F.silu(gu[:, :3456]) * gu[:, 3456:]),
-                    fused_ms=bench(lambda: kernels.silu_mul(gu)), rel_err=rel(kernels.silu_mul(gu), ref)))
+                    fused_ms=bench(lambda: activation.silu_mul_triton(gu)),
+                    rel_err=rel(activation.silu_mul_triton(gu), ref)))
     n3, e3, i3 = 8160, 1152, 4352
     h = torch.randn(n3, e3, device=DEV, dtype=DT)
     w1 = torch.randn(i3, e3, device=DEV, dtype=DT) * 0.03
@@ -236,8 +238,8 @@ def elementwise():
         return xe + (F.embedding(idx, table) * pw[:, :, None]).sum(1).to(DT)
 
     out.append(dict(op="Qwen3 pos-embed add [8160,1152]", eager_ms=bench(eager_pos),
-                    fused_ms=bench(lambda: kernels.pos_embed_add(xe, table, idx, pw)),
-                    rel_err=rel(kernels.pos_embed_add(xe, table, idx, pw), eager_pos())))
+                    fused_ms=bench(lambda: pos_embed.pos_embed_add_triton(xe, table, idx, pw)),
+                    rel_err=rel(pos_embed.pos_embed_add_triton(xe, table, idx, pw), eager_pos())))
     for r in out:
         print(json.dumps(r), flush=True)
     return out

@@ -1,5 +1,8 @@
 """ViT speed on the GPU: our runners (eager and CUDA graphs) against transformers (sdpa), same weights.
 
+The graphs are the service's: settings' default bucket ladder (`--graph-buckets`) plus the exact buckets of
+the common resolutions under its largest bucket, as make_runner builds them.
+
 For Qwen2.5-VL-7B and Qwen3-VL-8B (random weights at the real sizes, built by gpu_parity.py's
 `build_reference`: transformers' vision model, saved and loaded by our loader), per case (448x448, 720p,
 1080p, 2560x1440, 8 x 448x448, 32 mixed sizes): median ms of `runner.encode` (bf16 pixel values already on
@@ -34,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_parity import REAL, SMALL, build_reference, patch_grid, reference_rows, setup_info  # noqa: E402
 
 from encoder_service.models.loader import load_model  # noqa: E402
-from encoder_service.runtime import fused  # noqa: E402
 from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
-from encoder_service.runtime.runner import EagerRunner, default_buckets, exact_resolution_buckets  # noqa: E402
+from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets  # noqa: E402
+from encoder_service.settings import DEFAULT_BUCKETS, parse_buckets  # noqa: E402
 
 NAMES = {"qwen2_5_vl": "Qwen2.5-VL-7B", "qwen3_vl": "Qwen3-VL-8B"}
 MIXED_SIZES = [(224, 224), (336, 336), (448, 448), (512, 384), (640, 480), (800, 600), (1024, 768), (1280, 720)]
@@ -180,9 +183,8 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir) -
         loaded = load_model(tmp, device=device, dtype=dtype)
     # float32 copy of the same weights: the reference both bf16 runs are measured against.
     reference32 = copy.deepcopy(reference).float() if device.type == "cuda" else None
-    report = fused.prepare_tower(loaded.tower)
     eager = EagerRunner(loaded)
-    buckets = default_buckets(loaded.spec, args.max_bucket) if not args.small else [64, 128, 256, 512]
+    buckets = list(args.graph_buckets) if not args.small else [64, 128, 256, 512]
     t0 = time.perf_counter()
     # "graphs": every batch that fits a bucket replays a graph; "service": make_runner's default policy
     # (big batches that a bucket would pad by more than 5% run eagerly).
@@ -190,7 +192,9 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir) -
     graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
                          exact_buckets=exact)
     (out_dir / f"capture_{family}.json").write_text(json.dumps(graphs.capture_log))
-    print(f"{family}: prepare {report}; graphs {graphs.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    c = loaded.tower.config
+    print(f"{family}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; graphs {graphs.describe()} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
     width = loaded.spec.out_hidden_size
     results = []
     for case, sizes in cases.items():
@@ -281,7 +285,8 @@ def main() -> int:
     parser.add_argument("--family", choices=sorted(REAL), action="append", help="default: both")
     parser.add_argument("--case", action="append", help="only these cases")
     parser.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement")
-    parser.add_argument("--max-bucket", type=int, default=32768)
+    parser.add_argument("--graph-buckets", type=parse_buckets, default=DEFAULT_BUCKETS,
+                        help="patch-token buckets (default: the service's, %(default)s)")
     args = parser.parse_args()
     if not args.small and not torch.cuda.is_available():
         parser.error("needs a CUDA device (use --small for a CPU smoke test)")

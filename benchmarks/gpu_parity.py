@@ -1,6 +1,6 @@
 """Parity of our towers with transformers' at real sizes, in bfloat16 on CUDA.
 
-For Qwen2.5-VL-7B and Qwen3-VL-8B (vision configs from docs/DESIGN.md's table): build transformers' vision
+For Qwen2.5-VL-7B and Qwen3-VL-8B (the vision_config of the released checkpoints): build transformers' vision
 model class alone with random weights (attn_implementation="sdpa"), save its weights under the real
 checkpoint prefix (`visual.` / `model.visual.`) with a config.json in a temp dir, load them with our
 loader, and compare the outputs on random pixel values for 448x448, 720p, 1080p and a batch of three
@@ -36,7 +36,7 @@ from encoder_service.models.loader import load_model  # noqa: E402
 
 MAX_REL_ERR = 1e-2
 
-# Real vision configs (DESIGN.md section 2).
+# Real vision configs: the vision_config of Qwen/Qwen2.5-VL-7B-Instruct and Qwen/Qwen3-VL-8B-Instruct.
 REAL = {
     "qwen2_5_vl": dict(
         depth=32,

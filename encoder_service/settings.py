@@ -18,6 +18,8 @@ from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 HASHES = ("blake3", "xxh3_128", "sha256")
 DTYPES = ("bfloat16", "float16", "float32")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The one default ladder of CUDA-graph buckets (patch rows): the service's, make_runner's and the
+# benchmarks'. runtime/runner.py adds an exact bucket for each common resolution under the largest.
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
 
 _UNITS = {

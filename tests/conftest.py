@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from encoder_service.models.loader import load_model
-from encoder_service.runtime import fused
 from encoder_service.testing.tiny import build_tiny_checkpoint
 from tests.support.redis_server import RedisServer
 
@@ -53,8 +52,8 @@ def redis_server_noevict():
 
 @pytest.fixture(scope="session")
 def loaded(tiny_checkpoint):
-    """`loaded(family, device="cpu", dtype=torch.float64) -> LoadedModel` of the tiny checkpoint, prepared for
-    the runners; cached per (family, device, dtype)."""
+    """`loaded(family, device="cpu", dtype=torch.float64) -> LoadedModel` of the tiny checkpoint; cached per
+    (family, device, dtype)."""
     cache = {}
 
     # float64 on the CPU: there the tower's result for an image is bit-identical alone or in any batch
@@ -62,9 +61,7 @@ def loaded(tiny_checkpoint):
     def get(family, device="cpu", dtype=torch.float64):
         key = (family, device, dtype)
         if key not in cache:
-            lm = load_model(tiny_checkpoint(family), device=device, dtype=dtype)
-            fused.prepare_tower(lm.tower)
-            cache[key] = lm
+            cache[key] = load_model(tiny_checkpoint(family), device=device, dtype=dtype)
         return cache[key]
 
     return get

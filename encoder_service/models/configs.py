@@ -3,18 +3,31 @@
 Every value comes from config.json; a missing required key is a ModelLoadError, never a transformers
 class default (those are not real checkpoint values). The two documented exceptions: the vision rope
 theta (no checkpoint stores it; 10000 for all Qwen-VL towers) and `in_chans` as an old spelling of
-`in_channels`.
+`in_channels`. One value is ours, not the checkpoint's: the padded MLP width the towers are built with
+(`intermediate_size_padded`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from encoder_service.errors import ModelLoadError
 from encoder_service.models.spec import VisionSpec
 
 VISION_ROPE_THETA = 10000.0
+# The towers' MLP width I is zero-padded to a multiple of this at load time (models/loader.py). Qwen2.5's
+# I = 3420 is not a multiple of 64: its down projection (K = 3420) ran at a quarter of the other GEMMs' rate
+# on an H100 (193 TFLOP/s; 704 at K = 3456; benchmarks/RESULTS.md). The padding is exact: the extra
+# gate / up / fc1 rows are zero with zero bias, so the extra hidden columns are act(0) * 0 = 0 or act(0) = 0
+# (silu, gelu, quick_gelu all map 0 to 0), and the extra down / fc2 columns are zero, so they add exact
+# zeros to every dot product.
+MLP_PAD_MULTIPLE = 128
+
+
+def find_multiple(n: int, k: int) -> int:
+    """The smallest multiple of k that is >= n."""
+    return n if n % k == 0 else n + k - n % k
 
 
 class _Fields:
@@ -48,6 +61,14 @@ class _CommonConfig:
     merge_size: int
     in_channels: int
     rope_theta: float
+    intermediate_size: int  # MLP width as stored in the checkpoint (Qwen2-VL: embed_dim * mlp_ratio)
+    # 1: build the towers at the checkpoint's width (tests compare the two).
+    mlp_pad_multiple: int = field(default=MLP_PAD_MULTIPLE, kw_only=True)
+
+    @property
+    def intermediate_size_padded(self) -> int:
+        """The MLP width the towers are built with (see MLP_PAD_MULTIPLE)."""
+        return find_multiple(self.intermediate_size, self.mlp_pad_multiple)
 
     @property
     def head_dim(self) -> int:
@@ -93,20 +114,18 @@ def _common(model_type: str, f: _Fields, hidden_size_key: str, out_hidden_size: 
 @dataclass(frozen=True)
 class Qwen2VLConfig(_CommonConfig):
     FAMILY = "qwen2_vl"
-    mlp_hidden_size: int  # embed_dim * mlp_ratio
 
     @classmethod
     def from_vision_config(cls, model_type: str, vc: dict) -> Qwen2VLConfig:
         f = _Fields(vc)
         # Qwen2-VL's vision `hidden_size` is the merger output (the LLM width); `embed_dim` is the tower's.
         common = _common(model_type, f, "embed_dim", int(f("hidden_size")))
-        return cls(**common, mlp_hidden_size=int(common["hidden_size"] * f("mlp_ratio")))
+        return cls(**common, intermediate_size=int(common["hidden_size"] * f("mlp_ratio")))
 
 
 @dataclass(frozen=True)
 class Qwen2_5VLConfig(_CommonConfig):
     FAMILY = "qwen2_5_vl"
-    intermediate_size: int
     window_size: int  # in pixels: window_size // patch_size // merge_size merged tokens per window side
     fullatt_block_indexes: tuple[int, ...]
 
@@ -128,7 +147,6 @@ class Qwen2_5VLConfig(_CommonConfig):
 @dataclass(frozen=True)
 class Qwen3VLConfig(_CommonConfig):
     FAMILY = "qwen3_vl"
-    intermediate_size: int
     num_position_embeddings: int  # a square table: pos_embed_side ** 2 rows
     deepstack_visual_indexes: tuple[int, ...]
 

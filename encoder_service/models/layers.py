@@ -1,52 +1,48 @@
 """Layers shared by the Qwen-VL vision towers.
 
 Module and parameter names follow the checkpoints (`attn.qkv`, `patch_embed.proj`, `merger.ln_q`, ...), so
-a checkpoint key minus its `visual.` prefix is a parameter name. The one stored differently is the patch
-embedding (see `PatchEmbed`). Shapes: N = patches in the batch, E = tower width, H = heads, D = E // H.
+a checkpoint key minus its `visual.` prefix is a parameter name, except where a module's
+`checkpoint_layout()` says otherwise (models/checkpoint_layout.py): the patch embedding and the MLPs.
+The compute goes through ops/: each op's torch reference (the towers' eager order, as transformers) on the
+CPU and in float32, its fused kernel on CUDA in half precision (ops/fast_path.py).
+Shapes: N = patches in the batch, E = tower width, H = heads, D = E // H, I = the padded MLP width.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from encoder_service.models.checkpoint_layout import Stored
 from encoder_service.models.metadata import BatchMetadata, build_batch_metadata
-from encoder_service.runtime.attention import varlen_attention
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# `hidden_act` values of the vision configs (transformers' ACT2FN names).
-ACTIVATIONS = {"quick_gelu": quick_gelu, "silu": F.silu, "gelu_pytorch_tanh": gelu_tanh, "gelu": F.gelu}
+from encoder_service.ops.activation import ACTIVATIONS, gated_linear_act, linear_act
+from encoder_service.ops.attention import varlen_attention
+from encoder_service.ops.norm import add_projection, pre_norm, rms_norm
+from encoder_service.ops.rotary import rotate_qkv
 
 
 class PatchEmbed(nn.Module):
     """The checkpoint's Conv3d with stride == kernel, held as one Linear: each row of pixel_values is one
-    (C, T, P, P) patch, so the conv is exactly `pixels @ W.T` with W = conv weight reshaped to
-    [E, C*T*P*P]. The loader does that reshape (`conv_weight_to_linear`)."""
+    (C, T, P, P) patch, so the conv is exactly `pixels @ W.T` with W = the conv weight viewed [E, C*T*P*P]."""
 
-    def __init__(self, patch_dim: int, embed_dim: int, bias: bool):
+    def __init__(self, config, bias: bool):
         super().__init__()
-        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
+        c = config
+        self.patch_shape = (c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        self.proj = nn.Linear(math.prod(self.patch_shape), c.hidden_size, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))  # [N, patch_dim] -> [N, E]
 
-
-def conv_weight_to_linear(weight: torch.Tensor) -> torch.Tensor:
-    """[E, C, T, P, P] Conv3d weight -> [E, C*T*P*P] Linear weight (row order of pixel_values)."""
-    return weight.reshape(weight.shape[0], -1)
+    def checkpoint_layout(self) -> dict[str, Stored]:
+        conv = (self.proj.out_features, *self.patch_shape)  # [E, C, T, P, P]
+        return {"proj.weight": Stored(conv, "proj.weight", lambda w: w.view(conv))}
 
 
 class RMSNorm(nn.Module):
-    """Qwen2.5's RMSNorm: normalise in float32, cast back, and only then multiply by the weight."""
+    """Qwen2.5's RMSNorm (ops/norm.py: rms_norm)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -54,27 +50,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def with_residual(self, x: torch.Tensor, proj_bias: torch.Tensor):
+        """(norm(x), residual) that start a block's sub-layer (ops/norm.py: pre_norm)."""
+        return pre_norm(x, self.weight, None, self.eps, rms=True, proj_bias=proj_bias)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class LayerNorm(nn.LayerNorm):
+    """The towers' LayerNorm (Qwen2, Qwen3): eps 1e-6, and `with_residual` for a block's sub-layer."""
 
+    def __init__(self, dim: int):
+        super().__init__(dim, eps=1e-6)
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q, k [N, H, D] rotated in float32 then cast back; cos, sin [N, D] float32."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q32, k32 = q.float(), k.float()
-    q_out = q32 * cos + rotate_half(q32) * sin
-    k_out = k32 * cos + rotate_half(k32) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
+    def with_residual(self, x: torch.Tensor, proj_bias: torch.Tensor):
+        """(norm(x), residual) that start a block's sub-layer (ops/norm.py: pre_norm)."""
+        return pre_norm(x, self.weight, self.bias, self.eps, rms=False, proj_bias=proj_bias)
 
 
 class VisionAttention(nn.Module):
-    """Fused-qkv multi-head attention over packed segments (one kernel call for all images/windows)."""
+    """Multi-head attention with one fused qkv projection, over packed segments (one kernel call for all
+    images / windows). `attend` stops before the output projection `proj`: the block adds that to the
+    residual (ops/norm.py: add_projection)."""
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -82,24 +79,83 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, D]
-        q, k = apply_rotary(q, k, cos, sin)
-        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen)  # [N, H, D]
-        return self.proj(out.reshape(n, -1))
+    def attend(self, x, cos, sin, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        """[N, E] -> [N, E]: rotary on q and k, attention within the segments of cu_seqlens."""
+        q, k, v = rotate_qkv(self.qkv(x), cos, sin, self.num_heads)  # each [N, H, D]
+        return varlen_attention(q, k, v, cu_seqlens, max_seqlen).reshape(x.shape[0], -1)
+
+
+class GatedMLP(nn.Module):
+    """Qwen2.5: down(act(gate(x)) * up(x)) at the padded width I (models/configs.py: MLP_PAD_MULTIPLE), gate
+    and up in one weight `gate_up_proj` [2 * I, E], gate rows first. `hidden` stops before `down_proj`: the
+    block adds that to the residual."""
+
+    def __init__(self, config):
+        super().__init__()
+        e, p = config.hidden_size, config.intermediate_size_padded
+        self.width = config.intermediate_size  # as stored
+        self.gate_up_proj = nn.Linear(e, 2 * p)
+        self.down_proj = nn.Linear(p, e)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_linear_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.act)  # [N, I]
+
+    def checkpoint_layout(self) -> dict[str, Stored]:
+        e, i, p = self.down_proj.out_features, self.width, self.down_proj.in_features
+        return {
+            "gate_proj.weight": Stored((i, e), "gate_up_proj.weight", lambda w: w[:i]),
+            "gate_proj.bias": Stored((i,), "gate_up_proj.bias", lambda b: b[:i]),
+            "up_proj.weight": Stored((i, e), "gate_up_proj.weight", lambda w: w[p : p + i]),
+            "up_proj.bias": Stored((i,), "gate_up_proj.bias", lambda b: b[p : p + i]),
+            "down_proj.weight": Stored((e, i), "down_proj.weight", lambda w: w[:, :i]),
+        }
+
+
+class PlainMLP(nn.Module):
+    """down(act(up(x))) at the padded width I: Qwen2-VL (quick_gelu; stored as fc1 / fc2) and Qwen3-VL
+    (tanh GELU; stored as linear_fc1 / linear_fc2). `hidden` stops before `down_proj`."""
+
+    def __init__(self, config, stored_names: tuple[str, str]):
+        super().__init__()
+        e, p = config.hidden_size, config.intermediate_size_padded
+        self.width = config.intermediate_size  # as stored
+        self.stored_names = stored_names
+        self.up_proj = nn.Linear(e, p)
+        self.down_proj = nn.Linear(p, e)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_act(x, self.up_proj.weight, self.up_proj.bias, self.act)  # [N, I]
+
+    def checkpoint_layout(self) -> dict[str, Stored]:
+        e, i = self.down_proj.out_features, self.width
+        up, down = self.stored_names
+        return {
+            f"{up}.weight": Stored((i, e), "up_proj.weight", lambda w: w[:i]),
+            f"{up}.bias": Stored((i,), "up_proj.bias", lambda b: b[:i]),
+            f"{down}.weight": Stored((e, i), "down_proj.weight", lambda w: w[:, :i]),
+            f"{down}.bias": Stored((e,), "down_proj.bias"),
+        }
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm transformer block; the family picks the norms and the MLP."""
+    """Pre-norm transformer block; the family picks the norm (RMSNorm or LayerNorm) and the MLP."""
 
-    def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: VisionAttention, mlp: nn.Module):
+    def __init__(self, config, norm: type[RMSNorm] | type[LayerNorm], mlp: GatedMLP | PlainMLP):
         super().__init__()
-        self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
+        self.norm1, self.norm2 = norm(config.hidden_size), norm(config.hidden_size)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen)
-        return x + self.mlp(self.norm2(x))
+        # x + proj(attention(norm1(x))), then x + down(mlp(norm2(x))); ops/norm.py has the two op orders
+        # (reference: the eager order; CUDA half precision: bias in the residual, residual in the GEMM).
+        attn, mlp = self.attn, self.mlp
+        h, r = self.norm1.with_residual(x, attn.proj.bias)
+        x = add_projection(r, attn.attend(h, cos, sin, cu_seqlens, max_seqlen), attn.proj.weight, attn.proj.bias)
+        h, r = self.norm2.with_residual(x, mlp.down_proj.bias)
+        return add_projection(r, mlp.hidden(h), mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -117,7 +173,7 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """What the towers share: `metadata(grid_thw)` (CPU, cached per shape) and the checkpoint layout."""
+    """What the towers share: the config and `metadata(grid_thw)` (CPU, cached per shape)."""
 
     def __init__(self, config):
         super().__init__()
@@ -127,11 +183,3 @@ class VisionTower(nn.Module):
         return build_batch_metadata(
             grid_thw, merge=self.config.merge_size, head_dim=self.config.head_dim, rope_theta=self.config.rope_theta
         )
-
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Tensor name (no `visual.` prefix) -> shape as stored in a checkpoint."""
-        c = self.config
-        shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
-        conv_shape = (c.hidden_size, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
-        shapes["patch_embed.proj.weight"] = conv_shape
-        return shapes

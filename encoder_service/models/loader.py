@@ -1,10 +1,13 @@
 """load_model: a checkpoint (local dir or hub id) -> a ready vision tower, reading only the vision tensors.
 
 Steps: resolve the family from config.json (registry.py), build the tower on the meta device (no
-allocation), find the shards that hold `visual.` / `model.visual.` tensors (model.safetensors.index.json,
-or the single model.safetensors), read just those keys with safetensors.safe_open, check them against the
-tower's checkpoint layout (missing / unexpected / mis-shaped -> ModelLoadError listing them), convert each
-to its parameter (`to_parameter`) directly on the target device and dtype, and assign them.
+allocation; its MLPs at the padded width, configs.py: MLP_PAD_MULTIPLE), find the shards that hold
+`visual.` / `model.visual.` tensors (model.safetensors.index.json, or the single model.safetensors), read
+just those keys with safetensors.safe_open, check their names and shapes against the checkpoint layout
+(checkpoint_layout.py: the shapes as stored; missing / unexpected / mis-shaped -> ModelLoadError listing
+them), copy each into its place in zero-filled parameters on the target device and dtype (the one step
+where weights change form: the conv becomes a Linear, the MLP width is zero-padded, Qwen2.5's gate and up
+are merged), and assign them.
 
 From the hub only config.json, preprocessor_config.json, the index and the shards holding vision tensors
 are downloaded. The fingerprint hashes config.json and every vision tensor's raw bytes as stored.
@@ -23,7 +26,9 @@ from huggingface_hub import errors as hub_errors
 from safetensors import safe_open
 
 from encoder_service.errors import ModelLoadError
-from encoder_service.models.layers import VisionTower, conv_weight_to_linear
+from encoder_service.models.checkpoint_layout import Stored, checkpoint_layout
+from encoder_service.models.configs import MLP_PAD_MULTIPLE
+from encoder_service.models.layers import VisionTower
 from encoder_service.models.registry import resolve
 from encoder_service.models.spec import VisionSpec
 
@@ -51,9 +56,10 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     revision: str | None = None,
+    mlp_pad_multiple: int = MLP_PAD_MULTIPLE,
 ) -> LoadedModel:
     """`model`: a checkpoint directory or a hub id. device: cuda if available else cpu. dtype: bfloat16 on
-    CUDA, float32 on CPU."""
+    CUDA, float32 on CPU. mlp_pad_multiple: 1 builds the MLPs at the checkpoint's width."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _resolve_dtype(dtype, device)
     checkpoint = _LocalCheckpoint(Path(model)) if Path(model).is_dir() else _HubCheckpoint(str(model), revision)
@@ -61,12 +67,12 @@ def load_model(
     config_bytes = checkpoint.file("config.json").read_bytes()
     resolved = resolve(json.loads(config_bytes))
     with torch.device("meta"):
-        tower = resolved.build_tower()
+        tower = resolved.build_tower(mlp_pad_multiple)
 
     tensors = _read_vision_tensors(checkpoint)
-    _check_layout(tensors, tower.checkpoint_shapes())
-    params = {name: to_parameter(name, tensor).to(device=device, dtype=dtype) for name, tensor in tensors.items()}
-    tower.load_state_dict(params, strict=True, assign=True)
+    layout = checkpoint_layout(tower)
+    _check_layout(tensors, {name: stored.shape for name, stored in layout.items()})
+    tower.load_state_dict(_parameters(tower, layout, tensors, device, dtype), strict=True, assign=True)
     tower.eval().requires_grad_(False)
 
     checkpoint.file("preprocessor_config.json")  # fetched now so checkpoint_dir is complete
@@ -80,12 +86,15 @@ def load_model(
     )
 
 
-def to_parameter(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A checkpoint tensor as the tower's parameter of the same name. The one place weights change form
-    (the patch-embedding conv becomes a Linear; a padded MLP width would go here too)."""
-    if name == "patch_embed.proj.weight":
-        return conv_weight_to_linear(tensor)
-    return tensor
+def _parameters(
+    tower: VisionTower, layout: dict[str, Stored], tensors: dict[str, torch.Tensor], device, dtype
+) -> dict[str, torch.Tensor]:
+    """The tower's parameters on `device` in `dtype`: zeros, each checkpoint tensor copied into its view."""
+    params = {name: torch.zeros(p.shape, device=device, dtype=dtype) for name, p in tower.named_parameters()}
+    for name, tensor in tensors.items():
+        stored = layout[name]
+        stored.view(params[stored.param]).copy_(tensor)
+    return params
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

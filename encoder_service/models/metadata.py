@@ -7,6 +7,10 @@ Row order inside the tower: pixel_values rows arrive in placeholder order, each 
 merge^2 consecutive patch rows (a "unit"), frames one after the other. Qwen2.5 runs its blocks in window
 order (units permuted by `window_index`, a permutation within each frame) and permutes the merged
 output back with `reverse_index`; everything row-aligned here (cos/sin) is already in that order.
+
+Padding a batch to a CUDA graph's fixed shape has one rule, here: `PaddedShape.for_graph(bucket, kind, ...)`
+gives the sizes a graph fixes, `BatchMetadata.padded(shape)` the padded batch (runtime/graphs.py only
+copies it into the graph's buffers).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ class BatchMetadata:
 
     `tensors()` are what a CUDA graph must hold as static buffers (copy new values in before each replay);
     `max_seqlen` / `max_window_seqlen` are Python ints that a graph fixes at capture, so they must be upper
-    bounds for every batch replayed in it. Rebuild around static buffers with
-    `dataclasses.replace(meta, **buffers)`.
+    bounds for every batch replayed in it: `padded(shape)` gives a batch the graph's sizes. Rebuild around
+    static buffers with `dataclasses.replace(meta, **buffers)`.
     """
 
     grid_thw: tuple[GridTHW, ...]
@@ -64,47 +68,35 @@ class BatchMetadata:
     def to(self, device: torch.device | str) -> BatchMetadata:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
-    def padded(
-        self,
-        num_patches: int,
-        num_segments: int,
-        *,
-        num_windows: int | None = None,
-        max_seqlen: int | None = None,
-        max_window_seqlen: int | None = None,
-    ) -> BatchMetadata:
-        """Metadata for the input padded with dummy rows up to `num_patches` (a multiple of merge_unit).
-
-        The dummy rows form one trailing attention segment (and one trailing window, mapped to itself by
-        window_index), so they never mix with real rows and the real output rows are unchanged. Segment
-        tensors get exactly `num_segments + 1` boundaries (`num_windows + 1` for windows, default
-        num_segments), unused slots repeating the last boundary (zero-length segments). A safe slot count
-        for a bucket of B patches is B // merge_unit + 1. Max seqlens default to num_patches (a valid
-        bound for any batch of the bucket); pass tighter per-bucket bounds if you have them. Call it on the
-        CPU metadata (before `.to(device)`): it reads boundaries on the host.
-        """
-        pad = num_patches - self.num_patches
+    def padded(self, shape: PaddedShape) -> BatchMetadata:
+        """Metadata for the input padded with dummy rows up to `shape.num_patches` (see PaddedShape): the
+        real rows' values are unchanged, so the tower's real output rows are too. Call it on the CPU
+        metadata (before `.to(device)`): it reads boundaries on the host."""
+        pad = shape.num_patches - self.num_patches
         if pad < 0 or pad % self.merge_unit:
             raise ValueError(
-                f"cannot pad {self.num_patches} patches to {num_patches}: needs a larger count that differs "
-                f"by a multiple of {self.merge_unit}"
+                f"cannot pad {self.num_patches} patches to {shape.num_patches}: needs a larger count that "
+                f"differs by a multiple of {self.merge_unit}"
             )
         fields: dict = {
             "cos": F.pad(self.cos, (0, 0, 0, pad), value=1.0),  # identity rotation on dummy rows
             "sin": F.pad(self.sin, (0, 0, 0, pad), value=0.0),
-            "cu_seqlens": _pad_boundaries(self.cu_seqlens, num_patches, num_segments, "num_segments"),
-            "max_seqlen": _seqlen_bound(max_seqlen, num_patches, self.cu_seqlens, pad, "max_seqlen"),
+            "cu_seqlens": pad_boundaries(self.cu_seqlens, shape.num_patches, shape.max_seqlen, shape.segment_slots),
+            "max_seqlen": _checked_bound(shape.max_seqlen, self.max_seqlen, "max_seqlen"),
         }
         if self.window_index is not None:
+            if shape.window_slots is None:
+                raise ValueError("windowed metadata needs a shape with window_slots and max_window_seqlen")
             num_units, pad_units = self.num_patches // self.merge_unit, pad // self.merge_unit
-            tail = torch.arange(num_units, num_units + pad_units, dtype=self.window_index.dtype)
-            num_windows = num_segments if num_windows is None else num_windows
+            tail = torch.arange(num_units, num_units + pad_units, dtype=self.window_index.dtype)  # dummy units stay put
             fields |= {
                 "window_index": torch.cat([self.window_index, tail]),
                 "reverse_index": torch.cat([self.reverse_index, tail]),
-                "cu_window_seqlens": _pad_boundaries(self.cu_window_seqlens, num_patches, num_windows, "num_windows"),
-                "max_window_seqlen": _seqlen_bound(
-                    max_window_seqlen, num_patches, self.cu_window_seqlens, pad, "max_window_seqlen"
+                "cu_window_seqlens": pad_boundaries(
+                    self.cu_window_seqlens, shape.num_patches, shape.max_window_seqlen, shape.window_slots, "window"
+                ),
+                "max_window_seqlen": _checked_bound(
+                    shape.max_window_seqlen, self.max_window_seqlen, "max_window_seqlen"
                 ),
             }
         if self.pos_indices is not None:
@@ -115,22 +107,64 @@ class BatchMetadata:
         return dataclasses.replace(self, **fields)
 
 
-def _pad_boundaries(cu: torch.Tensor, num_patches: int, num_segments: int, what: str) -> torch.Tensor:
-    """[k + 1] boundaries -> [num_segments + 1]: a dummy segment up to num_patches, then repeats."""
-    if cu[-1] != num_patches:
-        cu = torch.cat([cu, cu.new_tensor([num_patches])])
-    if cu.numel() > num_segments + 1:
-        raise ValueError(f"{what}={num_segments} is too small: the padded batch has {cu.numel() - 1} segments")
-    return F.pad(cu, (0, num_segments + 1 - cu.numel()), value=num_patches)
+# ---- padding to a fixed shape (CUDA graphs) -----------------------------------------------------
+
+# Graph kinds: what a batch padded to one of a runner's graphs holds (runtime/graphs.py captures one graph
+# per patch-token bucket and kind).
+EXACT = "exact"  # one one-frame image of exactly the bucket's patch count: no padding, one segment
+SINGLE = "single"  # one one-frame image, then the dummy rows: two segments
+MULTI = "multi"  # up to max_images frames (of any images), then the dummy rows
 
 
-def _seqlen_bound(requested: int | None, num_patches: int, cu: torch.Tensor, pad: int, what: str) -> int:
-    if requested is None:
-        return num_patches
-    needed = max(int((cu[1:] - cu[:-1]).max()), pad)
-    if requested < needed:
-        raise ValueError(f"{what}={requested} is below the longest segment of the padded batch ({needed})")
-    return requested
+@dataclass(frozen=True)
+class PaddedShape:
+    """The fixed sizes of a padded batch: what a CUDA graph fixes at capture (tensor shapes, Python ints).
+
+    The rows after the real ones are dummy attention segments of at most `max_seqlen` rows each (Qwen2.5
+    also dummy windows of at most `max_window_seqlen` rows, each dummy unit kept in place by
+    window_index), so they never attend to real rows and every kernel's max-seqlen bound holds; the
+    boundary tensors then repeat num_patches (zero-length segments) up to their fixed length.
+    """
+
+    num_patches: int  # rows after padding (a multiple of merge_unit)
+    segment_slots: int  # cu_seqlens has segment_slots + 1 boundaries
+    max_seqlen: int  # bound on every segment, real or dummy
+    window_slots: int | None = None  # Qwen2.5: cu_window_seqlens has window_slots + 1 boundaries
+    max_window_seqlen: int | None = None
+
+    @classmethod
+    def for_graph(
+        cls, bucket: int, kind: str, *, max_images: int, merge_unit: int, window_units: int | None = None
+    ) -> PaddedShape:
+        """The shape of graph `kind` for patch-token bucket `bucket`. `window_units`: Qwen2.5's window side
+        in merged tokens (None for towers without windows)."""
+        segment_slots = {EXACT: 1, SINGLE: 2, MULTI: max_images + 1}[kind]
+        # max_seqlen = bucket: one dummy segment, and a real segment is never longer.
+        if window_units is None:
+            return cls(bucket, segment_slots, bucket)
+        # A frame of u merged units (window side s units) has at most max(4 / s^2, 1 / s) * u + 1 windows
+        # (edge windows are partial); dummy windows are chunks of a full window's rows.
+        window_rows = window_units**2 * merge_unit
+        per_unit = max(4 / window_units**2, 1 / window_units)
+        real = int(per_unit * bucket // merge_unit) + max_images
+        return cls(bucket, segment_slots, bucket, real + -(-bucket // window_rows) + 1, window_rows)
+
+
+def pad_boundaries(real: torch.Tensor, num_patches: int, limit: int, slots: int, what: str = "segment") -> torch.Tensor:
+    """[k + 1] real boundaries (ending at n_real) -> [slots + 1]: the rows n_real..num_patches as dummy
+    segments of at most `limit` rows, then zero-length segments (repeats of num_patches)."""
+    n_real = int(real[-1])
+    dummy = list(range(n_real + limit, num_patches, limit)) + [num_patches] if num_patches > n_real else []
+    out = torch.cat([real, real.new_tensor(dummy)])
+    if out.numel() > slots + 1:
+        raise ValueError(f"{what}_slots={slots} is too small: the padded batch has {out.numel() - 1} {what}s")
+    return F.pad(out, (0, slots + 1 - out.numel()), value=num_patches)
+
+
+def _checked_bound(bound: int, longest: int, what: str) -> int:
+    if bound < longest:
+        raise ValueError(f"{what}={bound} is below the longest segment of the batch ({longest})")
+    return bound
 
 
 # ---- per-shape pieces (CPU, cached) -------------------------------------------------------------

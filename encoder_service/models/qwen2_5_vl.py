@@ -12,47 +12,16 @@ import torch
 from torch import nn
 
 from encoder_service.models.configs import Qwen2_5VLConfig
-from encoder_service.models.layers import (
-    ACTIVATIONS,
-    PatchEmbed,
-    PatchMerger,
-    RMSNorm,
-    VisionAttention,
-    VisionBlock,
-    VisionTower,
-)
+from encoder_service.models.layers import GatedMLP, PatchEmbed, PatchMerger, RMSNorm, VisionBlock, VisionTower
 from encoder_service.models.metadata import BatchMetadata, build_batch_metadata, gather_units
-
-
-class Qwen2_5VLMLP(nn.Module):
-    """act(gate(x)) * up(x) -> down. All MLP weights are loaded through loader.py (`to_parameter`), the one
-    place to pad the intermediate width later."""
-
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden)
-        self.up_proj = nn.Linear(dim, hidden)
-        self.down_proj = nn.Linear(hidden, dim)
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen2_5VLTower(VisionTower):
     def __init__(self, config: Qwen2_5VLConfig):
         super().__init__(config)
         c = config
-        self.patch_embed = PatchEmbed(c.patch_dim, c.hidden_size, bias=False)
-        self.blocks = nn.ModuleList(
-            VisionBlock(
-                RMSNorm(c.hidden_size),
-                RMSNorm(c.hidden_size),
-                VisionAttention(c.hidden_size, c.num_heads),
-                Qwen2_5VLMLP(c.hidden_size, c.intermediate_size, c.hidden_act),
-            )
-            for _ in range(c.depth)
-        )
+        self.patch_embed = PatchEmbed(c, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(c, RMSNorm, GatedMLP(c)) for _ in range(c.depth))
         self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, c.merge_size, RMSNorm(c.hidden_size))
         self.full_attention_blocks = frozenset(c.fullatt_block_indexes)
 

@@ -7,43 +7,19 @@ import torch
 from torch import nn
 
 from encoder_service.models.configs import Qwen2VLConfig
-from encoder_service.models.layers import (
-    ACTIVATIONS,
-    PatchEmbed,
-    PatchMerger,
-    VisionAttention,
-    VisionBlock,
-    VisionTower,
-)
+from encoder_service.models.layers import LayerNorm, PatchEmbed, PatchMerger, PlainMLP, VisionBlock, VisionTower
 from encoder_service.models.metadata import BatchMetadata
-
-
-class Qwen2VLMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class Qwen2VLTower(VisionTower):
     def __init__(self, config: Qwen2VLConfig):
         super().__init__(config)
         c = config
-        self.patch_embed = PatchEmbed(c.patch_dim, c.hidden_size, bias=False)
+        self.patch_embed = PatchEmbed(c, bias=False)
         self.blocks = nn.ModuleList(
-            VisionBlock(
-                nn.LayerNorm(c.hidden_size, eps=1e-6),
-                nn.LayerNorm(c.hidden_size, eps=1e-6),
-                VisionAttention(c.hidden_size, c.num_heads),
-                Qwen2VLMLP(c.hidden_size, c.mlp_hidden_size, c.hidden_act),
-            )
-            for _ in range(c.depth)
+            VisionBlock(c, LayerNorm, PlainMLP(c, stored_names=("fc1", "fc2"))) for _ in range(c.depth)
         )
-        self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, c.merge_size, nn.LayerNorm(c.hidden_size, eps=1e-6))
+        self.merger = PatchMerger(c.hidden_size, c.out_hidden_size, c.merge_size, LayerNorm(c.hidden_size))
 
     def forward(self, pixel_values: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         x = self.patch_embed(pixel_values)  # [N, E]

@@ -14,19 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder_service.models.configs import Qwen3VLConfig
-from encoder_service.models.layers import ACTIVATIONS, PatchEmbed, VisionAttention, VisionBlock, VisionTower
+from encoder_service.models.layers import LayerNorm, PatchEmbed, PlainMLP, VisionBlock, VisionTower
 from encoder_service.models.metadata import BatchMetadata, build_batch_metadata
-
-
-class Qwen3VLMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden)
-        self.linear_fc2 = nn.Linear(hidden, dim)
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+from encoder_service.ops.pos_embed import add_position_embedding
 
 
 class Qwen3VLMerger(nn.Module):
@@ -37,7 +27,7 @@ class Qwen3VLMerger(nn.Module):
         super().__init__()
         self.unit_dim = dim * merge_size**2
         self.norm_after_concat = norm_after_concat
-        self.norm = nn.LayerNorm(self.unit_dim if norm_after_concat else dim, eps=1e-6)
+        self.norm = LayerNorm(self.unit_dim if norm_after_concat else dim)
         self.linear_fc1 = nn.Linear(self.unit_dim, self.unit_dim)
         self.linear_fc2 = nn.Linear(self.unit_dim, out_dim)
 
@@ -50,16 +40,10 @@ class Qwen3VLTower(VisionTower):
     def __init__(self, config: Qwen3VLConfig):
         super().__init__(config)
         c = config
-        self.patch_embed = PatchEmbed(c.patch_dim, c.hidden_size, bias=True)
+        self.patch_embed = PatchEmbed(c, bias=True)
         self.pos_embed = nn.Embedding(c.num_position_embeddings, c.hidden_size)
         self.blocks = nn.ModuleList(
-            VisionBlock(
-                nn.LayerNorm(c.hidden_size, eps=1e-6),
-                nn.LayerNorm(c.hidden_size, eps=1e-6),
-                VisionAttention(c.hidden_size, c.num_heads),
-                Qwen3VLMLP(c.hidden_size, c.intermediate_size, c.hidden_act),
-            )
-            for _ in range(c.depth)
+            VisionBlock(c, LayerNorm, PlainMLP(c, stored_names=("linear_fc1", "linear_fc2"))) for _ in range(c.depth)
         )
         self.merger = Qwen3VLMerger(c.hidden_size, c.out_hidden_size, c.merge_size, norm_after_concat=False)
         self.deepstack_merger_list = nn.ModuleList(
@@ -77,9 +61,7 @@ class Qwen3VLTower(VisionTower):
 
     def forward(self, pixel_values: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         x = self.patch_embed(pixel_values)  # [N, E]
-        # [N, 4, E] taps weighted and summed in float32, then cast to the model dtype.
-        pos = (self.pos_embed(meta.pos_indices) * meta.pos_weights[:, :, None]).sum(1)
-        x = x + pos.to(x.dtype)
+        x = add_position_embedding(x, self.pos_embed.weight, meta.pos_indices, meta.pos_weights)
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, meta.cos, meta.sin, meta.cu_seqlens, meta.max_seqlen)

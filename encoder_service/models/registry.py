@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from encoder_service.errors import ModelLoadError
-from encoder_service.models.configs import Qwen2_5VLConfig, Qwen2VLConfig, Qwen3VLConfig
+from encoder_service.models.configs import MLP_PAD_MULTIPLE, Qwen2_5VLConfig, Qwen2VLConfig, Qwen3VLConfig
 from encoder_service.models.layers import VisionTower
 from encoder_service.models.qwen2_5_vl import Qwen2_5VLTower
 from encoder_service.models.qwen2_vl import Qwen2VLTower
@@ -38,8 +39,9 @@ class ResolvedModel:
     family: Family
     config: Qwen2VLConfig | Qwen2_5VLConfig | Qwen3VLConfig
 
-    def build_tower(self) -> VisionTower:
-        return self.family.tower_cls(self.config)
+    def build_tower(self, mlp_pad_multiple: int = MLP_PAD_MULTIPLE) -> VisionTower:
+        """The family's tower, its MLP width padded to a multiple of mlp_pad_multiple (1: as stored)."""
+        return self.family.tower_cls(dataclasses.replace(self.config, mlp_pad_multiple=mlp_pad_multiple))
 
 
 def resolve(config_json: dict) -> ResolvedModel:

@@ -1,1 +1,1 @@
-"""GPU fast path: attention kernels, runners, CUDA graphs, packing, fused ops."""
+"""Running a loaded tower on batches: eager and CUDA-graph runners, packing into buckets, outputs to the host."""

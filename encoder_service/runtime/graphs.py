@@ -1,23 +1,21 @@
 """CUDA-graph runner: one captured tower forward per (patch-token bucket, graph kind), all in one pool.
 
-Per graph, fixed at capture (Python ints): the bucket B (padded patch rows), the number of attention
-segment slots and window slots, and the max seqlens. Static buffers: pixel_values [B, patch_dim] and every
-tensor of the padded BatchMetadata (cos/sin, cu_seqlens, Qwen2.5 window_index / reverse_index /
+A graph fixes at capture the padded shape of its batches (models/metadata.py: `PaddedShape.for_graph`:
+bucket rows, segment and window slots, max seqlens) and holds static buffers: pixel_values [B, patch_dim]
+and every tensor of the padded BatchMetadata (cos/sin, cu_seqlens, Qwen2.5 window_index / reverse_index /
 cu_window_seqlens, Qwen3 pos_indices / pos_weights); the output [B / merge^2, row_width] (main rows and
-Qwen3 deepstack rows) is the graph's own. EVERY static buffer is rewritten before EVERY replay: keying
-graphs on token totals while leaving segment boundaries stale gave silently wrong attention in SGLang
-(two batches with equal totals but different image sizes).
+Qwen3 deepstack rows) is the graph's own. A batch is padded by `BatchMetadata.padded(shape)` (the one
+padding rule), then EVERY static buffer is rewritten before EVERY replay: keying graphs on token totals
+while leaving segment boundaries stale gave silently wrong attention in SGLang (two batches with equal
+totals but different image sizes). Outputs are cloned out of the static buffer before they are returned.
 
-Padding rows form one dummy trailing attention segment (and dummy windows), split here into chunks no
-longer than the graph's max seqlen, so the padded rows never attend to real rows and every kernel's
-max-seqlen bound holds. Outputs are cloned out of the static buffer before they are returned.
-
-Graph kinds per bucket (two per bucket):
+Graph kinds per bucket (two per bucket; models/metadata.py: EXACT, SINGLE, MULTI):
   - "exact" (buckets of common resolutions, `exact_buckets`): one one-frame image of exactly the bucket's
     patch count: no padding, one segment, so full attention is one plain dense SDPA call.
-  - "single" (other buckets): one image of one frame. Two segments (the image + the dummy), max_seqlen = B: attention.py
-    runs the full-attention layers as ONE dense SDPA call (segment mask folded into the head dims).
-  - "multi": up to `max_images` frames (+ dummy chunks); full attention runs through varlen_attn.
+  - "single" (other buckets): one image of one frame. Two segments (the image + the dummy), max_seqlen = B:
+    ops/attention.py runs the full-attention layers as ONE dense SDPA call (segment mask folded into the
+    head dims).
+  - "multi": up to `max_images` frames (+ dummy rows); full attention runs through varlen_attn.
 
 `capture=False` builds the same static buffers, pads, copies in, runs the tower eagerly ON THE STATIC
 BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding, boundary and order
@@ -33,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from encoder_service.models.metadata import EXACT, MULTI, SINGLE, BatchMetadata, PaddedShape
 from encoder_service.runtime.packing import PackedBatch, pack
 from encoder_service.runtime.runner import (
     DeviceMetadataCache,
@@ -46,44 +45,20 @@ from encoder_service.runtime.runner import (
 
 log = logging.getLogger(__name__)
 
-EXACT, SINGLE, MULTI = "exact", "single", "multi"
-
-
-def _chunked_boundaries(real: torch.Tensor, total: int, limit: int, slots: int) -> torch.Tensor:
-    """[k + 1] real boundaries (ending at n_real) -> [slots + 1]: the rows n_real..total as dummy segments
-    of at most `limit` rows, then zero-length segments (repeats of `total`)."""
-    n_real = int(real[-1])
-    if total > n_real:
-        dummy = torch.tensor(list(range(n_real + limit, total, limit)), dtype=real.dtype)
-        out = torch.cat([real, dummy, real.new_tensor([total])])
-    else:
-        out = real
-    if out.numel() > slots + 1:
-        raise ValueError(f"{out.numel() - 1} segments do not fit {slots} slots")
-    return torch.nn.functional.pad(out, (0, slots + 1 - out.numel()), value=total)
-
 
 class _Graph:
-    """One bucket and kind: static buffers, the padding rule, and (when captured) the CUDA graph."""
+    """One bucket and kind: its padded shape, static buffers and (when captured) the CUDA graph."""
 
     def __init__(self, runner: GraphRunner, bucket: int, kind: str, pool):
         self.runner, self.bucket, self.kind = runner, bucket, kind
-        tower, mu = runner.tower, runner.merge_unit
-        self.max_seqlen = bucket
-        self.segment_slots = {EXACT: 1, SINGLE: 2}.get(kind, runner.max_images + 1)
-        self.window_bound = runner.window_bound
-        if self.window_bound is not None:
-            # A frame of u merged units (window side s units) has at most max(4 / s^2, 1 / s) * u + 1
-            # windows (edge windows are partial); dummy windows are chunks of window_bound rows.
-            side = runner.window_units
-            per_unit = max(4 / side**2, 1 / side)
-            real = int(per_unit * bucket // mu) + runner.max_images
-            self.window_slots = real + -(-bucket // self.window_bound) + 1
+        self.shape = PaddedShape.for_graph(
+            bucket, kind, max_images=runner.max_images, merge_unit=runner.merge_unit, window_units=runner.window_units
+        )
         # Template batch: one small image, padded like any batch of this graph (an exact graph: one image
         # of exactly `bucket` patches, 1 x merge x bucket / merge).
         m = runner.spec.merge_size
         grid = (1, m, bucket // m) if kind == EXACT else (1, m * 2, m * 2)
-        template = self.pad(tower.metadata([grid]))
+        template = self.pad(runner.tower.metadata([grid]))
         self.static = {name: t.to(runner.device).clone() for name, t in template.tensors().items()}
         self.meta = dataclasses.replace(template, **self.static)
         self.pixels = torch.zeros(bucket, runner.spec.patch_dim, device=runner.device, dtype=runner.dtype)
@@ -93,30 +68,9 @@ class _Graph:
         if pool is not None:
             self._capture(pool)
 
-    def pad(self, meta):
-        """BatchMetadata of a batch padded to this graph's bucket (CPU, python-int bounds checked)."""
-        # Over-generous slot counts for padded(); the boundaries are rebuilt below with dummy chunks.
-        loose = self.bucket // self.runner.merge_unit + 2
-        padded = meta.padded(self.bucket, loose, num_windows=loose if meta.cu_window_seqlens is not None else None)
-        fields = {
-            "cu_seqlens": _chunked_boundaries(meta.cu_seqlens, self.bucket, self.max_seqlen, self.segment_slots),
-            "max_seqlen": self.max_seqlen,
-        }
-        if meta.cu_window_seqlens is not None:
-            fields["cu_window_seqlens"] = _chunked_boundaries(
-                meta.cu_window_seqlens, self.bucket, self.window_bound, self.window_slots
-            )
-            fields["max_window_seqlen"] = self.window_bound
-            if meta.max_window_seqlen > self.window_bound:
-                raise ValueError(f"window of {meta.max_window_seqlen} rows over the bound {self.window_bound}")
-        return dataclasses.replace(padded, **fields)
-
-    def fits(self, meta) -> bool:
-        try:
-            self.pad(meta)
-        except ValueError:
-            return False
-        return True
+    def pad(self, meta: BatchMetadata) -> BatchMetadata:
+        """A batch's CPU metadata padded to this graph's shape; ValueError if it does not fit."""
+        return meta.padded(self.shape)
 
     @torch.inference_mode()
     def _capture(self, pool):
@@ -172,10 +126,7 @@ class GraphRunner:
         self.tower, self.spec = loaded.tower, loaded.spec
         self.device, self.dtype = self.eager.device, self.eager.dtype
         self.merge_unit = self.spec.merge_size**2
-        cfg = getattr(self.tower, "config", None)
-        window_units = getattr(cfg, "window_units", None)
-        self.window_units = window_units
-        self.window_bound = window_units**2 * self.merge_unit if window_units else None
+        self.window_units = getattr(self.tower.config, "window_units", None)  # Qwen2.5 only
         self.max_images = max_images
         # A batch this large keeps the GPU busy through eager launches, so a graph buys nothing there and
         # its padding costs: such a batch runs eagerly when its bucket would pad more than max_padding.
@@ -216,9 +167,6 @@ class GraphRunner:
             self.capture_s, self.graph_bytes / 2**20,
         )
 
-    def _slots(self, bucket: int) -> int:
-        return self.max_images
-
     @torch.inference_mode()
     def encode(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[GridTHW]) -> list[torch.Tensor]:
         _check_inputs(pixel_values, grid_thw, self.spec.patch_dim)
@@ -246,7 +194,7 @@ class GraphRunner:
         rest = [i for i in range(len(grids)) if i not in solo]
         plan = [PackedBatch((i,), patches_of(grids[i]), 1, patches_of(grids[i])) for i in sorted(solo)]
         packed = pack([patches_of(grids[i]) for i in rest], self.buckets, segments=[grids[i][0] for i in rest],
-                      slots=self._slots)
+                      max_segments=self.max_images)
         plan += [dataclasses.replace(b, indices=tuple(rest[j] for j in b.indices)) for b in packed]
         plan.sort(key=lambda b: b.indices[0])
         routes = []

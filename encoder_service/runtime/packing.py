@@ -1,10 +1,11 @@
 """Packs a batch of images into patch-token buckets (one captured CUDA graph each).
 
 Greedy first-fit decreasing: images, largest first, go into the first open bin with room (a bin holds at most
-the largest bucket's patches and that bucket's segment slots); each bin then takes the smallest bucket that
-holds its patches and its segments. Within a bin the images keep their input order, and the runner puts every
-image's output back at its input position, so the caller sees the original order. An image larger than the
-largest bucket gets a bin of its own with `bucket=None`: the runner runs it eagerly.
+the largest bucket's patches and `max_segments` attention segments, the frames a graph holds); each bin then
+takes the smallest bucket that holds its patches. Within a bin the images keep their input order, and the
+runner puts every image's output back at its input position, so the caller sees the original order. An image
+larger than the largest bucket (or of more segments than max_segments) gets a bin of its own with
+`bucket=None`: the runner runs it eagerly.
 
 Pure python on ints: no tensors, no device.
 """
@@ -12,7 +13,7 @@ Pure python on ints: no tensors, no device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -27,20 +28,16 @@ class PackedBatch:
         return 0 if self.bucket is None else self.bucket - self.patches
 
 
-def default_slots(bucket: int, min_patches_per_image: int) -> int:
-    """Segment slots of a bucket: as many of the smallest images as fit, plus one."""
-    return bucket // max(1, min_patches_per_image) + 1
-
-
 def pack(
     patches: Sequence[int],
     buckets: Sequence[int],
     *,
     segments: Sequence[int] | None = None,
-    slots: Callable[[int], int] | None = None,
+    max_segments: int | None = None,
 ) -> list[PackedBatch]:
     """Plan the graph replays for images of `patches[i]` patch rows (and `segments[i]` attention segments,
-    default 1 each). `slots(bucket)` is the number of segments a bucket's graph can hold (default: no limit).
+    default 1 each). `max_segments`: the most segments one batch may hold (default: no limit); an image with
+    more runs eagerly.
 
     Returns the batches ordered by their first input index. Every input index appears exactly once.
     """
@@ -54,9 +51,8 @@ def pack(
     buckets = sorted(set(int(b) for b in buckets))
     if not buckets:
         return [PackedBatch((i,), patches[i], segs[i], None) for i in range(n)]
-    slot_of = slots or (lambda b: 1 << 62)
     largest = buckets[-1]
-    cap_segments = slot_of(largest)
+    cap_segments = max_segments if max_segments is not None else 1 << 62
 
     bins: list[list[int]] = []  # image indices
     bin_patches: list[int] = []
@@ -81,7 +77,7 @@ def pack(
 
     out: list[PackedBatch] = []
     for idx, p, s in zip(bins, bin_patches, bin_segments):
-        bucket = next(b for b in buckets if b >= p and slot_of(b) >= s)
+        bucket = next(b for b in buckets if b >= p)
         out.append(PackedBatch(tuple(sorted(idx)), p, s, bucket))
     out.extend(PackedBatch((i,), patches[i], segs[i], None) for i in eager)
     out.sort(key=lambda pb: pb.indices[0])

@@ -7,8 +7,11 @@ owns the GPU.
 
 - `EagerRunner`: concatenates the images, builds the batch metadata on the CPU (per-shape LRU inside the
   tower), runs the tower once, splits the rows per image. Batches over `max_batch_patches` are split.
-- `GraphRunner` (runtime/graphs.py): one captured graph per patch-token bucket; images are packed greedily
-  into the smallest bucket that fits; batches above the largest bucket are split or run eagerly.
+- `GraphRunner` (runtime/graphs.py): captured graphs per patch-token bucket; images are packed greedily
+  into the smallest bucket that fits; batches above the largest bucket run eagerly.
+
+The buckets: settings.py's DEFAULT_BUCKETS (the service's `--graph-buckets`) unless given, plus an exact
+bucket for each of COMMON_RESOLUTIONS under the largest.
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ from typing import Protocol, Sequence
 
 import torch
 
+from encoder_service.ops.fast_path import triton
+from encoder_service.settings import DEFAULT_BUCKETS
+
 log = logging.getLogger(__name__)
 
 GridTHW = tuple[int, int, int]
 
-# Default patch-token buckets for the graph runner: four per octave from 1024 (one 448x448 Qwen2.5 image)
-# to 32768, so padding wastes at most 20% (a batch is packed into the smallest bucket that holds it; see
-# runtime/packing.py). 2 graphs per bucket share one memory pool.
-DEFAULT_BUCKETS = tuple(b * k // 4 for b in (1024, 2048, 4096, 8192, 16384) for k in (4, 5, 6, 7)) + (32768,)
 # Resolutions common enough that a single image of that size gets a bucket of exactly its patch count
-# (no padding rows: at 1080p the ladder alone would pad Qwen2.5's 10764 patches to 12288).
+# (no padding rows: at 1080p the ladder alone would pad Qwen2.5's 10764 patches to 16384).
 COMMON_RESOLUTIONS = ((448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720), (1920, 1080), (2560, 1440))
 
 
@@ -42,12 +44,6 @@ def resolution_patches(width: int, height: int, spec) -> int:
 
 def exact_resolution_buckets(spec, up_to: int) -> list[int]:
     return sorted({p for p in (resolution_patches(w, h, spec) for w, h in COMMON_RESOLUTIONS) if p <= up_to})
-
-
-def default_buckets(spec, max_bucket: int | None = None) -> list[int]:
-    """The ladder (up to max_bucket) plus the exact buckets of COMMON_RESOLUTIONS for this model."""
-    ladder = [b for b in DEFAULT_BUCKETS if max_bucket is None or b <= max_bucket] or [max_bucket]
-    return sorted(set(ladder) | set(exact_resolution_buckets(spec, max(ladder))))
 
 
 class TowerRunner(Protocol):
@@ -187,17 +183,15 @@ def _module_dtype(m: torch.nn.Module) -> torch.dtype:
 def make_runner(loaded, *, cuda_graphs: bool, buckets: Sequence[int] | None = None, **kwargs) -> TowerRunner:
     """The runner for `loaded` (models/loader.py: LoadedModel).
 
-    `buckets` (patch rows; None: `default_buckets`) gain exact buckets (no padding, see graphs.py) for
-    COMMON_RESOLUTIONS below the largest one. cuda_graphs=True on a CUDA device: a GraphRunner that captures graphs per bucket at construction
-    (startup) and logs the buckets, the capture time and the memory the graphs hold. Otherwise (CPU, or
-    `--no-cuda-graphs`): an EagerRunner. Either way the tower's MLPs are prepared for the fast path once
-    (runtime/fused.py: intermediate width padded to a multiple of 128; exact).
+    `buckets` (patch rows; None: settings.DEFAULT_BUCKETS) gain exact buckets (no padding, see graphs.py) for
+    COMMON_RESOLUTIONS below the largest one. cuda_graphs=True on a CUDA device: a GraphRunner that captures
+    graphs per bucket at construction (startup) and logs the buckets, the capture time and the memory the
+    graphs hold. Otherwise (CPU, or `--no-cuda-graphs`): an EagerRunner.
     """
-    from encoder_service.runtime import fused
-
-    fused.prepare_tower(loaded.tower)
     device = torch.device(loaded.device) if loaded.device is not None else _module_device(loaded.tower)
-    buckets = sorted({int(b) for b in buckets}) if buckets else default_buckets(loaded.spec)
+    if device.type == "cuda":
+        log.info("fused kernels (ops/, CUDA half precision): %s", "on" if triton is not None else "off: no Triton")
+    buckets = sorted({int(b) for b in buckets or DEFAULT_BUCKETS})
     # Exact graphs (no padding) for the common resolutions under the largest bucket.
     exact = exact_resolution_buckets(loaded.spec, max(buckets))
     if cuda_graphs and device.type == "cuda":

@@ -2,8 +2,9 @@
 
 CPU (CI): `GraphRunner(capture=False)` does everything but capture/replay (static buffers, padding,
 copy-in of every buffer, the tower run on the static buffers, copy-out), for every tiny family, in float64;
-each image's output must EQUAL the tower run on that image alone, unpadded. The batches include the SGLang stale-boundary
-case: equal patch totals, different image sizes, replayed one after another on the same graph.
+each image's output must EQUAL the tower run on that image alone, unpadded. The batches include the SGLang
+stale-boundary case (equal patch totals, different image sizes, replayed one after another on the same
+graph) and a batch for each graph of every bucket the service captures.
 
 tests/gpu/test_graphs_cuda.py runs the same batches (tests/support/graph_cases.py) through captured graphs.
 """
@@ -13,46 +14,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encoder_service.models.loader import load_model
-from encoder_service.runtime import fused
-from encoder_service.runtime.graphs import GraphRunner, _chunked_boundaries
-from encoder_service.runtime.runner import EagerRunner, make_runner
+from encoder_service.runtime.graphs import GraphRunner
+from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets, make_runner
+from encoder_service.settings import DEFAULT_BUCKETS
 from encoder_service.testing.tiny import TINY_FAMILIES
 from tests.support.graph_cases import (
     BUCKETS,
     MIXED,
     SAME_TOTAL_MULTI,
     SAME_TOTAL_SINGLE,
+    SERVICE_BUCKETS,
+    bucket_batches,
     check_batch,
+    narrow_tower,
     pixels,
 )
-
-
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_mlp_padding_is_exact(tiny_checkpoint, family, dtype):
-    """prepare_tower zero-pads the MLP width to a multiple of 128 (and fuses gate/up): same output bits."""
-    plain = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
-    prepared = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
-    report = fused.prepare_tower(prepared.tower)
-    assert report["mlp_padded"].endswith("-> 128")
-    mlp = prepared.tower.blocks[0].mlp
-    assert mlp.padded_size == 128 and mlp.down_weight.shape[1] == 128
-    grids = [(1, 8, 12), (1, 4, 4), (2, 4, 4)]
-    pv = torch.cat(pixels(grids, plain.spec.patch_dim, 0)).to(dtype)
-    with torch.no_grad():
-        ref = plain.tower(pv, plain.tower.metadata(grids))
-        out = prepared.tower(pv, prepared.tower.metadata(grids))
-    assert torch.equal(out, ref)
-
-
-def test_chunked_boundaries():
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    assert _chunked_boundaries(cu, 12, 4, 3).tolist() == [0, 5, 12, 12]
-    assert _chunked_boundaries(cu, 30, 8, 6).tolist() == [0, 5, 12, 20, 28, 30, 30]
-    assert _chunked_boundaries(cu, 30, 100, 3).tolist() == [0, 5, 12, 30]
-    with pytest.raises(ValueError):
-        _chunked_boundaries(cu, 30, 8, 4)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -66,6 +42,44 @@ def test_static_buffers_equal_unpadded_eager(loaded, family):
         for grids in SAME_TOTAL_SINGLE + SAME_TOTAL_MULTI + MIXED:
             seed += 1
             check_batch(runner, lm, grids, seed)
+
+
+@pytest.fixture(scope="module")
+def service_graphs():
+    """The graphs the service captures (settings' ladder + the exact buckets), for the narrow tower."""
+    lm = narrow_tower("cpu", torch.float64)
+    exact = exact_resolution_buckets(lm.spec, max(DEFAULT_BUCKETS))
+    # eager_min_patches=None: every batch that fits replays its graph (the service runs a large batch that
+    # pads by more than 5% eagerly; here the padding is the point).
+    runner = GraphRunner(lm, buckets=DEFAULT_BUCKETS, capture=False, exact_buckets=exact, eager_min_patches=None)
+    assert runner.buckets == SERVICE_BUCKETS
+    return lm, runner
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of window-sized attention calls cost ~5x more CPU time in torch's thread pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bucket", SERVICE_BUCKETS)
+def test_every_service_bucket_equals_eager(service_graphs, one_thread, bucket):
+    """Padded into each graph of the bucket (exact or single, and multi), every image equals the tower run
+    on it alone."""
+    lm, runner = service_graphs
+    for seed, (grids, kind) in enumerate(bucket_batches(bucket, runner.exact_buckets)):
+        assert [(g.bucket, g.kind) for _, g in runner.plan(grids)] == [(bucket, kind)]
+        # It fits the graph (a batch that does not runs eagerly, which the outputs alone would not show),
+        # in the graph's buffer shapes, every segment and window within the bounds the kernels are given.
+        graph = runner.graphs[(bucket, kind)]
+        padded = graph.pad(lm.tower.metadata(grids))
+        assert {k: v.shape for k, v in padded.tensors().items()} == {k: v.shape for k, v in graph.static.items()}
+        assert int(padded.cu_seqlens.diff().max()) <= padded.max_seqlen == graph.meta.max_seqlen
+        assert int(padded.cu_window_seqlens.diff().max()) <= padded.max_window_seqlen == graph.meta.max_window_seqlen
+        check_batch(runner, lm, grids, seed)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -1,5 +1,5 @@
 """load_model: errors that name the problem, reading only vision tensors, single-file and hub checkpoints,
-dtypes, fingerprints."""
+dtypes, fingerprints, the exact MLP padding."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from encoder_service.errors import ModelLoadError
 from encoder_service.models import loader
 from encoder_service.models.loader import load_model
+from encoder_service.testing.tiny import TINY_FAMILIES
 
 
 def all_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -145,6 +146,27 @@ def test_single_file_checkpoint_equals_sharded(qwen25, tmp_path):
     assert single.fingerprint == sharded.fingerprint
     for (name, a), (_, b) in zip(sharded.tower.state_dict().items(), single.tower.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mlp_padding_is_exact(tiny_checkpoint, family, dtype):
+    """The loader zero-pads the MLP width to a multiple of 128 (Qwen2.5: gate and up merged too): the same
+    output bits as the towers built at the checkpoint's width."""
+    plain = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype, mlp_pad_multiple=1)
+    padded = load_model(tiny_checkpoint(family), device="cpu", dtype=dtype)
+    width = plain.tower.config.intermediate_size
+    assert width % 128 and padded.tower.config.intermediate_size_padded == 128
+    assert plain.tower.blocks[0].mlp.down_proj.weight.shape[1] == width
+    assert padded.tower.blocks[0].mlp.down_proj.weight.shape[1] == 128
+    assert padded.fingerprint == plain.fingerprint  # the checkpoint's identity, not the tower's layout
+    grids = [(1, 8, 12), (1, 4, 4), (2, 4, 4)]
+    patches = sum(t * h * w for t, h, w in grids)
+    pv = torch.randn(patches, plain.spec.patch_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        ref = plain.tower(pv, plain.tower.metadata(grids))
+        out = padded.tower(pv, padded.tower.metadata(grids))
+    assert torch.equal(out, ref)
 
 
 def test_fingerprint_changes_with_weights(qwen25, tmp_path):

@@ -1,4 +1,5 @@
-"""Our towers vs transformers' own vision towers, from the same saved tiny checkpoint (CPU, float32).
+"""Our towers vs transformers' own vision towers, from the same saved tiny checkpoint (CPU, float32), and
+the batch metadata they run on (models/metadata.py: per-shape pieces, padding).
 
 Relative error = max|ours - ref| / max|ref| (must be <= 1e-5); the mean (mean|ours - ref| / mean|ref|) is
 printed too (`pytest -s`). Qwen3 compares the main rows and every deepstack level separately.
@@ -12,6 +13,7 @@ import transformers
 from transformers import vision_utils
 
 from encoder_service.models.loader import load_model
+from encoder_service.models.metadata import EXACT, MULTI, SINGLE, PaddedShape, pad_boundaries
 from encoder_service.testing.tiny import TINY_FAMILIES
 
 MAX_REL_ERR = 1e-5
@@ -117,7 +119,8 @@ def test_padded_metadata_leaves_real_rows_unchanged(models, family):
     meta = loaded.tower.metadata(BATCH)
     pad = 6 * meta.merge_unit
     num_patches, num_segments = meta.num_patches + pad, 40
-    padded = meta.padded(num_patches, num_segments)
+    # Bounds of num_patches: the dummy rows are one segment (one window).
+    padded = meta.padded(PaddedShape(num_patches, num_segments, num_patches, num_segments, num_patches))
 
     # Segment tensors have fixed sizes; the dummy rows are one trailing segment, then empty slots.
     assert padded.cu_seqlens.shape == (num_segments + 1,)
@@ -143,10 +146,35 @@ def test_padded_metadata_leaves_real_rows_unchanged(models, family):
 
 def test_padded_rejects_too_few_segment_slots(models):
     meta = models("qwen2_5_vl")[0].tower.metadata(BATCH)
-    with pytest.raises(ValueError, match="num_windows"):
-        meta.padded(meta.num_patches + meta.merge_unit, num_segments=6, num_windows=3)
+    n = meta.num_patches + meta.merge_unit
+    with pytest.raises(ValueError, match="window_slots"):
+        meta.padded(PaddedShape(n, segment_slots=6, max_seqlen=n, window_slots=3, max_window_seqlen=n))
     with pytest.raises(ValueError, match="multiple of 4"):
-        meta.padded(meta.num_patches + 1, num_segments=60)
+        meta.padded(PaddedShape(n + 1, segment_slots=60, max_seqlen=n + 1, window_slots=60, max_window_seqlen=n + 1))
+    with pytest.raises(ValueError, match="max_window_seqlen"):  # a window over the graph's bound
+        meta.padded(PaddedShape(n, segment_slots=6, max_seqlen=n, window_slots=60, max_window_seqlen=8))
+
+
+def test_pad_boundaries():
+    """Dummy rows as segments of at most `limit` rows, then zero-length slots up to the fixed count."""
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert pad_boundaries(cu, 12, 4, 3).tolist() == [0, 5, 12, 12]
+    assert pad_boundaries(cu, 30, 8, 6).tolist() == [0, 5, 12, 20, 28, 30, 30]
+    assert pad_boundaries(cu, 30, 100, 3).tolist() == [0, 5, 12, 30]
+    with pytest.raises(ValueError):
+        pad_boundaries(cu, 30, 8, 4)
+
+
+def test_graph_shapes():
+    """Slots and bounds per graph kind (Qwen2.5-VL-7B: windows of 4 x 4 merged tokens)."""
+    shape = lambda kind, windows=4: PaddedShape.for_graph(  # noqa: E731
+        1024, kind, max_images=32, merge_unit=4, window_units=windows
+    )
+    # windows: 256 units at <= 1/4 window each, + 1 per frame, + 16 dummy windows of 64 rows, + 1
+    assert shape(MULTI) == PaddedShape(1024, 33, 1024, 64 + 32 + 16 + 1, 64)
+    assert shape(SINGLE) == PaddedShape(1024, 2, 1024, 113, 64)
+    assert shape(EXACT) == PaddedShape(1024, 1, 1024, 113, 64)
+    assert shape(MULTI, windows=None) == PaddedShape(1024, 33, 1024)
 
 
 def test_window_layout_matches_transformers(models):
@@ -180,7 +208,8 @@ def test_bfloat16_norm_and_rotary_round_like_transformers():
     rotary runs in float32 before casting back. Both must be bit-equal to transformers in bfloat16."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as ref
 
-    from encoder_service.models.layers import RMSNorm, apply_rotary
+    from encoder_service.models.layers import RMSNorm
+    from encoder_service.ops.rotary import apply_rotary
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 32, generator=generator).bfloat16()

@@ -4,12 +4,12 @@ import random
 
 import pytest
 
-from encoder_service.runtime.packing import PackedBatch, default_slots, pack
+from encoder_service.runtime.packing import PackedBatch, pack
 
 BUCKETS = [1024, 2048, 4096, 8192]
 
 
-def _check_plan(plan, patches, buckets, segments=None, slots=None):
+def _check_plan(plan, patches, buckets, segments=None, max_segments=None):
     segments = segments or [1] * len(patches)
     seen = sorted(i for pb in plan for i in pb.indices)
     assert seen == list(range(len(patches))), "every image exactly once"
@@ -18,16 +18,14 @@ def _check_plan(plan, patches, buckets, segments=None, slots=None):
         assert pb.patches == sum(patches[i] for i in pb.indices)
         assert pb.segments == sum(segments[i] for i in pb.indices)
         if pb.bucket is None:
-            assert len(pb.indices) == 1 and pb.patches > max(buckets) or (
-                slots and pb.segments > slots(max(buckets))
-            )
+            assert len(pb.indices) == 1
+            assert pb.patches > max(buckets) or (max_segments is not None and pb.segments > max_segments)
         else:
             assert pb.patches <= pb.bucket
             smaller = [b for b in buckets if b < pb.bucket]
-            # smallest bucket that fits
-            assert all(b < pb.patches or (slots and slots(b) < pb.segments) for b in smaller)
-            if slots:
-                assert pb.segments <= slots(pb.bucket)
+            assert all(b < pb.patches for b in smaller), "smallest bucket that fits"
+            if max_segments is not None:
+                assert pb.segments <= max_segments
     firsts = [pb.indices[0] for pb in plan]
     assert firsts == sorted(firsts)
 
@@ -57,14 +55,14 @@ def test_oversize_image_runs_eagerly_alone_others_still_packed():
 
 
 def test_segment_slots_limit_a_bin():
-    slots = lambda b: default_slots(b, 256)  # noqa: E731
     patches = [16] * 40  # tiny images: 40 segments, 640 patches
-    plan = pack(patches, BUCKETS, slots=slots)
-    _check_plan(plan, patches, BUCKETS, slots=slots)
-    for pb in plan:
-        assert pb.segments <= slots(pb.bucket)
-    # 1024 holds 5 slots, 8192 holds 33: the 40 tiny images need two bins
-    assert len(plan) == 2
+    plan = pack(patches, BUCKETS, max_segments=32)
+    _check_plan(plan, patches, BUCKETS, max_segments=32)
+    # a graph holds 32 images: the 40 tiny images need two bins
+    assert [(len(pb.indices), pb.bucket) for pb in plan] == [(32, 1024), (8, 1024)]
+    # a video of more frames than that runs eagerly; the others still pack
+    plan = pack([64, 16, 16], BUCKETS, segments=[40, 1, 1], max_segments=32)
+    assert plan == [PackedBatch((0,), 64, 40, None), PackedBatch((1, 2), 32, 2, 1024)]
 
 
 def test_video_segments_count():
@@ -78,9 +76,9 @@ def test_random_plans_are_valid(seed):
     rng = random.Random(seed)
     n = rng.randint(1, 40)
     patches = [rng.choice([16, 64, 256, 1024, 1496, 3600, 4784, 9000]) * rng.choice([1, 1, 2]) for _ in range(n)]
-    slots = (lambda b: default_slots(b, 16)) if seed % 2 else None
-    plan = pack(patches, BUCKETS, slots=slots)
-    _check_plan(plan, patches, BUCKETS, slots=slots)
+    max_segments = rng.choice([2, 8, 32]) if seed % 2 else None
+    plan = pack(patches, BUCKETS, max_segments=max_segments)
+    _check_plan(plan, patches, BUCKETS, max_segments=max_segments)
 
 
 def test_bad_input():

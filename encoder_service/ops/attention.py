@@ -1,4 +1,4 @@
-"""The one attention entry point of the towers: non-causal attention over packed variable-length segments.
+"""The towers' one attention op: non-causal attention over packed variable-length segments.
 
 `varlen_attention(q, k, v, cu_seqlens, max_seqlen)`: q, k, v `[N, heads, head_dim]`; segment i is rows
 `cu_seqlens[i]:cu_seqlens[i+1]` (int32, `[num_segments + 1]`, zero-length segments allowed); tokens attend
@@ -8,7 +8,7 @@ Backends, picked from the tensors' device:
   - CUDA (bf16/fp16), chosen from Python ints only (shapes and max_seqlen; capturable, no host sync;
     see `_cuda_attention` and benchmarks/RESULTS.md for the measurements behind it):
       * one segment spanning all rows: dense SDPA `[1, H, N, D]` (cuDNN; 1.4x varlen_attn);
-      * max_seqlen <= 64 (Qwen2.5 windows): a Triton kernel, one tile per (segment, head);
+      * max_seqlen <= 64 (Qwen2.5 windows): a Triton kernel, one tile per (segment, head), below;
       * two segments with max_seqlen >= N (one image plus the graph's dummy padding segment): one dense
         SDPA with the segment mask folded into extra head dims (exactly 0 weight across segments);
       * otherwise `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, flash).
@@ -17,13 +17,16 @@ Backends, picked from the tensors' device:
     increment outside graph capture encountered unexpectedly".
   - CUDA without it: dense SDPA under a block-diagonal mask built on the device (no host sync; memory
     O(N^2), a correctness fallback only).
-  - CPU: one SDPA call per segment, boundaries read on the host (a CPU tensor: no device sync).
+  - CPU: one SDPA call per segment, boundaries read on the host (a CPU tensor: no device sync): the
+    reference (benchmarks/attention_kernels.py checks every CUDA path against it, in float32).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from encoder_service.ops.fast_path import HALF_PRECISION, tl, triton
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -62,9 +65,9 @@ def _masked_dense_attention(q, k, v, cu_seqlens):
     return out.squeeze(0).transpose(0, 1)
 
 
-# ---- CUDA dispatch (runtime fast path) -----------------------------------------------------------
+# ---- CUDA dispatch --------------------------------------------------------------------------------
 
-# Segments this short go to the Triton tile kernel (runtime/kernels.py) instead of varlen_attn.
+# Segments this short go to the Triton tile kernel (below) instead of varlen_attn.
 SHORT_SEGMENT_MAX = 64
 # Cross-segment logit offset of the two-segment dense path: exp(-C * head_dim**-0.5) is exactly 0 in
 # float32 for head_dim <= 256, and C is finite in float16 and bfloat16.
@@ -113,13 +116,11 @@ def two_segment_dense_attention(q, k, v, cu_seqlens):
 def _cuda_attention(q, k, v, cu_seqlens, max_seqlen: int):
     n = q.shape[0]
     num_segments = cu_seqlens.shape[0] - 1
-    if q.dtype in (torch.float16, torch.bfloat16):
+    if q.dtype in HALF_PRECISION:
         if max_seqlen >= n and num_segments == 1:
             return _dense_sdpa(q, k, v)
-        if max_seqlen <= SHORT_SEGMENT_MAX and q.shape[-1] <= 128:
-            kernels = _kernels()
-            if kernels is not None:
-                return kernels.short_segment_attention(q, k, v, cu_seqlens, max_seqlen)
+        if max_seqlen <= SHORT_SEGMENT_MAX and q.shape[-1] <= 128 and triton is not None:
+            return short_segment_attention_triton(q, k, v, cu_seqlens, max_seqlen)
         if max_seqlen >= n and num_segments == 2:
             return two_segment_dense_attention(q, k, v, cu_seqlens)
         if _varlen_attn is not None:
@@ -131,9 +132,53 @@ def _cuda_attention(q, k, v, cu_seqlens, max_seqlen: int):
     return _masked_dense_attention(q, k, v, cu_seqlens)
 
 
-def _kernels():
-    try:
-        from encoder_service.runtime import kernels
-    except ImportError:  # no Triton
-        return None
-    return kernels
+
+# ---- Triton: attention over short segments (Qwen2.5 windows) ------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _short_segment_attn_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
+        s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_on, s_oh,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # One program per (segment, head): the whole segment (<= BLOCK_M rows) in one tile. Rows of a longer
+        # segment past BLOCK_M are not computed (only a graph's dummy padding segment may be longer).
+        seg = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        start = tl.load(cu_ptr + seg).to(tl.int64)
+        end = tl.load(cu_ptr + seg + 1).to(tl.int64)
+        length = tl.minimum(end - start, BLOCK_M)
+        if length <= 0:
+            return
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < length
+        m2 = rmask[:, None] & (cols[None, :] < D)
+        r64 = (start + rows).to(tl.int64)[:, None]
+        q = tl.load(q_ptr + r64 * s_qn + h * s_qh + cols[None, :], mask=m2, other=0.0)
+        k = tl.load(k_ptr + r64 * s_kn + h * s_kh + cols[None, :], mask=m2, other=0.0)
+        v = tl.load(v_ptr + r64 * s_vn + h * s_vh + cols[None, :], mask=m2, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_M] float32
+        s = tl.where(rmask[None, :], s, float("-inf"))
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        l = tl.sum(p, axis=1)
+        o = tl.dot(p.to(v.dtype), v) / l[:, None]
+        tl.store(o_ptr + r64 * s_on + h * s_oh + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=m2)
+
+
+def short_segment_attention_triton(q, k, v, cu_seqlens, max_seqlen: int):
+    """Attention within segments of at most `max_seqlen` (<= 128) rows; q, k, v [N, H, D] -> [N, H, D]."""
+    n, h, d = q.shape
+    out = torch.empty(n, h, d, device=q.device, dtype=q.dtype)
+    num_segments = cu_seqlens.shape[0] - 1
+    block_m = max(16, triton.next_power_of_2(max_seqlen))
+    block_d = max(16, triton.next_power_of_2(d))
+    if num_segments > 0 and n:
+        _short_segment_attn_kernel[(num_segments, h)](
+            q, k, v, out, cu_seqlens, d**-0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4 if block_m <= 64 else 8,
+        )
+    return out

@@ -1,0 +1,14 @@
+"""The towers' compute ops, each a torch reference beside its fast CUDA kernel.
+
+`fast_path.py` decides which one runs (the kernel only on CUDA in bfloat16 / float16 with Triton present);
+every other module is one op family:
+
+  - norm.py:       pre-norm (RMSNorm, LayerNorm) and the residual add of the projection that closes a
+                   sub-layer (bias folded into the norm kernel, residual in the GEMM epilogue)
+  - rotary.py:     the 2D rotary of q and k, split out of the fused qkv projection, in float32
+  - activation.py: the MLP activations (gated SiLU on the merged gate/up output; tanh-GELU in the fc1 GEMM)
+  - attention.py:  non-causal attention over packed variable-length segments (per-layout CUDA dispatch)
+  - pos_embed.py:  Qwen3's learned position embedding, 4 bilinear taps weighted and added
+
+The towers (models/) call these from their own forward. Nothing here imports models/ or runtime/.
+"""

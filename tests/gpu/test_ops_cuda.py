@@ -1,0 +1,79 @@
+"""Each fused kernel of ops/ against its torch reference on the same CUDA bfloat16 inputs (the CPU tiers
+run only the references). Differences are rounding only: the kernels keep float32 inside and round once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from encoder_service.models.metadata import build_batch_metadata
+from encoder_service.ops import activation, attention, norm, pos_embed, rotary
+from encoder_service.ops.fast_path import fast_path
+
+DEV, DT = "cuda", torch.bfloat16
+
+
+def rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def test_fast_path_only_in_half_precision_on_cuda():
+    assert fast_path(torch.ones(1, device=DEV, dtype=DT))
+    assert not fast_path(torch.ones(1, device=DEV)) and not fast_path(torch.ones(1, dtype=DT))
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_norm_residual(rms):
+    x = torch.randn(1000, 1280, device=DEV, dtype=DT)
+    w, b, pb = (torch.randn(1280, device=DEV, dtype=DT) for _ in range(3))
+    bias = None if rms else b
+    normed, residual = norm.pre_norm(x, w, bias, 1e-6, rms=rms, proj_bias=pb)
+    ref = norm.rms_norm(x, w, 1e-6) if rms else F.layer_norm(x, (1280,), w, b, 1e-6)
+    assert rel(normed, ref) < 1e-2 and rel(residual, x + pb) < 1e-2
+    h, wp = torch.randn(1000, 640, device=DEV, dtype=DT), torch.randn(1280, 640, device=DEV, dtype=DT) * 0.05
+    assert rel(norm.add_projection(residual, h, wp, pb), x + F.linear(h, wp, pb)) < 1e-2
+
+
+def test_rotary():
+    n, heads, d = 777, 16, 80
+    qkv = torch.randn(n, 3 * heads * d, device=DEV, dtype=DT)
+    cos, sin = torch.randn(n, d, device=DEV), torch.randn(n, d, device=DEV)
+    q, k, v = rotary.rotate_qkv(qkv, cos, sin, heads)
+    view = qkv.view(n, 3, heads, d)
+    rq, rk = rotary.apply_rotary(view[:, 0], view[:, 1], cos, sin)
+    assert rel(q, rq) < 1e-2 and rel(k, rk) < 1e-2 and torch.equal(v, view[:, 2])
+
+
+def test_activations():
+    x = torch.randn(500, 1280, device=DEV, dtype=DT)
+    w, b = torch.randn(2 * 384, 1280, device=DEV, dtype=DT) * 0.03, torch.randn(2 * 384, device=DEV, dtype=DT)
+    ref = F.silu(F.linear(x, w[:384], b[:384])) * F.linear(x, w[384:], b[384:])
+    assert rel(activation.gated_linear_act(x, w, b, F.silu), ref) < 1e-2
+    ref = activation.gelu_tanh(F.linear(x, w, b))
+    assert rel(activation.linear_act(x, w, b, activation.gelu_tanh), ref) < 1e-2
+
+
+def test_pos_embed():
+    n, e = 900, 1152
+    x, table = torch.randn(n, e, device=DEV, dtype=DT), torch.randn(2304, e, device=DEV, dtype=DT)
+    idx, w = torch.randint(0, 2304, (n, 4), device=DEV), torch.rand(n, 4, device=DEV)
+    ref = x + (F.embedding(idx, table) * w[:, :, None]).sum(1).to(DT)
+    assert rel(pos_embed.add_position_embedding(x, table, idx, w), ref) < 1e-2
+
+
+def test_short_segment_attention():
+    """Qwen2.5 windows of one 1080p-like image, with graph padding: dummy windows of 64 rows, empty slots."""
+    meta = build_batch_metadata([(1, 30, 46)], merge=2, head_dim=80, rope_theta=10000.0, window_units=4)
+    bounds = meta.cu_window_seqlens.tolist()
+    bounds += list(range(bounds[-1] + 64, 2048, 64)) + [2048] * 5
+    cu = torch.tensor(bounds, device=DEV, dtype=torch.int32)
+    q, k, v = (torch.randn(2048, 16, 80, device=DEV, dtype=DT) for _ in range(3))
+    out = attention.varlen_attention(q, k, v, cu, 64)  # the Triton kernel (max_seqlen <= 64)
+    ref = attention.varlen_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), cu.cpu(), 64)
+    assert rel(out.cpu(), ref) < 1e-2
