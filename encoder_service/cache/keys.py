@@ -26,7 +26,7 @@ import blake3
 import xxhash
 
 from encoder_service import NUMERICS_VERSION
-from encoder_service.errors import InvalidInput, NotFound
+from encoder_service.errors import InvalidInput
 
 HASH_ALGOS = ("blake3", "xxh3_128", "sha256")
 KEY_PREFIX = "encsvc"
@@ -120,12 +120,13 @@ def caller_key(caller_id: str, model_fp: str) -> CacheKey:
 
 
 def key_from_id(public_id: str, model_fp: str, algo: str = "blake3") -> CacheKey:
-    """Resolve an id a client sent back (from an `encode` answer) to its key; NotFound if malformed."""
+    """Resolve an id a client sent back (from an `encode` answer) to its key. InvalidInput if malformed:
+    no encode answered it (a well-formed id that is not cached is NotFound where it is looked up)."""
     if public_id.startswith(CALLER_PREFIX):
         try:
             return caller_key(public_id[len(CALLER_PREFIX) :], model_fp)
         except InvalidInput as exc:
-            raise NotFound(f"unknown id {public_id!r:.80}: {exc.message}") from None
+            raise InvalidInput(f"malformed id {public_id!r:.80}: {exc.message}") from None
     if not _CONTENT_ID_RE.match(public_id):
-        raise NotFound(f"unknown id {public_id!r:.80}: not a 32-hex-digit content id or u:<caller id>")
+        raise InvalidInput(f"malformed id {public_id!r:.80}: not a 32-hex-digit content id or u:<caller id>")
     return CacheKey(id=public_id, name=f"{KEY_PREFIX}:{model_fp}:c:{algo}:{public_id}")

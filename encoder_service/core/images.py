@@ -54,9 +54,7 @@ class ImageReader:
             header = preprocessing.probe(data, self.limits)
             plan = preprocessing.plan(header, self.cfg)
         except errors.EncoderServiceError as exc:
-            exc.message = f"image {index}: {exc.message}"
-            exc.args = (exc.message,)
-            raise
+            raise exc.prefixed(f"image {index}: ") from None
         if caller_id is not None:
             key = caller_key(caller_id, self._model_fp)
         else:
