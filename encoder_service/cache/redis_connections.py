@@ -25,6 +25,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+try:  # deadlines for a block of awaits; unlike asyncio.wait_for on 3.11, they never swallow a cancellation
+    from asyncio import timeout, timeout_at  # 3.11+
+except ImportError:  # 3.10: redis-py depends on async-timeout there
+    from async_timeout import timeout, timeout_at  # type: ignore[no-redef]
+
 
 class PoolTimeout(Exception):
     """No connection free within `wait_s`: this process is busy, Redis may be fine (a miss, not down)."""
@@ -82,8 +87,9 @@ class Connections:
         else:
             self.counters["pool_waits"] += 1
             try:
-                await asyncio.wait_for(self._slots.acquire(), self.wait_s)
-            except asyncio.TimeoutError:
+                async with timeout(self.wait_s):
+                    await self._slots.acquire()
+            except TimeoutError:
                 self.counters["pool_timeouts"] += 1
                 raise PoolTimeout(f"no Redis connection free within {self.wait_s} s") from None
         try:

@@ -41,7 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from encoder_service.cache import handoff
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
 from encoder_service.cache.handoff import LANDED, PENDING, EncodeFailed, Settled, marker_name
-from encoder_service.cache.redis_connections import Connections, PoolTimeout
+from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout_at
 from encoder_service.cache.subscriber import Subscriber, SubscriberLost
 
 log = logging.getLogger("encoder_service.cache.redis")
@@ -95,8 +95,9 @@ class RedisTier:
         self._max_marked = max_marked
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
-            writes=0, writes_dropped=0, skipped_down=0, pending_marked=0, pending_settled=0, pending_waits=0, pending_wakeups=0, pending_timeouts=0,
-            pending_failures=0, notices_dropped=0,
+            writes=0, writes_dropped=0, skipped_down=0, notices_dropped=0,
+            pending_marked=0, pending_settled=0, pending_waits=0, pending_wakeups=0, pending_timeouts=0,
+            pending_failures=0,
         )  # fmt: skip
 
     async def start(self) -> None:
@@ -263,7 +264,7 @@ class RedisTier:
         except (RedisError, PoolTimeout) as exc:
             if isinstance(exc, RedisError):
                 self._on_error(exc, writing=True)
-            self._dropped(key, "Redis is full" if isinstance(exc, OutOfMemoryError) else "its write to Redis failed")
+            self._dropped(key, "Redis is full" if isinstance(exc, OutOfMemoryError) else "its write failed")
             return
         self._headers.pop(key, None)
         self.counters["writes"] += 1
@@ -323,9 +324,11 @@ class RedisTier:
         error. `label` names the id in error messages (default: `key`)."""
         if not self._available():
             return Settled.UNAVAILABLE
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
-            return await asyncio.wait_for(self._wait(key, label or key), timeout_s)
-        except asyncio.TimeoutError:
+            async with timeout_at(deadline):
+                return await self._wait(key, label or key, deadline)
+        except TimeoutError:
             self.counters["pending_timeouts"] += 1
             return Settled.TIMED_OUT
         except EncodeFailed:
@@ -337,7 +340,7 @@ class RedisTier:
             self._on_error(exc)
             return Settled.UNAVAILABLE
 
-    async def _wait(self, key: str, label: str) -> Settled:
+    async def _wait(self, key: str, label: str, deadline: float | None) -> Settled:
         marker = marker_name(key)
         settled, _ = await self._check(key, marker, label)
         if settled is not None:
@@ -349,17 +352,22 @@ class RedisTier:
                 # and the SUBSCRIBE is visible as state now (the publisher changes the state first); any
                 # later one arrives as a message. The wait ends at the marker's expiry at the latest (its
                 # replica crashed?): then the state is checked again, as the marker may have been renewed.
-                settled, expires_s = await self._check(key, marker, label)
+                settled, expires_at = await self._check(key, marker, label)
                 if settled is not None:
                     return settled
                 if not slept:
                     self.counters["pending_waits"] += 1
                     slept = True
+                # Bounded by the caller's deadline here too, not only by the cancellation `wait_for`'s
+                # timeout sends: on Python 3.11 asyncio.wait_for (inside redis-py) can swallow one.
+                wake_at = min((t for t in (expires_at, deadline) if t is not None), default=None)
                 try:
-                    value = await asyncio.wait_for(asyncio.shield(message), expires_s)
+                    async with timeout_at(wake_at):
+                        value = await asyncio.shield(message)
                     break
-                except asyncio.TimeoutError:
-                    continue
+                except TimeoutError:
+                    if wake_at == deadline:
+                        raise
         if value is None:
             raise SubscriberLost("redis pub/sub connection lost during the wait")
         self.counters["pending_wakeups"] += 1
@@ -367,13 +375,14 @@ class RedisTier:
         return Settled.LANDED
 
     async def _check(self, key: str, marker: str, label: str) -> tuple[Settled | None, float | None]:
-        """(LANDED or NOT_PENDING, _) or raises the failure; (None, seconds until the marker expires) while
-        still pending."""
+        """(LANDED or NOT_PENDING, None) or raises the failure; (None, when the marker expires, in loop time)
+        while still pending."""
         exists, value, pttl = await self._conns.pipelined(("exists", key), ("get", marker), ("pttl", marker))
         if exists:
             return Settled.LANDED, None
         if value == PENDING:
-            return None, (pttl + 20) / 1000 if pttl >= 0 else None  # -1: no TTL (not one of ours)
+            # Wake 20 ms past the expiry, so that the next check finds it gone; -1: no TTL (not one of ours).
+            return None, asyncio.get_running_loop().time() + (pttl + 20) / 1000 if pttl >= 0 else None
         handoff.raise_if_failed(value, label)
         return Settled.NOT_PENDING, None
 

@@ -14,7 +14,8 @@ Losing the connection (Redis killed, or the tier marked down: `reset`) resolves 
 "lost" (None / False: results, not exceptions, so futures nobody awaits any more log nothing) and drops all
 local state; the next wait connects again. The connection has no read timeout (it idles between messages;
 TCP keepalive instead), and its connect and sends are shielded: a waiter that times out must not abort a
-command half written on the shared connection (redis-py would close it under everyone).
+command half written on the shared connection (redis-py would close it under everyone). Sends go out in the
+order they were made.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Subscriber:
         self._channels: dict[bytes, _Channel] = {}
         self._confirmations: dict[bytes, deque[asyncio.Future]] = {}
         self._closing: set[asyncio.Task] = set()
+        self._last_send: asyncio.Future | None = None
         self.counters = dict(subscriber_connects=0, subscriber_lost=0)
 
     @property
@@ -116,13 +118,18 @@ class Subscriber:
         return conn
 
     async def _send(self, conn, *command: bytes) -> None:
-        if conn is not self._conn or not conn.is_connected:
-            raise SubscriberLost("redis pub/sub connection lost")
-        sending = asyncio.ensure_future(self._send_now(conn, command))
+        # A task, so that it finishes even when this waiter is cancelled, chained to the one before it, so that
+        # commands go out in the order they were asked for (an UNSUBSCRIBE never overtakes its SUBSCRIBE).
+        sending = asyncio.ensure_future(self._send_after(self._last_send, conn, command))
         sending.add_done_callback(_retrieve)
-        await asyncio.shield(sending)  # finishes even when this waiter is cancelled
+        self._last_send = sending
+        await asyncio.shield(sending)
 
-    async def _send_now(self, conn, command: tuple[bytes, ...]) -> None:
+    async def _send_after(self, previous: asyncio.Future | None, conn, command: tuple[bytes, ...]) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        if conn is not self._conn or not conn.is_connected:  # lost: redis-py would connect it again to send
+            raise SubscriberLost("redis pub/sub connection lost")
         try:
             await conn.send_command(*command)
         except Exception as exc:

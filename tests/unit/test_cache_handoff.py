@@ -129,6 +129,27 @@ async def test_a_wait_ends_at_the_callers_timeout(redis_server):
         assert stats["redis_pending_timeouts"] == 1 and stats["redis_pending_channels"] == 0  # unsubscribed
 
 
+async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
+    """Fetches that time out at any point of their wait (before, during or after their SUBSCRIBE is sent)
+    unsubscribe: nothing accumulates on the shared connection."""
+    async with replicas(redis_server.url) as (a, b):
+        keys = [f"k{i}" for i in range(20)]
+        assert await a.mark_pending(keys)
+        timeouts = [0.0005 * i for i in range(200)]  # 0 to 0.1 s
+        got = await asyncio.gather(*(b.wait_for(keys[i % 20], t) for i, t in enumerate(timeouts)))
+        assert set(got) == {Settled.TIMED_OUT} and b.stats()["redis_pending_channels"] == 0
+
+        def subscriptions() -> int:
+            with redis.Redis.from_url(redis_server.url) as direct:
+                return sum(int(c["sub"]) for c in direct.client_list())
+
+        await wait_until(lambda: subscriptions() == 0)  # the UNSUBSCRIBEs reached Redis
+        assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # and the connection still works
+        waiting = await accepted_and_awaited(a, b, "k0")
+        await a.get_or_create("k0", creator(make_entry(7), []))
+        assert await asyncio.wait_for(waiting, 1.0) is Settled.LANDED
+
+
 async def test_markers_expire_so_a_crashed_replica_cannot_hold_fetches(redis_server):
     async with replicas(redis_server.url) as (a, b):
         assert await a.mark_pending(["orphan"], lease_s=0.5)  # then A "crashes": it never settles
