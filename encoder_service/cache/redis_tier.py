@@ -319,14 +319,15 @@ class RedisTier:
     async def wait_for(self, key: str, timeout_s: float | None, label: str | None = None) -> Settled:
         """A fetch's wait for `key` (a miss here) that another replica may be encoding. LANDED as soon as its
         rows are in Redis (read them now); NOT_PENDING at once when nobody marked it, or when its marker
-        expires meanwhile; TIMED_OUT after `timeout_s` (None: bounded by the marker's TTL only); UNAVAILABLE
-        when Redis is or goes down (at once, no hang). Raises `EncodeFailed` with the encoding replica's
-        error. `label` names the id in error messages (default: `key`)."""
+        expires meanwhile; TIMED_OUT after `timeout_s` (None: bounded by the marker's TTL only; 0: the state
+        now, without waiting: TIMED_OUT for an id still pending); UNAVAILABLE when Redis is or goes down (at
+        once, no hang). Raises `EncodeFailed` with the encoding replica's error. `label` names the id in
+        error messages (default: `key`)."""
         if not self._available():
             return Settled.UNAVAILABLE
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
-            async with timeout_at(deadline):
+            async with timeout_at(deadline if timeout_s else None):  # 0: "don't wait", after one check
                 return await self._wait(key, label or key, deadline)
         except TimeoutError:
             self.counters["pending_timeouts"] += 1
@@ -345,6 +346,8 @@ class RedisTier:
         settled, _ = await self._check(key, marker, label)
         if settled is not None:
             return settled
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise TimeoutError  # pending, and no time left to wait
         async with self._subscriber.subscription(marker) as message:
             slept = False
             while True:

@@ -187,8 +187,10 @@ class EmbeddingStore:
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
         """For a fetch that missed every tier: wait until another replica's encode of `key` lands in Redis
-        (LANDED: read again), or NOT_PENDING at once when none is under way (404). Raises `EncodeFailed`
-        when that encode failed. NOT_PENDING without Redis: then a fetch must reach the encoding replica."""
+        (LANDED: read again), or NOT_PENDING at once when none is under way (404); TIMED_OUT past `timeout_s`
+        (core/timeouts.py: None no bound, 0 don't wait), UNAVAILABLE when Redis is down. Raises
+        `EncodeFailed` when that encode failed. NOT_PENDING without Redis: a fetch must reach the encoding
+        replica then."""
         if self.redis is None:
             return Settled.NOT_PENDING
         label = key.id if isinstance(key, CacheKey) else key

@@ -127,6 +127,13 @@ async def test_a_wait_ends_at_the_callers_timeout(redis_server):
         assert 0.3 <= time.monotonic() - t0 < 1.0
         stats = b.stats()
         assert stats["redis_pending_timeouts"] == 1 and stats["redis_pending_channels"] == 0  # unsubscribed
+        # timeout 0, "don't wait": the state now, from one check, without subscribing
+        await a.get_or_create("there", creator(make_entry(2), []))
+        await a.redis.flush()
+        assert await b.wait_for("slow", 0) is Settled.TIMED_OUT
+        assert await b.wait_for("never", 0) is Settled.NOT_PENDING
+        assert await b.wait_for("there", 0) is Settled.LANDED
+        assert b.stats()["redis_subscriber_connects"] == 1 and b.stats()["redis_pending_waits"] == 1
 
 
 async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
