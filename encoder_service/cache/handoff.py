@@ -13,10 +13,11 @@ no-wait encode reach Redis only after the ViT ran and the write-behind queue got
       failed  the encode failed, or its rows could not be stored (write-behind queue full, Redis full):
               SET marker "failed <kind> <message>" with a short TTL (under OOM, where SET is refused: DEL it),
               then PUBLISH the same value.
-  - B (`RedisTier.wait_for`) checks [EXISTS entry, GET marker]; only when the marker says pending does it
-    SUBSCRIBE (one shared connection, subscriber.py), wait for Redis to confirm, and check again: an
-    outcome published between the first check and the subscription is then visible as state, and one
-    published after it arrives as a message. No polling: B sleeps on a future the message resolves.
+  - B (`RedisTier.wait_for`) checks [EXISTS entry, GET marker, PTTL marker]; only when the marker says
+    pending does it SUBSCRIBE (one shared connection, subscriber.py), wait for Redis to confirm, and check
+    again: an outcome published between the first check and the subscription is then visible as state,
+    and one published after it arrives as a message. No polling: B sleeps on a future the message
+    resolves, until its deadline or the marker's expiry at the latest (then it checks once more).
 
 B's outcomes (`Settled`): LANDED (read the rows now), NOT_PENDING (nobody accepted it, or its marker
 expired: the caller answers 404), TIMED_OUT (the caller's timeout), UNAVAILABLE (Redis down or lost
