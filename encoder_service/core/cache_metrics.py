@@ -90,6 +90,43 @@ STORE: dict[str, Stat] = {
                                      "the SET failed"),
     "redis_skipped_down": _counter("encoder_cache_redis_skipped_while_down",
                                    "Redis reads answered as a miss at once because the tier was down"),
+    # Redis connections (cache/redis_connections.py)
+    "redis_pool_waits": _counter("encoder_cache_redis_pool_waits",
+                                 "Redis operations that waited for a free connection (all of them busy)"),
+    "redis_pool_timeouts": _counter("encoder_cache_redis_pool_timeouts",
+                                    "Redis operations that got no free connection in time (a miss or a dropped "
+                                    "write; Redis is not marked down for it)"),
+    "redis_retries": _counter("encoder_cache_redis_retries",
+                              "Redis commands run again on a fresh connection after a connection error (pooled "
+                              "connections dead after a Redis restart)"),
+    # handoff of ids between replicas (cache/handoff.py, cache/subscriber.py)
+    "redis_pending_marked": _counter("encoder_cache_redis_pending_marked",
+                                     "Ids this replica marked pending in Redis when it accepted them"),
+    "redis_pending_settled": _counter("encoder_cache_redis_pending_settled",
+                                      "Pending markers settled and published: rows landed, or the encode failed "
+                                      "or its rows could not be stored"),
+    "redis_pending_unsettled": _gauge("encoder_cache_redis_pending_unsettled",
+                                      "Ids marked pending by this replica and not settled yet"),
+    "redis_queued_notices": _gauge("encoder_cache_redis_notice_queue",
+                                   "Marker outcomes queued behind the write-behind, to be published"),
+    "redis_notices_dropped": _counter("encoder_cache_redis_dropped_notices",
+                                      "Marker outcomes not published (Redis down, an error, or the queue bound): "
+                                      "waiters elsewhere end at their timeout or the marker's expiry"),
+    "redis_pending_waits": _counter("encoder_cache_redis_pending_waits",
+                                    "Fetches that waited for an id another replica is encoding"),
+    "redis_pending_wakeups": _counter("encoder_cache_redis_pending_wakeups",
+                                      "Waiting fetches woken by the encoding replica's message"),
+    "redis_pending_timeouts": _counter("encoder_cache_redis_pending_timeouts",
+                                       "Waits for another replica's encode that reached the fetch's timeout"),
+    "redis_pending_failures": _counter("encoder_cache_redis_pending_failures",
+                                       "Waits answered with the encoding replica's failure (not a 404)"),
+    "redis_pending_channels": _gauge("encoder_cache_redis_pending_channels",
+                                     "Ids this replica's fetches wait on now (channels of its one pub/sub "
+                                     "connection)"),
+    "redis_subscriber_connects": _counter("encoder_cache_redis_subscriber_connects",
+                                          "Connections of the shared pub/sub connection"),
+    "redis_subscriber_lost": _counter("encoder_cache_redis_subscriber_lost",
+                                      "Losses of the shared pub/sub connection (its waits end at once)"),
 }
 
 # ShmWriter.stats() key -> metric (core/shm_writer.py); absent without --shm-fetch.
