@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up .venv (runtime + test tools) and runs the whole CPU test suite, then the engine tiers (each in a venv
-# of its own: scripts/tiers/).
+# Sets up .venv (runtime + test tools) and runs the whole CPU test suite, then each test tier in its own
+# venv (scripts/tiers/<tier>.sh; TEST_TIERS="" runs none). Arguments go to the main suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 .venv/bin/python -m pytest -q -ra "$@"
-bash scripts/tiers/vllm.sh
+for tier in ${TEST_TIERS-torchvision vllm}; do
+  "scripts/tiers/$tier.sh"
+done

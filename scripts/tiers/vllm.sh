@@ -39,6 +39,8 @@ if [ "$TIER_FRESH" = 1 ]; then
 fi
 
 export VLLM_TARGET_DEVICE=cpu ENCODER_MAIN_PYTHON="${ENCODER_MAIN_PYTHON:-$ROOT/.venv/bin/python}"
-# -W: the main suite's pytest-asyncio options are unknown here (no async tests in this tier)
-"$PY" -m pytest -q -ra -p no:cacheprovider -W ignore::pytest.PytestConfigWarning tests/engines/vllm "$@"
+# --confcutdir: the root conftest (tiny checkpoints, Redis) is not needed. -W: the main suite's pytest-asyncio
+# options are unknown here (no async tests in this tier).
+"$PY" -m pytest -q -ra -p no:cacheprovider --confcutdir=tests/engines -W ignore::pytest.PytestConfigWarning \
+  tests/engines/vllm "$@"
 echo "vllm tier: $((SECONDS - START)) s in all"

@@ -21,7 +21,7 @@ pytest.importorskip("vllm.config", reason="vLLM tier: run scripts/tiers/vllm.sh"
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from tests.engines.vllm.conftest import TOKEN, ec_config, encoder_service_argv, free_port, subprocess_env  # noqa: E402
+from tests.support.vllm_engine import TOKEN, ec_config, encoder_service_argv, free_port, subprocess_env  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.vllm_docs import doc_command, with_values  # noqa: E402
 
