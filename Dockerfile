@@ -38,8 +38,9 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVI
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY encoder_service ./encoder_service
-# A regular (not editable) install: the runtime stage gets only /opt/venv, not /src.
-RUN pip install --no-cache-dir /src
+# A regular (not editable) install: the runtime stage gets only /opt/venv, not /src. The sglang extra (pyzmq)
+# lets the image serve --sglang-protocol (off unless enabled).
+RUN pip install --no-cache-dir "/src[sglang]"
 
 # ---- runtime ---------------------------------------------------------------------------------------------------
 FROM base AS runtime
