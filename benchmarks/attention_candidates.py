@@ -88,46 +88,58 @@ def _layout(name, family, head_dim, bounds, max_seqlen, desc, real_rows=None):
     )
 
 
-def build_layouts() -> list[dict]:
-    """The towers' layouts, padded by models/metadata.py exactly as the service's graphs pad them (32 images
-    per multi graph: 33 segment slots)."""
-    from encoder_service.models.metadata import EXACT, MULTI, SINGLE, PaddedShape, build_batch_metadata
+def service_graph(grids, patch_size: int) -> tuple[int, str]:
+    """(bucket, graph kind) the service's GraphRunner picks for this batch: make_runner's buckets (settings'
+    ladder + the exact buckets of the common resolutions under its top) and GraphRunner.plan's kind rule."""
+    from types import SimpleNamespace
 
-    def padded(grids, head_dim, kind, bucket, windows=False):
+    from encoder_service.models.metadata import EXACT, MULTI, SINGLE
+    from encoder_service.runtime.runner import exact_resolution_buckets
+    from encoder_service.settings import DEFAULT_BUCKETS
+
+    exact = set(exact_resolution_buckets(SimpleNamespace(patch_size=patch_size, merge_size=2), max(DEFAULT_BUCKETS)))
+    patches = sum(t * h * w for t, h, w in grids)
+    bucket = min(b for b in set(DEFAULT_BUCKETS) | exact if b >= patches)
+    if len(grids) == 1 and grids[0][0] == 1:
+        return bucket, SINGLE if bucket not in exact else (EXACT if patches == bucket else MULTI)
+    return bucket, MULTI
+
+
+def build_layouts() -> list[dict]:
+    """The towers' layouts: the batch padded by models/metadata.py into the graph the service would pick for
+    it (service_graph; 32 images per multi graph: 33 segment slots), or unpadded (eager)."""
+    from encoder_service.models.metadata import PaddedShape, build_batch_metadata
+
+    def layout(name, family, head_dim, patch_size, grids, eager, windows, desc):
         meta = build_batch_metadata(grids, merge=2, head_dim=head_dim, rope_theta=10000.0,
                                     window_units=4 if windows else None)
-        if kind is None:  # eager: unpadded
-            cu, m = (meta.cu_window_seqlens, meta.max_window_seqlen) if windows else (meta.cu_seqlens, meta.max_seqlen)
-            return cu.tolist(), m, meta.num_patches
-        shape = PaddedShape.for_graph(bucket, kind, max_images=32, merge_unit=4, window_units=4 if windows else None)
-        p = meta.padded(shape)
-        cu, m = (p.cu_window_seqlens, p.max_window_seqlen) if windows else (p.cu_seqlens, p.max_seqlen)
-        return cu.tolist(), m, meta.num_patches
+        real = meta.num_patches
+        if not eager:
+            bucket, kind = service_graph(grids, patch_size)
+            shape = PaddedShape.for_graph(bucket, kind, max_images=32, merge_unit=4,
+                                          window_units=4 if windows else None)
+            meta = meta.padded(shape)
+            desc = f"{desc}: graph {bucket}/{kind}"
+        cu, max_seqlen = (meta.cu_window_seqlens, meta.max_window_seqlen) if windows else (meta.cu_seqlens,
+                                                                                          meta.max_seqlen)
+        return _layout(name, family, head_dim, cu.tolist(), max_seqlen, desc, real_rows=real)
 
-    q3, q25 = ("qwen3_vl", 72), ("qwen2_5_vl", 80)
-    specs = [  # name, (family, D), grids, graph kind (None: eager), bucket, windows, description
-        ("q3_1080p", q3, [(1, 68, 120)], EXACT, 8160, False, "Qwen3 1080p (1920x1088): exact graph, one segment"),
-        ("q25_1080p", q25, [(1, 78, 138)], EXACT, 10764, False, "Qwen2.5 1080p (1932x1092) full layers: exact graph"),
-        ("q25_1080p_win", q25, [(1, 78, 138)], EXACT, 10764, True, "Qwen2.5 1080p window layers (exact graph's slots)"),
-        ("q3_720p", q3, [(1, 46, 80)], EXACT, 3680, False, "Qwen3 720p (1280x736): exact graph, one segment"),
-        ("q3_1280x704_single", q3, [(1, 44, 80)], SINGLE, 4096, False,
-         "Qwen3 1280x704 in the 4096 'single' graph: image + dummy segment, max_seqlen 4096"),
-        ("q25_1036x1036_single", q25, [(1, 74, 74)], SINGLE, 8192, False,
-         "Qwen2.5 1036x1036 in the 8192 'single' graph: image + dummy segment, max_seqlen 8192"),
-        ("q3_8x448_multi", q3, [(1, 28, 28)] * 8, MULTI, 8192, False,
-         "Qwen3 8 x 448x448 in the 8192 'multi' graph: 8 + dummy segment + 24 empty slots, max_seqlen 8192"),
-        ("q25_8x448_multi", q25, [(1, 32, 32)] * 8, MULTI, 8192, False,
-         "Qwen2.5 8 x 448x448 in the 8192 'multi' graph: 8 segments + 25 empty slots, max_seqlen 8192"),
-        ("q3_8x448_eager", q3, [(1, 28, 28)] * 8, None, 0, False, "Qwen3 8 x 448x448 eagerly: 8 x 784, exact"),
-        ("q25_8x448_eager", q25, [(1, 32, 32)] * 8, None, 0, False, "Qwen2.5 8 x 448x448 eagerly: 8 x 1024, exact"),
-        ("q25_8x448_win_multi", q25, [(1, 32, 32)] * 8, MULTI, 8192, True,
-         "Qwen2.5 8 x 448x448 window layers in the 8192 'multi' graph (its window slots)"),
+    q3, q25 = ("qwen3_vl", 72, 16), ("qwen2_5_vl", 80, 14)
+    specs = [  # name, (family, D, patch), grids, eager, windows, description
+        ("q3_1080p", q3, [(1, 68, 120)], False, False, "Qwen3 1920x1088, one segment"),
+        ("q25_1080p", q25, [(1, 78, 138)], False, False, "Qwen2.5 1932x1092, full-attention layers"),
+        ("q25_1080p_win", q25, [(1, 78, 138)], False, True, "Qwen2.5 1932x1092, window layers"),
+        ("q3_720p", q3, [(1, 44, 80)], False, False, "Qwen3 1280x704 (720p), one segment"),
+        ("q3_1024x960_single", q3, [(1, 60, 64)], False, False, "Qwen3 1024x960: image + dummy segment"),
+        ("q25_1036x1036_single", q25, [(1, 74, 74)], False, False, "Qwen2.5 1036x1036: image + dummy segment"),
+        ("q3_8x448_multi", q3, [(1, 28, 28)] * 8, False, False, "Qwen3 8 x 448x448: 8 + dummy + empty slots"),
+        ("q25_8x448_multi", q25, [(1, 32, 32)] * 8, False, False, "Qwen2.5 8 x 448x448: 8 + empty slots"),
+        ("q3_8x448_eager", q3, [(1, 28, 28)] * 8, True, False, "Qwen3 8 x 448x448 eagerly: 8 x 784"),
+        ("q25_8x448_eager", q25, [(1, 32, 32)] * 8, True, False, "Qwen2.5 8 x 448x448 eagerly: 8 x 1024"),
+        ("q25_8x448_win_multi", q25, [(1, 32, 32)] * 8, False, True, "Qwen2.5 8 x 448x448, window layers"),
     ]
-    layouts = []
-    for name, (family, d), grids, kind, bucket, windows, desc in specs:
-        cu, max_seqlen, real = padded(grids, d, kind, bucket, windows)
-        layouts.append(_layout(name, family, d, cu, max_seqlen, desc, real_rows=real))
-    return layouts
+    return [layout(name, family, d, patch, grids, eager, windows, desc)
+            for name, (family, d, patch), grids, eager, windows, desc in specs]
 
 
 # ---- candidates -------------------------------------------------------------------------------------

@@ -15,6 +15,15 @@ class EncoderServiceError(Exception):
         super().__init__(message)
         self.message = message
 
+    def prefixed(self, prefix: str) -> EncoderServiceError:
+        """A copy of this error (same type and fields) whose message starts with `prefix`, e.g. "image 2: ".
+        A copy, not an edit: one failure may reach many waiters, each naming its own image."""
+        copy = type(self).__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.message = prefix + self.message
+        copy.args = (copy.message,)
+        return copy
+
 
 class InvalidInput(EncoderServiceError):
     """The request itself is wrong: bad bytes, bad base64, bad ranges. HTTP 400 / INVALID_ARGUMENT."""
@@ -34,8 +43,8 @@ class LimitExceeded(InvalidInput):
 
     kind = "limit"
 
-    def __init__(self, what: str, value, limit):
-        super().__init__(f"{what} is {value}, over the limit of {limit}")
+    def __init__(self, what: str, value, limit, hint: str = ""):
+        super().__init__(f"{what} is {value}, over the limit of {limit}" + (f": {hint}" if hint else ""))
         self.what, self.value, self.limit = what, value, limit
 
 

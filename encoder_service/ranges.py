@@ -13,6 +13,8 @@ from typing import Hashable, Iterable, Sequence
 from encoder_service.errors import InvalidInput
 
 PlaceholderItem = tuple[Hashable, int, int]  # (id, offset, num_tokens)
+# Prompt positions are int64 on gRPC; HTTP takes the same range, so a position means the same on both.
+POSITION_LIMIT = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,7 @@ def sorted_items(items: Iterable[PlaceholderItem]) -> list[PlaceholderItem]:
     ordered = sorted(((i, int(o), int(n)) for i, o, n in items), key=lambda item: item[1])
     prev_end, prev_id = 0, None
     for item_id, offset, num_tokens in ordered:
-        if offset < 0:
-            raise InvalidInput(f"image {item_id!r}: offset must be >= 0, got {offset}")
+        check_position(f"image {item_id!r}: offset", offset)
         if num_tokens <= 0:
             raise InvalidInput(f"image {item_id!r}: num_tokens must be > 0, got {num_tokens}")
         if prev_id is not None and offset < prev_end:
@@ -62,18 +63,26 @@ def sorted_items(items: Iterable[PlaceholderItem]) -> list[PlaceholderItem]:
     return ordered
 
 
+def check_position(what: str, value: int) -> None:
+    """The one bound on prompt positions (offsets, chunk start and end): 0 <= value < 2**63."""
+    if value < 0:
+        raise InvalidInput(f"{what} must be >= 0, got {value}")
+    if value >= POSITION_LIMIT:
+        raise InvalidInput(f"{what} must be < 2**63 (prompt positions are int64), got {value}")
+
+
 def _check_chunk(start: int, end: int) -> None:
-    if start < 0:
-        raise InvalidInput(f"chunk start must be >= 0, got {start}")
+    check_position("chunk start", start)
     if end <= start:
         raise InvalidInput(f"chunk end must be > start, got start={start} end={end}")
+    check_position("chunk end", end)
 
 
 def plan_chunk(items: Sequence[PlaceholderItem], start: int, end: int) -> list[Segment]:
     """Segments of the images overlapping [start, end), in placeholder (offset) order.
 
-    Raises InvalidInput for a negative offset, a non-positive num_tokens, overlapping placeholder
-    ranges, start < 0 or end <= start.
+    Raises InvalidInput for an offset, start or end outside [0, 2**63), a non-positive num_tokens,
+    overlapping placeholder ranges, or end <= start.
     """
     _check_chunk(start, end)
     segments = []

@@ -17,6 +17,10 @@ from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 
 HASHES = ("blake3", "xxh3_128", "sha256")
 DTYPES = ("bfloat16", "float16", "float32")
+# Preprocessing backends (preprocessing/backends.py): the Pillow pipeline on CPU threads; transformers'
+# torchvision pipeline on the model's device, JPEGs decoded with nvJPEG on CUDA; the same with every image
+# decoded by Pillow (pixels exactly those transformers gets from a PIL image).
+PREPROCESS_BACKENDS = ("pil", "torchvision", "torchvision-pil-decode")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --attention: ops/attention.py's CHOICES (kept here so that settings import no torch).
 ATTENTION = ("auto", "fa4", "triton", "torch")
@@ -81,6 +85,7 @@ class ModelSettings:
     revision: str | None
     device: str
     dtype: str
+    preprocess: str = "pil"  # one of PREPROCESS_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "revision": (str, None, "hub revision"),
     "device": (_device, None, "cuda if available else cpu"),
     "dtype": (_choice(DTYPES), None, "bfloat16 on GPU, float32 on CPU"),
+    "preprocess": (_choice(PREPROCESS_BACKENDS), None,
+                   "image preprocessing backend: torchvision on CUDA, pil elsewhere"),
     "host": (str, "127.0.0.1", "bind address of both servers"),
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
@@ -273,6 +280,7 @@ def _build(v: dict) -> Settings:
     device = v["device"] or ("cuda" if _cuda_available() else "cpu")
     on_gpu = device.startswith("cuda")
     dtype = v["dtype"] or ("bfloat16" if on_gpu else "float32")
+    preprocess = v["preprocess"] or ("torchvision" if on_gpu else "pil")
     cuda_graphs = on_gpu if v["cuda_graphs"] is None else bool(v["cuda_graphs"]) and on_gpu
     if v["http_port"] == 0 and v["grpc_port"] == 0:
         raise SettingsError("--http-port and --grpc-port are both 0: at least one server must run")
@@ -289,7 +297,8 @@ def _build(v: dict) -> Settings:
     if v["redis_url"] and not re.match(r"^(redis|rediss|unix)://", v["redis_url"]):
         raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
     return Settings(
-        model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype),
+        model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype,
+                            preprocess=preprocess),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"]),

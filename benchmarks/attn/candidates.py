@@ -10,8 +10,8 @@ CUDA device, unit last stride, v possibly strided; cu_seqlens int32 [S + 1]; non
                        F.scaled_dot_product_attention on [B, H, L, D] views with one backend forced (equal
                        lengths only: B * max_seqlen == N, provable from ints, no filler slots)
 
-Each has `available() -> str` ('' or why not) and `applicable(n, slots, max_seqlen) -> str` ('' or why not).
-From reading the libraries' sources (cudnn-frontend 1.32.0, flash-attn-4 4.0.0b36); the benchmark checks
+Each has `available() -> str` ('' or why not); the dense-only ones serve a layout only when
+`equal_lengths(n, slots, max_seqlen)` (benchmarks/attention_candidates.py checks it). From reading the libraries' sources (cudnn-frontend 1.32.0, flash-attn-4 4.0.0b36); the benchmark checks
 numerics, capture and the RNG for real.
 """
 
@@ -39,9 +39,6 @@ class Candidate:
     def available(self) -> str:
         return "" if torch.cuda.is_available() else "no CUDA"
 
-    def applicable(self, n: int, slots: int, max_seqlen: int) -> str:
-        return ""
-
     def run(self, q, k, v, cu_seqlens, max_seqlen):
         raise NotImplementedError
 
@@ -49,12 +46,7 @@ class Candidate:
         return ""
 
 
-class DenseOnly(Candidate):
-    def applicable(self, n, slots, max_seqlen):
-        return "" if equal_lengths(n, slots, max_seqlen) else "needs B equal-length segments (B * max_seqlen == N)"
-
-
-class FA4Dense(DenseOnly):
+class FA4Dense(Candidate):
     name = "fa4_dense"
 
     def available(self):
@@ -75,7 +67,7 @@ class FA4Dense(DenseOnly):
         return out.flatten(0, 1)
 
 
-class TorchSDPADense(DenseOnly):
+class TorchSDPADense(Candidate):
     def __init__(self, which: str):
         from torch.nn.attention import SDPBackend
 

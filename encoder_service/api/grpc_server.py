@@ -71,7 +71,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             images = [_image_input(i, img) for i, img in enumerate(request.images)]
             result = await self._core.encode(images, wait=request.wait or request.return_embeddings,
                                              return_embeddings=request.return_embeddings,
-                                             timeout_s=context.time_remaining())
+                                             timeout_s=_time_left(context))
             context.set_trailing_metadata(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
@@ -83,7 +83,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             items = [FetchItem(id=i.id, offset=i.offset) for i in request.items]
             shm = (ShmTarget(request.shm.name, request.shm.offset, request.shm.by_position)
                    if request.HasField("shm") else None)
-            result = await self._core.fetch(items, request.start, request.end, timeout_s=context.time_remaining(),
+            result = await self._core.fetch(items, request.start, request.end, timeout_s=_time_left(context),
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
@@ -116,8 +116,9 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             metrics.in_flight.inc()
         try:
             yield
-        except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call
+        except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
             outcome = "cancelled"
+            log.debug("gRPC %s cancelled by the client", method or "call")
             raise
         except Exception as exc:
             outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
@@ -127,6 +128,13 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 metrics.in_flight.dec()
                 metrics.requests.labels(method=method, outcome=outcome).inc()
                 metrics.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
+
+
+def _time_left(context) -> float | None:
+    """The call's deadline as the core's timeout_s: None without one; a deadline already past is 0 (answer
+    with what is ready now), not a negative timeout (which the core rejects as a bad request)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining)
 
 
 def _image_input(index: int, img: pb.Image) -> ImageInput:

@@ -8,12 +8,16 @@ POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
                   (protocol/shm.py) and the answer is JSON: the wire header's fields + "shm_bytes".
 POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
-GET  /health/live, /health/ready, /v1/metadata, /metrics.
+GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
+     /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
+JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400.
+A client that goes away mid-upload is counted as the outcome `cancelled` and logged at debug.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -22,6 +26,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
 from encoder_service.api import errors as api_errors
@@ -40,7 +45,8 @@ OCTET = "application/octet-stream"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion ("5" or true is not a number, 1 is not a bool); a JSON int still passes as a float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ImageJson(_Strict):
@@ -98,8 +104,8 @@ def create_app(core: EncoderCore) -> FastAPI:
 
     @app.get("/health/ready")
     async def ready():
-        ok = core.ready()
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        body = core.readiness()
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -132,6 +138,17 @@ def create_app(core: EncoderCore) -> FastAPI:
             return await handler()
         except EncoderServiceError as exc:
             outcome = exc.kind
+            return _error_response(exc)
+        except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
+            outcome = "cancelled"
+            log.debug("HTTP %s: the client disconnected before its body arrived", method)
+            return Response(status_code=499)  # "client closed request" (nginx's code), for access logs only
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
+            outcome = "internal"
+            log.exception("HTTP %s failed", method)
             return _error_response(exc)
         finally:
             metrics.in_flight.dec()
@@ -200,7 +217,7 @@ def create_app(core: EncoderCore) -> FastAPI:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
-def _error_response(exc: EncoderServiceError) -> JSONResponse:
+def _error_response(exc: Exception) -> JSONResponse:
     headers = {}
     retry = api_errors.retry_after_header(exc)
     if retry is not None:

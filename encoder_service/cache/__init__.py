@@ -1,11 +1,13 @@
 """Per-image embedding cache: keys (keys.py), the stored format (entry.py), the host LRU with leases
-(local.py), the shared Redis tier (redis_tier.py), and the store that ties them together (store.py)."""
+(local.py), the shared Redis tier (redis_tier.py) with its handoff of ids between replicas (handoff.py,
+subscriber.py), and the store that ties them together (store.py)."""
 
 from encoder_service.cache.entry import CorruptEntry, Entry, EntryHeader
+from encoder_service.cache.handoff import EncodeFailed, Settled
 from encoder_service.cache.keys import CacheKey, caller_key, key_from_id, make_key, model_fingerprint
 from encoder_service.cache.store import EmbeddingStore
 
 __all__ = [
-    "CacheKey", "CorruptEntry", "EmbeddingStore", "Entry", "EntryHeader",
+    "CacheKey", "CorruptEntry", "EmbeddingStore", "EncodeFailed", "Entry", "EntryHeader", "Settled",
     "caller_key", "key_from_id", "make_key", "model_fingerprint",
 ]  # fmt: skip

@@ -1,20 +1,28 @@
-"""Shared Redis tier: best effort, never on the response path, never a wrong answer.
+"""Shared Redis tier: best effort, never a wrong answer, never a stalled request.
 
   - Writes are write-behind: `write_behind` queues the entry (bounded in bytes; over the bound the write
     is dropped and counted) and one writer task serializes it (in a thread) and SETs it with a TTL backstop.
   - Reads: `get` fetches and verifies a whole value; `read_rows` reads only a chunk's rows with GETRANGE;
     `header` reads only the fixed header (row count, width, grid) and the value's length.
     Range scheme (see entry.py): the header is read once per key (GETRANGE of HEADER_LEN bytes) and kept in
-    a small cache; each range read is then ONE MULTI/EXEC round trip of [header, STRLEN, the blocks covering
-    the rows, the trailer]. MULTI makes the four replies one snapshot of the value, and the header re-read
-    must equal the cached one, so a value evicted and rewritten in between (possibly with other bytes, e.g.
-    by a replica on another GPU) is detected and re-read, not mixed.
-  - Faults: a connection error or socket timeout marks the tier down (logged once, counted); while down every
-    operation returns a miss at once and a background probe PINGs with exponential backoff, marking it up
-    again (logged once). An OOM reply to a write (maxmemory reached and no eviction policy) pauses writes for
-    a cool-down (logged once); reads go on. Short, corrupt or foreign values are counted and read as misses.
-redis-py's own retries are off (`Retry(NoBackoff(), 0)`): retrying inside a request would stall it, and
-recovery is the probe's job.
+    a small cache; each range read is then ONE pipelined round trip of [header, STRLEN, the blocks covering
+    the rows, the trailer]. Not a MULTI/EXEC: Redis over maxmemory with `noeviction` refuses every MULTI,
+    even of reads, while plain GETRANGEs still work. Another client's SET may land between the pipeline's
+    commands, and the checks catch that: the header read in the pipeline must equal the cached one (its
+    digest covers the trailer's digest), the trailer must match that digest and every block its checksum,
+    so bytes of another value are never served. A mismatch is re-read once with a fresh header (the value
+    was replaced meanwhile, e.g. by a replica on another GPU); a second one is a corrupt value.
+  - Handoff (handoff.py): `mark_pending` at accept, the writer settles the marker and publishes when the
+    rows land or cannot, `mark_failed` when the encode fails; `wait_for` is a fetch's wait on another
+    replica, woken through one shared pub/sub connection (subscriber.py).
+  - Connections (redis_connections.py): bounded; more operations than connections wait for one, and
+    running out is never "Redis is down"; a connection error is retried once on a fresh connection.
+  - Faults: a connection error (again on the retry) or a socket timeout marks the tier down (logged once,
+    counted); while down every operation returns a miss at once and a background probe PINGs with
+    exponential backoff capped at `probe_max_s` (so Redis is back in use within one probe interval of
+    answering again), closes the pooled connections from before the outage, and marks it up (logged once).
+    An OOM reply to a write (maxmemory reached and no eviction policy) pauses writes for a cool-down (logged
+    once); a failed read never does. Short, corrupt or foreign values are counted and read as misses.
 """
 
 from __future__ import annotations
@@ -23,16 +31,18 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
-import redis.asyncio as aioredis
 import torch
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from encoder_service.cache import handoff
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
+from encoder_service.cache.handoff import LANDED, PENDING, EncodeFailed, Settled, marker_name
+from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout_at
+from encoder_service.cache.subscriber import Subscriber, SubscriberLost
 
 log = logging.getLogger("encoder_service.cache.redis")
 
@@ -50,42 +60,51 @@ class RedisTier:
         socket_timeout_s: float = 2.0,
         connect_timeout_s: float = 1.0,
         max_queued_bytes: int = 512 << 20,
-        probe_min_s: float = 0.5,
-        probe_max_s: float = 30.0,
+        max_queued_notices: int = 4096,
+        probe_min_s: float = 0.25,
+        probe_max_s: float = 1.0,
         oom_cooldown_s: float = 30.0,
         header_cache_size: int = 4096,
         max_connections: int = 64,
+        pool_wait_s: float = 2.0,
+        failure_ttl_s: float = 60.0,
+        max_marked: int = 65536,
     ):
         self.url = url
         self.ttl_s = ttl_s
-        self.max_queued_bytes = max_queued_bytes
+        self.max_queued_bytes, self.max_queued_notices = max_queued_bytes, max_queued_notices
         self.probe_min_s, self.probe_max_s = probe_min_s, probe_max_s
         self.oom_cooldown_s = oom_cooldown_s
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            max_connections=max_connections,
-        )
+        self.failure_ttl_s = failure_ttl_s
+        self._conns = Connections(
+            url, max_connections=max_connections, wait_s=pool_wait_s, socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )  # fmt: skip
+        self._subscriber = Subscriber(self._conns.pubsub_connection, self._on_subscriber_lost)
         self.up = True
-        self._writes_paused_until = 0.0  # monotonic; set by an OOM reply
-        self._queue: asyncio.Queue[tuple[str, Entry]] = asyncio.Queue()
+        self._writes_paused_until = 0.0  # monotonic; set by an OOM reply to a write
+        # Rows to write ("rows", key, Entry) and marker outcomes to publish ("settle", key, value), in order.
+        self._queue: asyncio.Queue[tuple[str, str, object]] = asyncio.Queue()
         self._queued_bytes = 0
+        self._queued_notices = 0
         self._writer: asyncio.Task | None = None
         self._probe: asyncio.Task | None = None
         self._headers: OrderedDict[str, tuple[EntryHeader, bytes]] = OrderedDict()
         self._header_cache_size = header_cache_size
+        self._marked: OrderedDict[str, None] = OrderedDict()  # ids marked pending here, not settled yet
+        self._max_marked = max_marked
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
-            writes=0, writes_dropped=0, skipped_down=0,
+            writes=0, writes_dropped=0, skipped_down=0, notices_dropped=0,
+            pending_marked=0, pending_settled=0, pending_waits=0, pending_wakeups=0, pending_timeouts=0,
+            pending_failures=0,
         )  # fmt: skip
 
     async def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop(), name="redis-tier-writer")
         try:
-            await self._client.ping()
-        except _UNREACHABLE as exc:
+            await self._conns.run("ping")
+        except (*_UNREACHABLE, PoolTimeout) as exc:
             self._mark_down(exc)
 
     async def close(self, drain_s: float = 2.0) -> None:
@@ -99,7 +118,8 @@ class RedisTier:
             if task is not None:
                 task.cancel()
         await asyncio.gather(*(t for t in (self._writer, self._probe) if t is not None), return_exceptions=True)
-        await self._client.aclose()
+        await self._subscriber.close()
+        await self._conns.close()
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -125,12 +145,14 @@ class RedisTier:
             return await read(key, *args)
         except CorruptEntry as exc:
             self._on_corrupt(key, exc)
+        except PoolTimeout:
+            pass  # counted where it happened
         except RedisError as exc:
             self._on_error(exc)
         return None
 
     async def _get(self, key: str) -> Entry | None:
-        data = await self._client.get(key)
+        data = await self._conns.run("get", key)
         if data is None:
             self.counters["misses"] += 1
             return None
@@ -139,7 +161,8 @@ class RedisTier:
         return entry
 
     async def _read_rows(self, key: str, start: int, end: int) -> torch.Tensor | None:
-        for _ in range(2):  # a second try only when the value changed under a cached header
+        problem = ""
+        for _ in range(2):  # a second try only when the value changed (or looked corrupt) during the first
             cached = self._headers.get(key) or await self._read_header(key)
             if cached is None:
                 self.counters["misses"] += 1
@@ -147,39 +170,42 @@ class RedisTier:
             header, raw_header = cached
             header.check_rows(start, end)
             lo, hi = header.block_bytes_range(*header.block_span(start, end))
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.getrange(key, 0, HEADER_LEN - 1)
-                pipe.strlen(key)
-                pipe.getrange(key, lo, hi - 1)
-                pipe.getrange(key, header.trailer_offset, header.total_len - 1)
-                now_header, strlen, blocks, trailer = await pipe.execute()
-            if now_header == raw_header:
-                break
-            self._headers.pop(key, None)  # evicted or rewritten since the header was cached
-        else:
-            raise CorruptEntry("value changed twice during a range read")
-        if strlen != header.total_len:
-            raise CorruptEntry(f"value is {strlen} bytes, the header says {header.total_len}")
-        rows = await _maybe_in_thread(len(blocks), rows_from_blocks, header, trailer, start, end, blocks)
-        self.counters["range_hits"] += 1
-        return rows
+            now_header, strlen, blocks, trailer = await self._conns.pipelined(
+                ("getrange", key, 0, HEADER_LEN - 1), ("strlen", key),
+                ("getrange", key, lo, hi - 1), ("getrange", key, header.trailer_offset, header.total_len - 1),
+            )  # fmt: skip
+            if now_header != raw_header:
+                problem = "value changed during a range read"  # evicted or rewritten since the header was cached
+            elif strlen != header.total_len:
+                problem = f"value is {strlen} bytes, the header says {header.total_len}"
+            else:
+                try:
+                    rows = await _maybe_in_thread(len(blocks), rows_from_blocks, header, trailer, start, end, blocks)
+                except CorruptEntry as exc:  # corrupt, or a SET landed between the pipeline's commands
+                    problem = exc.message
+                else:
+                    self.counters["range_hits"] += 1
+                    return rows
+            self._headers.pop(key, None)
+        raise CorruptEntry(f"{problem} (twice)")
 
     async def _header(self, key: str) -> EntryHeader | None:
-        async with self._client.pipeline(transaction=True) as pipe:
-            pipe.getrange(key, 0, HEADER_LEN - 1)
-            pipe.strlen(key)
-            raw, strlen = await pipe.execute()
-        if not raw:
-            self.counters["misses"] += 1
-            return None
-        header = self._cache_header(key, raw)
-        if strlen != header.total_len:
-            raise CorruptEntry(f"value is {strlen} bytes, the header says {header.total_len}")
-        self.counters["header_hits"] += 1
-        return header
+        problem = ""
+        for _ in range(2):  # a second try only when the length disagreed (a SET between the two commands?)
+            raw, strlen = await self._conns.pipelined(("getrange", key, 0, HEADER_LEN - 1), ("strlen", key))
+            if not raw:
+                self.counters["misses"] += 1
+                return None
+            header = self._cache_header(key, raw)
+            if strlen == header.total_len:
+                self.counters["header_hits"] += 1
+                return header
+            problem = f"value is {strlen} bytes, the header says {header.total_len}"
+            self._headers.pop(key, None)
+        raise CorruptEntry(f"{problem} (twice)")
 
     async def _read_header(self, key: str) -> tuple[EntryHeader, bytes] | None:
-        raw = await self._client.getrange(key, 0, HEADER_LEN - 1)
+        raw = await self._conns.run("getrange", key, 0, HEADER_LEN - 1)
         if not raw:
             return None
         return self._cache_header(key, raw), raw
@@ -194,49 +220,211 @@ class RedisTier:
     # ---- writes ---------------------------------------------------------------------------------
 
     def write_behind(self, key: str, entry: Entry) -> bool:
-        """Queue a write; never blocks. False (counted) when down, paused by OOM, or the queue is full."""
-        if not self.up or time.monotonic() < self._writes_paused_until:
-            self.counters["writes_dropped"] += 1
+        """Queue a write; never blocks. False (counted) when down, paused by OOM, or the queue is full; then
+        an id marked pending here is settled as failed ("not stored"), so fetches elsewhere stop waiting."""
+        if not self.up or self._writes_paused():
+            self._dropped(key, "Redis is unreachable" if not self.up else "Redis is full")
             return False
         if self._queued_bytes + entry.nbytes > self.max_queued_bytes:
-            self.counters["writes_dropped"] += 1
+            self._dropped(key, "the write-behind queue to Redis was full")
             return False
         self._queued_bytes += entry.nbytes
-        self._queue.put_nowait((key, entry))
+        self._queue.put_nowait(("rows", key, entry))
         return True
 
     async def flush(self) -> None:
-        """Wait until queued writes are done (tests, shutdown)."""
+        """Wait until queued writes and notices are done (tests, shutdown)."""
         await self._queue.join()
 
     async def _write_loop(self) -> None:
         while True:
-            key, entry = await self._queue.get()
+            kind, key, item = await self._queue.get()
             try:
-                await self._write(key, entry)
+                if kind == "rows":
+                    await self._write(key, item)
+                else:
+                    await self._settle(key, item)
             except Exception:  # a bug here must not kill the writer silently: log it, keep writing
-                self.counters["writes_dropped"] += 1
-                log.exception("redis tier: write of %s failed", key)
+                self.counters["writes_dropped" if kind == "rows" else "notices_dropped"] += 1
+                log.exception("redis tier: %s of %s failed", "write" if kind == "rows" else "notice", key)
             finally:
-                self._queued_bytes -= entry.nbytes
+                if kind == "rows":
+                    self._queued_bytes -= item.nbytes
+                else:
+                    self._queued_notices -= 1
                 self._queue.task_done()
 
     async def _write(self, key: str, entry: Entry) -> None:
-        if not self.up or time.monotonic() < self._writes_paused_until:
-            self.counters["writes_dropped"] += 1
+        if not self.up or self._writes_paused():
+            self._dropped(key, "Redis is unreachable" if not self.up else "Redis is full")
             return
         value = await asyncio.to_thread(entry.to_bytes, key)
         try:
-            await self._client.set(key, value, px=int(self.ttl_s * 1000))
-        except RedisError as exc:
-            self.counters["writes_dropped"] += 1
-            self._on_error(exc)
+            await self._conns.run("set", key, value, px=int(self.ttl_s * 1000))
+        except (RedisError, PoolTimeout) as exc:
+            if isinstance(exc, RedisError):
+                self._on_error(exc, writing=True)
+            self._dropped(key, "Redis is full" if isinstance(exc, OutOfMemoryError) else "its write failed")
             return
         self._headers.pop(key, None)
         self.counters["writes"] += 1
         if self._writes_paused_until:
             self._writes_paused_until = 0.0
             log.warning("redis tier: writes succeed again after the OOM pause")
+        # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
+        await self._settle(key, LANDED)
+
+    def _dropped(self, key: str, why: str) -> None:
+        self.counters["writes_dropped"] += 1
+        if key in self._marked:
+            self._notify(key, handoff.failure_value(handoff.NOT_STORED, f"its rows were not stored: {why}"))
+
+    # ---- handoff between replicas (handoff.py) --------------------------------------------------
+
+    async def mark_pending(self, keys: Sequence[str], ttl_s: float) -> bool:
+        """Mark `keys` pending (accepted here, being encoded), for `ttl_s` (the encode's lease), so a fetch on
+        another replica waits for them instead of answering 404. Awaited before `encode` answers: one round
+        trip for all keys. False (nothing marked) while down or paused by OOM (the rows could not be stored
+        either: a fetch elsewhere then answers 404, as without markers), or on an error."""
+        if not keys or not self.up or self._writes_paused():
+            return False
+        px = max(1, int(ttl_s * 1000))
+        try:
+            await self._conns.pipelined(*(("set", marker_name(k), PENDING, px) for k in keys))
+        except PoolTimeout:
+            return False
+        except RedisError as exc:
+            self._on_error(exc, writing=True)
+            return False
+        for key in keys:
+            self._marked[key] = None
+            self._marked.move_to_end(key)
+        while len(self._marked) > self._max_marked:  # their markers expire by themselves
+            self._marked.popitem(last=False)
+        self.counters["pending_marked"] += len(keys)
+        return True
+
+    def mark_failed(self, key: str, exc: BaseException) -> None:
+        """The encode of `key` failed here: if it was marked pending here, publish the failure (queued), so
+        fetches elsewhere answer this error instead of waiting or answering 404."""
+        if key in self._marked:
+            self._notify(key, handoff.failure_of(exc))
+
+    def mark_landed(self, key: str) -> None:
+        """`key` was marked pending here but its rows were in Redis already (another replica wrote them):
+        clear the marker and wake its waiters (queued). Rows this tier writes settle by themselves."""
+        if key in self._marked:
+            self._notify(key, LANDED)
+
+    async def wait_for(self, key: str, timeout_s: float | None, label: str | None = None) -> Settled:
+        """A fetch's wait for `key` (a miss here) that another replica may be encoding. LANDED as soon as its
+        rows are in Redis (read them now); NOT_PENDING at once when nobody marked it, or when its marker
+        expires meanwhile; TIMED_OUT after `timeout_s` (None: bounded by the marker's TTL only; 0: the state
+        now, without waiting: TIMED_OUT for an id still pending); UNAVAILABLE when Redis is or goes down (at
+        once, no hang). Raises `EncodeFailed` with the encoding replica's error. `label` names the id in
+        error messages (default: `key`)."""
+        if not self._available():
+            return Settled.UNAVAILABLE
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        try:
+            async with timeout_at(deadline if timeout_s else None):  # 0: "don't wait", after one check
+                return await self._wait(key, label or key, deadline)
+        except TimeoutError:
+            self.counters["pending_timeouts"] += 1
+            return Settled.TIMED_OUT
+        except EncodeFailed:
+            self.counters["pending_failures"] += 1
+            raise
+        except (SubscriberLost, PoolTimeout):
+            return Settled.UNAVAILABLE
+        except RedisError as exc:
+            self._on_error(exc)
+            return Settled.UNAVAILABLE
+
+    async def _wait(self, key: str, label: str, deadline: float | None) -> Settled:
+        marker = marker_name(key)
+        settled, _ = await self._check(key, marker, label)
+        if settled is not None:
+            return settled
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise TimeoutError  # pending, and no time left to wait
+        async with self._subscriber.subscription(marker) as message:
+            slept = False
+            while True:
+                # Subscribed (Redis confirmed it): check again. An outcome published between the first check
+                # and the SUBSCRIBE is visible as state now (the publisher changes the state first); any
+                # later one arrives as a message. The wait ends at the marker's expiry at the latest (its
+                # replica crashed?): then the state is checked again, as the marker may have been renewed.
+                settled, expires_at = await self._check(key, marker, label)
+                if settled is not None:
+                    return settled
+                if not slept:
+                    self.counters["pending_waits"] += 1
+                    slept = True
+                # Bounded by the caller's deadline here too, not only by the cancellation `wait_for`'s
+                # timeout sends: on Python 3.11 asyncio.wait_for (inside redis-py) can swallow one.
+                wake_at = min((t for t in (expires_at, deadline) if t is not None), default=None)
+                try:
+                    async with timeout_at(wake_at):
+                        value = await asyncio.shield(message)
+                    break
+                except TimeoutError:
+                    if wake_at == deadline:
+                        raise
+        if value is None:
+            raise SubscriberLost("redis pub/sub connection lost during the wait")
+        self.counters["pending_wakeups"] += 1
+        handoff.raise_if_failed(value, label)
+        return Settled.LANDED
+
+    async def _check(self, key: str, marker: str, label: str) -> tuple[Settled | None, float | None]:
+        """(LANDED or NOT_PENDING, None) or raises the failure; (None, when the marker expires, in loop time)
+        while still pending."""
+        exists, value, pttl = await self._conns.pipelined(("exists", key), ("get", marker), ("pttl", marker))
+        if exists:
+            return Settled.LANDED, None
+        if value == PENDING:
+            # Wake 20 ms past the expiry, so that the next check finds it gone; -1: no TTL (not one of ours).
+            return None, asyncio.get_running_loop().time() + (pttl + 20) / 1000 if pttl >= 0 else None
+        handoff.raise_if_failed(value, label)
+        return Settled.NOT_PENDING, None
+
+    def _notify(self, key: str, value: bytes) -> None:
+        """Queue a marker outcome behind the queued writes (bounded in count; dropped while down: no Redis to
+        tell, and the marker expires by itself)."""
+        self._marked.pop(key, None)
+        if not self.up or self._queued_notices >= self.max_queued_notices:
+            self.counters["notices_dropped"] += 1
+            return
+        self._queued_notices += 1
+        self._queue.put_nowait(("settle", key, value))
+
+    async def _settle(self, key: str, value: bytes) -> None:
+        """State first, then the message: a waiter subscribed before the PUBLISH gets the message, and one
+        subscribed after it sees the new state when it checks again."""
+        self._marked.pop(key, None)
+        if not self.up:
+            self.counters["notices_dropped"] += 1
+            return
+        marker = marker_name(key)
+        try:
+            if value == LANDED:
+                await self._conns.pipelined(("delete", marker), ("publish", marker, value))
+            else:
+                try:
+                    await self._conns.run("set", marker, value, px=int(self.failure_ttl_s * 1000))
+                except OutOfMemoryError as exc:  # SET refused when full; DEL is not: nobody waits on "pending"
+                    self._on_error(exc, writing=True)
+                    await self._conns.run("delete", marker)
+                await self._conns.run("publish", marker, value)
+        except PoolTimeout:
+            self.counters["notices_dropped"] += 1
+            return
+        except RedisError as exc:
+            self.counters["notices_dropped"] += 1
+            self._on_error(exc, writing=True)
+            return
+        self.counters["pending_settled"] += 1
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -245,9 +433,15 @@ class RedisTier:
             self.counters["skipped_down"] += 1
         return self.up
 
-    def _on_error(self, exc: Exception) -> None:
+    def _writes_paused(self) -> bool:
+        return time.monotonic() < self._writes_paused_until
+
+    def _on_error(self, exc: Exception, *, writing: bool = False) -> None:
         self.counters["errors"] += 1
         if isinstance(exc, OutOfMemoryError):
+            if not writing:  # a read refused when full (not ours: we never MULTI): no reason to pause writes
+                log.debug("redis tier: read refused when full: %r", exc)
+                return
             if not self._writes_paused_until:
                 self.counters["oom_events"] += 1
                 log.warning(
@@ -265,12 +459,17 @@ class RedisTier:
         self._headers.pop(key, None)
         log.warning("redis tier: ignoring bad value at %s: %s", key, exc.message)
 
+    def _on_subscriber_lost(self, exc: Exception) -> None:
+        if isinstance(exc, _UNREACHABLE):
+            self._on_error(exc)
+
     def _mark_down(self, exc: Exception) -> None:
         if not self.up:
             return
         self.up = False
         self.counters["down_events"] += 1
         self._headers.clear()
+        self._subscriber.reset(exc)  # waiting fetches answer now instead of at their timeout
         log.warning("redis tier unavailable (%r): serving from the local tier, probing %s", exc, self.url)
         self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-tier-probe")
 
@@ -279,14 +478,17 @@ class RedisTier:
         while True:
             await asyncio.sleep(delay)
             try:
-                await self._client.ping()
-            except _UNREACHABLE:
+                await self._conns.run("ping")
+            except (*_UNREACHABLE, PoolTimeout):
                 delay = min(delay * 2, self.probe_max_s)
                 continue
             except RedisError as exc:  # answering, if oddly (e.g. LOADING): try again later
                 log.debug("redis probe: %r", exc)
                 delay = min(delay * 2, self.probe_max_s)
                 continue
+            # Connections pooled before the outage are dead if Redis restarted: close the idle ones, so the
+            # first reads after recovery connect afresh instead of failing on them.
+            await self._conns.close_idle()
             self.up = True
             log.warning("redis tier reachable again at %s: reads and writes resume", self.url)
             return
@@ -294,9 +496,14 @@ class RedisTier:
     def stats(self) -> dict:
         return dict(
             self.counters,
+            **self._conns.counters,
+            **self._subscriber.counters,
             state="up" if self.up else "down",
-            writes_paused=time.monotonic() < self._writes_paused_until,
+            writes_paused=self._writes_paused(),
             queued_bytes=self._queued_bytes,
+            queued_notices=self._queued_notices,
+            pending_channels=self._subscriber.channels,
+            pending_unsettled=len(self._marked),
         )
 
 

@@ -8,6 +8,8 @@
     await store.header(key)                       -> EntryHeader | None local, else Redis header only
     await store.get_or_create(key, create)        -> (Entry, was_cached) single flight
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, in-flight fill, Redis GETRANGE
+    await store.mark_pending(keys)                -> bool               other replicas' fetches wait for them
+    await store.wait_for(key, timeout_s)          -> Settled            a fetch's wait for another replica's encode
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
     store.stats()                                 -> dict (flat counters)
 
@@ -18,6 +20,11 @@ Single flight: the first miss of a key starts one fill task (Redis read, else `c
 concurrent caller awaits that task through `asyncio.shield`, so a caller that is cancelled (a client went
 away) does not cancel the encode the others wait for. A failure reaches every waiter and nothing is cached;
 the next call tries again. `was_cached` is False only for the call whose fill ran `create()`.
+
+Across replicas (Redis only; cache/handoff.py): `mark_pending` the ids an `encode` will create before
+answering it; a fill settles them by itself (rows written behind, found in Redis, or `create()` failed).
+A fetch that misses everywhere calls `wait_for`: LANDED -> read again, NOT_PENDING -> 404, a failure is
+raised as `EncodeFailed`.
 
 Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
@@ -34,11 +41,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import torch
 
 from encoder_service.cache.entry import Entry, EntryHeader
+from encoder_service.cache.handoff import Settled
 from encoder_service.cache.keys import CacheKey
 from encoder_service.cache.local import LocalTier
 from encoder_service.cache.redis_tier import RedisTier
@@ -143,11 +151,17 @@ class EmbeddingStore:
         if self.redis is not None:
             entry = await self.redis.get(name)
             if entry is not None:
+                self.redis.mark_landed(name)
                 self.local.put(name, entry)
                 return entry, False
-        entry = await create()
-        if not isinstance(entry, Entry):
-            raise TypeError(f"create() for {name} returned {type(entry).__name__}, expected Entry")
+        try:
+            entry = await create()
+            if not isinstance(entry, Entry):
+                raise TypeError(f"create() for {name} returned {type(entry).__name__}, expected Entry")
+        except Exception as exc:
+            if self.redis is not None:
+                self.redis.mark_failed(name, exc)  # fetches waiting on other replicas answer this error
+            raise
         self.counters["creates"] += 1
         self.local.put(name, entry)
         if self.redis is not None:
@@ -160,6 +174,27 @@ class EmbeddingStore:
         if not task.cancelled() and task.exception() is not None:  # also marks it retrieved
             self.counters["fill_failures"] += 1
             log.debug("fill of %s failed: %r", name, task.exception())
+
+    # ---- across replicas ------------------------------------------------------------------------
+
+    async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None) -> bool:
+        """Before `encode` answers: mark the ids it will create as pending in Redis for their lease (default:
+        the store's), so a fetch on another replica waits for them. False without Redis or when not marked."""
+        if self.redis is None:
+            return False
+        names = list(dict.fromkeys(_name(k) for k in keys))
+        return await self.redis.mark_pending(names, self.lease_s if lease_s is None else lease_s)
+
+    async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
+        """For a fetch that missed every tier: wait until another replica's encode of `key` lands in Redis
+        (LANDED: read again), or NOT_PENDING at once when none is under way (404); TIMED_OUT past `timeout_s`
+        (core/timeouts.py: None no bound, 0 don't wait), UNAVAILABLE when Redis is down. Raises
+        `EncodeFailed` when that encode failed. NOT_PENDING without Redis: a fetch must reach the encoding
+        replica then."""
+        if self.redis is None:
+            return Settled.NOT_PENDING
+        label = key.id if isinstance(key, CacheKey) else key
+        return await self.redis.wait_for(_name(key), timeout_s, label)
 
     # ---- leases ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import grpc
 
 from encoder_service.client.base import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
+from encoder_service.errors import InvalidInput
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
@@ -32,8 +33,11 @@ def _encode_request(images: list[ImageSource], wait: bool, return_embeddings: bo
 
 
 def _fetch_request(items, start: int, end: int, shm: dict | None = None) -> pb.FetchRequest:
-    return pb.FetchRequest(items=[pb.FetchItem(id=i, offset=o) for i, o in items], start=start, end=end,
-                           shm=pb.ShmTarget(**shm) if shm is not None else None)
+    try:
+        return pb.FetchRequest(items=[pb.FetchItem(id=i, offset=o) for i, o in items], start=start, end=end,
+                               shm=pb.ShmTarget(**shm) if shm is not None else None)
+    except ValueError as exc:  # past int64: an HTTP server rejects such positions too (ranges.check_position)
+        raise InvalidInput(f"fetch positions and offsets must be < 2**63 (gRPC's int64): {exc}") from None
 
 
 def _infos(response: pb.EncodeResponse) -> list[ImageInfo]:

@@ -2,7 +2,8 @@
 
 encode: read each image (images.py: bytes, then on CPU threads the cache key and the size from the header
 alone). Ids neither cached nor in flight are admitted to the engine queue, all or none (429 when full);
-every id is pinned for its lease; the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
+every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
+other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
 Each id rides one flight (flight.py): the store's single flight, whose create submits the image to the
 engine (decoded on a CPU thread, encoded on the GPU thread). `wait=True` waits for the rows (and can return
 them).
@@ -25,7 +26,8 @@ import torch
 
 from encoder_service import errors, preprocessing
 from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint
-from encoder_service.core import shm_writer
+from encoder_service.core import shm_writer, timeouts
+from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flight, Flights
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics
@@ -51,12 +53,14 @@ class EncoderCore:
         self.store = store
         self.metrics = metrics or Metrics()
         self.dtype = dtype_name(loaded.dtype)
-        self.model_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, preprocess_cfg,
-                                          layout=self.spec.layout)
         lim = settings.limits
+        backend = preprocessing.make_backend(
+            settings.model.preprocess, preprocess_cfg,
+            preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels), loaded.device)
+        self.model_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, preprocess_cfg,
+                                          layout=self.spec.layout, preprocess_backend=backend.fingerprint)
         self.images = ImageReader(
-            preprocess_cfg, preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels),
-            UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
+            backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
         self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
@@ -64,6 +68,7 @@ class EncoderCore:
         self.flights = Flights()
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
+        self.metrics.registry.register(CacheCollector(store, self.shm))
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
         self._ready = False
         self._draining = False
@@ -102,6 +107,11 @@ class EncoderCore:
     def ready(self) -> bool:
         return self._ready and not self._draining and self.engine.alive
 
+    def readiness(self) -> dict:
+        """`ready`, with the Redis tier's state as detail ("up", "down" or "off"). Redis down leaves the
+        service ready: it serves from the local tier and encodes on. Liveness never looks at Redis."""
+        return {"ready": self.ready(), "redis": self.store.stats().get("redis_state", "off")}
+
     def metadata(self) -> dict:
         s, spec = self.settings, self.spec
         return {
@@ -111,6 +121,7 @@ class EncoderCore:
             "layout": spec.layout, "patch_size": spec.patch_size, "merge_size": spec.merge_size,
             "temporal_patch_size": spec.temporal_patch_size,
             "min_pixels": self.preprocess_cfg.min_pixels, "max_pixels": self.preprocess_cfg.max_pixels,
+            "preprocess": self.images.backend.fingerprint,
             "runner": self.runner.describe(), "buckets": list(self.runner.buckets),
             "batch_tokens": s.engine.batch_tokens, "max_queue": s.engine.max_queue,
             "cache": {"local_bytes": s.cache.cache_bytes, "redis": s.cache.redis_url is not None,
@@ -132,6 +143,7 @@ class EncoderCore:
                      timeout_s: float | None = None) -> EncodeResult:
         t0 = time.perf_counter()
         self._check_serving()
+        timeout_s = timeouts.checked(timeout_s)
         n, limit = len(images), self.settings.limits.max_images
         if n == 0:
             raise errors.InvalidInput("no images in the request")
@@ -148,14 +160,16 @@ class EncoderCore:
         timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
 
         unique: dict[str, Probed] = {}
-        for p in probed:
+        first_index: dict[str, int] = {}  # where each id first appears in the request, for error messages
+        for i, p in enumerate(probed):
             unique.setdefault(p.key.name, p)
+            first_index.setdefault(p.key.name, i)
         hits = {name: self.store.peek(name) for name in unique}
         for name, entry in hits.items():  # a caller id may name other bytes than this time: trust the entry
             if entry is not None:
                 unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
                                                    num_tokens=entry.num_rows)
-        permits = self._admit_and_pin(unique, hits)
+        permits = self._admit_and_pin(unique, hits, first_index)
         for entry in hits.values():
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
@@ -167,7 +181,12 @@ class EncoderCore:
         infos = [self._info(unique[p.key.name], hits[p.key.name] is not None) for p in probed]
         result = EncodeResult(images=infos, timings=timings)
         if wait:
-            done = await self._wait_for(flights, timeout_s, t0)  # name -> (entry, created by its flight)
+            not_cached = sum(entry is None for entry in hits.values())
+            if timeout_s == 0 and not_cached:
+                raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {not_cached} of the request's images "
+                                              "are not cached yet (their encode goes on)")
+            # timeout_s=0 here: every id is a local hit, pinned above, so its flight ends without waiting.
+            done = await self._wait_for(flights, timeout_s or None, t0, first_index)  # name -> (entry, created)
             # Cached for this request unless its own miss started the flight that ran the encode.
             result.images = [dataclasses.replace(i, cached=i.cached or not (p.key.name in permits and
                                                                             done[p.key.name][1]))
@@ -177,23 +196,50 @@ class EncoderCore:
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         return result
 
-    def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None]) -> dict[str, Permit]:
+    def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None],
+                       first_index: dict[str, int]) -> dict[str, Permit]:
         """Queue room for the ids neither cached nor in flight (their permits, by name), and a pin on every
-        id for its lease; all or none: Overloaded (429) when the queue or the pins are full."""
+        id for its lease; all or none: Overloaded (429) when the queue or the pins are full, LimitExceeded
+        (400) when the pins could never be granted (`_never_pinnable`)."""
         misses = [name for name, entry in hits.items() if entry is None and name not in self.flights]
         permits = dict(zip(misses, self.engine.admit(len(misses))))
+        # What each pin counts against --max-pinned-bytes: the entry's size, or the rows' still to come.
+        sizes = {name: hits[name].nbytes if hits[name] is not None else p.num_tokens * self._row_bytes
+                 for name, p in unique.items()}
         pinned: list[str] = []
         try:
             for name, p in unique.items():
-                self.store.pin(p.key, nbytes=p.num_tokens * self._row_bytes)
+                self.store.pin(p.key, nbytes=sizes[name])
                 pinned.append(name)
-        except errors.Overloaded:  # nothing of this request stays admitted or pinned
+        except errors.Overloaded as exc:  # nothing of this request stays admitted or pinned
             for permit in permits.values():
                 permit.release()
             for name in pinned:
                 self.store.release(name)
+            never = self._never_pinnable(sizes, first_index)
+            if never is not None:
+                raise never from None
+            # Pins end as their clients fetch and release, after those images are encoded: no sooner than the
+            # engine's backlog drains.
+            exc.retry_after_s = max(exc.retry_after_s, self.engine.retry_after_s())
             raise
         return permits
+
+    def _never_pinnable(self, sizes: dict[str, int], first_index: dict[str, int]) -> errors.LimitExceeded | None:
+        """Why this request's pins could not be granted even with no other pin held (one image over
+        --max-pinned-bytes, or all of them together), else None: they fit once other pins end (429)."""
+        limit = self.store.stats()["local_max_pinned_bytes"]
+        for name, nbytes in sizes.items():
+            if nbytes > limit:
+                return errors.LimitExceeded(
+                    f"image {first_index[name]}: embedding bytes to pin", nbytes, f"{limit} (--max-pinned-bytes)",
+                    hint="this image can never be pinned here: send it smaller, or raise --max-pinned-bytes")
+        total = sum(sizes.values())
+        if total > limit:
+            return errors.LimitExceeded(
+                f"embedding bytes to pin for the request's {len(sizes)} images", total,
+                f"{limit} (--max-pinned-bytes)", hint="they can never be pinned together: send fewer per request")
+        return None
 
     def _info(self, p: Probed, cached: bool) -> ImageInfo:
         spec = self.spec
@@ -230,10 +276,18 @@ class EncoderCore:
         """Background encodes stay wanted for the lease: past it nobody holds the id any more."""
         return time.monotonic() + self.settings.cache.lease_s
 
-    async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float) -> dict:
+    async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float,
+                        first_index: dict[str, int]) -> dict:
+        """name -> (entry, created) once every flight has landed; a failed image's error names its index."""
+
+        async def landed(name: str, flight: Flight):
+            try:
+                return await asyncio.shield(flight.task)
+            except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets its own copy
+                raise exc.prefixed(f"image {first_index[name]}: ") from None
+
         try:
-            done = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f.task) for f in flights.values())),
-                                          timeout_s)
+            done = await timeouts.gather_within(timeout_s, *(landed(n, f) for n, f in flights.items()))
         except TimeoutError:
             raise errors.DeadlineExceeded(
                 f"encode did not finish within timeout_s={timeout_s} (waited {time.perf_counter() - t0:.3f}s)"
@@ -252,6 +306,7 @@ class EncoderCore:
         target is checked before any wait for rows) and the result carries `shm_bytes`, no rows."""
         t0 = time.perf_counter()
         self._check_serving()
+        timeout_s = timeouts.checked(timeout_s)
         if shm is not None and self.shm is None:
             raise shm_writer.disabled()
         if not items:
@@ -260,14 +315,19 @@ class EncoderCore:
         keys = {it.id: key_from_id(it.id, self.model_fp, self.settings.cache.hash) for it in items}
         sizes = {i: await self._num_tokens(k) for i, k in keys.items()}
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
+        if timeout_s == 0:  # don't wait: rows still encoding are not ready (cached ones, here or in Redis, are)
+            encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights})
+            if encoding:
+                raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(encoding)} of the chunk's images "
+                                              f"are still encoding (first: {encoding[0]!r})")
+            timeout_s = None
         places = mapping = None
         if shm is not None:
             places = placements(segments, start, self._row_bytes, shm.by_position)
             mapping = self.shm.check(shm, max((at + n for at, n in places), default=0))
         t_plan = time.perf_counter()
         try:
-            parts = await asyncio.wait_for(
-                asyncio.gather(*(self._rows(keys[s.id], s) for s in segments)), timeout_s)
+            parts = await timeouts.gather_within(timeout_s, *(self._rows(keys[s.id], s) for s in segments))
         except BaseException as exc:
             if mapping is not None:
                 self.shm.release(mapping)
@@ -325,10 +385,5 @@ class EncoderCore:
         distinct image. Returns how many ids had a pin to drop; unknown, expired or already released ids count
         0 (not an error); malformed ids are InvalidInput. Entries stay cached (plain LRU entries now)."""
         self._check_id_count("ids to release", len(ids))
-        names = {}
-        for i in ids:
-            try:
-                names.setdefault(key_from_id(i, self.model_fp, self.settings.cache.hash).name, i)
-            except errors.NotFound as exc:  # key_from_id's "unknown id" is a malformed one here
-                raise errors.InvalidInput(exc.message.replace("unknown id", "malformed id", 1)) from None
+        names = {key_from_id(i, self.model_fp, self.settings.cache.hash).name for i in ids}
         return sum(self.store.release(name) for name in names)

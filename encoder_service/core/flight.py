@@ -34,9 +34,6 @@ from encoder_service.engine.engine import Permit
 log = logging.getLogger(__name__)
 
 FAILURES_KEPT = 4096
-# Error types whose constructor takes just a message (LimitExceeded, Overloaded take more).
-_PLAIN = (errors.InvalidInput, errors.ImageDecodeError, errors.NotFound, errors.Unavailable,
-          errors.DeadlineExceeded, errors.EncoderServiceError)
 
 
 @dataclass(eq=False)
@@ -103,7 +100,7 @@ class Flights:
         exc = self._failures.get(key.name)
         if exc is None:
             return
-        raise type(exc)(f"encode of id {key.id!r} failed: {exc.message}") if type(exc) in _PLAIN else exc
+        raise exc.prefixed(f"encode of id {key.id!r} failed: ")
 
     @contextlib.contextmanager
     def waiting(self, name: str) -> Iterator[None]:

@@ -16,7 +16,8 @@ own items; if a thread itself dies, the engine turns not-alive and every waiting
 Admission is checked once, in `admit(n)`: room for n images in the queue (at most max_queue, counting the
 permits handed out and not used yet), all or none, else Overloaded (HTTP 429). A caller that admits early
 (the core, before it answers encode) submits later with those permits; `submit` without permits admits
-its jobs itself.
+its jobs itself. The Retry-After hint (`retry_after_s`) is the backlog of the slower stage: the CPU
+threads' (images admitted whose prepare has not finished) or the GPU's (patches queued).
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class Engine:
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
         self._permits = 0  # admitted images not submitted yet (Permit objects not used or released)
-        self.cpu_pool = ThreadPoolExecutor(max_workers=cpu_threads or min(8, os.cpu_count() or 2),
-                                           thread_name_prefix="encoder-cpu")
+        self._cpu_threads = cpu_threads or min(8, os.cpu_count() or 2)
+        self.cpu_pool = ThreadPoolExecutor(max_workers=self._cpu_threads, thread_name_prefix="encoder-cpu")
+        self._preparing = 0  # submitted images whose prepare (decode, resize, patchify) has not finished
+        self._prepare_s: float | None = None  # moving average of one prepare on a CPU thread, for Retry-After
         self._metrics = metrics
         self._copier = HostCopier()
         self._handoff: queue.Queue = queue.Queue()
@@ -168,6 +171,8 @@ class Engine:
             items = []
             for job in jobs:
                 prepared = loop.run_in_executor(self.cpu_pool, _timed, job.prepare)
+                self._preparing += 1
+                prepared.add_done_callback(self._prepared)
                 items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
                                       deadline=deadline, wanted=job.wanted))
             self._scheduler.push(items)
@@ -179,8 +184,25 @@ class Engine:
         return items
 
     def retry_after_s(self) -> float:
-        batches_ahead = self._scheduler.queued_patches / self._scheduler.budget + 1
-        return float(min(60.0, max(1.0, batches_ahead * self._batch_s)))
+        """Seconds until the work ahead of a new image is done (1 to 60), for Retry-After. The stages overlap
+        (the CPU threads prepare later images while the GPU encodes earlier ones), so the backlog drains at
+        the slower one's pace: the max of the two, not their sum.
+          GPU: the patches queued, in batches of the budget, plus the new image's own batch, x the moving
+               batch time.
+          CPU: the images admitted or submitted whose prepare has not finished, x the moving prepare time,
+               / the CPU threads."""
+        gpu_s = (self._scheduler.queued_patches / self._scheduler.budget + 1) * self._batch_s
+        cpu_s = (self._permits + self._preparing) * (self._prepare_s or 0.0) / self._cpu_threads
+        return float(min(60.0, max(1.0, gpu_s, cpu_s)))
+
+    def _prepared(self, prepared: asyncio.Future) -> None:
+        """A prepare ended (done, failed or cancelled): one less in the CPU backlog; its time feeds the
+        moving average (the first one seeds it)."""
+        self._preparing -= 1
+        if prepared.cancelled() or prepared.exception() is not None:
+            return
+        seconds = prepared.result()[1] / 1e3
+        self._prepare_s = seconds if self._prepare_s is None else 0.8 * self._prepare_s + 0.2 * seconds
 
     async def run_one(self, job: Job, *, timeout_s: float | None = None) -> EncodedImage:
         """Encode one image through the whole engine (used by readiness warm-up)."""

@@ -331,6 +331,7 @@ def test_env_values_follow_values():
     env = env_of(encoder_container(render("auth-values")))
     expect = {
         "ENCODER_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct", "ENCODER_REVISION": "main", "ENCODER_DTYPE": "float16",
+        "ENCODER_PREPROCESS": "torchvision-pil-decode",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
         "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",

@@ -121,6 +121,8 @@ async def test_errors_map_to_the_same_types_on_both_transports(service, auth_ser
             await c.encode([b"GIF89a not really"])
         with pytest.raises(errors.NotFound, match="unknown id"):
             await c.fetch([("f" * 32, 0)], 0, 4)
+        with pytest.raises(errors.InvalidInput, match="malformed id"):
+            await c.fetch([("not an id", 0)], 0, 4)
         (info,) = await c.encode([png(56, 56, 10)])
         with pytest.raises(errors.InvalidInput, match="end must be > start"):
             await c.fetch([(info.id, 0)], 4, 4)

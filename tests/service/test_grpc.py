@@ -1,14 +1,17 @@
 """gRPC API against a real grpc.aio server over the real core, tiny random models (tests/support/service.py).
 
 How gRPC maps the core (tests/unit/test_core.py tests the core itself): Fetch streaming and its message
-sizes, a client leaving mid-stream, status codes and trailing metadata, Health, auth. Bad input gets a
+sizes, a client leaving mid-stream or mid-wait (outcome `cancelled`, no ERROR), status codes and trailing
+metadata, Health, auth. Bad input gets a
 status code and a message naming the problem, with the server still serving afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import threading
 
 import grpc
 import httpx
@@ -17,14 +20,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_service import errors
 from encoder_service.api import grpc_server
+from encoder_service.cache import key_from_id
 from encoder_service.client import AsyncEncoderClient
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
-from tests.support.images import image_bytes
+from tests.support.images import image_bytes, truncated_jpeg
 
 pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 20  # bound on every wait in this file
 
 
 def client(svc, **kw) -> AsyncEncoderClient:
@@ -60,7 +66,7 @@ async def test_client_disconnect_mid_stream_leaves_the_server_serving(service, m
 
     def cancelled_fetches() -> float:
         labels = {"method": "fetch", "outcome": "cancelled"}
-        return service.core.metrics.registry.get_sample_value("encoder_requests_total", labels) or 0
+        return service.sample("encoder_requests_total", labels)
 
     monkeypatch.setattr(grpc_server.wire, "grpc_data_chunks", recorded_chunks)
     caplog.set_level(logging.WARNING)
@@ -113,7 +119,9 @@ async def _serving(svc):
     (lambda c, i: c.fetch([(i.id, 0), (i.id, 1)], 0, 8), "INVALID_ARGUMENT", "overlap"),
     (lambda c, i: c.fetch([(i.id, -3)], 0, 8), "INVALID_ARGUMENT", "offset must be >= 0"),
     (lambda c, i: c.fetch([("0" * 32, 0)], 0, 8), "NOT_FOUND", "unknown id '0000"),
-    (lambda c, i: c.fetch([("no such id", 0)], 0, 8), "NOT_FOUND", "unknown id 'no such id'"),
+    (lambda c, i: c.fetch([("no such id", 0)], 0, 8), "INVALID_ARGUMENT", "malformed id 'no such id'"),
+    (lambda c, i: c.encode([image_bytes(56, 56, 9), truncated_jpeg(5)], wait=True), "INVALID_ARGUMENT",
+     "image 1: .*trunc"),
 ])
 async def test_bad_input_gets_a_status_and_a_message(service, call, code, words):
     async with client(service) as c:
@@ -122,6 +130,65 @@ async def test_bad_input_gets_a_status_and_a_message(service, call, code, words)
             await call(c, info)
         assert exc.value.status == getattr(grpc.StatusCode, code)
     await _serving(service)
+
+
+async def test_positions_past_int64_cannot_be_sent(service):
+    """HTTP answers 400 for them (tests/service/test_http.py: test_bad_fetches); gRPC cannot even carry them,
+    and the client says so as the same error type instead of protobuf's ValueError."""
+    async with client(service) as c:
+        (info,) = await c.encode([image_bytes(56, 56, 9)], wait=True)
+        with pytest.raises(errors.InvalidInput, match=r"must be < 2\*\*63"):
+            await c.fetch([(info.id, 2**63)], 0, 8)
+        last = 2**63 - 1
+        got = await c.fetch([(info.id, last - info.num_tokens)], last - 1, last)
+        assert [s.position for s in got.segments] == [last - 1]
+    with pytest.raises(ValueError, match="out of range"):
+        pb.FetchRequest(start=2**63)
+
+
+async def test_clients_leaving_mid_call_are_cancelled_not_errors(service, monkeypatch, caplog):
+    """An Encode waiting for its rows and a Fetch waiting for rows still encoding, each cancelled by its
+    client: outcome `cancelled`, one debug line each, and no ERROR from any logger (asyncio's "exception
+    was never retrieved" included: it shows when the abandoned futures are collected)."""
+    decoding = threading.Event()  # the image stays in its decode until the test lets it go
+    prepare = service.core.images.prepare
+    monkeypatch.setattr(service.core.images, "prepare",
+                        lambda data, grid: (decoding.wait(WAIT_S), prepare(data, grid))[1])
+    def cancelled() -> tuple[float, float]:
+        labels = [{"method": m, "outcome": "cancelled"} for m in ("encode", "fetch")]
+        return tuple(service.sample("encoder_requests_total", la) for la in labels)
+
+    caplog.set_level(logging.DEBUG)
+    before = cancelled()
+    try:
+        async with grpc.aio.insecure_channel(service.grpc_address) as channel:
+            stub = pb_grpc.EncoderStub(channel)
+            data = image_bytes(90, 90, 4242)
+            info = (await stub.Encode(pb.EncodeRequest(images=[pb.Image(data=data)]), timeout=30)).images[0]
+            calls = [stub.Encode(pb.EncodeRequest(images=[pb.Image(data=data)], wait=True), timeout=30),
+                     stub.Fetch(pb.FetchRequest(items=[pb.FetchItem(id=info.id, offset=0)], start=0,
+                                                end=info.num_tokens), timeout=30)]
+            core = service.core
+            flight = core.flights.get(key_from_id(info.id, core.model_fp, core.settings.cache.hash).name)
+            for _ in range(200):  # both wait on the image's flight: two more waiters than the first encode
+                if flight.waiters == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert flight.waiters == 3
+            for call in calls:
+                call.cancel()
+            for _ in range(200):
+                if cancelled() == (before[0] + 1, before[1] + 1):
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        decoding.set()
+    assert cancelled() == (before[0] + 1, before[1] + 1)
+    gc.collect()
+    await _serving(service)
+    errors_logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors_logged
+    assert len([r for r in caplog.records if "cancelled by the client" in r.getMessage()]) == 2
 
 
 async def test_request_over_the_receive_limit(service):

@@ -2,12 +2,17 @@
 
 How HTTP maps the core (tests/unit/test_core.py tests the core itself): the three encode body forms, the
 fetch payloads, status codes, headers, auth and body limits. Embeddings are checked against the tower's own
-output; bad input against a 4xx naming the problem with the server still serving.
+output; bad input (strict JSON types included) against a 4xx naming the problem with the server still
+serving. A client gone mid-upload is the outcome `cancelled` (no ERROR logged); a bug is a 500 `internal`,
+logged once.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import socket
+import time
 
 import httpx
 import pytest
@@ -40,7 +45,7 @@ def embedding_of(d: dict) -> torch.Tensor:
 
 
 def images_encoded(svc) -> float:
-    return svc.core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
+    return svc.sample("encoder_images_encoded_total")
 
 
 def scraped(c: httpx.Client, sample: str) -> float:
@@ -63,7 +68,7 @@ def assert_still_serving(c: httpx.Client, seed: int = 999) -> None:
 def test_health_metadata_metrics(service):
     with client(service) as c:
         assert c.get("/health/live").json() == {"live": True}
-        assert c.get("/health/ready").json() == {"ready": True}
+        assert c.get("/health/ready").json() == {"ready": True, "redis": "off"}
         meta = c.get("/v1/metadata").json()
         assert meta["family"] == "qwen2_5_vl" and meta["row_width"] == 48 and meta["layout"] == "main"
         assert meta["limits"]["max_images"] == 8
@@ -157,6 +162,9 @@ BAD_ENCODES = {
     "zero bytes": ({"images": [{"data": ""}]}, 400, "empty"),
     "truncated jpeg": ({"images": [{"data": base64.b64encode(_truncated_jpeg()).decode()}], "wait": True},
                        400, "trunc"),
+    "truncated third image, waited for": (
+        {"images": [{"data": base64.b64encode(image_bytes(40 + k, 40, 8)).decode()} for k in range(2)]
+         + [{"data": base64.b64encode(_truncated_jpeg()).decode()}], "wait": True}, 400, "image 2: "),
     "decompression bomb": ({"images": [{"data": base64.b64encode(png_header_only(60000, 60000)).decode()}]},
                            400, "pixel"),
     "zero-sized image": ({"images": [{"data": base64.b64encode(png_header_only(0, 10)).decode()}]}, 400, "image 0"),
@@ -166,6 +174,14 @@ BAD_ENCODES = {
     "no images": ({"images": []}, 400, "no images"),
     "url images off": ({"images": [{"url": "http://example.com/a.png"}]}, 400, "url images are disabled"),
     "unknown field": ({"imgs": []}, 400, "bad JSON"),
+    "wait as a string": ({"images": [{"data": base64.b64encode(image_bytes(32, 32, 7)).decode()}], "wait": "true"},
+                         400, "wait: Input should be a valid boolean"),
+    "timeout_s as a string": ({"images": [{"data": base64.b64encode(image_bytes(32, 32, 7)).decode()}],
+                               "wait": True, "timeout_s": "5"}, 400, "timeout_s: Input should be a valid number"),
+    "timeout_s as a bool": ({"images": [{"data": base64.b64encode(image_bytes(32, 32, 7)).decode()}],
+                             "wait": True, "timeout_s": True}, 400, "timeout_s: Input should be a valid number"),
+    "negative timeout_s": ({"images": [{"data": base64.b64encode(image_bytes(32, 32, 7)).decode()}],
+                            "wait": True, "timeout_s": -1}, 400, "timeout_s must be a finite number of seconds >= 0"),
 }
 
 
@@ -211,19 +227,34 @@ def test_wrong_content_type_is_415(service):
         assert r.status_code == 415
 
 
+NOT_AN_INT = "Input should be a valid integer"
+
+
 def test_bad_fetches(service):
     with client(service) as c:
         info = encode_json(c, [image_bytes(64, 64, 77)], wait=True).json()["images"][0]
         n, iid = info["num_tokens"], info["id"]
         cases = [
             ({"items": [{"id": "0" * 32, "offset": 0}], "start": 0, "end": 4}, 404, "unknown id"),
-            ({"items": [{"id": "not-an-id", "offset": 0}], "start": 0, "end": 4}, 404, "unknown id"),
+            ({"items": [{"id": "not-an-id", "offset": 0}], "start": 0, "end": 4}, 400, "malformed id"),
+            ({"items": [{"id": "u:{braces}", "offset": 0}], "start": 0, "end": 4}, 400, "malformed id"),
             ({"items": [{"id": iid, "offset": 0}], "start": -1, "end": 4}, 400, "start"),
             ({"items": [{"id": iid, "offset": 0}], "start": 4, "end": 4}, 400, "end"),
             ({"items": [{"id": iid, "offset": -3}], "start": 0, "end": 4}, 400, "offset"),
             ({"items": [{"id": iid, "offset": 0}, {"id": iid, "offset": n - 1}], "start": 0, "end": 4},
              400, "overlap"),
             ({"items": [{"id": iid}], "start": 0, "end": 4}, 400, "offset"),
+            # Numbers are strict ints: no strings, bools or floats standing in for them (400, not 422).
+            ({"items": [{"id": iid, "offset": "5"}], "start": 0, "end": 4}, 400, "offset: " + NOT_AN_INT),
+            ({"items": [{"id": iid, "offset": True}], "start": 0, "end": 4}, 400, "offset: " + NOT_AN_INT),
+            ({"items": [{"id": iid, "offset": 0}], "start": "0", "end": 4}, 400, "start: " + NOT_AN_INT),
+            ({"items": [{"id": iid, "offset": 0}], "start": 0, "end": 4.0}, 400, "end: " + NOT_AN_INT),
+            ({"items": [{"id": iid, "offset": 0}], "start": 0, "end": 4, "timeout_s": "1"}, 400, "timeout_s"),
+            ({"items": [{"id": iid, "offset": 0}], "start": 0, "end": 4, "timeout_s": -2}, 400, "timeout_s"),
+            # Positions are int64 (all gRPC can carry), on HTTP too.
+            ({"items": [{"id": iid, "offset": 2**63}], "start": 0, "end": 4}, 400, "offset must be < 2**63"),
+            ({"items": [{"id": iid, "offset": 0}], "start": 0, "end": 2**63}, 400, "end must be < 2**63"),
+            ({"items": [{"id": iid, "offset": 0}], "start": 2**64, "end": 2**64 + 1}, 400, "start must be < 2**63"),
         ]
         for body, status, needle in cases:
             r = c.post("/v1/fetch", json=body)
@@ -236,6 +267,9 @@ def test_bad_fetches(service):
         assert [(s.row_start, s.row_end) for s in header.segments] == [(n - 1, n), (0, 1)]
         r = c.post("/v1/fetch", json={"items": [{"id": iid, "offset": 0}], "start": n + 5, "end": n + 9})
         assert r.status_code == 200 and wire.decode_http(r.content)[0].num_rows == 0
+        last = 2**63 - 1  # the largest int64 position is fine
+        r = c.post("/v1/fetch", json={"items": [{"id": iid, "offset": last - n}], "start": last - 1, "end": last})
+        assert r.status_code == 200 and wire.decode_http(r.content)[0].segments[0].position == last - 1, r.text
         assert_still_serving(c)
 
 
@@ -328,18 +362,34 @@ def test_url_images_only_from_allowed_hosts(request, tiny_checkpoint):
         assert r.status_code == 400 and "not in --allow-url-hosts" in r.json()["error"]["message"]
 
 
-def test_pins_exhausted_is_429_with_retry_after(request, tiny_checkpoint):
+def test_pins_full_is_429_and_pins_that_can_never_fit_are_400(request, tiny_checkpoint):
+    from encoder_service import errors
+    from encoder_service.client import EncoderClient
     from tests.support.service import RunningService, make_settings
 
     ckpt = tiny_checkpoint("qwen2_5_vl")
-    svc = RunningService(make_settings(ckpt, "--max-pinned-bytes", "1KiB", grpc=False), ckpt)
+    svc = RunningService(make_settings(ckpt, "--max-pinned-bytes", "1KiB"), ckpt)
     request.addfinalizer(svc.close)
     with client(svc) as c:
-        r = encode_json(c, [image_bytes(64, 64, 55)])  # 4 tokens x 48 x 4 bytes = 768 B: fits
-        assert r.status_code == 200, r.text
-        r = encode_json(c, [image_bytes(120, 120, 56)])
-        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        first = encode_json(c, [image_bytes(64, 64, 55)])  # 4 tokens x 48 x 4 bytes = 768 B: fits
+        assert first.status_code == 200, first.text
+        # 768 B more fits once the first pin ends: 429, retry later.
+        r = encode_json(c, [image_bytes(64, 64, 56)])
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
         assert "max-pinned-bytes" in r.json()["error"]["message"]
+        # 3072 B can never be pinned under 1 KiB, whatever else ends: 400 at once, naming image, size and flag.
+        r = encode_json(c, [image_bytes(56, 56, 57), image_bytes(120, 120, 58)])
+        assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+        assert r.json()["error"]["message"].startswith(
+            "image 1: embedding bytes to pin is 3072, over the limit of 1024 (--max-pinned-bytes)")
+        # Neither can two images that fit alone but not together.
+        r = encode_json(c, [image_bytes(64, 64, 59), image_bytes(64, 64, 60)])
+        assert r.status_code == 400 and "for the request's 2 images is 1536" in r.json()["error"]["message"]
+        assert c.post("/v1/release", json={"ids": [first.json()["images"][0]["id"]]}).json() == {"released": 1}
+        assert encode_json(c, [image_bytes(64, 64, 56)]).status_code == 200  # the 429 was worth retrying
+    with EncoderClient.grpc(svc.grpc_address) as g:
+        with pytest.raises(errors.InvalidInput, match=r"image 0: embedding bytes to pin is 3072.*--max-pinned-bytes"):
+            g.encode([image_bytes(120, 120, 58)])
 
 
 def test_wait_timeout_is_504_and_the_encode_goes_on(service):
@@ -352,3 +402,61 @@ def test_wait_timeout_is_504_and_the_encode_goes_on(service):
                                       "end": info["num_tokens"], "timeout_s": 20})
         assert r.status_code == 200
         assert_close(wire.decode_http(r.content)[1], reference_rows(service.checkpoint, data))
+
+
+def test_timeout_s_zero_answers_with_cached_rows_at_once(service):
+    data = image_bytes(90, 50, 778)
+    with client(service) as c:
+        r = encode_json(c, [data], wait=True, timeout_s=0)  # not cached: not ready, and 0 means don't wait
+        assert r.status_code == 504 and "timeout_s=0 (don't wait)" in r.json()["error"]["message"], r.text
+        info = encode_json(c, [data], wait=True, timeout_s=20).json()["images"][0]  # the encode went on
+        r = encode_json(c, [data], return_embeddings=True, timeout_s=0)
+        assert r.status_code == 200 and r.json()["images"][0]["cached"], r.text
+        assert_close(embedding_of(r.json()["images"][0]), reference_rows(service.checkpoint, data))
+        r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0,
+                                      "end": info["num_tokens"], "timeout_s": 0})
+        assert r.status_code == 200 and wire.decode_http(r.content)[0].num_rows == info["num_tokens"], r.text
+        r = c.post("/v1/encode?wait=true&timeout_s=-1", content=data, headers={"content-type": "image/png"})
+        assert r.status_code == 400 and "timeout_s must be" in r.json()["error"]["message"], r.text
+
+
+def test_a_client_gone_mid_upload_is_cancelled_not_an_error(service, caplog):
+    def cancelled() -> float:
+        labels = {"method": "encode", "outcome": "cancelled"}
+        return service.sample("encoder_requests_total", labels)
+
+    caplog.set_level(logging.DEBUG)
+    before = cancelled()
+    host, port = service.url.removeprefix("http://").rsplit(":", 1)
+    for ctype in ("application/octet-stream", "application/json", "multipart/form-data; boundary=xyz"):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST /v1/encode HTTP/1.1\r\nHost: t\r\nContent-Type: {ctype}\r\n"
+                      "Content-Length: 100000\r\n\r\n".encode() + b"--xyz\r\n" + b"a" * 1000)
+            time.sleep(0.2)  # the server reads the body; then the client goes away with 98% of it unsent
+    for _ in range(200):  # the server learns of it asynchronously
+        if cancelled() - before >= 3:
+            break
+        time.sleep(0.05)
+    assert cancelled() - before == 3
+    assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r for r in caplog.records if r.name == "encoder_service.api.http" and "disconnected" in r.getMessage()]
+    with client(service) as c:
+        assert_still_serving(c)
+
+
+def test_a_bug_is_500_internal_counted_and_logged_once(service, monkeypatch, caplog):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    def internal() -> float:
+        labels = {"method": "encode", "outcome": "internal"}
+        return service.sample("encoder_requests_total", labels)
+
+    monkeypatch.setattr(service.core, "encode", broken)
+    before = internal()
+    with client(service) as c:
+        r = encode_json(c, [image_bytes(32, 32, 1)])
+    assert r.status_code == 500 and r.json() == {"error": {"kind": "internal", "message": "internal error"}}
+    assert internal() - before == 1
+    logged = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert [rec.name for rec in logged] == ["encoder_service.api.http"] and logged[0].exc_info

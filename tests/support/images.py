@@ -23,6 +23,13 @@ def image_bytes(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
     return buf.getvalue()
 
 
+def truncated_jpeg(seed: int) -> bytes:
+    """A 120x120 JPEG cut short: its header reads fine (encode answers, sized), its decode fails later, on a
+    CPU thread in the engine."""
+    jpeg = image_bytes(120, 120, seed, "JPEG")
+    return jpeg[:len(jpeg) // 2 - 7]
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A real, small PNG whose header claims width x height (8-bit RGB); its pixel data is never read."""
 

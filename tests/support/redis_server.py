@@ -37,8 +37,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """`start()`, `kill()` (SIGKILL), `pause()`/`resume()` (SIGSTOP/SIGCONT: a server that stops answering),
-    `stop()`. Restarting keeps the port, so clients configured with `url` reconnect to it."""
+    """`start()`, `kill()` (SIGKILL), `restart()` (SIGKILL, then a new empty server on the same port),
+    `pause()`/`resume()` (SIGSTOP/SIGCONT: a server that stops answering), `stop()`. Restarting keeps the
+    port, so clients configured with `url` reconnect to it."""
 
     def __init__(self, maxmemory: str = "8mb", policy: str = "allkeys-lru", port: int | None = None):
         self.binary = find_redis_server()
@@ -77,6 +78,11 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def restart(self) -> RedisServer:
+        """A crash and a restart (persistence is off: the new server is empty); returns once it answers."""
+        self.kill()
+        return self.start()
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)

@@ -3,8 +3,8 @@ random model, running on its own event loop in a background thread (so sync and 
 
 The fixtures that start them are in tests/service/conftest.py. A `RunningService` has `.url`
 (http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.core` (the EncoderCore), `.checkpoint`,
-`.settings`, and `.call(coro_fn)` to run a coroutine on the service's loop (the core's asyncio objects
-belong to that loop).
+`.settings`, `.call(coro_fn)` to run a coroutine on the service's loop (the core's asyncio objects
+belong to that loop), and `.sample(name, labels)` to read a metric there.
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ class RunningService:
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample of the core's Prometheus registry (0 when absent), read on the service's loop: a read
+        runs every collector, and the cache's reads the store, which belongs to that loop."""
+
+        async def read() -> float:
+            return self.core.metrics.registry.get_sample_value(name, labels) or 0.0
+
+        return self.call(read)
 
     def close(self) -> None:
         try:

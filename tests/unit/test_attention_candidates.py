@@ -25,13 +25,15 @@ def test_layouts_are_the_graphs_layouts():
         assert lay["cls"] == A.layout_class(lay["N"], lay["slots"], lay["max_seqlen"])
     assert {name: lay["cls"] for name, lay in layouts.items()} == {
         "q3_1080p": A.ONE, "q25_1080p": A.ONE, "q25_1080p_win": A.WINDOWS, "q3_720p": A.ONE,
-        "q3_1280x704_single": A.PADDED_SINGLE, "q25_1036x1036_single": A.PADDED_SINGLE,
+        "q3_1024x960_single": A.PADDED_SINGLE, "q25_1036x1036_single": A.PADDED_SINGLE,
         "q3_8x448_multi": A.SEVERAL, "q25_8x448_multi": A.SEVERAL, "q3_8x448_eager": A.SEVERAL,
         "q25_8x448_eager": A.SEVERAL, "q25_8x448_win_multi": A.WINDOWS}
-    assert layouts["q3_1080p"]["N"] == 8160 and layouts["q25_1080p"]["N"] == 10764
+    assert layouts["q3_1080p"]["N"] == 8160 and layouts["q25_1080p"]["N"] == 10764 and layouts["q3_720p"]["N"] == 3520
+    # 8 x 784 patches go to the multi graph of the exact 1080p bucket (8160), as GraphRunner.plan does
+    assert layouts["q3_8x448_multi"]["N"] == 8160 and layouts["q3_8x448_multi"]["max_seqlen"] == 8160
     assert layouts["q3_8x448_multi"]["slots"] == 33 and layouts["q3_8x448_multi"]["segments"] == 9  # + the dummy
     assert layouts["q25_8x448_multi"]["cu"][-26:] == [8192] * 26  # 25 zero-length filler slots
-    assert layouts["q3_1280x704_single"]["real_rows"] == 3520
+    assert layouts["q3_1024x960_single"]["real_rows"] == 3840 and layouts["q3_1024x960_single"]["N"] == 4096
 
 
 def test_work_items():
@@ -48,7 +50,7 @@ def test_work_items():
         if base == "fa4_dense" or base.startswith("torch_sdpa_"):
             assert lay["slots"] * lay["max_seqlen"] == lay["N"]  # equal-length layouts only
     assert ("q25_1080p_win", "triton_short") in items and ("q3_1080p", "triton_short") not in items
-    assert ("q3_1280x704_single", "torch_two_segment") in items and ("q3_1080p", "torch_two_segment") not in items
+    assert ("q3_1024x960_single", "torch_two_segment") in items and ("q3_1080p", "torch_two_segment") not in items
     assert all((lay["name"], "auto") in items for lay in layouts)  # the service's own pick, every layout
 
 
@@ -100,3 +102,19 @@ def test_driver_kills_a_hung_worker_and_respects_the_budget(tmp_path):
     fa4 = [r["status"] for r in summary["results"] if r["candidate"] == "fa4"]
     assert fa4 == ["hung/killed", "hung/killed"]  # each killed after 2 s of silence, not after the budget
     assert summary["wall_s"] < 90
+
+
+def test_service_graph_is_the_graph_runners_choice():
+    import torch
+
+    from encoder_service.runtime.graphs import GraphRunner
+    from encoder_service.runtime.runner import exact_resolution_buckets
+    from encoder_service.settings import DEFAULT_BUCKETS
+    from tests.support.graph_cases import narrow_tower
+
+    lm = narrow_tower("cpu", torch.float32)  # patch 14, merge 2: Qwen2.5's buckets
+    runner = GraphRunner(lm, buckets=DEFAULT_BUCKETS, capture=False, eager_min_patches=None,
+                         exact_buckets=exact_resolution_buckets(lm.spec, max(DEFAULT_BUCKETS)))
+    for grids in ([(1, 78, 138)], [(1, 74, 74)], [(1, 32, 32)] * 8, [(1, 30, 46)], [(1, 52, 92)], [(2, 16, 16)]):
+        (batch, graph), = runner.plan(grids)
+        assert b.service_graph(grids, 14) == (graph.bucket, graph.kind), grids

@@ -12,7 +12,7 @@ from encoder_service.cache.keys import (
     make_key,
     model_fingerprint,
 )
-from encoder_service.errors import InvalidInput, NotFound
+from encoder_service.errors import InvalidInput
 
 PRE = dict(min_pixels=3136, max_pixels=12845056, image_mean=[0.48, 0.45, 0.40], image_std=[0.26, 0.26, 0.27],
            patch_size=14, merge_size=2, temporal_patch_size=2)  # fmt: skip
@@ -50,8 +50,8 @@ def test_bad_caller_ids_are_rejected(bad):
 
 
 @pytest.mark.parametrize("bad", ["xyz", "ABCDEF" * 6, "u:{x}", "0" * 31])
-def test_malformed_ids_are_not_found(bad):
-    with pytest.raises(NotFound):
+def test_malformed_ids_are_invalid_input(bad):
+    with pytest.raises(InvalidInput, match="malformed id"):
         key_from_id(bad, FP)
 
 

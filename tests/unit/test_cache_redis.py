@@ -5,51 +5,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 import torch
 
-from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.cache.entry import HEADER_LEN, EntryHeader
+from tests.support.stores import LOADED, creator, make_entry, open_store, wait_until
 
-
-MIB = 1 << 20
-FAST = dict(socket_timeout_s=0.3, connect_timeout_s=0.3, probe_min_s=0.05, probe_max_s=0.2, oom_cooldown_s=0.2)
 CASES = [  # (num_rows, row_width, layout, dtype): Qwen2.5 'main' and Qwen3 [main|ds1|ds2|ds3] stand-ins
     (300, 256, "main", torch.bfloat16),
     (300, 256, "main", torch.float32),
     (120, 4 * 96, "main+deepstack3", torch.bfloat16),
     (120, 4 * 96, "main+deepstack3", torch.float32),
 ]
-
-
-def make_entry(seed: int, num_rows=300, row_width=256, layout="main", dtype=torch.bfloat16) -> Entry:
-    g = torch.Generator().manual_seed(seed)
-    return Entry.from_rows(torch.randn(num_rows, row_width, generator=g).to(dtype), (1, 2, 2 * num_rows), layout)
-
-
-def creator(entry: Entry, calls: list):
-    async def create():
-        calls.append(1)
-        return entry
-
-    return create
-
-
-async def open_store(url: str, local_bytes: int = 64 * MIB, **redis_options) -> EmbeddingStore:
-    store = EmbeddingStore(local_bytes, redis_url=url, redis_ttl_s=600, redis_options={**FAST, **redis_options})
-    await store.start()
-    return store
-
-
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    """Bounded wait for a background state change (the tier's probe)."""
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def log_count(caplog, text: str) -> int:
@@ -185,6 +156,31 @@ async def test_range_read_notices_a_value_replaced_after_its_header_was_cached(r
     await store.close()
 
 
+async def test_a_range_read_that_mixes_two_values_is_detected_and_read_again(redis_server, monkeypatch):
+    """Range reads are not transactions: a SET may land between the pipeline's commands. Simulated here: the
+    header comes from the old value (equal to the cached one), blocks and trailer from the new one."""
+    store = await open_store(redis_server.url)
+    first, second = make_entry(1), make_entry(2)  # the same shape: the same offsets, other bytes
+    direct = redis.Redis.from_url(redis_server.url)
+    direct.set("k", first.to_bytes("k"))
+    assert torch.equal(await store.read_rows("k", 0, 4), first.tensor[:4])  # first's header now cached
+    direct.set("k", second.to_bytes("k"))
+    pipelined, mixed = store.redis._conns.pipelined, []
+
+    async def interleaved(*commands):
+        replies = await pipelined(*commands)
+        if len(commands) == 4 and not mixed:  # the first range read: [header, STRLEN, blocks, trailer]
+            mixed.append(1)
+            replies[0] = first.to_bytes("k")[:HEADER_LEN]
+        return replies
+
+    monkeypatch.setattr(store.redis._conns, "pipelined", interleaved)
+    assert torch.equal(await store.read_rows("k", 0, 4), second.tensor[:4])  # read again, never mixed
+    assert mixed and store.stats()["redis_corrupt"] == 0
+    direct.close()
+    await store.close()
+
+
 async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
     caplog.set_level(logging.INFO, logger="encoder_service.cache")
     store = await open_store(redis_server.url)
@@ -274,3 +270,132 @@ async def test_unreachable_at_start_then_comes_up(caplog):
     finally:
         await store.close()
         server.stop()
+
+
+# ---- pool exhaustion, a full Redis without eviction, restarts (ISSUE 13 items 2-4) -------------------
+
+
+async def test_more_concurrent_reads_than_connections_wait_and_all_succeed(redis_server):
+    writer = await open_store(redis_server.url)
+    # Small entries (12 KB): 64 replies in flight are buffered in Redis, and an 8 MB allkeys-lru server
+    # would evict keys to make room for bigger ones.
+    entries = {f"k{i}": make_entry(i, 48, 128) for i in range(16)}
+    for key, entry in entries.items():
+        await writer.get_or_create(key, creator(entry, []))
+    await writer.redis.flush()
+    reader = await open_store(redis_server.url, **LOADED)  # 64 connections (the default), empty local tier
+    keys = [f"k{i % 16}" for i in range(128)]
+
+    async def header_and_rows(key: str, start: int):
+        return await reader.header(key), await reader.read_rows(key, start, start + 30)
+
+    async def write_meanwhile():
+        await reader.get_or_create("new", creator(make_entry(99), []))
+        await reader.redis.flush()
+
+    ranged, whole, _ = await asyncio.gather(
+        asyncio.gather(*(header_and_rows(key, i % 18) for i, key in enumerate(keys))),
+        asyncio.gather(*(reader.redis.get(key) for key in keys)),
+        write_meanwhile(),
+    )
+    for i, (key, (header, rows)) in enumerate(zip(keys, ranged)):
+        assert header is not None and header.num_rows == 48, key
+        assert rows is not None and torch.equal(rows, entries[key].tensor[i % 18 : i % 18 + 30]), key
+    for key, got in zip(keys, whole):
+        assert got is not None and torch.equal(got.tensor, entries[key].tensor), key
+    stats = reader.stats()
+    assert stats["redis_state"] == "up" and stats["redis_down_events"] == 0 and stats["redis_errors"] == 0
+    assert stats["redis_pool_waits"] > 0 and stats["redis_pool_timeouts"] == 0  # they waited, none gave up
+    assert stats["redis_writes"] == 1 and stats["redis_writes_dropped"] == 0
+    assert redis.Redis.from_url(redis_server.url).info("stats")["evicted_keys"] == 0
+    await writer.close()
+    await reader.close()
+
+
+async def test_full_redis_without_eviction_still_reads_and_only_writes_pause(redis_server_noevict):
+    url = redis_server_noevict.url
+    writer = await open_store(url)
+    entries = {f"k{i}": make_entry(i, 300, 256) for i in range(3)}  # 3 x 150 KB: fits in 2 MB
+    for key, entry in entries.items():
+        await writer.get_or_create(key, creator(entry, []))
+    await writer.redis.flush()
+    direct = redis.Redis.from_url(url)
+    direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # over maxmemory now
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # MULTI/EXEC is refused, even of reads
+        with direct.pipeline(transaction=True) as pipe:
+            pipe.getrange("k0", 0, 7)
+            pipe.execute()
+    reader = await open_store(url)
+    for key, entry in entries.items():
+        header = await reader.header(key)
+        rows = await reader.read_rows(key, 10, 200)
+        whole = await reader.redis.get(key)
+        assert header is not None and header.num_rows == 300, key
+        assert rows is not None and torch.equal(rows, entry.tensor[10:200]), key
+        assert whole is not None and torch.equal(whole.tensor, entry.tensor), key
+    stats = reader.stats()
+    assert stats["redis_errors"] == 0 and stats["redis_state"] == "up" and not stats["redis_writes_paused"]
+
+    async def refused_read(key: str):  # a read Redis refuses when full (a MULTI, as range reads once were)
+        async with aioredis.Redis.from_url(url) as client, client.pipeline(transaction=True) as pipe:
+            pipe.getrange(key, 0, 7)
+            return await pipe.execute()
+
+    assert await reader.redis._read("k0", refused_read) is None  # a miss...
+    stats = reader.stats()
+    assert stats["redis_errors"] == 1 and stats["redis_oom_events"] == 0 and not stats["redis_writes_paused"]
+    await reader.get_or_create("late", creator(make_entry(9), []))  # ...and only a refused write pauses writes
+    await reader.redis.flush()
+    stats = reader.stats()
+    assert stats["redis_oom_events"] == 1 and stats["redis_writes_paused"] and stats["redis_writes_dropped"] == 1
+    assert torch.equal(await reader.read_rows("k1", 0, 5), entries["k1"].tensor[:5])  # reads go on
+    direct.close()
+    await writer.close()
+    await reader.close()
+
+
+def _put(url: str, entries: dict) -> None:
+    with redis.Redis.from_url(url) as direct:
+        for key, entry in entries.items():
+            direct.set(key, entry.to_bytes(key))
+
+
+async def _get_all(store, entries: dict) -> None:
+    got = await asyncio.gather(*(store.redis.get(key) for key in entries))
+    for (key, entry), value in zip(entries.items(), got):
+        assert value is not None and torch.equal(value.tensor, entry.tensor), key
+
+
+async def test_first_reads_after_an_unnoticed_restart_retry_once_on_a_fresh_connection(redis_server):
+    store = await open_store(redis_server.url)
+    entries = {f"k{i}": make_entry(i, 64, 128) for i in range(20)}
+    _put(redis_server.url, entries)
+    await _get_all(store, entries)  # 20 connections in the pool now
+    redis_server.restart()  # every pooled connection is dead, and the tier saw no error yet
+    _put(redis_server.url, entries)
+    await _get_all(store, entries)  # each read that drew a dead connection ran again on a fresh one
+    stats = store.stats()
+    assert stats["redis_retries"] >= 1 and stats["redis_errors"] == 0 and stats["redis_down_events"] == 0
+    await store.close()
+
+
+async def test_restart_recovers_within_one_probe_interval_and_then_reads_succeed(redis_server, caplog):
+    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    probe_max_s = 0.5
+    store = await open_store(redis_server.url, probe_min_s=0.1, probe_max_s=probe_max_s)
+    entries = {f"k{i}": make_entry(i, 64, 128) for i in range(20)}
+    _put(redis_server.url, entries)
+    await _get_all(store, entries)  # 20 connections in the pool now
+    redis_server.kill()
+    assert await store.redis.get("k0") is None and not store.redis.up
+    await asyncio.sleep(4 * probe_max_s)  # the probe's backoff reaches its cap
+    redis_server.start()
+    answering = time.monotonic()
+    await wait_until(lambda: store.redis.up)
+    assert time.monotonic() - answering < probe_max_s + 0.25  # the next probe: one interval, plus its PING
+    _put(redis_server.url, entries)
+    await _get_all(store, entries)  # the first reads after recovery: no stale connection left to fail on
+    stats = store.stats()
+    assert stats["redis_down_events"] == 1 and stats["redis_state"] == "up"  # no flapping
+    assert log_count(caplog, "redis tier unavailable") == 1 and log_count(caplog, "reachable again") == 1
+    await store.close()

@@ -102,7 +102,7 @@ def test_serve_demo_model_then_sigterm(tmp_path):
                        f"grpc: 127.0.0.1:{grpc_port}"):
             assert needle in summary, summary
         url = summary.split("http: ")[1].split()[0]
-        assert httpx.get(f"{url}/health/ready", timeout=10).json() == {"ready": True}
+        assert httpx.get(f"{url}/health/ready", timeout=10).json() == {"ready": True, "redis": "off"}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         reader.join(10)

@@ -5,7 +5,8 @@ and gRPC map it (status codes, headers, streaming, auth, body limits, the wire f
 Same image from many requests: encoded once. Many requests at once: each gets its own images' rows. Fetch:
 per chunk, exactly the overlapping slices of the whole embeddings (Qwen3's deepstack rows too). Flights
 (core/flight.py): a request for an id in flight joins it without queue room, waiters leaving drop the
-queued image, a failure is remembered for fetch, queue permits are given back on every path.
+queued image, a failure is remembered for fetch (and named by its image index when waited for), queue
+permits are given back on every path. timeout_s=0 answers what is cached and never waits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from encoder_service.cache import CacheKey, Entry, make_key
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.flight import Flights
 from encoder_service.ranges import chunks, plan_chunk
-from tests.support.images import image_bytes
+from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
 from tests.support.service import make_settings
 
@@ -231,10 +232,43 @@ async def test_waiters_leaving_drop_the_queued_image(make_core):
     assert not core.store.local.is_pinned(gone_key.name) and not core.store.local.is_pinned(kept_key.name)
 
 
+# ---- timeout_s -------------------------------------------------------------------------------------------
+async def test_timeout_zero_answers_with_cached_rows_and_never_waits(make_core):
+    core = await make_core("qwen2_5_vl", gated=True)
+    cached = image_bytes(64, 64, 20)
+    (info,) = (await core.encode(inputs(cached), wait=True)).images
+    n = info.num_tokens
+    result = await core.encode(inputs(cached), wait=True, return_embeddings=True, timeout_s=0)
+    assert result.images[0].cached and result.embeddings[0].shape == (n, 48)
+    assert (await core.fetch([FetchItem(info.id, 0)], 0, n, timeout_s=0)).rows.shape == (n, 48)
+
+    await hold_the_gpu(core)  # what is submitted now stays encoding until the gate opens
+    fresh = image_bytes(70, 70, 21)
+    with pytest.raises(errors.DeadlineExceeded, match="timeout_s=0.*1 of the request's images are not cached"):
+        await asyncio.wait_for(core.encode(inputs(cached, fresh), wait=True, timeout_s=0), WAIT_S)
+    items = [FetchItem(info.id, 0), FetchItem(key_of(core, fresh).id, n)]
+    with pytest.raises(errors.DeadlineExceeded, match="timeout_s=0.*still encoding"):
+        await asyncio.wait_for(core.fetch(items, 0, 10_000, timeout_s=0), WAIT_S)
+    assert (await core.fetch(items, 0, n, timeout_s=0)).rows.shape == (n, 48)  # only the cached image's rows
+    core.runner.gate.set()
+    assert (await core.fetch(items, 0, 10_000, timeout_s=WAIT_S)).segments[1].row_start == 0  # the encode went on
+
+    for bad in (-1, -1e-9, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(errors.InvalidInput, match="timeout_s must be a finite number of seconds >= 0"):
+            await core.encode(inputs(cached), wait=True, timeout_s=bad)
+        with pytest.raises(errors.InvalidInput, match="timeout_s must be"):
+            await core.fetch([FetchItem(info.id, 0)], 0, n, timeout_s=bad)
+
+
+async def test_a_decode_failure_names_the_image_when_waited_for(make_core):
+    core = await make_core()
+    with pytest.raises(errors.ImageDecodeError, match=r"^image 2: .*trunc"):
+        await core.encode(inputs(image_bytes(56, 56, 23), image_bytes(56, 84, 24), truncated_jpeg(22)), wait=True)
+
+
 async def test_a_failed_encode_is_remembered_for_fetch(make_core):
     core = await make_core()
-    jpeg = image_bytes(120, 120, 5, "JPEG")
-    truncated = jpeg[:len(jpeg) // 2 - 7]  # the header reads fine: encode answers, the decode fails later
+    truncated = truncated_jpeg(5)
     (info,) = (await core.encode(inputs(truncated))).images
     await until(lambda: key_of(core, truncated).name not in core.flights, "the encode to fail")
     for _ in range(2):  # remembered, not a 404
@@ -272,8 +306,8 @@ async def test_queue_permits_are_given_back(make_core, redis_server):
     # Admitted, then the pins are full: 429, the permits go back.
     core = await make_core("qwen2_5_vl", "--max-pinned-bytes", "1KiB")
     await core.encode(inputs(image_bytes(64, 64, 12)))  # 4 tokens x 48 x 4 bytes = 768 B: fits
-    with pytest.raises(errors.Overloaded, match="max-pinned-bytes"):
-        await core.encode(inputs(image_bytes(120, 120, 13)))
+    with pytest.raises(errors.Overloaded, match="max-pinned-bytes"):  # 768 B more would fit alone: 429
+        await core.encode(inputs(image_bytes(64, 64, 13)))
     assert core.engine.permits == 0
     # A miss here that Redis has (another replica encoded it): never submitted, the permit goes back.
     writer = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)

@@ -1,5 +1,6 @@
-"""Engine and scheduler: packing order and budget, failure isolation, thread death, backpressure,
-deadlines and cancellation. A fake encode function stands in for the tower (no model needed)."""
+"""Engine and scheduler: packing order and budget, failure isolation, thread death, backpressure (and its
+Retry-After, which counts the CPU preprocessing backlog), deadlines and cancellation. A fake encode
+function stands in for the tower (no model needed)."""
 
 from __future__ import annotations
 
@@ -160,6 +161,40 @@ async def test_backpressure_overloaded_with_retry_after(engine_and_tower):
     tower.gate.set()
     assert all(not isinstance(r, Exception) for r in await _results(running + queued))
     assert engine.queue_depth == 0
+
+
+async def test_retry_after_grows_with_the_preprocessing_backlog():
+    """The GPU is idle and its queue short; the one CPU thread is the bottleneck: Retry-After must say so."""
+    tower = FakeTower()
+    engine = Engine(tower, batch_tokens=64, max_queue=64, cpu_threads=1)
+    await engine.start()
+    cpu_free = threading.Event()
+
+    def slow(tag: float, hold: bool = False) -> Job:
+        def prepare():
+            time.sleep(0.1)  # a big image's decode and resize
+            assert not hold or cpu_free.wait(WAIT_S)
+            return torch.full((4, 3), tag), (1, 2, 2)
+
+        return Job(prepare, 4)
+
+    try:
+        await _results(engine.submit([slow(1.0)]))  # one prepare measured: >= 0.1 s on the one thread
+        assert engine.retry_after_s() == 1.0  # nothing ahead: the floor
+        backlog = engine.submit([slow(2.0, hold=True)] + [slow(3.0) for _ in range(19)])
+        permits = engine.admit(10)  # admitted, not submitted yet: their prepare is ahead too
+        # 30 images x >= 0.1 s / 1 thread: >= 3 s of CPU work ahead (the GPU's: 80 patches, 2 short batches)
+        with_permits = engine.retry_after_s()
+        assert with_permits >= 2.99
+        for permit in permits:
+            permit.release()
+        assert 1.99 <= engine.retry_after_s() < with_permits  # 20 x >= 0.1 s
+        cpu_free.set()
+        assert all(not isinstance(r, Exception) for r in await _results(backlog))
+        assert engine.retry_after_s() == 1.0
+    finally:
+        cpu_free.set()
+        await engine.stop()
 
 
 async def test_admission_counts_permits_until_submitted_or_released(engine_and_tower):

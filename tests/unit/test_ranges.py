@@ -49,10 +49,18 @@ def test_adjacent_images_do_not_overlap():
     ([("a", 0, 4)], -1, 4, "start must be >= 0"),
     ([("a", 0, 4)], 4, 4, "end must be > start"),
     ([("a", 0, 4)], 5, 2, "end must be > start"),
+    ([("a", 2**63, 4)], 0, 4, r"offset must be < 2\*\*63"),  # positions are int64 on gRPC: on HTTP too
+    ([("a", 0, 4)], 2**63, 2**63 + 4, r"chunk start must be < 2\*\*63"),
+    ([("a", 0, 4)], 0, 2**63, r"chunk end must be < 2\*\*63"),
 ])
 def test_validation(items, start, end, words):
     with pytest.raises(InvalidInput, match=words):
         plan_chunk(items, start, end)
+
+
+def test_the_largest_int64_position_is_valid():
+    last = 2**63 - 1
+    assert plan_chunk([("a", last - 4, 4)], last - 2, last) == [Segment("a", last - 2, 2, 4)]
 
 
 def test_chunks():

@@ -1,0 +1,167 @@
+"""The cache's own counters on /metrics: one Prometheus collector reading `store.stats()` (host LRU tier,
+leases, single flight, Redis tier) and the shared-memory writer's `stats()` when Prometheus scrapes.
+
+Nothing is counted per request: the store and the writer keep their counters as they always do, and a
+scrape reads them. On the event loop, where the store lives (the /metrics handler runs there): a reader on
+another thread goes through the loop (as tests/support/service.py: `sample` does). Names are
+`encoder_cache_*` and `encoder_shm_*`; sizes are in bytes; counters end in `_total`. A stats key without
+a row below is still exported, as the gauge `encoder_cache_<key>` with a help that says so, so a counter
+added to the store is never silently missing here; give it a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+@dataclass(frozen=True)
+class Stat:
+    metric: str
+    counter: bool  # else a gauge
+    help: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def _counter(metric: str, help: str, **labels: str) -> Stat:
+    return Stat(metric, True, help, tuple(labels.items()))
+
+
+def _gauge(metric: str, help: str) -> Stat:
+    return Stat(metric, False, help)
+
+
+_LOOKUPS = "Host LRU tier lookups, by result"
+_REDIS_HITS = ("Redis tier reads that found a valid value, by what was read (entry: the whole value, rows: a "
+               "chunk's rows by GETRANGE, header: the header alone)")
+
+# store.stats() key -> metric. The local tier's keys start with `local_`, Redis's with `redis_`.
+STORE: dict[str, Stat] = {
+    # single flight (cache/store.py)
+    "fills": _counter("encoder_cache_fills", "Store fills started on a local miss: a Redis read, else an encode"),
+    "creates": _counter("encoder_cache_creates", "Entries created by an encode (fills that Redis could not serve)"),
+    "joins": _counter("encoder_cache_fill_joins", "Callers that joined a store fill already in flight"),
+    "fill_failures": _counter("encoder_cache_fill_failures", "Store fills that failed (nothing cached)"),
+    "inflight": _gauge("encoder_cache_fills_in_flight", "Store fills in flight"),
+    # host LRU tier and leases (cache/local.py)
+    "local_hits": _counter("encoder_cache_local_lookups", _LOOKUPS, result="hit"),
+    "local_misses": _counter("encoder_cache_local_lookups", _LOOKUPS, result="miss"),
+    "local_inserts": _counter("encoder_cache_local_inserts", "Entries put in the host LRU tier"),
+    "local_evictions": _counter("encoder_cache_local_evictions",
+                                "Entries evicted from the host LRU tier to make room (pinned ones never are)"),
+    "local_too_big": _counter("encoder_cache_local_too_big",
+                              "Entries not cached because they are larger than the whole tier (--cache-bytes)"),
+    "local_lease_expired": _counter("encoder_cache_lease_expiries",
+                                    "Pins (leases) ended by their deadline (--lease-s) rather than by a release"),
+    "local_pin_refused": _counter("encoder_cache_pin_refusals",
+                                  "Pins refused at --max-pinned-bytes (429; 400 when the request's pins could "
+                                  "never fit)"),
+    "local_entries": _gauge("encoder_cache_local_entries", "Entries in the host LRU tier, pinned or not"),
+    "local_used_bytes": _gauge("encoder_cache_local_used_bytes", "Bytes of the entries in the host LRU tier"),
+    "local_capacity_bytes": _gauge("encoder_cache_local_capacity_bytes", "Size of the host LRU tier (--cache-bytes)"),
+    "local_pinned_keys": _gauge("encoder_cache_pinned_ids", "Ids pinned (leased): their entry present or encoding"),
+    "local_pinned_bytes": _gauge("encoder_cache_pinned_bytes",
+                                 "Bytes pinned: entries, and reservations for the rows still encoding"),
+    "local_max_pinned_bytes": _gauge("encoder_cache_max_pinned_bytes", "Bound on pinned bytes (--max-pinned-bytes)"),
+    # Redis tier (cache/redis_tier.py); absent without --redis-url
+    "redis_state": _gauge("encoder_cache_redis_up",
+                          "1 while the Redis tier is up, 0 while it is down (reads miss at once, writes are "
+                          "dropped, a background probe reconnects)"),
+    "redis_writes_paused": _gauge("encoder_cache_redis_writes_paused",
+                                  "1 while writes to Redis pause after an OOM reply (cool-down), else 0"),
+    "redis_queued_bytes": _gauge("encoder_cache_redis_write_queue_bytes",
+                                 "Bytes of entries queued for the write-behind to Redis"),
+    "redis_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="entry"),
+    "redis_range_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="rows"),
+    "redis_header_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="header"),
+    "redis_misses": _counter("encoder_cache_redis_misses", "Redis tier reads of a key that is not there"),
+    "redis_corrupt": _counter("encoder_cache_redis_corrupt_values",
+                              "Redis values short, corrupt or of another format (read as misses)"),
+    "redis_errors": _counter("encoder_cache_redis_errors", "Redis commands that failed"),
+    "redis_down_events": _counter("encoder_cache_redis_down_events", "Times the Redis tier went down"),
+    "redis_oom_events": _counter("encoder_cache_redis_oom_events",
+                                 "OOM replies to writes (Redis full without an eviction policy): writes pause"),
+    "redis_writes": _counter("encoder_cache_redis_writes", "Entries written behind to Redis"),
+    "redis_writes_dropped": _counter("encoder_cache_redis_dropped_writes",
+                                     "Write-behinds dropped: queue over its bound, Redis down, writes paused, or "
+                                     "the SET failed"),
+    "redis_skipped_down": _counter("encoder_cache_redis_skipped_while_down",
+                                   "Redis reads answered as a miss at once because the tier was down"),
+    # Redis connections (cache/redis_connections.py)
+    "redis_pool_waits": _counter("encoder_cache_redis_pool_waits",
+                                 "Redis operations that waited for a free connection (all of them busy)"),
+    "redis_pool_timeouts": _counter("encoder_cache_redis_pool_timeouts",
+                                    "Redis operations that got no free connection in time (a miss or a dropped "
+                                    "write; Redis is not marked down for it)"),
+    "redis_retries": _counter("encoder_cache_redis_retries",
+                              "Redis commands run again on a fresh connection after a connection error (pooled "
+                              "connections dead after a Redis restart)"),
+    # handoff of ids between replicas (cache/handoff.py, cache/subscriber.py)
+    "redis_pending_marked": _counter("encoder_cache_redis_pending_marked",
+                                     "Ids this replica marked pending in Redis when it accepted them"),
+    "redis_pending_settled": _counter("encoder_cache_redis_pending_settled",
+                                      "Pending markers settled and published: rows landed, or the encode failed "
+                                      "or its rows could not be stored"),
+    "redis_pending_unsettled": _gauge("encoder_cache_redis_pending_unsettled",
+                                      "Ids marked pending by this replica and not settled yet"),
+    "redis_queued_notices": _gauge("encoder_cache_redis_notice_queue",
+                                   "Marker outcomes queued behind the write-behind, to be published"),
+    "redis_notices_dropped": _counter("encoder_cache_redis_dropped_notices",
+                                      "Marker outcomes not published (Redis down, an error, or the queue bound): "
+                                      "waiters elsewhere end at their timeout or the marker's expiry"),
+    "redis_pending_waits": _counter("encoder_cache_redis_pending_waits",
+                                    "Fetches that waited for an id another replica is encoding"),
+    "redis_pending_wakeups": _counter("encoder_cache_redis_pending_wakeups",
+                                      "Waiting fetches woken by the encoding replica's message"),
+    "redis_pending_timeouts": _counter("encoder_cache_redis_pending_timeouts",
+                                       "Waits for another replica's encode that reached the fetch's timeout"),
+    "redis_pending_failures": _counter("encoder_cache_redis_pending_failures",
+                                       "Waits answered with the encoding replica's failure (not a 404)"),
+    "redis_pending_channels": _gauge("encoder_cache_redis_pending_channels",
+                                     "Ids this replica's fetches wait on now (channels of its one pub/sub "
+                                     "connection)"),
+    "redis_subscriber_connects": _counter("encoder_cache_redis_subscriber_connects",
+                                          "Connections of the shared pub/sub connection"),
+    "redis_subscriber_lost": _counter("encoder_cache_redis_subscriber_lost",
+                                      "Losses of the shared pub/sub connection (its waits end at once)"),
+}
+
+# ShmWriter.stats() key -> metric (core/shm_writer.py); absent without --shm-fetch.
+SHM: dict[str, Stat] = {
+    "opens": _counter("encoder_shm_opens", "Client shared-memory files opened and mapped"),
+    "evictions": _counter("encoder_shm_mapping_evictions", "Mappings closed to stay under the open-file bound"),
+    "writes": _counter("encoder_shm_writes", "Fetches whose rows were written into a client's file"),
+    "open": _gauge("encoder_shm_open_mappings", "Client files mapped now"),
+}
+
+
+class CacheCollector(Collector):
+    """Registered on the core's registry (core/metrics.py); `shm` is None when shared-memory fetch is off."""
+
+    def __init__(self, store, shm=None):
+        self._store, self._shm = store, shm
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        _add(families, STORE, self._store.stats(), "encoder_cache_")
+        if self._shm is not None:
+            _add(families, SHM, self._shm.stats(), "encoder_shm_")
+        yield from families.values()
+
+
+def _add(families: dict[str, Metric], table: dict[str, Stat], stats: dict, prefix: str) -> None:
+    for key, value in stats.items():
+        if key == "redis_state":
+            value = value == "up"
+        if not isinstance(value, (int, float)):  # bools are ints
+            continue
+        stat = table.get(key) or _gauge(prefix + key, f"stats() key {key!r} (not described in core/cache_metrics.py)")
+        family = families.get(stat.metric)
+        if family is None:
+            names = [name for name, _ in stat.labels]
+            kind = CounterMetricFamily if stat.counter else GaugeMetricFamily
+            family = families[stat.metric] = kind(stat.metric, stat.help, labels=names)
+        family.add_metric([v for _, v in stat.labels], float(value))

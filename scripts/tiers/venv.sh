@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Shared by the tier scripts beside it: `source scripts/tiers/venv.sh; tier_venv NAME INPUTS...` makes (or
+# reuses) `.venv-NAME` for a test tier that runs another engine's own code (vLLM, SGLang, transformers'
+# torchvision processor), which can't share the main `.venv`.
+#
+# Order, so that nothing pulls a multi-GB CUDA build of torch: CPU torch first (`torch==2.13.0`, the local
+# CPU wheel), then what the tier's own script installs with --no-deps. The venv is reused while a stamp of
+# its inputs (the tier script and the files named in INPUTS) is unchanged: CI from a clean checkout builds
+# it once; a developer's second run skips the install.
+#
+# `tier_shim_torchvision VENV`: PyPI only has CUDA builds of torchvision, whose compiled ops can't load next
+# to CPU torch; tests/engines/torchvision_cpu_shim.py (installed through a .pth file, so subprocesses get it
+# too) defines the two op schemas its import needs. Only the pure-Python transforms are used.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the caller must install
+  local name="$1"; shift
+  VENV="$ROOT/.venv-$name"
+  PY="$VENV/bin/python"
+  local stamp
+  stamp="$(cat "$ROOT/scripts/tiers/venv.sh" "$@" | sha256sum | cut -c1-16)"
+  if [ -x "$PY" ] && [ "$(cat "$VENV/.tier-stamp" 2>/dev/null)" = "$stamp" ]; then
+    TIER_FRESH=0
+    return
+  fi
+  rm -rf "$VENV"
+  "${PYTHON:-python3}" -m venv "$VENV"
+  "$PY" -m pip install -q torch==2.13.0
+  echo "$stamp" > "$VENV/.tier-stamp.pending"
+  TIER_FRESH=1
+}
+
+tier_done() {  # marks the venv complete (only after every install of the tier succeeded)
+  mv "$VENV/.tier-stamp.pending" "$VENV/.tier-stamp"
+}
+
+tier_shim_torchvision() {
+  local sp
+  sp="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  cp "$ROOT/tests/engines/torchvision_cpu_shim.py" "$sp/"
+  echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > "$sp/zz_torchvision_cpu_shim.pth"
+}

@@ -1,0 +1,116 @@
+"""What an operator sees, over a real service and a real redis-server: /metrics carries the cache's own
+counters (host LRU tier, leases, Redis tier, shared-memory writer; core/cache_metrics.py), parsed as
+Prometheus parses them, and they move as the service encodes, evicts and loses Redis. Readiness reports
+Redis's state as detail and stays ready without it; liveness never looks at Redis.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from encoder_service.client import EncoderClient
+from tests.support.images import image_bytes
+from tests.support.service import RunningService, make_settings
+
+pytestmark = pytest.mark.timeout(120)
+
+LEASE_S = 3  # short, so the test sees leases end; long enough for an encode under load
+
+
+def scrape(c: httpx.Client) -> dict[str, float]:
+    """GET /metrics, parsed: {sample name with its labels as name{k=v,...}: value}."""
+    out = {}
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def encode(c: httpx.Client, seed: int) -> dict:
+    r = c.post("/v1/encode?wait=true", content=image_bytes(64, 64, seed), headers={"content-type": "image/png"})
+    assert r.status_code == 200, r.text
+    return r.json()["images"][0]  # 4 rows x 48 x float32: 768 bytes
+
+
+@pytest.fixture
+def redis_service(request, redis_server, tiny_checkpoint, tmp_path) -> RunningService:
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    svc = RunningService(make_settings(
+        ckpt, "--redis-url", redis_server.url, "--cache-bytes", "8KiB", "--max-pinned-bytes", "4KiB",
+        "--lease-s", str(LEASE_S), "--shm-fetch", "--shm-dir", str(tmp_path), grpc=False), ckpt)
+    request.addfinalizer(svc.close)
+    return svc
+
+
+def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path):
+    svc = redis_service
+    with httpx.Client(base_url=svc.url, timeout=30) as c:
+        m = scrape(c)
+        assert m["encoder_cache_redis_up"] == 1 and m["encoder_cache_redis_writes_paused"] == 0
+        assert m["encoder_cache_local_capacity_bytes"] == 8192 and m["encoder_cache_max_pinned_bytes"] == 4096
+        assert m["encoder_cache_creates_total"] == m["encoder_cache_local_evictions_total"] == 0
+        assert m["encoder_shm_writes_total"] == m["encoder_shm_open_mappings"] == 0
+
+        ids = []
+        for k in range(16):  # 16 x 768 bytes through an 8 KiB tier, each released: the oldest go
+            ids.append(encode(c, k)["id"])
+            assert scrape(c)["encoder_cache_pinned_bytes"] == 768  # until the release
+            assert c.post("/v1/release", json={"ids": ids[-1:]}).json() == {"released": 1}
+        m = scrape(c)
+        assert m["encoder_cache_creates_total"] == 16 and m["encoder_cache_fills_total"] == 16
+        assert m["encoder_cache_local_evictions_total"] == 16 - m["encoder_cache_local_entries"] > 0
+        assert m["encoder_cache_local_used_bytes"] == 768 * m["encoder_cache_local_entries"] <= 8192
+        assert m["encoder_cache_pinned_bytes"] == m["encoder_cache_pinned_ids"] == 0
+
+        svc.call(svc.core.store.redis.flush)  # the write-behind has landed
+        m = scrape(c)
+        assert m["encoder_cache_redis_writes_total"] == 16 and m["encoder_cache_redis_write_queue_bytes"] == 0
+        assert m["encoder_cache_redis_dropped_writes_total"] == 0
+
+        with EncoderClient.http(svc.url, shm=True, shm_dir=str(tmp_path)) as client:
+            assert client.fetch([(ids[-1], 0)], 0, 4).rows.shape == (4, 48)
+        m = scrape(c)
+        assert m["encoder_shm_writes_total"] == m["encoder_shm_opens_total"] == 1
+
+        statuses = []
+        for k in range(16, 22):  # no releases, no waits: 4 KiB of pins fill up at the 6th image
+            r = c.post("/v1/encode", content=image_bytes(64, 64, k), headers={"content-type": "image/png"})
+            statuses.append(r.status_code)
+        assert statuses == [200] * 5 + [429]
+        m = scrape(c)
+        assert m["encoder_cache_pin_refusals_total"] == 1 and m["encoder_cache_pinned_bytes"] > 0
+        time.sleep(LEASE_S + 0.2)  # the leases end: a scrape sees it (they expire lazily, on any store call)
+        m = scrape(c)
+        assert m["encoder_cache_pinned_bytes"] == 0 and m["encoder_cache_lease_expiries_total"] == 5
+
+
+def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_server):
+    svc = redis_service
+    commands = redis.Redis.from_url(redis_server.url)
+
+    def processed() -> int:
+        return commands.info("stats")["total_commands_processed"]  # counts this INFO too
+
+    with httpx.Client(base_url=svc.url, timeout=30) as c:
+        before = processed()
+        assert c.get("/health/live").json() == {"live": True}
+        assert c.get("/health/ready").json() == {"ready": True, "redis": "up"}
+        assert processed() == before + 1  # the probes sent Redis nothing: state is what the tier last saw
+        commands.close()
+
+        redis_server.kill()
+        r = c.post("/v1/fetch", json={"items": [{"id": "ab" * 16, "offset": 0}], "start": 0, "end": 4})
+        assert r.status_code == 404  # the header read from Redis failed: the tier is down now
+        r = c.get("/health/ready")
+        assert r.status_code == 200 and r.json() == {"ready": True, "redis": "down"}
+        assert c.get("/health/live").status_code == 200
+        m = scrape(c)
+        assert m["encoder_cache_redis_up"] == 0 and m["encoder_cache_redis_down_events_total"] == 1
+        info = encode(c, 99)  # the local tier serves on
+        assert info["num_tokens"] == 4

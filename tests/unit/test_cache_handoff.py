@@ -1,0 +1,267 @@
+"""Handoff of an id between replicas (cache/handoff.py), against a real redis-server: two EmbeddingStores on
+one Redis stand for replica A, which accepts an image and encodes it, and replica B, which serves a fetch
+for it. Without the handoff, B answered 404 until A's rows happened to be in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import redis
+import torch
+
+from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
+from encoder_service.cache.handoff import marker_name
+from encoder_service.errors import ImageDecodeError
+from tests.support.stores import LOADED, creator, make_entry, open_store, wait_until
+
+LONG_S = 30.0  # a fetch's timeout far longer than any wake-up below
+
+
+def gated(entry, gate: asyncio.Event):
+    """A create() that returns `entry` once `gate` is set: the ViT still running on replica A."""
+
+    async def create():
+        await gate.wait()
+        return entry
+
+    return create
+
+
+def command_calls(url: str, command: str) -> int:
+    with redis.Redis.from_url(url) as direct:
+        return direct.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+@contextlib.asynccontextmanager
+async def replicas(url: str, **options):
+    a, b = await open_store(url, **options), await open_store(url, **options)
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def accepted_and_awaited(a: EmbeddingStore, b: EmbeddingStore, key: str) -> asyncio.Task:
+    """A accepts `key` (marks it pending, as before answering `encode`); B's fetch waits for it. Returns B's
+    wait (a task) once B sleeps on its subscription."""
+    waits = b.stats()["redis_pending_waits"]
+    assert await a.mark_pending([key])
+    waiting = asyncio.create_task(b.wait_for(key, LONG_S))
+    await wait_until(lambda: b.stats()["redis_pending_waits"] > waits)
+    return waiting
+
+
+def test_marker_names_follow_the_key_scheme():
+    fp = "0123456789abcdef01234567"
+    assert marker_name(f"encsvc:{fp}:c:blake3:{'a' * 32}") == f"encsvc:{fp}:pending:c:blake3:{'a' * 32}"
+    assert marker_name(f"encsvc:{fp}:u:doc-7:page/2") == f"encsvc:{fp}:pending:u:doc-7:page/2"
+    assert marker_name("k") == "k:pending"
+    assert not any(c in marker_name(f"encsvc:{fp}:u:x") for c in "{}")  # no Cluster hash tags
+
+
+async def test_a_fetch_elsewhere_is_woken_when_the_rows_land(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        entry, gate = make_entry(1), asyncio.Event()
+        waiting = await accepted_and_awaited(a, b, "k")
+        encode = asyncio.create_task(a.get_or_create("k", gated(entry, gate)))
+        await asyncio.sleep(0.5)  # B waits while A encodes
+        assert not waiting.done()
+        gate.set()
+        landed = time.monotonic()
+        assert await waiting is Settled.LANDED
+        assert time.monotonic() - landed < 1.0  # woken by the message, not at the 30 s timeout
+        await encode
+        assert torch.equal(await b.read_rows("k", 0, 10), entry.tensor[:10])  # the rows are there
+        # No polling: B checked twice (before subscribing and after), then slept until the message.
+        assert command_calls(redis_server.url, "exists") == 2
+        stats = b.stats()
+        assert stats["redis_pending_wakeups"] == 1 and stats["redis_pending_channels"] == 0
+        assert redis.Redis.from_url(redis_server.url).exists(marker_name("k")) == 0  # A cleared its marker
+
+
+async def test_a_failed_encode_is_raised_on_the_other_replica_not_404(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        gate = asyncio.Event()
+
+        async def create():
+            await gate.wait()
+            raise ImageDecodeError("image 0: truncated PNG")
+
+        waiting = await accepted_and_awaited(a, b, "bad")
+        encode = asyncio.create_task(a.get_or_create("bad", create))
+        gate.set()
+        with pytest.raises(ImageDecodeError):
+            await encode
+        failed = time.monotonic()
+        with pytest.raises(EncodeFailed) as info:
+            await waiting
+        assert time.monotonic() - failed < 1.0
+        assert info.value.kind == "invalid_input" and "truncated PNG" in info.value.message  # a 400, as on A
+        with pytest.raises(EncodeFailed):  # a fetch arriving later reads the failure from the marker
+            await asyncio.wait_for(b.wait_for("bad", LONG_S), 0.5)
+        assert b.stats()["redis_pending_failures"] == 2
+
+
+async def test_an_id_nobody_accepted_is_not_pending_at_once(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        t0 = time.monotonic()
+        assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # the caller answers 404
+        await a.get_or_create("there", creator(make_entry(2), []))
+        await a.redis.flush()
+        assert await b.wait_for("there", LONG_S) is Settled.LANDED  # in Redis already
+        assert time.monotonic() - t0 < 1.0
+        assert b.stats()["redis_subscriber_connects"] == 0  # nothing to wait for: no subscription
+    local_only = EmbeddingStore(1 << 20)
+    assert await local_only.wait_for("x", LONG_S) is Settled.NOT_PENDING  # no Redis: nothing to wait on
+
+
+async def test_a_wait_ends_at_the_callers_timeout(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        assert await a.mark_pending(["slow"])  # A never finishes within the wait
+        t0 = time.monotonic()
+        assert await b.wait_for("slow", 0.3) is Settled.TIMED_OUT
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+        stats = b.stats()
+        assert stats["redis_pending_timeouts"] == 1 and stats["redis_pending_channels"] == 0  # unsubscribed
+        # timeout 0, "don't wait": the state now, from one check, without subscribing
+        await a.get_or_create("there", creator(make_entry(2), []))
+        await a.redis.flush()
+        assert await b.wait_for("slow", 0) is Settled.TIMED_OUT
+        assert await b.wait_for("never", 0) is Settled.NOT_PENDING
+        assert await b.wait_for("there", 0) is Settled.LANDED
+        assert b.stats()["redis_subscriber_connects"] == 1 and b.stats()["redis_pending_waits"] == 1
+
+
+async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
+    """Fetches that time out at any point of their wait (before, during or after their SUBSCRIBE is sent)
+    unsubscribe: nothing accumulates on the shared connection."""
+    async with replicas(redis_server.url) as (a, b):
+        keys = [f"k{i}" for i in range(20)]
+        assert await a.mark_pending(keys)
+        timeouts = [0.0005 * i for i in range(200)]  # 0 to 0.1 s
+        got = await asyncio.gather(*(b.wait_for(keys[i % 20], t) for i, t in enumerate(timeouts)))
+        assert set(got) == {Settled.TIMED_OUT} and b.stats()["redis_pending_channels"] == 0
+
+        def subscriptions() -> int:
+            with redis.Redis.from_url(redis_server.url) as direct:
+                return sum(int(c["sub"]) for c in direct.client_list())
+
+        await wait_until(lambda: subscriptions() == 0)  # the UNSUBSCRIBEs reached Redis
+        assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # and the connection still works
+        waiting = await accepted_and_awaited(a, b, "k0")
+        await a.get_or_create("k0", creator(make_entry(7), []))
+        assert await asyncio.wait_for(waiting, 1.0) is Settled.LANDED
+
+
+async def test_markers_expire_so_a_crashed_replica_cannot_hold_fetches(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        assert await a.mark_pending(["orphan"], lease_s=0.5)  # then A "crashes": it never settles
+        direct = redis.Redis.from_url(redis_server.url)
+        assert 0 < direct.pttl(marker_name("orphan")) <= 500  # the marker lives as long as the encode's lease
+        t0 = time.monotonic()
+        assert await b.wait_for("orphan", LONG_S) is Settled.NOT_PENDING  # at the marker's expiry
+        assert time.monotonic() - t0 < 1.5
+        direct.close()
+
+
+async def test_an_outcome_published_between_check_and_subscribe_is_not_missed(redis_server, monkeypatch):
+    """B's first check sees "pending"; A's rows land, and its message goes out, before B's SUBSCRIBE: B's
+    second check, once subscribed, must see them."""
+    async with replicas(redis_server.url) as (a, b):
+        entry, gate = make_entry(3), asyncio.Event()
+        assert await a.mark_pending(["k"])
+        encode = asyncio.create_task(a.get_or_create("k", gated(entry, gate)))
+        subscriber = b.redis._subscriber
+        subscribe = subscriber.subscription
+
+        @contextlib.asynccontextmanager
+        async def late_subscription(channel):
+            gate.set()  # A finishes and publishes while B is between its first check and its SUBSCRIBE
+            await encode
+            await a.redis.flush()
+            async with subscribe(channel) as message:
+                yield message
+
+        monkeypatch.setattr(subscriber, "subscription", late_subscription)
+        assert await asyncio.wait_for(b.wait_for("k", LONG_S), 2.0) is Settled.LANDED
+        assert b.stats()["redis_pending_wakeups"] == 0  # seen by the second check, not by a message
+
+
+async def test_rows_that_could_not_be_stored_fail_the_wait(redis_server):
+    async with replicas(redis_server.url, max_queued_bytes=1) as (a, b):  # A's write-behind queue is "full"
+        waiting = await accepted_and_awaited(a, b, "k")
+        await a.get_or_create("k", creator(make_entry(4), []))  # A has the rows (its local tier), Redis not
+        with pytest.raises(EncodeFailed) as info:
+            await asyncio.wait_for(waiting, 1.0)
+        assert info.value.kind == "not_found" and "not stored" in info.value.message  # 404, saying why
+        assert a.stats()["redis_writes_dropped"] == 1
+
+
+async def test_rows_refused_by_a_full_redis_fail_the_wait(redis_server_noevict):
+    url = redis_server_noevict.url
+    async with replicas(url) as (a, b):
+        waiting = await accepted_and_awaited(a, b, "k")
+        direct = redis.Redis.from_url(url)
+        direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # full now
+        await a.get_or_create("k", creator(make_entry(5, 512, 256, "main", torch.float32), []))
+        with pytest.raises(EncodeFailed) as info:
+            await asyncio.wait_for(waiting, 1.0)
+        assert info.value.kind == "not_found" and "Redis is full" in info.value.message
+        # The failure marker could not be SET when full, so the pending one was deleted: later fetches 404.
+        assert await asyncio.wait_for(b.wait_for("k", LONG_S), 0.5) is Settled.NOT_PENDING
+        direct.close()
+
+
+async def test_rows_found_in_redis_settle_the_marker(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        await b.get_or_create("k", creator(make_entry(6), []))  # another replica wrote the rows already
+        await b.redis.flush()
+        assert await a.mark_pending(["k"])
+        await a.get_or_create("k", creator(make_entry(6), []))  # a Redis hit on A: nothing encoded
+        await a.redis.flush()
+        assert redis.Redis.from_url(redis_server.url).exists(marker_name("k")) == 0
+
+
+async def test_redis_killed_during_a_wait_answers_at_once(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        waiting = await accepted_and_awaited(a, b, "k")
+        redis_server.kill()
+        t0 = time.monotonic()
+        assert await waiting is Settled.UNAVAILABLE
+        assert time.monotonic() - t0 < 1.0 and not b.redis.up  # the lost subscriber marked the tier down
+        assert await asyncio.wait_for(b.wait_for("k", LONG_S), 0.1) is Settled.UNAVAILABLE  # down: at once
+
+
+async def test_redis_that_stops_answering_during_a_wait_answers_at_once(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        waiting = await accepted_and_awaited(a, b, "k")
+        redis_server.pause()
+        try:
+            assert await b.redis.get("other") is None  # B's next command times out: the tier goes down...
+            assert await asyncio.wait_for(waiting, 0.5) is Settled.UNAVAILABLE  # ...and the wait ends with it
+        finally:
+            redis_server.resume()
+
+
+async def test_512_concurrent_waits_share_one_subscriber_connection(redis_server):
+    async with replicas(redis_server.url, **LOADED) as (a, b):
+        keys = [f"k{i}" for i in range(64)]
+        entries = {key: make_entry(100 + i, 16, 64) for i, key in enumerate(keys)}
+        gate = asyncio.Event()
+        assert await a.mark_pending(keys)
+        encodes = [asyncio.create_task(a.get_or_create(key, gated(entries[key], gate))) for key in keys]
+        waits = [asyncio.create_task(b.wait_for(keys[i % 64], LONG_S)) for i in range(512)]
+        await wait_until(lambda: b.stats()["redis_pending_waits"] == 512)
+        with redis.Redis.from_url(redis_server.url) as direct:
+            subscribers = [c for c in direct.client_list() if int(c["sub"]) > 0]
+        assert len(subscribers) == 1 and int(subscribers[0]["sub"]) == 64  # one connection, one channel per id
+        gate.set()
+        assert await asyncio.gather(*waits) == [Settled.LANDED] * 512
+        await asyncio.gather(*encodes)
+        stats = b.stats()
+        assert stats["redis_pending_wakeups"] == 512 and stats["redis_pending_channels"] == 0
+        assert stats["redis_subscriber_connects"] == 1 and stats["redis_errors"] == 0
