@@ -187,7 +187,7 @@ def profile_forward(eager, graph_runner, pvs, grids, path: Path):
              *[f"  {key:34s} {us / 1e3:8.2f} ms  ({n} calls; kernels inside the range)" for key, n, us in ranges],
              *lines[1:]]
     plan = graph_runner.plan(grids)
-    if len(plan) == 1 and plan[0][1] is not None:
+    if len(plan) == 1 and plan[0][1] is not None and plan[0][1].graph is not None:
         graph = plan[0][1]
         graph_runner.encode(pvs, grids)  # the batch's buffers in the graph
         sync(eager.device)
