@@ -16,7 +16,9 @@ Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
     kernels (ops/attention_triton.py: short segments; head dim split 64 + 16), and torch's own (below:
     dense SDPA, the two-segment dense trick, `varlen_attn`, a masked dense last resort).
     The choice is the runner's (`--attention {auto,fa4,triton,torch}`, env ENCODER_ATTENTION: settings.py),
-    made active around its forward with `use_policy`; outside a runner the default policy (auto) runs.
+    made active around its forward with `use_policy`; outside a runner (tests, scripts calling a tower
+    directly) the default policy (auto) runs, without the startup check (a backend that raises still falls
+    back).
   - CUDA in float32 / float64: `_masked_dense_attention` (the reference order on the device).
 
 Not used: cuDNN's ragged kernel through aten (`_cudnn_attention_forward` with cum_seq offsets): captured in
