@@ -22,6 +22,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 # decoded by Pillow (pixels exactly those transformers gets from a PIL image).
 PREPROCESS_BACKENDS = ("pil", "torchvision", "torchvision-pil-decode")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# --attention: ops/attention.py's CHOICES (kept here so that settings import no torch).
+ATTENTION = ("auto", "fa4", "triton", "torch")
 # The one default ladder of CUDA-graph buckets (patch rows): the service's, make_runner's and the
 # benchmarks'. runtime/runner.py adds an exact bucket for each common resolution under the largest.
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
@@ -116,6 +118,7 @@ class EngineSettings:
     graph_buckets: tuple[int, ...]
     batch_tokens: int
     max_queue: int
+    attention: str = "auto"  # ops/attention.py: CHOICES
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "graph_buckets": (parse_buckets, ",".join(map(str, DEFAULT_BUCKETS)), "patch-token buckets"),
     "batch_tokens": (_positive(int), "16384", "patch-token budget of one ViT batch"),
     "max_queue": (_positive(int), "256", "images waiting before 429"),
+    "attention": (_choice(ATTENTION), "auto",
+                  "attention kernels: auto (the per-layout table), or prefer fa4 / triton / torch"),
     "max_images": (_positive(int), "64", "images per request"),
     "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
     "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),
@@ -315,7 +320,7 @@ def _build(v: dict) -> Settings:
                             cache_bytes=v["cache_bytes"], hash=v["hash"], lease_s=v["lease_s"],
                             max_pinned_bytes=pinned),
         engine=EngineSettings(cuda_graphs=cuda_graphs, graph_buckets=v["graph_buckets"],
-                              batch_tokens=v["batch_tokens"], max_queue=v["max_queue"]),
+                              batch_tokens=v["batch_tokens"], max_queue=v["max_queue"], attention=v["attention"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
                              max_image_bytes=v["max_image_bytes"], max_pixels=v["max_pixels"],
                              allow_url_hosts=v["allow_url_hosts"]),

@@ -33,7 +33,7 @@ def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
     m, e, c = settings.model, settings.engine, settings.cache
     if loaded is None:
         loaded = load_model(m.model, device=m.device, dtype=m.dtype, revision=m.revision)
-    runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets))
+    runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets), attention=e.attention)
     cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
     store = EmbeddingStore(c.cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s, lease_s=c.lease_s,
                            max_pinned_bytes=c.max_pinned_bytes)

@@ -130,6 +130,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_GRAPH_BUCKETS" (join "," ($srv.graphBuckets | default list)))
     (list "ENCODER_BATCH_TOKENS" $srv.batchTokens)
     (list "ENCODER_MAX_QUEUE" $srv.maxQueue)
+    (list "ENCODER_ATTENTION" $srv.attention)
     (list "ENCODER_MAX_IMAGES" $srv.maxImages)
     (list "ENCODER_MAX_BODY_BYTES" $srv.maxBodyBytes)
     (list "ENCODER_MAX_IMAGE_BYTES" $srv.maxImageBytes)
