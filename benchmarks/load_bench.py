@@ -24,6 +24,7 @@ share the service's GIL; the service, the model-only runs and the child are all 
 
     python benchmarks/load_bench.py            # GPU (H100: about 2-3 minutes)
     python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
+    python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
 
 Prints a markdown table; writes $OUT/load_bench.json and $OUT/load_bench.md (OUT defaults to ./bench_out).
 Exits 1 when a correctness check fails (request errors, cache hits on distinct images, fetched rows wrong
@@ -360,6 +361,8 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
+    parser.add_argument("--attention", default="auto", choices=("auto", "fa4", "triton", "torch"),
+                        help="the service's --attention (default auto); the setup line says what ran")
     parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # the load generator (child)
     args = parser.parse_args()
     if args.client:
@@ -388,7 +391,8 @@ def main() -> int:
         http_sock = bind_socket("127.0.0.1", 0)
         settings = service_settings(
             checkpoint, device, dtype, http_sock, "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
-            "--shm-fetch")  # the load generator is co-located: it may fetch through shared memory
+            "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
+            "--attention", args.attention)
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
         t_core = time.perf_counter()
         runner = core.runner.describe()
@@ -398,6 +402,7 @@ def main() -> int:
             model="tiny qwen2_5_vl (encoder_service/testing/tiny.py)" if args.small else "Qwen2.5-VL-7B vision tower",
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
+            attention=f"{args.attention}: {runner.get('attention', {}).get('selected', {})}",
             # asyncio sets TCP_NODELAY on accepted connections only when the listening socket says IPPROTO_TCP
             http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
         if not args.small:
