@@ -18,7 +18,7 @@ from encoder_service import errors
 from encoder_service.integrations.vllm import ec_transfer_config, proxy
 from encoder_service.settings import Settings
 from tests.support.images import image_bytes as png
-from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_command, doc_ec_transfer_config
+from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,17 +36,20 @@ def body_with(*urls: str, text: str = "hi", **extra) -> dict:
 
 def test_documented_commands():
     assert doc_ec_transfer_config() == ec_transfer_config(DOC_URL, auth_token=DOC_TOKEN)
-    serve = doc_command("encoder-service serve")
+    serve = documented("encoder").argv
+    assert serve[:2] == ["encoder-service", "serve"]
     settings = Settings.from_args(serve[2:], env={})
     assert settings.server.shm_fetch and settings.server.auth_token == DOC_TOKEN
     assert f"http://{settings.server.host}:{settings.server.http_port}" == DOC_URL
-    argv = doc_command("encoder-service vllm-proxy")
+    vllm = documented("vllm")
+    assert vllm.argv[:2] == ["vllm", "serve"] and vllm.env == {"CUDA_VISIBLE_DEVICES": "1"}
+    argv = documented("proxy").argv
+    assert argv[:2] == ["encoder-service", "vllm-proxy"]
     parser = argparse.ArgumentParser()
     proxy.add_proxy_arguments(parser)
     s = proxy.resolve_proxy(parser.parse_args(argv[2:]), env={})
     assert (s.encoder_url, s.auth_token) == (DOC_URL, DOC_TOKEN)
-    vllm_port = doc_command("vllm serve")[doc_command("vllm serve").index("--port") + 1]
-    assert s.vllm_url == f"http://127.0.0.1:{vllm_port}"
+    assert s.vllm_url == f"http://127.0.0.1:{vllm.value('--port')}"
 
 
 def test_settings():

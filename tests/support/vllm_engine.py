@@ -53,11 +53,11 @@ class EncoderProcess:
     """`encoder-service serve` (the documented command, our ports and model) in a subprocess."""
 
     def __init__(self, checkpoint: Path, shm_dir: Path, log_path: Path, *extra: str):
-        from tests.support.vllm_docs import doc_command, with_values
+        from tests.support.vllm_docs import documented
 
         self.http_port, self.grpc_port = free_port(), free_port()
-        argv = with_values(doc_command("encoder-service serve"), {
-            "--model": checkpoint, "--http-port": self.http_port, "--grpc-port": self.grpc_port,
+        argv = documented("encoder").replaced({
+            "--model": str(checkpoint), "--http-port": str(self.http_port), "--grpc-port": str(self.grpc_port),
             "--auth-token": TOKEN})
         argv += ["--device", "cpu", "--shm-dir", str(shm_dir), "--log-level", "warning", *extra]
         self.url, self.grpc = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from tests.support.vllm_engine import TOKEN, ec_config, encoder_service_argv, free_port, subprocess_env  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
-from tests.support.vllm_docs import doc_command, with_values  # noqa: E402
+from tests.support.vllm_docs import documented  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 CHUNKS, GAP_S = 4, 0.4  # the stand-in's streamed answer: CHUNKS events, GAP_S apart
@@ -79,9 +79,9 @@ def front(encoders, tmp_path_factory):
     """(proxy URL, stand-in vLLM) with the proxy in front of the Qwen2.5-VL encoder."""
     vllm = StandInVllm()
     port = free_port()
-    argv = with_values(doc_command("encoder-service vllm-proxy"), {
+    argv = documented("proxy").replaced({
         "--encoder-url": encoders["qwen2_5_vl"].url, "--vllm-url": vllm.url, "--host": "127.0.0.1",
-        "--port": port, "--auth-token": TOKEN})
+        "--port": str(port), "--auth-token": TOKEN})
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(encoder_service_argv(*argv[1:]), stdout=out, stderr=subprocess.STDOUT,
