@@ -368,17 +368,11 @@ def main() -> int:
     if args.client:
         return client_main(args.client)
 
-    import torch
-
-    from _service_setup import InProcessService, build_checkpoint, free_port
+    from _service_setup import InProcessService, bench_device, build_checkpoint, service_settings
     from encoder_service.api.service import bind_socket, build_core
-    from encoder_service.settings import Settings
     from gpu_parity import REAL, setup_info
 
-    if not args.small and not torch.cuda.is_available():
-        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
-    device = torch.device("cpu" if args.small else "cuda")
-    dtype = torch.float32 if args.small else torch.bfloat16
+    device, dtype = bench_device(args.small, parser)
     cfg = CONFIGS["small" if args.small else "full"]
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,13 +389,10 @@ def main() -> int:
             build_checkpoint(FAMILY, False, device, dtype, checkpoint)
         t_ckpt = time.perf_counter()
         http_sock = bind_socket("127.0.0.1", 0)
-        settings = Settings.from_args([
-            "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
-            "--host", "127.0.0.1", "--http-port", str(http_sock.getsockname()[1]), "--grpc-port", str(free_port()),
-            "--log-level", "warning", "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
+        settings = service_settings(
+            checkpoint, device, dtype, http_sock, "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
             "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
-            "--attention", args.attention,
-        ], env={})
+            "--attention", args.attention)
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
         t_core = time.perf_counter()
         runner = core.runner.describe()

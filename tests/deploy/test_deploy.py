@@ -583,6 +583,7 @@ def test_notes_render(scenario, tmp_path):
     assert p.returncode == 0, p.stderr
     text = yaml.safe_load(p.stdout)["data"]["notes"]
     assert "enc-encoder-service.ml.svc:8000" in text and "helm test enc" in text
-    assert ("auth is off" in text) == (scenario != "auth-values")
+    given = yaml.safe_load((CHART / "ci" / f"{scenario}.yaml").read_text()) if scenario != "default" else {}
+    assert ("auth is off" in text) == (not (given.get("auth") or {}).get("enabled", False))
     assert ("enc-encoder-service-sglang.ml.svc:9100" in text) == (scenario == "sglang-values")
     assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline

@@ -58,6 +58,18 @@ class RunningService:
             fut.cancel()
             raise
 
+    def pinned(self, public_id: str) -> bool:
+        """Whether encode pins of `public_id` are held in the local tier (asked on the service's loop)."""
+        from encoder_service.cache import key_from_id
+
+        core = self.core
+        name = key_from_id(public_id, core.model_fp, core.settings.cache.hash).name
+
+        async def on_loop():  # the store is not thread-safe
+            return core.store.local.is_pinned(name)
+
+        return self.call(on_loop)
+
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample of the core's Prometheus registry (0 when absent), read on the service's loop: a read
         runs every collector, and the cache's reads the store, which belongs to that loop."""
