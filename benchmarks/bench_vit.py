@@ -142,7 +142,9 @@ def kernel_breakdown(prof) -> list[str]:
 
     per_name: dict[str, list] = {}
     for evt in prof.events():
-        if evt.device_type == DeviceType.CUDA and evt.device_time_total > 0:
+        # "attention:<backend>" ranges (profile_labels) show up on the device too, spanning their kernels: they
+        # are not kernels, and counting them would count attention twice.
+        if evt.device_type == DeviceType.CUDA and evt.device_time_total > 0 and not evt.name.startswith("attention:"):
             entry = per_name.setdefault(evt.name, [0.0, 0])
             entry[0] += evt.device_time_total
             entry[1] += 1
@@ -181,8 +183,12 @@ def profile_forward(eager, graph_runner, pvs, grids, path: Path):
         eager.encode(pvs, grids)
         sync(eager.device)
     lines = kernel_breakdown(prof)
-    ranges = sorted((e.key, e.count, e.device_time_total)
-                    for e in prof.key_averages() if e.key.startswith("attention:"))
+    ranges: dict[str, tuple[int, float]] = {}  # one row per range (its host and its device record share the key)
+    for e in prof.key_averages():
+        if e.key.startswith("attention:"):
+            n, us = ranges.get(e.key, (0, 0.0))
+            ranges[e.key] = (max(n, e.count), max(us, e.device_time_total))
+    ranges = sorted((key, n, us) for key, (n, us) in ranges.items())
     lines = ["eager forward, attention " + str(eager.attention.selected()), lines[0],
              *[f"  {key:34s} {us / 1e3:8.2f} ms  ({n} calls; kernels inside the range)" for key, n, us in ranges],
              *lines[1:]]
