@@ -13,9 +13,11 @@ its filler slots, the same 8 eagerly, Qwen2.5's windows) x every candidate that 
 q and k are contiguous, v is the strided [:, 2] view of a fused [N, 3, H, D] buffer, as in the towers.
 
 Candidates: the production backends exactly as the service runs them (ops/attention.py BACKENDS: fa4,
-triton_split per block config, triton_short, torch_dense, torch_two_segment, torch_varlen; and "auto" = the
-service's own choice on this machine, noted in the table), plus what the service does not run
-(benchmarks/attn/candidates.py: fa4_dense, cudnn_fe, cudnn_fe_backend, cudnn_fe_op, torch_sdpa_*).
+triton_short, torch_dense, torch_two_segment, torch_varlen; and "auto" = the service's own choice on this
+machine, noted in the table), plus what the service does not run (benchmarks/attn/candidates.py: fa4_dense,
+cudnn_fe, cudnn_fe_backend, cudnn_fe_op, torch_sdpa_*) and triton_split per block config: our head-dim-split
+Triton kernel, REJECTED on the H100 (slower than FA4 everywhere, wrong on several layouts) and out of the
+service, measured from benchmarks/attn/triton_split.py so that the result stays reproducible.
 
 Robustness: the items run in a worker process; the driver restarts a worker that crashes (illegal address,
 abort), falls silent for --stall-s, or leaves the default RNG broken, recording the item as crashed /
@@ -25,7 +27,7 @@ essentials for every layout. Inputs come from explicit generators (a broken defa
 
     PYTHONPATH=. python3 benchmarks/attention_candidates.py --list      # layouts and items; no GPU needed
     PYTHONPATH=. python3 benchmarks/attention_candidates.py             # GPU; about 4-5 min (budget 330 s)
-    ... --layouts q3_1080p,q25_1080p --candidates fa4,triton_split,torch_dense --budget-s 120
+    ... --layouts q3_1080p,q25_1080p --candidates fa4,torch_dense,triton_split --budget-s 120
 
 Writes $OUT/attn_candidates.md (table, best per layout, per layout class), attn_candidates.json (env,
 layouts, every record, winners), attn_candidates.jsonl (the raw stream) and attn_worker.log (OUT defaults
@@ -144,30 +146,33 @@ def build_layouts() -> list[dict]:
 
 # ---- candidates -------------------------------------------------------------------------------------
 
-TRITON_LONG = ["m128n64w8s2", "m128n128w8s2", "m128n64w4s3"]  # [0] = the service's config for max_seqlen > 64
+# Block configs of the rejected split kernel (benchmarks/attn/triton_split.py SPLIT_CONFIGS) per layout.
+TRITON_LONG = ["m128n64w8s2", "m128n128w8s2", "m128n64w4s3"]  # max_seqlen > 64
 TRITON_SHORT = ["m64n64w4s2"]
-PRODUCTION = ["auto", "fa4", "triton_split", "triton_short", "torch_dense", "torch_two_segment", "torch_varlen"]
+PRODUCTION = ["auto", "fa4", "triton_short", "torch_dense", "torch_two_segment", "torch_varlen"]
 EXTRA = ["cudnn_fe_backend", "fa4_dense", "cudnn_fe", "cudnn_fe_op", "torch_sdpa_flash", "torch_sdpa_efficient",
-         "torch_sdpa_cudnn"]
+         "torch_sdpa_cudnn", "triton_split"]
 CANDIDATES = PRODUCTION + EXTRA
 # Priority passes, so that a run cut by the budget has the essentials for every layout:
-#   1: the service's choice and every production backend (default configs), cuDNN's backend engine
-#   2: the other Triton configs, the dense-only extras, cudnn-frontend's heuristic pick and its own op
+#   1: the service's choice and every production backend, cuDNN's backend engine
+#   2: the dense-only extras, cudnn-frontend's heuristic pick and its own op, the rejected split kernel
 #   3: torch's cuDNN SDPA last (aten's cuDNN attention broke the default RNG under capture)
-PASS1 = {"auto", "fa4", "triton_split", "triton_short", "torch_dense", "torch_two_segment", "torch_varlen",
-         "cudnn_fe_backend"}
+PASS1 = {"auto", "fa4", "triton_short", "torch_dense", "torch_two_segment", "torch_varlen", "cudnn_fe_backend"}
 PASS3 = {"torch_sdpa_cudnn"}
 
 
 def _serves(lay, cand: str) -> bool:
     """Whether `cand` serves this layout, from the layout's ints (production: BACKENDS[...].serves)."""
+    from benchmarks.attn import triton_split
     from benchmarks.attn.candidates import equal_lengths
     from encoder_service.ops.attention import BACKENDS
 
     if cand == "auto":
         return True
     if cand in BACKENDS:
-        return BACKENDS[cand].serves(lay["cls"], lay["D"], lay["slots"])
+        return BACKENDS[cand].serves(lay["cls"], lay["D"])
+    if cand == "triton_split":
+        return triton_split.serves(lay["slots"], lay["D"])
     if cand in ("fa4_dense",) or cand.startswith("torch_sdpa_"):
         return equal_lengths(lay["N"], lay["slots"], lay["max_seqlen"]) is not None
     return True
@@ -188,10 +193,7 @@ def display_items(layouts, candidates) -> list[tuple[str, str]]:
 
 def _pass_of(cand: str) -> int:
     base = cand.split("[")[0]
-    if base in PASS3:
-        return 3
-    default_config = cand.endswith(f"[{TRITON_LONG[0]}]") or cand.endswith(f"[{TRITON_SHORT[0]}]")
-    return 1 if base in PASS1 and (base != "triton_split" or default_config) else 2
+    return 3 if base in PASS3 else 1 if base in PASS1 else 2
 
 
 def work_items(layouts, candidates) -> list[tuple[str, str]]:
@@ -205,9 +207,9 @@ class Runner:
     def __init__(self, name: str):
         import torch
 
+        from benchmarks.attn import triton_split
         from benchmarks.attn.candidates import EXTRAS
         from encoder_service.ops import attention as A
-        from encoder_service.ops import attention_triton
 
         self.name, self._note = name, ""
         base = name.split("[")[0]
@@ -219,11 +221,11 @@ class Runner:
             self._needs = "torch"
         elif self._extra is not None:
             self.run = self._extra.run
+        elif base == "triton_split":  # rejected, out of the service: benchmarks/attn/triton_split.py
+            self.run = partial(triton_split.split_head_attention, config=triton_split.SPLIT_CONFIGS[name[13:-1]])
+            self._needs = "triton"
         else:
-            run = A.BACKENDS[base].run
-            if base == "triton_split":
-                run = partial(attention_triton.split_head_attention, config=attention_triton.SPLIT_CONFIGS[name[13:-1]])
-            self.run, self._needs = run, A.BACKENDS[base].needs
+            self.run, self._needs = A.BACKENDS[base].run, A.BACKENDS[base].needs
 
     def available(self) -> str:
         if self._extra is not None:
@@ -599,7 +601,7 @@ def render(layouts, items, recs, wall_s) -> tuple[str, dict, dict]:
         lines.append(f"| {lay['name']} | {lay['cls']} | {lay['D']} | {lay['N']} | {lay['segments']} ({lay['slots']}) "
                      f"| {lay['max_seqlen']} | {best} | {bp} | {auto.get('engine') or '-'} "
                      f"| {_fmt(auto.get('ms_graph'))} |")
-    lines += ["", "Per layout class and head dim (ops/attention.py TABLE / HEAD_DIM_TABLE): production backends "
+    lines += ["", "Per layout class and head dim (ops/attention.py TABLE): production backends "
               "that passed on EVERY measured layout of the class, by total graph ms:", ""]
     classes: dict[tuple, list] = {}
     for lay in layouts:

@@ -1,5 +1,5 @@
 """ViT speed on the GPU: our runners (eager and CUDA graphs) against transformers (sdpa), same weights,
-one row set per attention choice (`--attention auto,fa4,triton,torch`: the runners' attention policy,
+one row set per attention choice (`--attention auto,fa4,torch`: the runners' attention policy,
 ops/attention.py; the `attention` column says which backend served which layout class).
 
 The graphs are the service's: settings' default bucket ladder (`--graph-buckets`) plus the exact buckets of
@@ -13,10 +13,10 @@ MFU against a bf16 matmul ceiling measured in the same run (FLOPs: every linear 
 unpadded width + attention QK^T and PV over the real segments/windows), eager vs graphs, the speedup over
 transformers on the same inputs, and the max relative error of our rows against transformers'. transformers
 runs once per case (its output is the reference of every choice); `--no-transformers-timing` skips timing it.
-A choice whose backend is not installed (fa4 without flash-attn-4, triton without Triton) is skipped.
+A choice whose backend is not installed (fa4 without flash-attn-4) is skipped.
 
     python benchmarks/bench_vit.py            # GPU: real sizes, bf16, --attention auto; a few minutes
-    python benchmarks/bench_vit.py --attention auto,triton,torch --case 1080p --case "8 x 448x448" \
+    python benchmarks/bench_vit.py --attention auto,fa4,torch --case 1080p --case "8 x 448x448" \
         --no-transformers-timing            # before/after rows; each choice captures its own graphs (~20 s)
     python benchmarks/bench_vit.py --small    # CPU: tiny towers, float32 (smoke test of the script)
 
@@ -258,7 +258,7 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir, r
     c = loaded.tower.config
     for choice in args.attention:
         policy = attention.AttentionPolicy(choice)
-        needs = {"fa4": "fa4", "triton": "triton"}.get(choice)
+        needs = {"fa4": "fa4"}.get(choice)
         why = policy.missing(needs, device) if needs else ""
         if why:
             print(f"{family}: attention {choice} skipped: {why}", flush=True)

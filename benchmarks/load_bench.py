@@ -362,7 +362,9 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
-    parser.add_argument("--attention", default="auto", choices=("auto", "fa4", "triton", "torch"),
+    from encoder_service.settings import ATTENTION
+
+    parser.add_argument("--attention", default="auto", choices=ATTENTION,
                         help="the service's --attention (default auto); the setup line says what ran")
     parser.add_argument("--preprocess", choices=("pil", "torchvision", "torchvision-pil-decode"),
                         help="the service's --preprocess (default: the service's own default for the device)")

@@ -23,7 +23,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 PREPROCESS_BACKENDS = ("pil", "torchvision", "torchvision-pil-decode")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --attention: ops/attention.py's CHOICES (kept here so that settings import no torch).
-ATTENTION = ("auto", "fa4", "triton", "torch")
+ATTENTION = ("auto", "fa4", "torch")
 # The one default ladder of CUDA-graph buckets (patch rows): the service's, make_runner's and the
 # benchmarks'. runtime/runner.py adds an exact bucket for each common resolution under the largest.
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
@@ -213,7 +213,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "batch_tokens": (_positive(int), "16384", "patch-token budget of one ViT batch"),
     "max_queue": (_positive(int), "256", "images waiting before 429"),
     "attention": (_choice(ATTENTION), "auto",
-                  "attention kernels: auto (the per-layout table), or prefer fa4 / triton / torch"),
+                  "attention kernels: auto (the per-layout table), or prefer fa4 / torch"),
     "max_images": (_positive(int), "64", "images per request"),
     "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
     "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),

@@ -1,4 +1,4 @@
-"""Compile ops/attention_triton.py's kernels for sm_90a WITHOUT a GPU (Triton's bundled ptxas) and report
+"""Compile our Triton attention kernels for sm_90a WITHOUT a GPU (Triton's bundled ptxas) and report
 what ptxas made of them: registers per thread, spills, shared memory, wgmma (Hopper warpgroup MMA) in the
 PTX and HGMMA in the SASS. Nothing runs; it proves the kernels lower for the H100 before device time is
 spent. Needs a Triton like the GPU machine's (3.6):
@@ -6,8 +6,9 @@ spent. Needs a Triton like the GPU machine's (3.6):
     PYTHONPATH=. /work/kern/venv36/bin/python benchmarks/attn/compile_check_sm90.py     # from the repo root
 
 Specialisations as the service launches them (16 heads, q/k/o contiguous, v the fused qkv's [:, 2] view,
-bf16): split kernel per head dim (72, 80) x config x segment slots (1, 2, 33, 272); short-segment kernel per
-head dim x window slots. Exit status 1 if any variant fails to compile.
+bf16): the production short-segment kernel (ops/attention_triton.py) per head dim; the rejected split
+kernel (benchmarks/attn/triton_split.py, kept for the candidates benchmark) per head dim (72, 80) x config x
+segment slots (1, 2, 33, 272). Exit status 1 if any variant fails to compile.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.attn import triton_split as S
 from encoder_service.ops import attention_triton as T
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -78,12 +80,12 @@ def split_variants():
     for d in (72, 80):
         row = HEADS * d
         ints = {"sqn": row, "sqh": d, "skn": row, "skh": d, "svn": 3 * row, "svh": d, "son": row, "soh": d}
-        d0, d1 = T.split_head_dim(d)
-        for cfg in T.SPLIT_CONFIGS.values():
+        d0, d1 = S.split_head_dim(d)
+        for cfg in S.SPLIT_CONFIGS.values():
             for slots in (1, 2, 33, 272):
                 consts = dict(D=d, D0=d0, D1=max(d1, 16), HAS_TAIL=d1 > 0, TAIL_MASKED=d1 > 0 and d0 + d1 != d,
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SEG_P2=T.seg_p2(slots), ALIGN8=True)
-                yield (f"split D{d} {cfg.name} slots {slots}", source(T._split_head_attn_kernel, ints, consts),
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SEG_P2=S.seg_p2(slots), ALIGN8=True)
+                yield (f"split D{d} {cfg.name} slots {slots}", source(S._split_head_attn_kernel, ints, consts),
                        cfg.num_warps, cfg.num_stages)
 
 

@@ -9,7 +9,7 @@ every other module is one op family:
   - activation.py: the MLP activations (gated SiLU on the merged gate/up output; tanh-GELU in the fc1 GEMM)
   - attention.py:  non-causal attention over packed variable-length segments: the CPU reference, torch's
                    CUDA paths, and the per-layout backend table + policy (--attention) over
-                   attention_triton.py (our Triton kernels) and attention_fa4.py (optional FlashAttention-4)
+                   attention_triton.py (our Triton window kernel) and attention_fa4.py (optional FlashAttention-4)
   - pos_embed.py:  Qwen3's learned position embedding, 4 bilinear taps weighted and added
 
 The towers (models/) call these from their own forward. Nothing here imports models/ or runtime/.

@@ -13,9 +13,9 @@ Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
     Python ints only (shapes, the number of segment slots, max_seqlen: capturable, no host sync), from
     TABLE below, the first backend that is installed, imports, serves the layout and passed its startup
     check. The backends (BACKENDS): FlashAttention-4 (ops/attention_fa4.py, optional dependency), our Triton
-    kernels (ops/attention_triton.py: short segments; head dim split 64 + 16), and torch's own (below:
-    dense SDPA, the two-segment dense trick, `varlen_attn`, a masked dense last resort).
-    The choice is the runner's (`--attention {auto,fa4,triton,torch}`, env ENCODER_ATTENTION: settings.py),
+    short-segment kernel for windows (ops/attention_triton.py), and torch's own (below: dense SDPA, the
+    two-segment dense trick, `varlen_attn`, a masked dense last resort).
+    The choice is the runner's (`--attention {auto,fa4,torch}`, env ENCODER_ATTENTION: settings.py),
     made active around its forward with `use_policy`; outside a runner (tests, scripts calling a tower
     directly) the default policy (auto) runs, without the startup check (a backend that raises still falls
     back).
@@ -24,6 +24,8 @@ Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
 Not used: cuDNN's ragged kernel through aten (`_cudnn_attention_forward` with cum_seq offsets): captured in
 a CUDA graph on torch 2.11 it left the CUDA RNG raising "Offset increment outside graph capture" on every
 later random op. benchmarks/attention_candidates.py measures cudnn-frontend's own ragged graph instead.
+Nor our head-dim-split Triton varlen kernel (formerly `--attention triton`): slower than FA4 on every layout
+and wrong on several on the H100; benchmarks/attn/triton_split.py keeps it as a rejected candidate.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from encoder_service.ops import attention_fa4, attention_triton
-from encoder_service.ops.attention_triton import SHORT_SEGMENT_MAX, SPLIT_MAX_SEGMENTS
+from encoder_service.ops.attention_triton import SHORT_SEGMENT_MAX
 from encoder_service.ops.fast_path import HALF_PRECISION, triton
 
 try:
@@ -148,8 +150,6 @@ WINDOWS = "windows"  # max_seqlen <= 64: Qwen2.5's window layers (real windows, 
 PADDED_SINGLE = "padded_single"  # 2 slots, max_seqlen >= N: one image + a graph's dummy rows ("single" graphs)
 SEVERAL = "several"  # several segments: multi-image graphs (filler slots, max_seqlen = bucket), eager batches, frames
 LAYOUTS = (ONE, PADDED_SINGLE, SEVERAL, WINDOWS)
-# More segment slots than this: backends that load every boundary per program (triton_split) step aside.
-MANY_SEGMENTS = SPLIT_MAX_SEGMENTS
 
 
 def layout_class(n: int, num_segments: int, max_seqlen: int) -> str:
@@ -173,19 +173,15 @@ class Backend:
     min_head_dim: int = 1
     max_head_dim: int = 256
     head_dim_multiple: int = 1
-    bounded_segments: bool = False  # at most MANY_SEGMENTS slots
 
-    def serves(self, cls: str, head_dim: int, num_segments: int) -> bool:
+    def serves(self, cls: str, head_dim: int) -> bool:
         return (cls in self.layouts and self.min_head_dim <= head_dim <= self.max_head_dim
-                and head_dim % self.head_dim_multiple == 0
-                and not (self.bounded_segments and num_segments > MANY_SEGMENTS))
+                and head_dim % self.head_dim_multiple == 0)
 
 
 _ANY = frozenset(LAYOUTS)
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("fa4", attention_fa4.fa4_attention, _ANY, "fa4", min_head_dim=8, max_head_dim=128, head_dim_multiple=8),
-    Backend("triton_split", attention_triton.split_head_attention, _ANY, "triton", min_head_dim=16,
-            bounded_segments=True),
     Backend("triton_short", attention_triton.short_segment_attention, frozenset({WINDOWS}), "triton",
             max_head_dim=128),
     Backend("torch_dense", lambda q, k, v, cu, max_seqlen: _dense_sdpa(q, k, v), frozenset({ONE}), "torch"),
@@ -207,29 +203,22 @@ TABLE: dict[str, tuple[str, ...]] = {
     SEVERAL: ("fa4", "torch_varlen"),
     WINDOWS: ("triton_short", "torch_varlen"),
 }
-# >>> MEASURE: update after the H100 run of benchmarks/attention_candidates.py ("Best per layout",
-# RESULTS.md "Attention candidates (issue 14)"). Per (layout class, head dim) entries override TABLE; put
-# "triton_split" where it wins (e.g. ahead of torch_varlen for SEVERAL when FA4 is missing, or ahead of FA4
-# for a head dim where it beats it), e.g.  (SEVERAL, 72): ("fa4", "triton_split", "torch_varlen").
-HEAD_DIM_TABLE: dict[tuple[str, int], tuple[str, ...]] = {}
-# <<<
 
-CHOICES = ("auto", "fa4", "triton", "torch")
+CHOICES = ("auto", "fa4", "torch")
 # --attention torch: torch's kernels only (no optional dependency, no Triton attention).
 TORCH_ONLY = {ONE: ("torch_dense",), PADDED_SINGLE: ("torch_two_segment",), SEVERAL: ("torch_varlen",),
               WINDOWS: ("torch_varlen",)}
 
 
-def chain(choice: str, cls: str, head_dim: int) -> tuple[str, ...]:
-    """The backends tried, in order, for one layout class and head dim under `choice`: a forced choice
-    puts its backends first and falls back along auto's chain (torch: torch's own chain)."""
-    auto = HEAD_DIM_TABLE.get((cls, head_dim), TABLE[cls])
+def chain(choice: str, cls: str) -> tuple[str, ...]:
+    """The backends tried, in order, for one layout class under `choice` (those that do not serve the head
+    dim are passed over): a forced choice puts its backends first and falls back along auto's chain (torch:
+    torch's own chain)."""
+    auto = TABLE[cls]
     if choice == "auto":
         names = auto
     elif choice == "fa4":
         names = ("fa4",) + auto
-    elif choice == "triton":
-        names = (("triton_short",) if cls == WINDOWS else ()) + ("triton_split",) + auto
     elif choice == "torch":
         names = TORCH_ONLY[cls]
     else:
@@ -293,7 +282,7 @@ class AttentionPolicy:
             need: "" if ok is True else (str(ok) if ok else "unavailable") for need, ok in (available or {}).items()
         }
         self._demoted: dict[tuple, str] = {}  # (backend, class, head_dim, dtype) -> why
-        self._selected: dict[tuple, str] = {}  # (class, head_dim, dtype, over MANY_SEGMENTS) -> backend
+        self._selected: dict[tuple, str] = {}  # (class, head_dim, dtype) -> backend
         self._checked: set[tuple] = set()
 
     # -- selection (Python ints only) --------------------------------------------------------------
@@ -306,12 +295,12 @@ class AttentionPolicy:
     def select(self, n: int, num_segments: int, max_seqlen: int, head_dim: int, dtype: torch.dtype,
                device: torch.device) -> str:
         cls = layout_class(n, num_segments, max_seqlen)
-        key = (cls, head_dim, dtype, num_segments > MANY_SEGMENTS)
+        key = (cls, head_dim, dtype)
         name = self._selected.get(key)
         if name is None:
             name = next((
-                b for b in chain(self.choice, cls, head_dim)
-                if BACKENDS[b].serves(cls, head_dim, num_segments) and not self.missing(BACKENDS[b].needs, device)
+                b for b in chain(self.choice, cls)
+                if BACKENDS[b].serves(cls, head_dim) and not self.missing(BACKENDS[b].needs, device)
                 and (b, cls, head_dim, dtype) not in self._demoted
             ), LAST_RESORT)
             self._selected[key] = name
@@ -324,7 +313,7 @@ class AttentionPolicy:
                     str(dtype).removeprefix("torch."), why)
         self._demoted[(name, cls, head_dim, dtype)] = why
         self._selected = {key: b for key, b in self._selected.items()
-                          if not (b == name and key[:3] == (cls, head_dim, dtype))}
+                          if not (b == name and key == (cls, head_dim, dtype))}
 
     # -- the op --------------------------------------------------------------------------------------
 
@@ -379,8 +368,8 @@ class AttentionPolicy:
         """'<class>/D<head dim>/<dtype>' -> backend, for every layout selected so far (after a runner's
         warm-up or capture: what its forward runs)."""
         out = {}
-        for (cls, d, dtype, many), name in sorted(self._selected.items(), key=lambda kv: str(kv[0])):
-            out[f"{cls}{'/many-segments' if many else ''}/D{d}/{str(dtype).removeprefix('torch.')}"] = name
+        for (cls, d, dtype), name in sorted(self._selected.items(), key=lambda kv: str(kv[0])):
+            out[f"{cls}/D{d}/{str(dtype).removeprefix('torch.')}"] = name
         return out
 
     def describe(self) -> dict:

@@ -13,10 +13,10 @@ owns the GPU.
 The buckets: settings.py's DEFAULT_BUCKETS (the service's `--graph-buckets`) unless given, plus an exact
 bucket for each of COMMON_RESOLUTIONS under the largest.
 
-Attention: each runner holds an `AttentionPolicy` (ops/attention.py; `attention=` "auto" | "fa4" | "triton" |
-"torch", the service's `--attention`), runs its startup check at construction (CUDA, half precision: every
-layout class the tower uses, the selected backend compiled and compared with float32; the graph runner
-also inside a captured graph) and makes it active around every forward and capture (`use_policy`).
+Attention: each runner holds an `AttentionPolicy` (ops/attention.py; `attention=` "auto" | "fa4" | "torch",
+the service's `--attention`), runs its startup check at construction (CUDA, half precision: every layout
+class the tower uses, the selected backend compiled and compared with float32; the graph runner also
+inside a captured graph) and makes it active around every forward and capture (`use_policy`).
 `describe()["attention"]` says which backend serves which layout class; it is logged at startup.
 """
 

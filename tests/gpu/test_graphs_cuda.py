@@ -10,7 +10,7 @@ import torch
 
 from encoder_service.runtime.graphs import GraphRunner
 from encoder_service.runtime.runner import make_runner
-from encoder_service.settings import DEFAULT_BUCKETS
+from encoder_service.settings import ATTENTION, DEFAULT_BUCKETS
 from tests.support import graph_cases as cases
 
 
@@ -44,7 +44,7 @@ def test_every_service_bucket_replays_like_eager(dtype):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-@pytest.mark.parametrize("choice", ["auto", "fa4", "triton", "torch"])
+@pytest.mark.parametrize("choice", ATTENTION)
 def test_every_attention_choice_replays_like_eager(loaded, family, choice):
     """Each --attention choice (its backends warmed, checked and captured) against the tower run on each
     image alone (the default policy); the runner says which backend served which layout. (The tiny towers'
@@ -56,4 +56,4 @@ def test_every_attention_choice_replays_like_eager(loaded, family, choice):
     for seed, grids in enumerate(cases.SAME_TOTAL_SINGLE + cases.SAME_TOTAL_MULTI + cases.MIXED):
         cases.check_batch(runner, lm, grids, seed, rtol=2e-2, atol=2e-2)
     if choice == "torch":
-        assert not {"fa4", "triton_split", "triton_short"} & set(attention["selected"].values())
+        assert not {"fa4", "triton_short"} & set(attention["selected"].values())

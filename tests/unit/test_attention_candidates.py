@@ -5,12 +5,15 @@ handling with a fake worker (ATTN_BENCH_FAKE_WORKER=1), so the one H100 run cann
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 from benchmarks import attention_candidates as b
+from benchmarks.attn import triton_split as S
 from encoder_service.ops import attention as A
 
 SCRIPT = Path(b.__file__)
@@ -46,12 +49,18 @@ def test_work_items():
     for name, cand in items:
         lay, base = by[name], cand.split("[")[0]
         if base in A.BACKENDS:
-            assert A.BACKENDS[base].serves(lay["cls"], lay["D"], lay["slots"])
+            assert A.BACKENDS[base].serves(lay["cls"], lay["D"])
         if base == "fa4_dense" or base.startswith("torch_sdpa_"):
             assert lay["slots"] * lay["max_seqlen"] == lay["N"]  # equal-length layouts only
     assert ("q25_1080p_win", "triton_short") in items and ("q3_1080p", "triton_short") not in items
     assert ("q3_1024x960_single", "torch_two_segment") in items and ("q3_1080p", "torch_two_segment") not in items
     assert all((lay["name"], "auto") in items for lay in layouts)  # the service's own pick, every layout
+    # the rejected split kernel: measured (every block config), never as a production backend
+    assert "triton_split" not in A.BACKENDS and "triton_split" not in b.PRODUCTION
+    assert ("q3_1080p", f"triton_split[{b.TRITON_LONG[0]}]") in items
+    assert ("q25_1080p_win", f"triton_split[{b.TRITON_SHORT[0]}]") in items
+    assert set(b.TRITON_LONG + b.TRITON_SHORT) <= set(S.SPLIT_CONFIGS)
+    assert {b._pass_of(c) for _, c in items if c.startswith("triton_split")} == {2}
 
 
 def test_render_marks_failures_and_ranks_per_class():
@@ -75,6 +84,22 @@ def test_render_marks_failures_and_ranks_per_class():
     assert winners["q3_1080p"]["production"] == ("fa4", 0.7)
     assert "GRAPH NUMERICS FAIL" in text and "unavailable" in text and "crashed/hung" in text
     assert "not run (time budget)" in text and "- one, D=72 (q3_1080p): fa4 0.700" in text
+
+
+def test_rejected_split_kernel_host_helpers():
+    """benchmarks/attn/triton_split.py (the rejected candidate): its host-side ints."""
+    assert S.split_head_dim(80) == (64, 16) and S.split_head_dim(72) == (64, 16)
+    assert S.split_head_dim(64) == (64, 0) and S.split_head_dim(96) == (64, 32) and S.split_head_dim(128) == (128, 0)
+    assert [S.seg_p2(s) for s in (1, 31, 32, 33, 180, 1024)] == [32, 32, 64, 64, 256, 2048]
+    assert S.split_config(80, 64).name == "m64n64w4s2" and S.split_config(72, 8160).name == "m128n64w8s2"
+    rng = random.Random(0)
+    for _ in range(2000):  # the grid bound covers every layout with these ints
+        block = rng.choice([64, 128])
+        slots = rng.randint(1, 40)
+        lengths = [rng.choice([0, 0, 1, rng.randint(1, 300)]) for _ in range(slots)]
+        bound = max(lengths) + rng.choice([0, 0, 5, 100])
+        need = sum(math.ceil(x / block) for x in lengths)
+        assert S.num_block_slots(sum(lengths), slots, bound, block) >= need
 
 
 def run_driver(tmp_path, *args, **env):

@@ -1,12 +1,10 @@
 """The attention selection table and its fallbacks (ops/attention.py), on the CPU: layout classes from the
 graphs' real padded layouts, the chain per choice with fake availability (no FA4, no Triton, no CUDA
-touched), head-dim and segment-count limits, demotion by the startup check and by a backend that raises,
+touched), head-dim limits, demotion by the startup check and by a backend that raises,
 the torch backends against the float32 reference, and the --attention setting reaching the runners."""
 
 from __future__ import annotations
 
-import math
-import random
 import sys
 
 import pytest
@@ -15,7 +13,6 @@ import torch
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE, PaddedShape, build_batch_metadata
 from encoder_service.ops import attention as A
 from encoder_service.ops import attention_fa4
-from encoder_service.ops import attention_triton as T
 from encoder_service.runtime.graphs import GraphRunner
 from encoder_service.runtime.runner import EagerRunner, make_runner
 from encoder_service.settings import ATTENTION, Settings, SettingsError
@@ -79,36 +76,25 @@ def test_forced_choices_and_their_fallbacks():
     assert [pick(policy("fa4"), c) for c in A.LAYOUTS] == ["fa4"] * 4
     assert [pick(policy("fa4", fa4="x"), c) for c in A.LAYOUTS] == [
         "torch_dense", "torch_two_segment", "torch_varlen", "triton_short"]
-    assert [pick(policy("triton"), c) for c in A.LAYOUTS] == ["triton_split"] * 3 + ["triton_short"]
-    assert [pick(policy("triton", triton="x"), c) for c in A.LAYOUTS] == ["fa4", "fa4", "fa4", "torch_varlen"]
     assert [pick(policy("torch"), c) for c in A.LAYOUTS] == [
         "torch_dense", "torch_two_segment", "torch_varlen", "torch_varlen"]  # no FA4, no Triton attention
     for choice in A.CHOICES:
         for cls in A.LAYOUTS:
-            names = A.chain(choice, cls, 80)
+            names = A.chain(choice, cls)
             assert names[-1] == A.LAST_RESORT and len(set(names)) == len(names)
             assert any(cls in A.BACKENDS[n].layouts for n in names[:-1])  # a real kernel before the last resort
-    with pytest.raises(ValueError, match="one of auto, fa4, triton, torch"):
-        A.AttentionPolicy("cudnn")
+    for gone in ("cudnn", "triton"):  # triton: the split kernel's choice, out of the service
+        with pytest.raises(ValueError, match="one of auto, fa4, torch"):
+            A.AttentionPolicy(gone)
 
 
-def test_head_dim_and_segment_limits():
+def test_head_dim_limits():
     p = policy()
     assert pick(p, A.ONE, head_dim=36) == "torch_dense"  # FA4 needs a multiple of 8
     assert pick(p, A.ONE, head_dim=136) == "torch_dense"  # and at most 128 (sm90 and sm100 alike)
     assert pick(p, A.WINDOWS, head_dim=136) == "torch_varlen"  # the one-tile kernel pads D to 256 above 128
-    t = policy("triton")
-    assert pick(t, A.ONE, head_dim=8) == "fa4"  # the split kernel needs D >= 16 (FA4 takes 8)
-    assert pick(t, A.SEVERAL, segments=A.MANY_SEGMENTS) == "triton_split"
-    assert pick(t, A.SEVERAL, segments=A.MANY_SEGMENTS + 1) == "fa4"  # each program loads every boundary
-    assert t.selected()["several/many-segments/D80/bfloat16"] == "fa4"
-
-
-def test_head_dim_table_overrides(monkeypatch):
-    monkeypatch.setitem(A.HEAD_DIM_TABLE, (A.SEVERAL, 72), ("triton_split", "fa4", "torch_varlen"))
-    p = policy()
-    assert pick(p, A.SEVERAL, head_dim=72) == "triton_split" and pick(p, A.SEVERAL, head_dim=80) == "fa4"
-    assert pick(policy(triton="x"), A.SEVERAL, head_dim=72) == "fa4"
+    assert pick(p, A.ONE, head_dim=8) == "fa4"
+    assert pick(p, A.SEVERAL, segments=4000) == "fa4"  # any number of segment slots
 
 
 def test_demotion_moves_one_layout_class_down_its_chain():
@@ -230,25 +216,10 @@ def test_use_policy_is_scoped():
     mine = A.AttentionPolicy("torch")
     with A.use_policy(mine):
         assert A.active_policy() is mine
-        with A.use_policy(A.AttentionPolicy("triton")):
-            assert A.active_policy().choice == "triton"
+        with A.use_policy(A.AttentionPolicy("fa4")):
+            assert A.active_policy().choice == "fa4"
         assert A.active_policy() is mine
     assert A.active_policy() is default and default.choice == "auto"
-
-
-def test_split_kernel_host_helpers():
-    assert T.split_head_dim(80) == (64, 16) and T.split_head_dim(72) == (64, 16)
-    assert T.split_head_dim(64) == (64, 0) and T.split_head_dim(96) == (64, 32) and T.split_head_dim(128) == (128, 0)
-    assert [T.seg_p2(s) for s in (1, 31, 32, 33, 180, 1024)] == [32, 32, 64, 64, 256, 2048]
-    assert T.split_config(80, 64).name == "m64n64w4s2" and T.split_config(72, 8160).name == "m128n64w8s2"
-    rng = random.Random(0)
-    for _ in range(2000):  # the grid bound covers every layout with these ints
-        block = rng.choice([64, 128])
-        slots = rng.randint(1, 40)
-        lengths = [rng.choice([0, 0, 1, rng.randint(1, 300)]) for _ in range(slots)]
-        bound = max(lengths) + rng.choice([0, 0, 5, 100])
-        need = sum(math.ceil(x / block) for x in lengths)
-        assert T.num_block_slots(sum(lengths), slots, bound, block) >= need
 
 
 def test_the_setting_reaches_the_runners(tiny_checkpoint):
@@ -257,12 +228,13 @@ def test_the_setting_reaches_the_runners(tiny_checkpoint):
     assert Settings.from_args(["--model", "m"], env={"ENCODER_ATTENTION": "torch"}).engine.attention == "torch"
     assert Settings.from_args(["--model", "m", "--attention", "FA4"], env={"ENCODER_ATTENTION": "torch"}
                               ).engine.attention == "fa4"
-    with pytest.raises(SettingsError, match="--attention / ENCODER_ATTENTION"):
-        Settings.from_args(["--model", "m", "--attention", "cudnn"], env={})
+    for gone in ("cudnn", "triton"):
+        with pytest.raises(SettingsError, match="--attention / ENCODER_ATTENTION"):
+            Settings.from_args(["--model", "m", "--attention", gone], env={})
     from encoder_service.models.loader import load_model
 
     lm = load_model(tiny_checkpoint("qwen2_5_vl"), device="cpu", dtype=torch.float32)
-    eager = make_runner(lm, cuda_graphs=False, attention="triton")
-    assert isinstance(eager, EagerRunner) and eager.describe()["attention"]["choice"] == "triton"
+    eager = make_runner(lm, cuda_graphs=False, attention="fa4")
+    assert isinstance(eager, EagerRunner) and eager.describe()["attention"]["choice"] == "fa4"
     graphs = GraphRunner(lm, buckets=[64], capture=False, attention="torch")
     assert graphs.attention is graphs.eager.attention and graphs.describe()["attention"]["choice"] == "torch"
