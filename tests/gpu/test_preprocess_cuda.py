@@ -94,10 +94,11 @@ def test_nvjpeg_is_close_to_pillow(name, capsys):
     with capsys.disabled():
         print(f"\nnvJPEG vs Pillow {name} {header.width}x{header.height}: mean |diff| {diff.float().mean():.3f}, "
               f"max {diff.max()}, {(diff > 0).float().mean():.1%} of values differ")
-    # torchvision's test_decode_jpeg_cuda bound (mean < 2) is for photographs; nvJPEG upsamples chroma otherwise
-    # than libjpeg-turbo, which shows most on synthetic textures of hard edges (exif_rotated, 90x60: mean 5.3 on
-    # the H100, 2026-11-23). A wrong decode (shifted, swapped channels, another orientation) is far above 8.
-    assert diff.float().mean() < (2 if name in PHOTOS else 8)
+    # torchvision's test_decode_jpeg_cuda bound (mean < 2) is for photographs; nvJPEG upsamples subsampled chroma
+    # otherwise than libjpeg-turbo, which shows most on synthetic textures of hard edges (H100, 2026-11-23: 5.3 to
+    # 7.5 for exif_rotated, progressive, subsampling_420 / 422). A wrong decode (shifted, channels swapped,
+    # another orientation) of these textures is around 60.
+    assert diff.float().mean() < (2 if name in PHOTOS else 12)
 
 
 def test_nvjpeg_leaves_cmyk_and_multi_picture_to_pillow():
