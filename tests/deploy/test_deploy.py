@@ -259,6 +259,7 @@ def test_chart_is_self_contained():
         (("auth.enabled=true",), "auth.enabled needs"),
         (("redis.mode=external",), "redis.mode=external needs"),
         (("model.source=pvc",), "model.source=pvc needs"),
+        (("service.sessionAffinity=Sticky",), "service.sessionAffinity"),
     ],
 )
 def test_bad_values_are_rejected(sets, message):
@@ -443,6 +444,23 @@ def test_services():
     assert headless["metadata"]["labels"]["app.kubernetes.io/component"] != "encoder"
 
 
+def test_session_affinity_follows_redis():
+    """Without Redis an id lives only on the replica that encoded it: ClientIP sends every call of one client
+    pod to one replica, so its fetches find its encodes. With Redis any replica serves any id (a fetch waits
+    for one another replica is encoding): no affinity, calls spread."""
+    spec = one(render(), "Service", "enc-encoder-service")["spec"]
+    assert spec["sessionAffinity"] == "None" and "sessionAffinityConfig" not in spec
+    spec = one(render("pvc-model-values"), "Service", "enc-encoder-service")["spec"]  # redis.mode none
+    assert spec["sessionAffinity"] == "ClientIP"
+    assert spec["sessionAffinityConfig"] == {"clientIP": {"timeoutSeconds": 10800}}  # above the 300 s lease
+    docs = render("pvc-model-values", sets=("service.sessionAffinity=None",))
+    assert one(docs, "Service", "enc-encoder-service")["spec"]["sessionAffinity"] == "None"  # clients that pin
+    docs = render(sets=("service.sessionAffinity=ClientIP", "service.sessionAffinityTimeoutSeconds=600"))
+    assert one(docs, "Service", "enc-encoder-service")["spec"]["sessionAffinityConfig"]["clientIP"] == {
+        "timeoutSeconds": 600}
+    assert "sessionAffinity" not in one(docs, "Service", "enc-encoder-service-headless")["spec"]  # DNS, no proxy
+
+
 def test_servicemonitor_only_with_crd():
     assert not find(render(), "ServiceMonitor")
     (sm,) = find(render(api_versions=(SERVICE_MONITOR_API,)), "ServiceMonitor")
@@ -526,3 +544,6 @@ def test_notes_render(scenario, tmp_path):
     assert "enc-encoder-service.ml.svc:8000" in text and "helm test enc" in text
     assert ("auth is off" in text) == (scenario != "auth-values")
     assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline
+    no_redis = scenario == "pvc-model-values"
+    assert ("a fetch must reach the replica that encoded its ids" in text) == no_redis
+    assert ("waits (plain Redis pub/sub)" in text) == (not no_redis)
