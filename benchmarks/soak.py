@@ -137,6 +137,7 @@ class Replica:
                   "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
                   "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
                   "encoder_cache_redis_pending_timeouts_total", "encoder_pending_unmarked_total",
+                  "encoder_cache_reshared_total",
                   "encoder_cache_pinned_bytes", "encoder_cache_local_used_bytes")
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
@@ -151,6 +152,7 @@ class Load:
         self.counter = 0
         self.latency_ms: dict[str, list[float]] = {op: [] for op in OPS}
         self.statuses: dict[str, collections.Counter] = {op: collections.Counter() for op in OPS}
+        self.first_errors: dict[str, str] = {}  # "op status" -> the first such error's message
         self.sessions = self.wrong_rows = self.cross_replica_fetches = 0
         self.rng = random.Random(args.seed)
 
@@ -174,6 +176,8 @@ class Load:
             result, status = exc, type(exc).__name__
         self.latency_ms[op].append((time.perf_counter() - t0) * 1e3)
         self.statuses[op][status] += 1
+        if status != "ok":
+            self.first_errors.setdefault(f"{op} {status}", str(result)[:300])
         return result if status == "ok" else None
 
     async def session(self, clients: list[dict[str, AsyncEncoderClient]]) -> None:
@@ -242,6 +246,7 @@ def report(setup: dict, load: Load, elapsed: float, rss: dict[str, dict[str, flo
         lat = load.latency_ms[op]
         by = ", ".join(f"{s}: {n}" for s, n in sorted(load.statuses[op].items()))
         lines.append(f"| {op} | {len(lat)} | {by} | {percentile(lat, 50):.1f} | {percentile(lat, 99):.1f} |")
+    lines += [f"\nfirst {what}: {message}" for what, message in load.first_errors.items()]
     lines += ["", "| process | RSS start MiB | middle | end |", "|---|---|---|---|"]
     for name, at in rss.items():
         lines.append(f"| {name} | {at.get('start', float('nan')):.0f} | {at.get('middle', float('nan')):.0f} | "
@@ -317,7 +322,7 @@ def main() -> int:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "setup": setup, "sessions": load.sessions, "elapsed_s": elapsed, "wrong_rows": load.wrong_rows,
-            "statuses": {op: dict(c) for op, c in load.statuses.items()},
+            "statuses": {op: dict(c) for op, c in load.statuses.items()}, "first_errors": load.first_errors,
             "p50_ms": {op: percentile(v, 50) for op, v in load.latency_ms.items()},
             "p99_ms": {op: percentile(v, 99) for op, v in load.latency_ms.items()},
             "rss_mib": rss, "counters": counters}, indent=2))

@@ -5,7 +5,7 @@ alone). Ids neither cached nor in flight are admitted to the engine queue, all o
 every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
 With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
-another replica waits for them.
+another replica waits for them, and local hits that Redis evicted are written there again.
 Each id rides one flight (flight.py): the store's single flight, whose create submits the image to the
 engine (decoded on a CPU thread, encoded on the GPU thread). `wait=True` waits for the rows (and can return
 them).
@@ -175,7 +175,8 @@ class EncoderCore:
         for entry in hits.values():
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
-        marking = self.handoff.mark([unique[name].key for name in permits])  # None without Redis
+        marking = self.handoff.mark([unique[name].key for name in permits],  # None without Redis
+                                    [unique[name].key for name, entry in hits.items() if entry is not None])
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
         # Nothing is awaited between the admission and the joins: a concurrent request for the same id must

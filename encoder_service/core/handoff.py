@@ -3,11 +3,14 @@ mechanism: pending markers, pub/sub outcomes).
 
 Behind one Service, an LLM server's `encode` and its `fetch` of the same id may reach different replicas.
 
-  encode (replica A)  `mark(keys)`: the ids it admitted to its engine (its misses) are marked pending in Redis
-                      before it answers, so that a fetch anywhere waits for them. A marker that cannot be
-                      written (Redis down or full, an error) does not fail the encode: the id is served here
-                      as before, and a fetch elsewhere answers at once as it did without markers. Counted
-                      (`encoder_pending_unmarked_total`), logged once per run of failures.
+  encode (replica A)  `mark(misses, hits)`: the ids it admitted to its engine (its misses) are marked pending
+                      in Redis before it answers, so that a fetch anywhere waits for them. A marker that
+                      cannot be written (Redis down or full, an error) does not fail the encode: the id is
+                      served here as before, and a fetch elsewhere answers at once as it did without markers.
+                      Counted (`encoder_pending_unmarked_total`), logged once per run of failures. Its local
+                      hits are shared (`store.share`): Redis evicts by its own LRU, which never sees a hit
+                      served here, so an id used here all the time may be gone there; such ids are marked
+                      pending and written again.
   fetch (replica B)   `header_from_elsewhere(key, deadline)`: for an id no tier here knows (not in flight, not
                       in the local tier, no entry in Redis), wait within what is left of the fetch's timeout
                       until the rows land in Redis, then read their header. Outcomes as errors: the encode
@@ -44,15 +47,27 @@ class Handoff:
         return self.store.redis is not None
 
     # ---- encode ----------------------------------------------------------------------------------------
-    def mark(self, keys: Sequence[CacheKey]) -> asyncio.Task | None:
-        """Start marking `keys` pending (one Redis round trip); None without Redis or keys. The task never
-        raises. The encode awaits it before answering, and each fill awaits it before it encodes: a marker
-        must be set before the outcome that settles it can be published."""
-        if not self.enabled or not keys:
+    def mark(self, misses: Sequence[CacheKey], hits: Sequence[CacheKey]) -> asyncio.Task | None:
+        """Start marking `misses` pending and sharing the local `hits` (one Redis round trip each, together);
+        None without Redis or ids. The task never raises. The encode awaits it before answering, and each
+        miss's fill awaits it before it encodes: a marker must be set before the outcome that settles it can
+        be published."""
+        if not self.enabled or not (misses or hits):
             return None
-        return asyncio.create_task(self._mark(list(keys)), name="mark pending")
+        return asyncio.create_task(self._mark(list(misses), list(hits)), name="mark pending")
 
-    async def _mark(self, keys: list[CacheKey]) -> bool:
+    async def _mark(self, misses: list[CacheKey], hits: list[CacheKey]) -> None:
+        await asyncio.gather(self._pending(misses), self._share(hits))
+
+    async def _share(self, hits: list[CacheKey]) -> None:
+        try:
+            await self.store.share(hits)
+        except Exception:  # never fatal to the encode (a fetch elsewhere of an evicted id answers 404)
+            log.debug("sharing %d local hits failed", len(hits), exc_info=True)
+
+    async def _pending(self, keys: list[CacheKey]) -> None:
+        if not keys:
+            return
         try:
             marked = await self.store.mark_pending(keys)
         except Exception:  # never fatal to the encode: the tier counts and logs its own faults
@@ -60,13 +75,12 @@ class Handoff:
             marked = False
         if marked:
             self._failing = False
-            return True
+            return
         self.metrics.pending_unmarked.inc(len(keys))
         if not self._failing:
             self._failing = True
             log.warning("ids accepted here could not be marked pending in Redis (down, full or busy): until "
                         "that works again, fetches of them on other replicas answer at once instead of waiting")
-        return False
 
     # ---- fetch -----------------------------------------------------------------------------------------
     async def header_from_elsewhere(self, key: CacheKey, deadline: Deadline) -> EntryHeader:

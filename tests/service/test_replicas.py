@@ -7,7 +7,9 @@ fetch of the same id reaches B:
   - A's encode failing (a JPEG cut short: its header is fine, its decode fails in A's engine) gives B that
     400, not a 404;
   - an id nobody encoded is a 404 on B at once;
-  - 128 concurrent fetches on B of ids B has only in Redis all succeed (item 2, through the service).
+  - 128 concurrent fetches on B of ids B has only in Redis all succeed (item 2, through the service);
+  - an id A serves from its own tier after Redis evicted it is written there again by A's encode;
+  - fetches of ids A has in flight or locally send Redis nothing.
 
 A's engine is held at its decode step (`held_decode`) so that "still running" is deterministic, and B's
 `encoder_cache_redis_pending_waits_total` proves its fetch was waiting before A's rows existed.
@@ -177,6 +179,24 @@ def test_128_concurrent_fetches_of_ids_b_has_only_in_redis(replicas, shared_redi
     assert all(torch.equal(g.rows, expected[i.id]) for g, i in zip(got, infos))
     assert b.sample("encoder_cache_hits_total", {"tier": "redis"}) - hits == 128
     assert all(b.core.store.peek(n) is None for n in names)  # read by range from Redis, not promoted
+
+
+def test_an_id_a_serves_locally_but_redis_evicted_is_fetched_on_b(replicas, shared_redis):
+    """A's encode of an id it has in its own tier (a local hit) sends Redis no read, so Redis's LRU may evict
+    the id while A keeps using it: that encode writes it to Redis again, and B's fetch gets it."""
+    a, b = replicas
+    data = image_bytes(96, 96, seed=77)
+    with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:
+        (info,) = on_a.encode([data], wait=True)
+        a.call(a.core.store.redis.flush)
+        name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
+        with redis.Redis.from_url(shared_redis.url) as direct:
+            assert direct.delete(name) == 1  # evicted from Redis; A still has it
+        (again,) = on_a.encode([data])
+        assert again.cached
+        rows = on_b.fetch([(info.id, 0)], 0, info.num_tokens).rows
+        assert torch.equal(rows, on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows)
+    assert a.sample("encoder_cache_reshared_total") == 1
 
 
 def test_fetching_local_ids_sends_redis_nothing(replicas, shared_redis):
