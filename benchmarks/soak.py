@@ -14,8 +14,9 @@ Load: --concurrency workers, each running "sessions" (one prompt of an LLM serve
   fetch    its rows in two chunks, each on a random replica (with Redis: mostly another replica than the
            encode, often while the encode is still running, so the fetch waits for it there), over HTTP or
            gRPC in turn; one session in 8 also fetches the rows on the encoding replica and compares them
-           bit for bit (a mismatch is a wrong row). Without Redis every call of a session goes to one
-           replica (as the chart's ClientIP affinity does);
+           bit for bit (a mismatch beyond float tolerance is a wrong row; within it, counted apart, rows of
+           another encode of the same image by another replica). Without Redis every call of a session goes
+           to one replica (as the chart's ClientIP affinity does);
   release  the encode's pin, on the encoding replica.
 Every request has a timeout (--request-timeout-s); the whole run a hard limit (--seconds + 120 s).
 
@@ -153,7 +154,7 @@ class Load:
         self.latency_ms: dict[str, list[float]] = {op: [] for op in OPS}
         self.statuses: dict[str, collections.Counter] = {op: collections.Counter() for op in OPS}
         self.first_errors: dict[str, str] = {}  # "op status" -> the first such error's message
-        self.sessions = self.wrong_rows = self.cross_replica_fetches = 0
+        self.sessions = self.wrong_rows = self.other_encodes = self.cross_replica_fetches = 0
         self.rng = random.Random(args.seed)
 
     def image(self) -> bytes:
@@ -198,8 +199,14 @@ class Load:
             parts.append(None if got is None else got.rows)
         if n % VERIFY_EVERY == 0 and all(p is not None for p in parts):
             own = await self.timed("fetch", clients[enc]["http"].fetch([(info.id, 0)], 0, info.num_tokens))
-            if own is not None and not torch.equal(torch.cat(parts), own.rows):
-                self.wrong_rows += 1
+            rows = torch.cat(parts)
+            if own is not None and not torch.equal(rows, own.rows):
+                # Bit-different but close: two replicas each encoded the image (an id evicted from Redis and
+                # from a replica's LRU is encoded again), in batches of other sizes (CPU float32 GEMMs round
+                # differently with the row count). Anything further apart is a wrong row.
+                close = torch.allclose(rows.float(), own.rows.float(), atol=1e-5, rtol=1e-4)
+                self.other_encodes += close
+                self.wrong_rows += not close
         await self.timed("release", clients[enc]["grpc" if n % 2 else "http"].release([info.id]))
 
     async def run(self, seconds: float, on_middle) -> float:
@@ -240,7 +247,8 @@ def report(setup: dict, load: Load, elapsed: float, rss: dict[str, dict[str, flo
     total = sum(sum(c.values()) for c in load.statuses.values())
     lines += ["", f"{load.sessions} sessions, {total} requests in {elapsed:.0f} s ({total / elapsed:.1f} req/s); "
                   f"{load.cross_replica_fetches} fetches on another replica than the encode; "
-                  f"wrong rows: {load.wrong_rows}", "",
+                  f"checked sessions whose rows came from another encode of the image (bit-different, within "
+                  f"1e-4): {load.other_encodes}; wrong rows: {load.wrong_rows}", "",
               "| op | requests | by status | p50 ms | p99 ms |", "|---|---|---|---|---|"]
     for op in OPS:
         lat = load.latency_ms[op]
@@ -267,7 +275,9 @@ def main() -> int:
     p.add_argument("--new", type=float, default=0.5, help="share of sessions with a never-seen image")
     p.add_argument("--family", default="qwen2_5_vl")
     p.add_argument("--cache-bytes", default="8MiB", help="each replica's host LRU (small: evictions happen)")
-    p.add_argument("--redis-maxmemory", default="32mb")
+    # Above what a default run writes (~9 KB per new image): Redis never evicts, so every fetch must succeed.
+    # A smaller one exercises Redis's LRU too, and then a fetch may find its id evicted (404, by design).
+    p.add_argument("--redis-maxmemory", default="256mb")
     p.add_argument("--lease-s", type=float, default=60.0)
     p.add_argument("--request-timeout-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
@@ -322,6 +332,7 @@ def main() -> int:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "setup": setup, "sessions": load.sessions, "elapsed_s": elapsed, "wrong_rows": load.wrong_rows,
+            "other_encodes": load.other_encodes,
             "statuses": {op: dict(c) for op, c in load.statuses.items()}, "first_errors": load.first_errors,
             "p50_ms": {op: percentile(v, 50) for op, v in load.latency_ms.items()},
             "p99_ms": {op: percentile(v, 99) for op, v in load.latency_ms.items()},
