@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -87,6 +87,7 @@ class RedisTier:
         # Rows to write ("rows", key, Entry) and marker outcomes to publish ("settle", key, value), in order.
         self._queue: asyncio.Queue[tuple[str, str, object]] = asyncio.Queue()
         self._queued_bytes = 0
+        self._writing: Counter[str] = Counter()  # keys of the queued row writes
         self._queued_notices = 0
         self._writer: asyncio.Task | None = None
         self._probe: asyncio.Task | None = None
@@ -230,6 +231,7 @@ class RedisTier:
             self._dropped(key, "the write-behind queue to Redis was full")
             return False
         self._queued_bytes += entry.nbytes
+        self._writing[key] += 1
         self._queue.put_nowait(("rows", key, entry))
         return True
 
@@ -251,6 +253,9 @@ class RedisTier:
             finally:
                 if kind == "rows":
                     self._queued_bytes -= item.nbytes
+                    self._writing[key] -= 1
+                    if not self._writing[key]:
+                        del self._writing[key]
                 else:
                     self._queued_notices -= 1
                 self._queue.task_done()
@@ -307,9 +312,9 @@ class RedisTier:
 
     async def touch(self, keys: Sequence[str]) -> list[str]:
         """Of `keys` (entries this replica has in its local tier and was asked for again), those Redis no longer
-        has. TOUCH also refreshes their LRU clock in Redis: a replica serving an id from its own tier sends Redis
-        nothing else, so without it Redis would evict the ids most used here first. One round trip; [] (nothing
-        to act on) while down or paused by OOM, or on an error."""
+        has and this tier is not writing already. TOUCH also refreshes their LRU clock in Redis: a replica
+        serving an id from its own tier sends Redis nothing else, so without it Redis would evict the ids most
+        used here first. One round trip; [] (nothing to act on) while down or paused by OOM, or on an error."""
         if not keys or not self.up or self._writes_paused():
             return []
         try:
@@ -319,7 +324,7 @@ class RedisTier:
         except RedisError as exc:
             self._on_error(exc)
             return []
-        return [k for k, n in zip(keys, found) if not n]
+        return [k for k, n in zip(keys, found) if not n and k not in self._writing]
 
     def mark_failed(self, key: str, exc: BaseException) -> None:
         """The encode of `key` failed here: if it was marked pending here, publish the failure (queued), so

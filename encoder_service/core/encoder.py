@@ -404,8 +404,16 @@ class EncoderCore:
         return header.num_rows
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
+        """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
+        it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
+        Redis GETRANGE)."""
+        flight = self.flights.get(key.name)
         with self.flights.waiting(key.name):
-            rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
+            if flight is not None:
+                entry, _ = await asyncio.shield(flight.task)  # its failure is this fetch's
+                rows = entry.rows(seg.row_start, seg.row_end)
+            else:
+                rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         tier = "local" if self.store.peek(key) is not None else "redis"

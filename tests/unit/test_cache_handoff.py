@@ -285,3 +285,19 @@ async def test_a_local_hit_that_redis_evicted_is_shared_again(redis_server):
         assert a.stats()["reshared"] == 1
         local_only = EmbeddingStore(1 << 20)
         assert await local_only.share(["k"]) == 0  # no Redis: nothing to share
+
+
+async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        gate, write = asyncio.Event(), a.redis._write
+
+        async def held_write(key, entry):  # the write-behind has not reached Redis yet
+            await gate.wait()
+            await write(key, entry)
+
+        a.redis._write = held_write
+        await a.get_or_create("k", creator(make_entry(9), []))
+        assert await a.share(["k"]) == 0  # not in Redis, but its write is queued: nothing to do
+        gate.set()
+        await a.redis.flush()
+        assert a.stats()["redis_writes"] == 1 and a.stats()["reshared"] == 0

@@ -424,3 +424,27 @@ def test_deadline_gives_each_wait_what_is_left():
     assert timeouts.Deadline(None).left() is None and timeouts.Deadline(None).bound() is None
     dont_wait = timeouts.Deadline(0.0)
     assert dont_wait.dont_wait and dont_wait.left() == 0.0 and dont_wait.bound() is None
+
+
+async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_flight(make_core, redis_server):
+    """A new flight's fill starts once the id's pending marker is written (a Redis round trip): a fetch of the
+    id meanwhile (another request's: its encode joined the flight) waits for the flight, it is no 404."""
+    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    gate, mark_pending = asyncio.Event(), core.store.mark_pending
+
+    async def slow_mark_pending(keys, lease_s=None):
+        await gate.wait()
+        return await mark_pending(keys, lease_s)
+
+    core.store.mark_pending = slow_mark_pending
+    data = image_bytes(64, 64, 43)
+    key = key_of(core, data)
+    encoding = asyncio.create_task(core.encode(inputs(data)))
+    await until(lambda: key.name in core.flights, "the flight")
+    fetching = asyncio.create_task(core.fetch([FetchItem(key.id, 0)], 0, 4, timeout_s=WAIT_S))
+    await asyncio.sleep(0.1)
+    assert not fetching.done()  # waiting for the flight, not answered 404
+    gate.set()
+    await encoding
+    rows = (await asyncio.wait_for(fetching, WAIT_S)).rows
+    assert torch.equal(rows, (await core.fetch([FetchItem(key.id, 0)], 0, 4)).rows)
