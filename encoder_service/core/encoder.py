@@ -410,7 +410,10 @@ class EncoderCore:
         flight = self.flights.get(key.name)
         with self.flights.waiting(key.name):
             if flight is not None:
-                entry, _ = await asyncio.shield(flight.task)  # its failure is this fetch's
+                try:
+                    entry, _ = await asyncio.shield(flight.task)
+                except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
+                    raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
                 rows = entry.rows(seg.row_start, seg.row_end)
             else:
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
