@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
-# encoder-service image: CUDA runtime base + a virtual environment holding the CUDA build of torch and
-# this package. Build:
+# encoder-service image: CUDA runtime base + a virtual environment holding the CUDA builds of torch and
+# torchvision and this package. Build:
 #   docker build -t encoder-service:0.1.0 .
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 ...   # other CUDA
 # TORCH_VERSION / TORCH_INDEX_URL must name a wheel that exists on that index, and the node's driver must
@@ -19,23 +19,46 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
-# ---- build: create /opt/venv with torch (CUDA) and the package -----------------------------------------------
+# ---- build: create /opt/venv with torch and torchvision (CUDA) and the package -------------------------------
 FROM base AS build
 ARG TORCH_VERSION=2.13.0
+# torchvision gives the default `--preprocess torchvision` on CUDA its nvJPEG decoder (without it, JPEGs are
+# decoded by Pillow on the CPU). It must be the release built for TORCH_VERSION: 0.28.x for torch 2.13.
+ARG TORCHVISION_VERSION=0.28.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3-venv \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first and on its own (its own layer, cached across code changes), from the PyTorch index, so the
-# package's loose `torch>=` requirement is already met and never pulls another build from PyPI.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# torch and torchvision first and on their own (their own layer, cached across code changes), from the
+# PyTorch index, so the package's loose `torch>=` requirement is already met and never pulls another build.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
+      --index-url "${TORCH_INDEX_URL}"
+# Optional: FlashAttention-4 (pyproject extra [fa4]; ops/attention_fa4.py), its own layer after that. Its CuTe
+# DSL runtime comes per CUDA major: nvidia-cutlass-dsl pulls its cu12 libraries by default (the [cu13] extra
+# adds cu13 ones), which is what the cu128 torch above needs; cuda-bindings stays 12.x for the same reason
+# (for a cu13 torch: --build-arg CUTLASS_DSL="nvidia-cutlass-dsl[cu13]" --build-arg CUDA_BINDINGS="13.0.3").
+# --build-arg WITH_FA4=0 leaves it out. Either way the service starts: without it (or if its import, JIT or
+# startup check fails) ops/attention.py runs our Triton and torch's kernels, and logs which.
+# The versions are those benchmarks/attention_candidates.py measures (there with the cu13 libraries of the
+# GPU machine's CUDA 13 torch; benchmarks/RESULTS.md).
+ARG WITH_FA4=1
+ARG FA4_VERSION=4.0.0b36
+ARG CUTLASS_DSL=nvidia-cutlass-dsl
+ARG CUTLASS_DSL_VERSION=4.8.1
+ARG CUDA_BINDINGS=12.9.6
+RUN if [ "${WITH_FA4}" = "1" ]; then \
+      pip install --no-cache-dir "flash-attn-4==${FA4_VERSION}" "${CUTLASS_DSL}==${CUTLASS_DSL_VERSION}" \
+        "cuda-bindings==${CUDA_BINDINGS}" "quack-kernels==0.6.5" "apache-tvm-ffi==0.1.15.post2" \
+        "torch-c-dlpack-ext==0.1.5"; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY encoder_service ./encoder_service
-# A regular (not editable) install: the runtime stage gets only /opt/venv, not /src.
-RUN pip install --no-cache-dir /src
+# A regular (not editable) install: the runtime stage gets only /opt/venv, not /src. The sglang extra (pyzmq)
+# lets the image serve --sglang-protocol (off unless enabled).
+RUN pip install --no-cache-dir "/src[sglang]"
 
 # ---- runtime ---------------------------------------------------------------------------------------------------
 FROM base AS runtime

@@ -59,6 +59,25 @@ def jpeg(width: int, height: int, seed: int, comment: str = "") -> bytes:
     return buf.getvalue()
 
 
+def bench_device(small: bool, parser) -> tuple[torch.device, torch.dtype]:
+    """The GPU in bfloat16, or for --small the CPU in float32; a usage error when the GPU is wanted and absent."""
+    if not small and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
+    return (torch.device("cpu"), torch.float32) if small else (torch.device("cuda"), torch.bfloat16)
+
+
+def service_settings(checkpoint: Path, device: torch.device, dtype: torch.dtype, http_sock, *extra: str,
+                     grpc: bool = True):
+    """Settings of a benchmark's service: the checkpoint on `device` in `dtype`, HTTP on `http_sock`'s port,
+    gRPC on a free port (or off), on 127.0.0.1, warnings only; `extra` flags after those."""
+    from encoder_service.settings import Settings
+
+    return Settings.from_args([
+        "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
+        "--host", "127.0.0.1", "--http-port", str(http_sock.getsockname()[1]),
+        "--grpc-port", str(free_port()) if grpc else "0", "--log-level", "warning", *extra], env={})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free on `host` a moment ago (for servers that take a number, not a socket)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

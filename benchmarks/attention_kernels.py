@@ -4,10 +4,13 @@ For the attention layouts of the towers (one long segment; one image + graph pad
 several images), times every candidate the GPU machine offers and checks each against a float32 reference:
 `torch.nn.attention.varlen.varlen_attn`, dense `scaled_dot_product_attention` per backend (flash, cuDNN,
 efficient), the two-segment dense trick (ops/attention.py), batched dense for equal images, and our
-Triton short-segment kernel (ops/attention.py). Also: the padded MLP GEMMs and the fused elementwise
+Triton short-segment kernel (ops/attention_triton.py). Also: the padded MLP GEMMs and the fused elementwise
 kernels (ops/) against the eager torch ops they replace.
 
     python benchmarks/attention_kernels.py      # GPU only; writes $OUT/attention_kernels.{json,md}
+
+benchmarks/attention_candidates.py is issue 14's comparison of the attention backends (FlashAttention-4, our
+head-dim-split Triton kernel, cudnn-frontend, torch's) on the graphs' real layouts, crash-isolated.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from encoder_service.models.layers import RMSNorm  # noqa: E402
 from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata  # noqa: E402
-from encoder_service.ops import activation, attention, norm, pos_embed, rotary  # noqa: E402
+from encoder_service.ops import activation, attention, attention_triton, norm, pos_embed, rotary  # noqa: E402
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -124,13 +127,13 @@ def windows(name, grid, d, bucket):
     if varlen_attn is not None:
         record(name, "varlen_attn, max_seqlen 64", lambda: varlen_attn(q[:n], k[:n], v[:n], cu, cu, 64, 64), ref, n, fl)
     record(name, "triton short-segment",
-           lambda: attention.short_segment_attention_triton(q[:n], k[:n], v[:n], cu, 64), ref, n, fl)
+           lambda: attention_triton.short_segment_attention(q[:n], k[:n], v[:n], cu, 64), ref, n, fl)
     # In a (multi) graph: dummy windows of 64 rows up to the bucket, the graph's window slots.
     shape = PaddedShape.for_graph(bucket, MULTI, max_images=32, merge_unit=4, window_units=4)
     slots = shape.window_slots
     cup = meta.padded(shape).cu_window_seqlens.to(DEV)
     record(name, f"graph {bucket}: triton short-segment, {slots} slots",
-           lambda: attention.short_segment_attention_triton(q, k, v, cup, 64), ref, n, fl)
+           lambda: attention_triton.short_segment_attention(q, k, v, cup, 64), ref, n, fl)
     if varlen_attn is not None:
         record(name, f"graph {bucket}: varlen_attn, {slots} slots",
                lambda: varlen_attn(q, k, v, cup, cup, 64, 64), ref, n, fl)

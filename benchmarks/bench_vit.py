@@ -1,4 +1,6 @@
-"""ViT speed on the GPU: our runners (eager and CUDA graphs) against transformers (sdpa), same weights.
+"""ViT speed on the GPU: our runners (eager and CUDA graphs) against transformers (sdpa), same weights,
+one row set per attention choice (`--attention auto,fa4,triton,torch`: the runners' attention policy,
+ops/attention.py; the `attention` column says which backend served which layout class).
 
 The graphs are the service's: settings' default bucket ladder (`--graph-buckets`) plus the exact buckets of
 the common resolutions under its largest bucket, as make_runner builds them.
@@ -9,13 +11,18 @@ For Qwen2.5-VL-7B and Qwen3-VL-8B (random weights at the real sizes, built by gp
 the GPU; wall clock around a synchronized call, so host overhead counts), patch tokens/s, model FLOP/s and
 MFU against a bf16 matmul ceiling measured in the same run (FLOPs: every linear of the tower at its real,
 unpadded width + attention QK^T and PV over the real segments/windows), eager vs graphs, the speedup over
-transformers on the same inputs, and the max relative error of our rows against transformers'.
+transformers on the same inputs, and the max relative error of our rows against transformers'. transformers
+runs once per case (its output is the reference of every choice); `--no-transformers-timing` skips timing it.
+A choice whose backend is not installed (fa4 without flash-attn-4, triton without Triton) is skipped.
 
-    python benchmarks/bench_vit.py            # GPU: real sizes, bf16; a few minutes
+    python benchmarks/bench_vit.py            # GPU: real sizes, bf16, --attention auto; a few minutes
+    python benchmarks/bench_vit.py --attention auto,triton,torch --case 1080p --case "8 x 448x448" \
+        --no-transformers-timing            # before/after rows; each choice captures its own graphs (~20 s)
     python benchmarks/bench_vit.py --small    # CPU: tiny towers, float32 (smoke test of the script)
 
-Writes $OUT/bench_vit.json and $OUT/bench_vit.md (OUT defaults to ./gpu_out); $OUT/profile_<family>.txt
-holds a kernel-time breakdown of one eager 1080p forward.
+Writes $OUT/bench_vit.json and $OUT/bench_vit.md (OUT defaults to ./gpu_out, rewritten after each choice);
+$OUT/profile_<family>_<choice>.txt holds a kernel-time breakdown of one eager 1080p forward with that
+choice's backends (attention labelled by backend through profiler ranges) and of one replay of its graph.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_parity import REAL, SMALL, build_reference, patch_grid, reference_rows, setup_info  # noqa: E402
 
 from encoder_service.models.loader import load_model  # noqa: E402
+from encoder_service.ops import attention  # noqa: E402
 from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
 from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets  # noqa: E402
 from encoder_service.settings import DEFAULT_BUCKETS, parse_buckets  # noqa: E402
@@ -125,40 +133,77 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor, width: int) -> float:
     return worst
 
 
-def profile_eager(runner, pvs, grids, path: Path):
-    """Kernel-time breakdown of one eager forward (torch.profiler), grouped by kind."""
-    from torch.profiler import ProfilerActivity, profile
+ATTENTION_KERNELS = ("attn", "flash", "fmha", "cudnn", "attention", "sdpa", "short_segment")
 
-    runner.encode(pvs, grids)
-    sync(runner.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.encode(pvs, grids)
-        sync(runner.device)
+
+def kernel_breakdown(prof) -> list[str]:
+    """Report lines: a profile's CUDA kernels grouped by kind (attention by kernel-name patterns)."""
+    from torch.autograd import DeviceType
+
+    per_name: dict[str, list] = {}
+    for evt in prof.events():
+        # "attention:<backend>" ranges (profile_labels) show up on the device too, spanning their kernels: they
+        # are not kernels, and counting them would count attention twice.
+        if evt.device_type == DeviceType.CUDA and evt.device_time_total > 0 and not evt.name.startswith("attention:"):
+            entry = per_name.setdefault(evt.name, [0.0, 0])
+            entry[0] += evt.device_time_total
+            entry[1] += 1
     groups: dict[str, float] = {}
-    kernels = []
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if us <= 0:
-            continue
-        name = evt.key
+    for name, (us, _) in per_name.items():
         low = name.lower()
-        if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90")) and "flash" not in low:
-            kind = "GEMM"
-        elif any(s in low for s in ("flash", "fmha", "cudnn", "attention", "short_segment")):
+        if any(s in low for s in ATTENTION_KERNELS):
             kind = "attention"
+        elif any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90")):
+            kind = "GEMM"
         elif "triton" in low or low.startswith("_"):
             kind = "triton (fused elementwise)"
         else:
             kind = "other (torch elementwise, copies)"
         groups[kind] = groups.get(kind, 0) + us
-        kernels.append((us, evt.count, name[:110]))
-    total = sum(groups.values())
-    lines = [f"total kernel time {total / 1e3:.2f} ms"]
-    lines += [f"  {k:34s} {v / 1e3:8.2f} ms  {100 * v / total:5.1f}%" for k, v in sorted(groups.items(), key=lambda x: -x[1])]
+    total = sum(groups.values()) or 1e-9
+    lines = [f"total kernel time {total / 1e3:.2f} ms ({len(per_name)} distinct kernels)"]
+    lines += [f"  {k:34s} {v / 1e3:8.2f} ms  {100 * v / total:5.1f}%"
+              for k, v in sorted(groups.items(), key=lambda x: -x[1])]
     lines += ["", "top kernels (ms, calls, name):"]
-    lines += [f"  {us / 1e3:8.3f} {n:5d}  {name}" for us, n, name in sorted(kernels, reverse=True)[:25]]
+    top = sorted(((us, n, name[:110]) for name, (us, n) in per_name.items()), reverse=True)[:25]
+    lines += [f"  {us / 1e3:8.3f} {n:5d}  {name}" for us, n, name in top]
+    return lines
+
+
+def profile_forward(eager, graph_runner, pvs, grids, path: Path):
+    """Kernel-time breakdown (torch.profiler) of one eager forward with the runner's attention backends, each
+    attention call inside a range "attention:<backend>" (ops/attention.py: profile_labels), and of one replay
+    of the graph the graph runner picks for these images (kernels inside a graph are listed when CUPTI
+    reports them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eager.encode(pvs, grids)
+    sync(eager.device)
+    with attention.profile_labels(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eager.encode(pvs, grids)
+        sync(eager.device)
+    lines = kernel_breakdown(prof)
+    ranges: dict[str, tuple[int, float]] = {}  # one row per range (its host and its device record share the key)
+    for e in prof.key_averages():
+        if e.key.startswith("attention:"):
+            n, us = ranges.get(e.key, (0, 0.0))
+            ranges[e.key] = (max(n, e.count), max(us, e.device_time_total))
+    ranges = sorted((key, n, us) for key, (n, us) in ranges.items())
+    lines = ["eager forward, attention " + str(eager.attention.selected()), lines[0],
+             *[f"  {key:34s} {us / 1e3:8.2f} ms  ({n} calls; kernels inside the range)" for key, n, us in ranges],
+             *lines[1:]]
+    plan = graph_runner.plan(grids)
+    if len(plan) == 1 and plan[0][1] is not None and plan[0][1].graph is not None:
+        graph = plan[0][1]
+        graph_runner.encode(pvs, grids)  # the batch's buffers in the graph
+        sync(eager.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as gprof:
+            graph.graph.replay()
+            sync(eager.device)
+        glines = kernel_breakdown(gprof)
+        lines += ["", f"one replay of graph {graph.bucket}/{graph.kind}:", *glines]
     path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:6]), flush=True)
+    print("\n".join(lines[:8]), flush=True)
 
 
 def replay_ms(graph, device) -> float:
@@ -174,8 +219,16 @@ def replay_ms(graph, device) -> float:
     return statistics.median(times[2:])
 
 
+def short_backends(policy) -> str:
+    """'one:fa4 several:fa4 windows:triton_short' from the policy's selections (what the runners ran)."""
+    seen: dict[str, str] = {}
+    for key, name in policy.selected().items():
+        seen.setdefault(key.split("/")[0], name)
+    return " ".join(f"{cls}:{name}" for cls, name in seen.items())
+
+
 @torch.no_grad()
-def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir) -> list[dict]:
+def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir, rows: list, save) -> None:
     import copy
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,107 +236,149 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir) -
         loaded = load_model(tmp, device=device, dtype=dtype)
     # float32 copy of the same weights: the reference both bf16 runs are measured against.
     reference32 = copy.deepcopy(reference).float() if device.type == "cuda" else None
-    eager = EagerRunner(loaded)
-    buckets = list(args.graph_buckets) if not args.small else [64, 128, 256, 512]
-    t0 = time.perf_counter()
-    # "graphs": every batch that fits a bucket replays a graph; "service": make_runner's default policy
-    # (big batches that a bucket would pad by more than 5% run eagerly).
-    exact = exact_resolution_buckets(loaded.spec, max(buckets)) if not args.small else [64, 96]
-    graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
-                         exact_buckets=exact)
-    (out_dir / f"capture_{family}.json").write_text(json.dumps(graphs.capture_log))
-    c = loaded.tower.config
-    print(f"{family}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; graphs {graphs.describe()} "
-          f"({time.perf_counter() - t0:.1f} s)", flush=True)
     width = loaded.spec.out_hidden_size
-    results = []
+    # transformers once per case: the inputs, its rows (the reference of every attention choice), its time
+    inputs = {}
     for case, sizes in cases.items():
         grids = [patch_grid(w, h, vision["patch_size"]) for w, h in sizes]
-        patches = sum(t * h * w for t, h, w in grids)
         gen = torch.Generator().manual_seed(1)
         pvs = [torch.randn(t * h * w, loaded.spec.patch_dim, generator=gen).to(device, dtype) for t, h, w in grids]
-        flat = torch.cat(pvs)
-        grid_tensor = torch.tensor(grids, device=device)
-        ref = reference_rows(reference(flat, grid_thw=grid_tensor))
-        row = dict(family=family, model=NAMES.get(family, family), case=case, images=len(grids), patches=patches,
-                   flops=tower_flops(loaded.tower, grids))
-        outs = {}
-        for name, runner in (("eager", eager), ("graphs", graphs)):
-            outs[name] = torch.cat(runner.encode(pvs, grids))
-            row[f"{name}_err"] = max_rel_err(outs[name], ref, width)
-            ms, n = time_call(lambda r=runner: r.encode(pvs, grids), device, 5, 200, args.budget_s)
-            row[f"{name}_ms"], row[f"{name}_iters"] = ms, n
-        ms, n = time_call(lambda: reference(flat, grid_thw=grid_tensor), device, 3, 30, args.budget_s)
-        row["transformers_ms"], row["transformers_iters"] = ms, n
-        graph_plan = graphs.plan(grids)
-        buckets_used = [b.bucket for b, _ in graph_plan]
-        row["buckets"] = buckets_used
-        if device.type == "cuda" and len(graph_plan) == 1 and graph_plan[0][1] is not None:
-            row["replay_gpu_ms"] = replay_ms(graph_plan[0][1], device)
-        graphs.eager_min_patches = 8192
-        routes = ["eager" if g is None else "graphs" for _, g in graphs.plan(grids)]
-        if all(r == "graphs" for r in routes):
-            row["service_path"], best = "graphs", row["graphs_ms"]
-        elif all(r == "eager" for r in routes):
-            row["service_path"], best = "eager", row["eager_ms"]
-        else:
-            row["service_path"] = "mixed"
-            best, _ = time_call(lambda: graphs.encode(pvs, grids), device, 5, 200, args.budget_s)
-        graphs.eager_min_patches = None
-        row["service_ms"] = best
-        row["tokens_per_s"] = patches / best * 1e3
-        row["tflops"] = row["flops"] / best / 1e9
-        row["mfu"] = row["tflops"] / ceiling if ceiling == ceiling else None
-        row["speedup"] = row["transformers_ms"] / best
-        row["target_ms"] = TARGETS_MS.get((family, case))
+        flat, grid_tensor = torch.cat(pvs), torch.tensor(grids, device=device)
+        inp = dict(grids=grids, pvs=pvs, ref=reference_rows(reference(flat, grid_thw=grid_tensor)),
+                   transformers_ms=None, transformers_iters=0, ref32=None)
+        if not args.no_transformers_timing:
+            inp["transformers_ms"], inp["transformers_iters"] = time_call(
+                lambda: reference(flat, grid_thw=grid_tensor), device, 3, 30, args.budget_s)
         if reference32 is not None and case in FP32_CASES:
-            ref32 = reference_rows(reference32(flat.float(), grid_thw=grid_tensor))
-            row["fp32_err_ours"] = max_rel_err(outs["graphs" if row["service_path"] == "graphs" else "eager"], ref32, width)
-            row["fp32_err_transformers"] = max_rel_err(ref, ref32, width)
-            del ref32
-        results.append(row)
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    if device.type == "cuda":
-        case = "1080p"
-        grids = [patch_grid(w, h, vision["patch_size"]) for w, h in CASES[case]]
-        pvs = [torch.randn(t * h * w, loaded.spec.patch_dim, device=device, dtype=dtype) for t, h, w in grids]
-        profile_eager(eager, pvs, grids, out_dir / f"profile_{family}.txt")
-    del reference, reference32, loaded, eager, graphs
+            inp["ref32"] = reference_rows(reference32(flat.float(), grid_thw=grid_tensor))
+        inputs[case] = inp
+    del reference, reference32
+    buckets = list(args.graph_buckets) if not args.small else [64, 128, 256, 512]
+    exact = exact_resolution_buckets(loaded.spec, max(buckets)) if not args.small else [64, 96]
+    c = loaded.tower.config
+    for choice in args.attention:
+        policy = attention.AttentionPolicy(choice)
+        needs = {"fa4": "fa4", "triton": "triton"}.get(choice)
+        why = policy.missing(needs, device) if needs else ""
+        if why:
+            print(f"{family}: attention {choice} skipped: {why}", flush=True)
+            SKIPPED.append(dict(family=family, attention=choice, why=why))
+            continue
+        eager = EagerRunner(loaded, attention=policy)
+        t0 = time.perf_counter()
+        # "graphs": every batch that fits a bucket replays a graph; "service": make_runner's default policy
+        # (big batches that a bucket would pad by more than 5% run eagerly).
+        graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
+                             exact_buckets=exact, attention=policy)
+        (out_dir / f"capture_{family}_{choice}.json").write_text(json.dumps(graphs.capture_log))
+        print(f"{family} attention={choice}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; "
+              f"graphs {graphs.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        for case, inp in inputs.items():
+            rows.append(measure_case(family, case, inp, loaded, eager, graphs, width, device, ceiling, args))
+            rows[-1].update(attention=choice, attention_backends=short_backends(policy))
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
+                  flush=True)
+        if device.type == "cuda":
+            grids = [patch_grid(w, h, vision["patch_size"]) for w, h in CASES["1080p"]]
+            pvs = [torch.randn(t * h * w, loaded.spec.patch_dim, device=device, dtype=dtype) for t, h, w in grids]
+            profile_forward(eager, graphs, pvs, grids, out_dir / f"profile_{family}_{choice}.txt")
+        save()
+        del eager, graphs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del loaded, inputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return results
+
+
+def measure_case(family, case, inp, loaded, eager, graphs, width, device, ceiling, args) -> dict:
+    grids, pvs, ref = inp["grids"], inp["pvs"], inp["ref"]
+    patches = sum(t * h * w for t, h, w in grids)
+    row = dict(family=family, model=NAMES.get(family, family), case=case, images=len(grids), patches=patches,
+               flops=tower_flops(loaded.tower, grids), transformers_ms=inp["transformers_ms"],
+               transformers_iters=inp["transformers_iters"])
+    outs = {}
+    for name, runner in (("eager", eager), ("graphs", graphs)):
+        outs[name] = torch.cat(runner.encode(pvs, grids))
+        row[f"{name}_err"] = max_rel_err(outs[name], ref, width)
+        ms, n = time_call(lambda r=runner: r.encode(pvs, grids), device, 5, 200, args.budget_s)
+        row[f"{name}_ms"], row[f"{name}_iters"] = ms, n
+    graph_plan = graphs.plan(grids)
+    row["buckets"] = [b.bucket for b, _ in graph_plan]
+    if device.type == "cuda" and len(graph_plan) == 1 and graph_plan[0][1] is not None:
+        row["replay_gpu_ms"] = replay_ms(graph_plan[0][1], device)
+    graphs.eager_min_patches = 8192
+    routes = ["eager" if g is None else "graphs" for _, g in graphs.plan(grids)]
+    if all(r == "graphs" for r in routes):
+        row["service_path"], best = "graphs", row["graphs_ms"]
+    elif all(r == "eager" for r in routes):
+        row["service_path"], best = "eager", row["eager_ms"]
+    else:
+        row["service_path"] = "mixed"
+        best, _ = time_call(lambda: graphs.encode(pvs, grids), device, 5, 200, args.budget_s)
+    graphs.eager_min_patches = None
+    row["service_ms"] = best
+    row["tokens_per_s"] = patches / best * 1e3
+    row["tflops"] = row["flops"] / best / 1e9
+    row["mfu"] = row["tflops"] / ceiling if ceiling == ceiling else None
+    row["speedup"] = row["transformers_ms"] / best if row["transformers_ms"] else None
+    row["target_ms"] = TARGETS_MS.get((family, case))
+    if inp["ref32"] is not None:
+        ours = outs["graphs" if row["service_path"] == "graphs" else "eager"]
+        row["fp32_err_ours"] = max_rel_err(ours, inp["ref32"], width)
+        row["fp32_err_transformers"] = max_rel_err(ref, inp["ref32"], width)
+    return row
+
+
+SKIPPED: list[dict] = []  # attention choices whose backend is not installed here
 
 
 def markdown(setup: dict, ceiling: float, rows: list[dict]) -> str:
     lines = [
-        "| model | case | patches | eager ms | graphs ms | service ms (path) | transformers ms | speedup "
+        "| model | case | attention | patches | eager ms | graphs ms | service ms (path) | transformers ms | speedup "
         "| patch tok/s | TFLOP/s | MFU | max rel err | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = "" if r["target_ms"] is None else f"<= {r['target_ms']} ms " + (
             "met" if r["service_ms"] <= r["target_ms"] else "MISSED")
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.0f}%"
         replay = f" ({r['replay_gpu_ms']:.2f} GPU)" if "replay_gpu_ms" in r else ""
+        hf = "-" if r["transformers_ms"] is None else f"{r['transformers_ms']:.1f}"
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         lines.append(
-            f"| {r['model']} | {r['case']} | {r['patches']} | {r['eager_ms']:.2f} | {r['graphs_ms']:.2f}{replay} "
-            f"| {r['service_ms']:.2f} ({r['service_path']}) | {r['transformers_ms']:.1f} | {r['speedup']:.1f}x "
-            f"| {r['tokens_per_s'] / 1e6:.2f} M | {r['tflops']:.0f} | {mfu} "
+            f"| {r['model']} | {r['case']} | {r['attention']} ({r['attention_backends'] or '-'}) | {r['patches']} "
+            f"| {r['eager_ms']:.2f} | {r['graphs_ms']:.2f}{replay} | {r['service_ms']:.2f} ({r['service_path']}) "
+            f"| {hf} | {speedup} | {r['tokens_per_s'] / 1e6:.2f} M | {r['tflops']:.0f} | {mfu} "
             f"| {max(r['eager_err'], r['graphs_err']):.1e} | {target} |"
         )
+    if SKIPPED:
+        lines += [""] + [f"- attention {s['attention']} skipped for {s['family']}: {s['why']}" for s in SKIPPED]
     lines += ["", "Against a float32 run of the same transformers weights (max|diff| / max|ref|, worst level):", "",
-              "| model | case | ours bf16 | transformers bf16 |", "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['case']} | {r['fp32_err_ours']:.1e} | {r['fp32_err_transformers']:.1e} |"
-              for r in rows if "fp32_err_ours" in r]
+              "| model | case | attention | ours bf16 | transformers bf16 |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['case']} | {r['attention']} | {r['fp32_err_ours']:.1e} "
+              f"| {r['fp32_err_transformers']:.1e} |" for r in rows if "fp32_err_ours" in r]
     head = ", ".join(f"{k}: {v}" for k, v in setup.items()) + f", bf16 matmul ceiling: {ceiling:.0f} TFLOP/s"
     return head + "\n\n" + "\n".join(lines) + "\n"
+
+
+def attention_choices(text: str) -> list[str]:
+    choices = [c.strip().lower() for c in text.split(",") if c.strip()]
+    unknown = [c for c in choices if c not in attention.CHOICES]
+    if unknown or not choices:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(attention.CHOICES)}, got {text!r}")
+    return list(dict.fromkeys(choices))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny towers, float32, CPU")
     parser.add_argument("--family", choices=sorted(REAL), action="append", help="default: both")
-    parser.add_argument("--case", action="append", help="only these cases")
+    parser.add_argument("--case", action="append", help="only these cases (default: all)")
+    parser.add_argument("--attention", type=attention_choices, default=["auto"],
+                        help=f"comma list of {', '.join(attention.CHOICES)}: one row set each (default auto)")
+    parser.add_argument("--no-transformers-timing", action="store_true",
+                        help="do not time transformers (its output is still every row's reference)")
     parser.add_argument("--budget-s", type=float, default=1.0, help="timing budget per measurement")
     parser.add_argument("--graph-buckets", type=parse_buckets, default=DEFAULT_BUCKETS,
                         help="patch-token buckets (default: the service's, %(default)s)")
@@ -294,19 +389,26 @@ def main() -> int:
     dtype = torch.float32 if args.small else torch.bfloat16
     configs, cases = (SMALL, SMALL_CASES) if args.small else (REAL, CASES)
     if args.case:
+        unknown = set(args.case) - set(cases)
+        if unknown:
+            parser.error(f"unknown cases {sorted(unknown)}; known: {list(cases)}")
         cases = {k: v for k, v in cases.items() if k in args.case}
     out_dir = Path(os.environ.get("OUT", "gpu_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = setup_info(device, dtype, args.small)
     ceiling = matmul_ceiling(device, dtype)
     print(json.dumps(setup), f"ceiling {ceiling:.0f} TFLOP/s", flush=True)
-    rows = []
+    rows: list[dict] = []
+
+    def save():
+        result = dict(setup=setup, ceiling_tflops=ceiling, rows=rows, skipped=SKIPPED)
+        (out_dir / "bench_vit.json").write_text(json.dumps(result, indent=2))
+        (out_dir / "bench_vit.md").write_text(markdown(setup, ceiling, rows))
+
     for family in args.family or list(configs):
-        rows += bench_family(family, configs[family], cases, device, dtype, ceiling, args, out_dir)
-        (out_dir / "bench_vit.json").write_text(json.dumps(dict(setup=setup, ceiling_tflops=ceiling, rows=rows), indent=2))
-    md = markdown(setup, ceiling, rows)
-    (out_dir / "bench_vit.md").write_text(md)
-    print(md)
+        bench_family(family, configs[family], cases, device, dtype, ceiling, args, out_dir, rows, save)
+    save()
+    print(markdown(setup, ceiling, rows))
     return 0
 
 

@@ -24,6 +24,8 @@ share the service's GIL; the service, the model-only runs and the child are all 
 
     python benchmarks/load_bench.py            # GPU (H100: about 2-3 minutes)
     python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
+    python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
+    python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
 
 Prints a markdown table; writes $OUT/load_bench.json and $OUT/load_bench.md (OUT defaults to ./bench_out).
 Exits 1 when a correctness check fails (request errors, cache hits on distinct images, fetched rows wrong
@@ -220,7 +222,7 @@ def fetch_bench(url: str, grpc_target: str, cfg: dict) -> tuple[list[dict], list
 
 async def drive(url: str, cfg: dict) -> dict:
     counts = {int(c): n for c, n in cfg["requests"].items()}  # JSON keys are strings
-    total = sum(counts[c] for c in LEVELS)
+    total = sum(counts[c] for c in cfg["levels"])
     t0 = time.perf_counter()
     warm = make_jpegs(ENCODE_SIZE, range(WARMUP_BASE, WARMUP_BASE + cfg["warmup"]))
     images = make_jpegs(ENCODE_SIZE, range(LEVEL_BASE, LEVEL_BASE + total))
@@ -229,7 +231,7 @@ async def drive(url: str, cfg: dict) -> dict:
           f"(mean {np.mean(sizes) / 1e3:.0f} kB) made in {time.perf_counter() - t0:.1f} s", flush=True)
     await run_level(url, warm, min(4, len(warm)), cfg["level_s"], cfg["request_timeout_s"])  # warm-up
     levels, at = [], 0
-    for c in LEVELS:
+    for c in cfg["levels"]:
         row = await run_level(url, images[at:at + counts[c]], c, cfg["level_s"], cfg["request_timeout_s"])
         at += counts[c]
         levels.append(row)
@@ -360,23 +362,23 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
+    parser.add_argument("--attention", default="auto", choices=("auto", "fa4", "triton", "torch"),
+                        help="the service's --attention (default auto); the setup line says what ran")
+    parser.add_argument("--preprocess", choices=("pil", "torchvision", "torchvision-pil-decode"),
+                        help="the service's --preprocess (default: the service's own default for the device)")
+    parser.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=LEVELS,
+                        help=f"concurrency levels of the encode load (default {','.join(map(str, LEVELS))})")
     parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # the load generator (child)
     args = parser.parse_args()
     if args.client:
         return client_main(args.client)
 
-    import torch
-
-    from _service_setup import InProcessService, build_checkpoint, free_port
+    from _service_setup import InProcessService, bench_device, build_checkpoint, service_settings
     from encoder_service.api.service import bind_socket, build_core
-    from encoder_service.settings import Settings
     from gpu_parity import REAL, setup_info
 
-    if not args.small and not torch.cuda.is_available():
-        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
-    device = torch.device("cpu" if args.small else "cuda")
-    dtype = torch.float32 if args.small else torch.bfloat16
-    cfg = CONFIGS["small" if args.small else "full"]
+    device, dtype = bench_device(args.small, parser)
+    cfg = CONFIGS["small" if args.small else "full"] | dict(levels=args.levels)
     out_dir = Path(os.environ.get("OUT", "bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -392,12 +394,10 @@ def main() -> int:
             build_checkpoint(FAMILY, False, device, dtype, checkpoint)
         t_ckpt = time.perf_counter()
         http_sock = bind_socket("127.0.0.1", 0)
-        settings = Settings.from_args([
-            "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
-            "--host", "127.0.0.1", "--http-port", str(http_sock.getsockname()[1]), "--grpc-port", str(free_port()),
-            "--log-level", "warning", "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
+        settings = service_settings(
+            checkpoint, device, dtype, http_sock, "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
             "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
-        ], env={})
+            "--attention", args.attention, *(("--preprocess", args.preprocess) if args.preprocess else ()))
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
         t_core = time.perf_counter()
         runner = core.runner.describe()
@@ -407,6 +407,8 @@ def main() -> int:
             model="tiny qwen2_5_vl (encoder_service/testing/tiny.py)" if args.small else "Qwen2.5-VL-7B vision tower",
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
+            attention=f"{args.attention}: {runner.get('attention', {}).get('selected', {})}",
+            preprocess=core.metadata().get("preprocess"),
             # asyncio sets TCP_NODELAY on accepted connections only when the listening socket says IPPROTO_TCP
             http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
         if not args.small:

@@ -1,4 +1,5 @@
 """`encoder-service serve ...`: HTTP and gRPC over one core, in one process on one asyncio loop.
+`encoder-service vllm-proxy ...`: the chat front end for vLLM (encoder_service/integrations/vllm/proxy.py).
 
 `--model demo:<family>` builds a tiny random checkpoint under ./.demo/<family> (testing/tiny.py) once and
 serves it. SIGTERM / SIGINT stop both servers gracefully (in-flight requests finish), then the engine.
@@ -69,7 +70,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="encoder-service", description="Vision-encoder service for Qwen-VL")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the HTTP and gRPC servers"))
+    from encoder_service.integrations.vllm import proxy
+
+    proxy.add_proxy_arguments(sub.add_parser(
+        "vllm-proxy", help="OpenAI chat front end for vLLM with EncoderServiceConnector (docs/vllm.md)"))
     ns = parser.parse_args(argv)
+    if ns.command == "vllm-proxy":
+        try:
+            proxy_settings = proxy.resolve_proxy(ns, os.environ)
+        except ValueError as exc:
+            parser.error(str(exc))
+        logging.basicConfig(level=proxy_settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        proxy.serve(proxy_settings)
+        return 0
     try:
         settings = resolve(ns, os.environ)
     except SettingsError as exc:

@@ -17,7 +17,13 @@ from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 
 HASHES = ("blake3", "xxh3_128", "sha256")
 DTYPES = ("bfloat16", "float16", "float32")
+# Preprocessing backends (preprocessing/backends.py): the Pillow pipeline on CPU threads; transformers'
+# torchvision pipeline on the model's device, JPEGs decoded with nvJPEG on CUDA; the same with every image
+# decoded by Pillow (pixels exactly those transformers gets from a PIL image).
+PREPROCESS_BACKENDS = ("pil", "torchvision", "torchvision-pil-decode")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# --attention: ops/attention.py's CHOICES (kept here so that settings import no torch).
+ATTENTION = ("auto", "fa4", "triton", "torch")
 # The one default ladder of CUDA-graph buckets (patch rows): the service's, make_runner's and the
 # benchmarks'. runtime/runner.py adds an exact bucket for each common resolution under the largest.
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
@@ -79,6 +85,7 @@ class ModelSettings:
     revision: str | None
     device: str
     dtype: str
+    preprocess: str = "pil"  # one of PREPROCESS_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class ServerSettings:
     log_level: str
     shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
+    # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
+    sglang_protocol: bool = False
+    sglang_port: int = 8100
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class EngineSettings:
     graph_buckets: tuple[int, ...]
     batch_tokens: int
     max_queue: int
+    attention: str = "auto"  # ops/attention.py: CHOICES
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "revision": (str, None, "hub revision"),
     "device": (_device, None, "cuda if available else cpu"),
     "dtype": (_choice(DTYPES), None, "bfloat16 on GPU, float32 on CPU"),
+    "preprocess": (_choice(PREPROCESS_BACKENDS), None,
+                   "image preprocessing backend: torchvision on CUDA, pil elsewhere"),
     "host": (str, "127.0.0.1", "bind address of both servers"),
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
@@ -199,6 +212,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "graph_buckets": (parse_buckets, ",".join(map(str, DEFAULT_BUCKETS)), "patch-token buckets"),
     "batch_tokens": (_positive(int), "16384", "patch-token budget of one ViT batch"),
     "max_queue": (_positive(int), "256", "images waiting before 429"),
+    "attention": (_choice(ATTENTION), "auto",
+                  "attention kernels: auto (the per-layout table), or prefer fa4 / triton / torch"),
     "max_images": (_positive(int), "64", "images per request"),
     "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
     "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),
@@ -208,9 +223,12 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
     "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
+    "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
+                                             "on --sglang-port: unauthenticated, private networks only"),
+    "sglang_port": (_port, "8100", "port of the SGLang protocol (its /encode, /scheduler_receive_url, /health)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
-_SWITCHES = ("cuda_graphs", "shm_fetch")
+_SWITCHES = ("cuda_graphs", "shm_fetch", "sglang_protocol")
 
 
 def flag(name: str) -> str:
@@ -246,7 +264,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
         if raw is None:
             values[name] = None
             continue
-        if isinstance(raw, bool):  # --cuda-graphs / --no-cuda-graphs, --shm-fetch / --no-shm-fetch
+        if isinstance(raw, bool):  # a switch given on the command line (--shm-fetch / --no-shm-fetch, ...)
             values[name] = raw
             continue
         try:
@@ -268,11 +286,19 @@ def _build(v: dict) -> Settings:
     device = v["device"] or ("cuda" if _cuda_available() else "cpu")
     on_gpu = device.startswith("cuda")
     dtype = v["dtype"] or ("bfloat16" if on_gpu else "float32")
+    preprocess = v["preprocess"] or ("torchvision" if on_gpu else "pil")
     cuda_graphs = on_gpu if v["cuda_graphs"] is None else bool(v["cuda_graphs"]) and on_gpu
     if v["http_port"] == 0 and v["grpc_port"] == 0:
         raise SettingsError("--http-port and --grpc-port are both 0: at least one server must run")
     if v["http_port"] and v["http_port"] == v["grpc_port"]:
         raise SettingsError(f"--http-port and --grpc-port are both {v['http_port']}")
+    if v["sglang_protocol"]:
+        if v["sglang_port"] == 0:
+            raise SettingsError("--sglang-port / ENCODER_SGLANG_PORT is 0: the SGLang protocol needs a port")
+        taken = {"--http-port": v["http_port"], "--grpc-port": v["grpc_port"]}
+        for name, port in taken.items():
+            if port and port == v["sglang_port"]:
+                raise SettingsError(f"--sglang-port and {name} are both {port}")
     if v["max_image_bytes"] > v["max_body_bytes"]:
         raise SettingsError(
             f"--max-image-bytes ({v['max_image_bytes']}) is over --max-body-bytes ({v['max_body_bytes']})")
@@ -284,15 +310,17 @@ def _build(v: dict) -> Settings:
     if v["redis_url"] and not re.match(r"^(redis|rediss|unix)://", v["redis_url"]):
         raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
     return Settings(
-        model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype),
+        model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype,
+                            preprocess=preprocess),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
-                              shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"]),
+                              shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"],
+                              sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
                             cache_bytes=v["cache_bytes"], hash=v["hash"], lease_s=v["lease_s"],
                             max_pinned_bytes=pinned),
         engine=EngineSettings(cuda_graphs=cuda_graphs, graph_buckets=v["graph_buckets"],
-                              batch_tokens=v["batch_tokens"], max_queue=v["max_queue"]),
+                              batch_tokens=v["batch_tokens"], max_queue=v["max_queue"], attention=v["attention"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
                              max_image_bytes=v["max_image_bytes"], max_pixels=v["max_pixels"],
                              allow_url_hosts=v["allow_url_hosts"]),

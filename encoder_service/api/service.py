@@ -1,4 +1,5 @@
-"""Builds the core from settings and runs HTTP (uvicorn) and gRPC on one asyncio loop.
+"""Builds the core from settings and runs HTTP (uvicorn) and gRPC on one asyncio loop (and, with
+--sglang-protocol, SGLang's encoder protocol on its own port: api/sglang/).
 
     service = Service(settings); await service.start(); ...; await service.stop()
 Used by the CLI (serve until SIGTERM) and by the tests (tests/support/service.py). The model loads on a
@@ -38,7 +39,7 @@ def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
     m, e, c = settings.model, settings.engine, settings.cache
     if loaded is None:
         loaded = load_model(m.model, device=m.device, dtype=m.dtype, revision=m.revision)
-    runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets))
+    runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets), attention=e.attention)
     cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
     store = EmbeddingStore(c.cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s, lease_s=c.lease_s,
                            max_pinned_bytes=c.max_pinned_bytes)
@@ -75,20 +76,30 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class Service:
-    def __init__(self, settings: Settings, *, core: EncoderCore | None = None, http_sock: socket.socket | None = None):
+    def __init__(self, settings: Settings, *, core: EncoderCore | None = None, http_sock: socket.socket | None = None,
+                 sglang_sock: socket.socket | None = None):
         self.settings = settings
         self.core = core
         self._http_sock = http_sock
+        self._sglang_sock = sglang_sock
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
+        self._sglang: _Uvicorn | None = None
+        self._sglang_task: asyncio.Task | None = None
+        self._sglang_protocol = None
         self._grpc = None
         self._grpc_health = None
         self.http_address: str | None = None
         self.grpc_address: str | None = None
+        self.sglang_address: str | None = None
 
     async def start(self) -> None:
         s = self.settings
         t0 = time.perf_counter()
+        if s.server.sglang_protocol:  # before the model loads: a missing pyzmq fails at once
+            from encoder_service.api.sglang import require_zmq
+
+            require_zmq()
         if self.core is None:
             self.core = await asyncio.to_thread(build_core, s)
         load_s = time.perf_counter() - t0
@@ -100,6 +111,8 @@ class Service:
 
             self._grpc, self._grpc_health = await grpc_server.start(self.core, s)
             self.grpc_address = f"{s.server.host}:{s.server.grpc_port}"
+        if s.server.sglang_protocol:
+            await self._start_sglang()
         log.info("%s", startup_summary(self, load_s=load_s, total_s=time.perf_counter() - t0))
 
     async def _start_http(self) -> None:
@@ -107,23 +120,44 @@ class Service:
 
         s = self.settings.server
         sock = self._http_sock or bind_socket(s.host, s.http_port)
-        config = uvicorn.Config(create_app(self.core), lifespan="off", log_level=s.log_level, access_log=False,
+        self._http, self._http_task, self.http_address = await self._serve(create_app(self.core), sock, "HTTP")
+
+    async def _start_sglang(self) -> None:
+        """SGLang's encoder protocol on its own port (unauthenticated: SGLang sends no credentials)."""
+        from encoder_service.api.sglang import SGLangProtocol
+
+        s = self.settings.server
+        sock = self._sglang_sock or bind_socket(s.host, s.sglang_port)
+        self._sglang_protocol = SGLangProtocol(self.core)
+        self._sglang, self._sglang_task, self.sglang_address = await self._serve(
+            self._sglang_protocol.app, sock, "SGLang protocol")
+        if s.auth_token:
+            log.warning("--auth-token does not cover the SGLang protocol port %s (SGLang sends no credentials): "
+                        "keep it on a private network", self.sglang_address)
+
+    async def _serve(self, app, sock: socket.socket, name: str) -> tuple[_Uvicorn, asyncio.Task, str]:
+        """uvicorn serving `app` on `sock`, started (listening) on this loop: (server, its task, its URL)."""
+        s = self.settings.server
+        config = uvicorn.Config(app, lifespan="off", log_level=s.log_level, access_log=False,
                                 timeout_graceful_shutdown=10, timeout_keep_alive=HTTP_KEEP_ALIVE_S, log_config=None)
-        self._http = _Uvicorn(config)
-        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]), name="uvicorn")
-        listening = asyncio.create_task(self._http.listening.wait())
-        await asyncio.wait([self._http_task, listening], return_when=asyncio.FIRST_COMPLETED)
+        server = _Uvicorn(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn {name}")
+        listening = asyncio.create_task(server.listening.wait())
+        await asyncio.wait([task, listening], return_when=asyncio.FIRST_COMPLETED)
         if not listening.done():  # serve() ended before listening: surface its error
             listening.cancel()
-            await self._http_task
-            raise RuntimeError("HTTP server exited during startup")
+            await task
+            raise RuntimeError(f"{name} server exited during startup")
         host, port = sock.getsockname()[:2]
-        self.http_address = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        return server, task, f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
 
     async def wait_closed(self) -> None:
-        """Returns when the HTTP server exits by itself (it should not) — the CLI races this with SIGTERM."""
-        if self._http_task is not None:
-            await self._http_task
+        """Returns when a server exits by itself (it should not) — the CLI races this with SIGTERM."""
+        tasks = [t for t in (self._http_task, self._sglang_task) if t is not None]
+        if tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()
         elif self._grpc is not None:
             await self._grpc.wait_for_termination()
 
@@ -136,9 +170,14 @@ class Service:
             await self._grpc_health.enter_graceful_shutdown()  # open Health.Watch streams hear it now
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
-        if self._http is not None:
-            self._http.should_exit = True
-            await self._http_task
+        for server, task in ((self._http, self._http_task), (self._sglang, self._sglang_task)):
+            if server is not None:
+                server.should_exit = True
+        for task in (self._http_task, self._sglang_task):
+            if task is not None:
+                await task
+        if self._sglang_protocol is not None:
+            await self._sglang_protocol.close()
         if self.core is not None:
             await self.core.stop()
 
@@ -169,4 +208,6 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         f"url_hosts={','.join(s.limits.allow_url_hosts) or 'off'}",
         f"http: {service.http_address or 'off'}  grpc: {service.grpc_address or 'off'}  "
         f"auth: {'bearer token' if s.server.auth_token else 'off'}",
+        "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
+                               if service.sglang_address else "off"),
     ])

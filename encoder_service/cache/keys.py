@@ -5,7 +5,7 @@ A key has two parts:
     decode), or a caller-supplied id prefixed with `u:` (hex has no `:`, so the two namespaces can
     never collide);
   - a *model fingerprint*: a hash of everything the embedding values depend on (checkpoint identity,
-    family, dtype, preprocessing settings, NUMERICS_VERSION). It namespaces the Redis key, so replicas
+    family, dtype, preprocessing settings and backend, NUMERICS_VERSION). It namespaces the Redis key, so replicas
     of another model, dtype or numerics version sharing one Redis never read each other's rows.
 
 Full key (Redis and local tier): `encsvc:<model_fp>:c:<algo>:<hex>` or `encsvc:<model_fp>:u:<caller id>`.
@@ -69,25 +69,29 @@ def model_fingerprint(
     preprocess: Any,
     *,
     layout: str = "",
+    preprocess_backend: str = "pil",
     numerics_version: int = NUMERICS_VERSION,
 ) -> str:
     """Hash (24 hex chars) of everything an embedding's values depend on besides the image bytes.
 
     `checkpoint_fp` is `LoadedModel.fingerprint`; `preprocess` is the `PreprocessConfig` (or a dict
-    of min/max pixels, mean/std, patch/merge sizes...); `dtype` a torch.dtype or its name.
+    of min/max pixels, mean/std, patch/merge sizes...); `dtype` a torch.dtype or its name;
+    `preprocess_backend` the backend's `fingerprint` (preprocessing/backends.py: which processor, and for
+    torchvision its resize recipe and decoder).
     """
-    blob = json.dumps(
-        {
-            "checkpoint": checkpoint_fp,
-            "family": family,
-            "dtype": str(dtype).removeprefix("torch."),
-            "preprocess": _canonical(preprocess),
-            "layout": layout,
-            "numerics": numerics_version,
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    ).encode()
+    fields = {
+        "checkpoint": checkpoint_fp,
+        "family": family,
+        "dtype": str(dtype).removeprefix("torch."),
+        "preprocess": _canonical(preprocess),
+        "layout": layout,
+        "numerics": numerics_version,
+    }
+    # pil is what every key was made with before there were backends: left out, its fingerprints (and the
+    # rows a shared Redis holds under them) stay valid.
+    if preprocess_backend != "pil":
+        fields["preprocess_backend"] = preprocess_backend
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return blake3.blake3(blob).hexdigest(length=12)
 
 

@@ -57,12 +57,14 @@ class EncoderCore:
         self.store = store
         self.metrics = metrics or Metrics()
         self.dtype = dtype_name(loaded.dtype)
-        self.model_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, preprocess_cfg,
-                                          layout=self.spec.layout)
         lim = settings.limits
+        backend = preprocessing.make_backend(
+            settings.model.preprocess, preprocess_cfg,
+            preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels), loaded.device)
+        self.model_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, preprocess_cfg,
+                                          layout=self.spec.layout, preprocess_backend=backend.fingerprint)
         self.images = ImageReader(
-            preprocess_cfg, preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels),
-            UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
+            backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
         self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
@@ -124,6 +126,7 @@ class EncoderCore:
             "layout": spec.layout, "patch_size": spec.patch_size, "merge_size": spec.merge_size,
             "temporal_patch_size": spec.temporal_patch_size,
             "min_pixels": self.preprocess_cfg.min_pixels, "max_pixels": self.preprocess_cfg.max_pixels,
+            "preprocess": self.images.backend.fingerprint,
             "runner": self.runner.describe(), "buckets": list(self.runner.buckets),
             "batch_tokens": s.engine.batch_tokens, "max_queue": s.engine.max_queue,
             "cache": {"local_bytes": s.cache.cache_bytes, "redis": s.cache.redis_url is not None,

@@ -3,7 +3,8 @@
   read     the bytes: inline, or GET from an allow-listed URL (urls.py)
   probe    on a CPU thread, before encode answers: the cache key (content hash of the bytes, or the
            caller's id) and the size from the header alone (grid_thw, num_tokens), no decode
-  prepare  on a CPU thread, when the engine takes the image: full decode + resize + patchify
+  prepare  on a CPU thread, when the engine takes the image: full decode + resize + patchify, by the
+           preprocessing backend (pil: on that thread; torchvision: on the model's device)
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ class Probed:
 
 
 class ImageReader:
-    """`model_fp` and `hash_algo` make the cache keys; `dtype` is the tower's (pixel values are cast to it on
-    the CPU thread); `pin_memory` when they go to a CUDA device."""
+    """`backend` preprocesses (its config and limits size and check the headers too); `model_fp` and
+    `hash_algo` make the cache keys; `dtype` is the tower's (the backend casts pixel values to it);
+    `pin_memory` when host pixel values go to a CUDA device."""
 
-    def __init__(self, cfg: preprocessing.PreprocessConfig, limits: preprocessing.ImageLimits, urls: UrlFetcher, *,
+    def __init__(self, backend: preprocessing.Backend, urls: UrlFetcher, *,
                  model_fp: str, hash_algo: str, dtype: torch.dtype, pin_memory: bool):
-        self.cfg, self.limits, self.urls = cfg, limits, urls
+        self.backend, self.urls = backend, urls
+        self.cfg, self.limits = backend.cfg, backend.limits
         self._model_fp, self._hash = model_fp, hash_algo
         self._dtype, self._pin_memory = dtype, pin_memory
 
@@ -64,24 +67,24 @@ class ImageReader:
     def prepare(self, data: bytes, grid_thw: GridTHW | None) -> tuple[torch.Tensor, GridTHW]:
         """CPU thread: pixel values [num_patches, patch_dim] in the tower's dtype, and the grid, which must
         be the one encode answered (`grid_thw`; None: not answered, the warm-up)."""
-        pre = preprocessing.preprocess(data, self.cfg, self.limits)
+        pre = self.backend.preprocess(data, self._dtype)
         grid = tuple(int(x) for x in pre.grid_thw)
         if grid_thw is not None and grid != tuple(grid_thw):
             raise errors.ImageDecodeError(f"decoded image has grid {grid}, its header promised {tuple(grid_thw)}")
-        # Cast here, not on the GPU: the patch embedding casts to the model dtype first thing, and the cast
-        # rounds the same on either side, so bf16 halves the host-to-device bytes at no cost in parity.
-        # Pinned memory makes that copy asynchronous on the GPU thread.
-        pixel_values = pre.pixel_values.to(self._dtype)
-        if self._pin_memory:
+        pixel_values = pre.pixel_values
+        # Host pixel values (pil): pinned memory makes their copy to the GPU asynchronous on the GPU thread.
+        # The torchvision backend on CUDA hands over a finished device tensor: nothing to copy.
+        if self._pin_memory and pixel_values.device.type == "cpu":
             pixel_values = pixel_values.pin_memory()
         return pixel_values, grid
 
 
 def warmup_image(factor: int) -> bytes:
-    """A small RGB PNG (2x2 merged tokens' worth of pixels) for the readiness encode."""
+    """A small RGB JPEG (2x2 merged tokens' worth of pixels) for the readiness encode: a JPEG, so that it
+    also starts nvJPEG where the preprocessing backend decodes with it."""
     side = 2 * factor
     img = Image.new("RGB", (side, side))
     img.putdata([((x * 7) % 256, (y * 13) % 256, ((x + y) * 5) % 256) for y in range(side) for x in range(side)])
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    img.save(buf, format="JPEG", quality=95)
     return buf.getvalue()

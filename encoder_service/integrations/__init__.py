@@ -1,4 +1,5 @@
 """Reference integration: a Qwen-VL language model prefilled with rows from the encoder service.
+(vLLM's own integration, an EC connector and a chat proxy, is the subpackage `vllm`: docs/vllm.md.)
 
 This package is what an LLM-server author reads to wire the service in. It drives a transformers
 Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; an engine with its own kernels does the same five steps.

@@ -7,7 +7,9 @@ every other module is one op family:
                    sub-layer (bias folded into the norm kernel, residual in the GEMM epilogue)
   - rotary.py:     the 2D rotary of q and k, split out of the fused qkv projection, in float32
   - activation.py: the MLP activations (gated SiLU on the merged gate/up output; tanh-GELU in the fc1 GEMM)
-  - attention.py:  non-causal attention over packed variable-length segments (per-layout CUDA dispatch)
+  - attention.py:  non-causal attention over packed variable-length segments: the CPU reference, torch's
+                   CUDA paths, and the per-layout backend table + policy (--attention) over
+                   attention_triton.py (our Triton kernels) and attention_fa4.py (optional FlashAttention-4)
   - pos_embed.py:  Qwen3's learned position embedding, 4 bilinear taps weighted and added
 
 The towers (models/) call these from their own forward. Nothing here imports models/ or runtime/.

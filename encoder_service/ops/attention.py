@@ -1,50 +1,65 @@
 """The towers' one attention op: non-causal attention over packed variable-length segments.
 
-`varlen_attention(q, k, v, cu_seqlens, max_seqlen)`: q, k, v `[N, heads, head_dim]`; segment i is rows
-`cu_seqlens[i]:cu_seqlens[i+1]` (int32, `[num_segments + 1]`, zero-length segments allowed); tokens attend
-only within their segment. Returns `[N, heads, head_dim]`.
+`varlen_attention(q, k, v, cu_seqlens, max_seqlen)`: q, k, v `[N, heads, head_dim]` (v may be a strided
+view: the fused qkv output's [:, 2]); segment i is rows `cu_seqlens[i]:cu_seqlens[i+1]` (int32,
+`[num_segments + 1]`, cu_seqlens[0] = 0 and cu_seqlens[-1] = N: every row is in a segment, as the towers'
+metadata makes it; zero-length segments allowed); `max_seqlen` a Python int >= every segment's length.
+Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
 
-Backends, picked from the tensors' device:
-  - CUDA (bf16/fp16), chosen from Python ints only (shapes and max_seqlen; capturable, no host sync;
-    see `_cuda_attention` and benchmarks/RESULTS.md for the measurements behind it):
-      * one segment spanning all rows: dense SDPA `[1, H, N, D]` (cuDNN; 1.4x varlen_attn);
-      * max_seqlen <= 64 (Qwen2.5 windows): a Triton kernel, one tile per (segment, head), below;
-      * two segments with max_seqlen >= N (one image plus the graph's dummy padding segment): one dense
-        SDPA with the segment mask folded into extra head dims (exactly 0 weight across segments);
-      * otherwise `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, flash).
-    Not used: cuDNN's ragged kernel (`aten._cudnn_attention_forward` with cum_seq offsets): captured in a
-    CUDA graph on torch 2.11 it left the CUDA RNG in a state where every later random op raised "Offset
-    increment outside graph capture encountered unexpectedly".
-  - CUDA without it: dense SDPA under a block-diagonal mask built on the device (no host sync; memory
-    O(N^2), a correctness fallback only).
-  - CPU: one SDPA call per segment, boundaries read on the host (a CPU tensor: no device sync): the
-    reference (benchmarks/attention_kernels.py checks every CUDA path against it, in float32).
+  - CPU: one SDPA call per segment (`_per_segment_attention`, the towers' eager order: bfloat16 results
+    equal transformers'). In float32 it is also `reference_attention`, the numerics every CUDA backend is
+    checked against (tests/gpu/test_ops_cuda.py, benchmarks/attention_candidates.py, the startup check).
+  - CUDA, bfloat16 / float16: an `AttentionPolicy` picks a backend per LAYOUT CLASS and head dim from
+    Python ints only (shapes, the number of segment slots, max_seqlen: capturable, no host sync), from
+    TABLE below, the first backend that is installed, imports, serves the layout and passed its startup
+    check. The backends (BACKENDS): FlashAttention-4 (ops/attention_fa4.py, optional dependency), our Triton
+    kernels (ops/attention_triton.py: short segments; head dim split 64 + 16), and torch's own (below:
+    dense SDPA, the two-segment dense trick, `varlen_attn`, a masked dense last resort).
+    The choice is the runner's (`--attention {auto,fa4,triton,torch}`, env ENCODER_ATTENTION: settings.py),
+    made active around its forward with `use_policy`; outside a runner (tests, scripts calling a tower
+    directly) the default policy (auto) runs, without the startup check (a backend that raises still falls
+    back).
+  - CUDA in float32 / float64: `_masked_dense_attention` (the reference order on the device).
+
+Not used: cuDNN's ragged kernel through aten (`_cudnn_attention_forward` with cum_seq offsets): captured in
+a CUDA graph on torch 2.11 it left the CUDA RNG raising "Offset increment outside graph capture" on every
+later random op. benchmarks/attention_candidates.py measures cudnn-frontend's own ragged graph instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
 
-from encoder_service.ops.fast_path import HALF_PRECISION, tl, triton
+from encoder_service.ops import attention_fa4, attention_triton
+from encoder_service.ops.attention_triton import SHORT_SEGMENT_MAX, SPLIT_MAX_SEGMENTS
+from encoder_service.ops.fast_path import HALF_PRECISION, triton
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # torch < 2.10
     _varlen_attn = None
 
+log = logging.getLogger(__name__)
+
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
     if q.is_cuda:
-        return _cuda_attention(q, k, v, cu_seqlens, max_seqlen)
+        return active_policy().attention(q, k, v, cu_seqlens, max_seqlen)
     return _per_segment_attention(q, k, v, cu_seqlens)
 
 
 def _per_segment_attention(q, k, v, cu_seqlens):
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()  # CPU tensor: a plain read, not a device sync
+    bounds = cu_seqlens.tolist()  # a CPU tensor: a plain read, not a device sync
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             # [L, H, D] -> [1, H, L, D]: 4-D like transformers' call, so the CPU kernel (and its bf16
@@ -52,6 +67,22 @@ def _per_segment_attention(q, k, v, cu_seqlens):
             seg = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
             out[start:end] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
     return out
+
+
+def reference_attention(q, k, v, cu_seqlens) -> torch.Tensor:
+    """The float32 reference on q's device: one float32 SDPA per segment (reads the boundaries on the host:
+    checks and tests only, never inside a graph)."""
+    return _per_segment_attention(q.float(), k.float(), v.float(), cu_seqlens)
+
+
+# ---- torch's kernels (CUDA) ---------------------------------------------------------------------
+
+# Cross-segment logit offset of the two-segment dense path: exp(-C * head_dim**-0.5) is exactly 0 in
+# float32 for head_dim <= 256, and C is finite in float16 and bfloat16.
+_SEGMENT_PENALTY = 30000.0
+# SDPA backends allowed for the dense paths (empty: torch's default choice, which is cuDNN on the H100;
+# benchmarks/attention_kernels.py sets it to compare them).
+DENSE_BACKENDS: list = []
 
 
 def _masked_dense_attention(q, k, v, cu_seqlens):
@@ -63,18 +94,6 @@ def _masked_dense_attention(q, k, v, cu_seqlens):
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask
     )
     return out.squeeze(0).transpose(0, 1)
-
-
-# ---- CUDA dispatch --------------------------------------------------------------------------------
-
-# Segments this short go to the Triton tile kernel (below) instead of varlen_attn.
-SHORT_SEGMENT_MAX = 64
-# Cross-segment logit offset of the two-segment dense path: exp(-C * head_dim**-0.5) is exactly 0 in
-# float32 for head_dim <= 256, and C is finite in float16 and bfloat16.
-_SEGMENT_PENALTY = 30000.0
-# SDPA backends allowed for the dense paths (empty: torch's default choice; measured on H100:
-# benchmarks/RESULTS.md).
-DENSE_BACKENDS: list = []
 
 
 def _dense_sdpa(q, k, v, scale=None):
@@ -113,72 +132,365 @@ def two_segment_dense_attention(q, k, v, cu_seqlens):
     return _dense_sdpa(qp, kp, vp, scale=d**-0.5)[..., :d]
 
 
-def _cuda_attention(q, k, v, cu_seqlens, max_seqlen: int):
-    n = q.shape[0]
-    num_segments = cu_seqlens.shape[0] - 1
-    if q.dtype in HALF_PRECISION:
-        if max_seqlen >= n and num_segments == 1:
-            return _dense_sdpa(q, k, v)
-        if max_seqlen <= SHORT_SEGMENT_MAX and q.shape[-1] <= 128 and triton is not None:
-            return short_segment_attention_triton(q, k, v, cu_seqlens, max_seqlen)
-        if max_seqlen >= n and num_segments == 2:
-            return two_segment_dense_attention(q, k, v, cu_seqlens)
-        if _varlen_attn is not None:
-            # v is a strided view of the fused qkv output; make it dense for the flash / cuDNN kernels
-            # (no-op for q, k, which the rotary already rewrote). Positional arguments: keyword names
-            # changed across torch versions; the default scale is head_dim ** -0.5, the towers' scale.
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-    return _masked_dense_attention(q, k, v, cu_seqlens)
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen: int):
+    # v is a strided view of the fused qkv output; make it dense for the flash kernel (a no-op for q, k,
+    # which the rotary rewrote). Positional arguments: keyword names changed across torch versions; the
+    # default scale is head_dim ** -0.5, the towers' scale.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
 
 
+# ---- layout classes and backends ----------------------------------------------------------------
 
-# ---- Triton: attention over short segments (Qwen2.5 windows) ------------------------------------
+# What a call's Python ints say about its segments (N rows, S slots, max_seqlen); `layout_class`.
+ONE = "one"  # one segment, all rows: an image alone (eager), exact-bucket graphs
+WINDOWS = "windows"  # max_seqlen <= 64: Qwen2.5's window layers (real windows, dummy windows, empty slots)
+PADDED_SINGLE = "padded_single"  # 2 slots, max_seqlen >= N: one image + a graph's dummy rows ("single" graphs)
+SEVERAL = "several"  # several segments: multi-image graphs (filler slots, max_seqlen = bucket), eager batches, frames
+LAYOUTS = (ONE, PADDED_SINGLE, SEVERAL, WINDOWS)
+# More segment slots than this: backends that load every boundary per program (triton_split) step aside.
+MANY_SEGMENTS = SPLIT_MAX_SEGMENTS
 
-if triton is not None:
 
-    @triton.jit
-    def _short_segment_attn_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, scale,
-        s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_on, s_oh,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        # One program per (segment, head): the whole segment (<= BLOCK_M rows) in one tile. Rows of a longer
-        # segment past BLOCK_M are not computed (only a graph's dummy padding segment may be longer).
-        seg = tl.program_id(0)
-        h = tl.program_id(1).to(tl.int64)
-        start = tl.load(cu_ptr + seg).to(tl.int64)
-        end = tl.load(cu_ptr + seg + 1).to(tl.int64)
-        length = tl.minimum(end - start, BLOCK_M)
-        if length <= 0:
+def layout_class(n: int, num_segments: int, max_seqlen: int) -> str:
+    if num_segments == 1 and max_seqlen >= n:
+        return ONE
+    if max_seqlen <= SHORT_SEGMENT_MAX:
+        return WINDOWS
+    if num_segments == 2 and max_seqlen >= n:
+        return PADDED_SINGLE
+    return SEVERAL
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention implementation with the op's signature and what it needs to be correct."""
+
+    name: str
+    run: Callable[..., torch.Tensor]  # (q, k, v, cu_seqlens, max_seqlen) -> out
+    layouts: frozenset  # the layout classes it is correct for (its precondition, decided from ints)
+    needs: str  # what must be present: "torch", "varlen_attn", "triton", "fa4"
+    min_head_dim: int = 1
+    max_head_dim: int = 256
+    head_dim_multiple: int = 1
+    bounded_segments: bool = False  # at most MANY_SEGMENTS slots
+
+    def serves(self, cls: str, head_dim: int, num_segments: int) -> bool:
+        return (cls in self.layouts and self.min_head_dim <= head_dim <= self.max_head_dim
+                and head_dim % self.head_dim_multiple == 0
+                and not (self.bounded_segments and num_segments > MANY_SEGMENTS))
+
+
+_ANY = frozenset(LAYOUTS)
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("fa4", attention_fa4.fa4_attention, _ANY, "fa4", min_head_dim=8, max_head_dim=128, head_dim_multiple=8),
+    Backend("triton_split", attention_triton.split_head_attention, _ANY, "triton", min_head_dim=16,
+            bounded_segments=True),
+    Backend("triton_short", attention_triton.short_segment_attention, frozenset({WINDOWS}), "triton",
+            max_head_dim=128),
+    Backend("torch_dense", lambda q, k, v, cu, max_seqlen: _dense_sdpa(q, k, v), frozenset({ONE}), "torch"),
+    Backend("torch_two_segment", lambda q, k, v, cu, max_seqlen: two_segment_dense_attention(q, k, v, cu),
+            frozenset({PADDED_SINGLE}), "torch"),
+    Backend("torch_varlen", _torch_varlen, _ANY, "varlen_attn"),
+    Backend("torch_masked", lambda q, k, v, cu, max_seqlen: _masked_dense_attention(q, k, v, cu), _ANY, "torch"),
+)}
+LAST_RESORT = "torch_masked"  # always present and correct; O(N^2) memory
+
+# ---- the selection table ------------------------------------------------------------------------
+# Preference per layout class under --attention auto: the first backend that is present, serves the
+# layout and head dim, and passed the startup check runs; LAST_RESORT closes every chain. Initial entries
+# from issue 14's H100 numbers: FA4 0.685 ms vs cuDNN (dense SDPA) 0.872 ms for Qwen3 1080p, 0.987 vs
+# 1.536 ms for Qwen2.5's full layers; windows: our short-segment kernel 0.054 ms vs FA4 0.207 ms.
+TABLE: dict[str, tuple[str, ...]] = {
+    ONE: ("fa4", "torch_dense"),
+    PADDED_SINGLE: ("fa4", "torch_two_segment"),
+    SEVERAL: ("fa4", "torch_varlen"),
+    WINDOWS: ("triton_short", "torch_varlen"),
+}
+# >>> MEASURE: update after the H100 run of benchmarks/attention_candidates.py ("Best per layout",
+# RESULTS.md "Attention candidates (issue 14)"). Per (layout class, head dim) entries override TABLE; put
+# "triton_split" where it wins (e.g. ahead of torch_varlen for SEVERAL when FA4 is missing, or ahead of FA4
+# for a head dim where it beats it), e.g.  (SEVERAL, 72): ("fa4", "triton_split", "torch_varlen").
+HEAD_DIM_TABLE: dict[tuple[str, int], tuple[str, ...]] = {}
+# <<<
+
+CHOICES = ("auto", "fa4", "triton", "torch")
+# --attention torch: torch's kernels only (no optional dependency, no Triton attention).
+TORCH_ONLY = {ONE: ("torch_dense",), PADDED_SINGLE: ("torch_two_segment",), SEVERAL: ("torch_varlen",),
+              WINDOWS: ("torch_varlen",)}
+
+
+def chain(choice: str, cls: str, head_dim: int) -> tuple[str, ...]:
+    """The backends tried, in order, for one layout class and head dim under `choice`: a forced choice
+    puts its backends first and falls back along auto's chain (torch: torch's own chain)."""
+    auto = HEAD_DIM_TABLE.get((cls, head_dim), TABLE[cls])
+    if choice == "auto":
+        names = auto
+    elif choice == "fa4":
+        names = ("fa4",) + auto
+    elif choice == "triton":
+        names = (("triton_short",) if cls == WINDOWS else ()) + ("triton_split",) + auto
+    elif choice == "torch":
+        names = TORCH_ONLY[cls]
+    else:
+        raise ValueError(f"attention choice must be one of {', '.join(CHOICES)}, got {choice!r}")
+    return tuple(dict.fromkeys(names + (LAST_RESORT,)))
+
+
+def _probe(needs: str, device: torch.device) -> str:
+    """'' if what a backend needs is here on this device, else why not. Imports FA4 (CUDA only)."""
+    if needs == "torch":
+        return ""
+    if needs == "varlen_attn":
+        return "" if _varlen_attn is not None else "torch.nn.attention.varlen needs torch >= 2.10"
+    if needs == "triton":
+        return "" if triton is not None else "triton is not installed"
+    if needs == "fa4":
+        ok, why = attention_fa4.available(device)
+        return "" if ok else why
+    raise ValueError(needs)
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """A small layout of one class for the startup check (its lengths, then zero-length filler slots)."""
+
+    lengths: tuple[int, ...]
+    slots: int
+    max_seqlen: int
+
+    @property
+    def bounds(self) -> list[int]:
+        b = [0]
+        for length in self.lengths:
+            b.append(b[-1] + length)
+        return b + [b[-1]] * (self.slots + 1 - len(b))
+
+
+_WINDOW_LENGTHS = (64, 48, 16, 12)
+# Per class: the variants a backend may compile separately (FA4: max_seqlen within one 192-row tile or
+# not; more than 256 segments), each small (the reference runs too).
+CHECK_CASES: dict[str, tuple[CheckCase, ...]] = {
+    ONE: (CheckCase((1024,), 1, 1024), CheckCase((96,), 1, 96)),
+    PADDED_SINGLE: (CheckCase((700, 324), 2, 1024),),
+    SEVERAL: (CheckCase((300, 0, 257, 64, 1, 402), 12, 1024), CheckCase((100, 40, 150), 3, 150)),
+    WINDOWS: (CheckCase(_WINDOW_LENGTHS * 10, 48, 64), CheckCase((16, 12) * 135, 272, 64)),
+}
+CHECK_REL_TOL = 2e-2  # ||out - ref|| / ||ref|| against float32; bf16 attention lands near 2e-3
+
+
+class AttentionPolicy:
+    """Which backend serves each layout class, for one runner (one device): `choice` (CHOICES; auto = TABLE),
+    what is present (probed once per requirement; tests pass `available` instead), backends demoted by the
+    startup check (`prepare`) or by a failed eager call, and the record of what was selected."""
+
+    def __init__(self, choice: str = "auto", *, available: Mapping[str, bool | str] | None = None):
+        if choice not in CHOICES:
+            raise ValueError(f"attention choice must be one of {', '.join(CHOICES)}, got {choice!r}")
+        self.choice = choice
+        # requirement -> '' (present) or why not; `available` fakes the probe (True: present, str: reason)
+        self._present: dict[str, str] = {
+            need: "" if ok is True else (str(ok) if ok else "unavailable") for need, ok in (available or {}).items()
+        }
+        self._demoted: dict[tuple, str] = {}  # (backend, class, head_dim, dtype) -> why
+        self._selected: dict[tuple, str] = {}  # (class, head_dim, dtype, over MANY_SEGMENTS) -> backend
+        self._checked: set[tuple] = set()
+
+    # -- selection (Python ints only) --------------------------------------------------------------
+
+    def missing(self, needs: str, device: torch.device) -> str:
+        if needs not in self._present:
+            self._present[needs] = _probe(needs, device)
+        return self._present[needs]
+
+    def select(self, n: int, num_segments: int, max_seqlen: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device) -> str:
+        cls = layout_class(n, num_segments, max_seqlen)
+        key = (cls, head_dim, dtype, num_segments > MANY_SEGMENTS)
+        name = self._selected.get(key)
+        if name is None:
+            name = next((
+                b for b in chain(self.choice, cls, head_dim)
+                if BACKENDS[b].serves(cls, head_dim, num_segments) and not self.missing(BACKENDS[b].needs, device)
+                and (b, cls, head_dim, dtype) not in self._demoted
+            ), LAST_RESORT)
+            self._selected[key] = name
+        return name
+
+    def demote(self, name: str, cls: str, head_dim: int, dtype: torch.dtype, why: str) -> None:
+        if name == LAST_RESORT:
+            raise RuntimeError(f"{LAST_RESORT} failed: {why}")
+        log.warning("attention: %s demoted for %s layouts (head dim %d, %s): %s", name, cls, head_dim,
+                    str(dtype).removeprefix("torch."), why)
+        self._demoted[(name, cls, head_dim, dtype)] = why
+        self._selected = {key: b for key, b in self._selected.items()
+                          if not (b == name and key[:3] == (cls, head_dim, dtype))}
+
+    # -- the op --------------------------------------------------------------------------------------
+
+    def attention(self, q, k, v, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        if q.dtype not in HALF_PRECISION:
+            return _masked_dense_attention(q, k, v, cu_seqlens)
+        n, _, d = q.shape
+        s = cu_seqlens.shape[0] - 1
+        name = self.select(n, s, max_seqlen, d, q.dtype, q.device)
+        try:
+            if _labels.on:
+                with torch.profiler.record_function(f"attention:{name}"):
+                    return BACKENDS[name].run(q, k, v, cu_seqlens, max_seqlen)
+            return BACKENDS[name].run(q, k, v, cu_seqlens, max_seqlen)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # a backend that raises (a JIT compile, an unsupported case): the next one
+            if name == LAST_RESORT or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                raise
+            self.demote(name, layout_class(n, s, max_seqlen), d, q.dtype, f"{type(e).__name__}: {str(e)[:300]}")
+            return self.attention(q, k, v, cu_seqlens, max_seqlen)
+
+    # -- startup check -------------------------------------------------------------------------------
+
+    def prepare(self, *, head_dim: int, num_heads: int, dtype: torch.dtype, device, layouts=LAYOUTS,
+                capture: bool = False) -> None:
+        """Before any request (and before graph capture): for each layout class in `layouts`, the selected
+        backend runs CHECK_CASES (compiling its kernels: Triton, FA4's JIT) on random q, k and a strided v,
+        compared with `reference_attention`; with capture=True also captured in a CUDA graph and replayed on
+        new inputs into the same buffers (output poisoned with NaN first). A backend that raises or differs
+        is demoted for that class and the next one is checked. Only CUDA in half precision."""
+        device = torch.device(device)
+        if device.type != "cuda" or dtype not in HALF_PRECISION:
             return
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_D)
-        rmask = rows < length
-        m2 = rmask[:, None] & (cols[None, :] < D)
-        r64 = (start + rows).to(tl.int64)[:, None]
-        q = tl.load(q_ptr + r64 * s_qn + h * s_qh + cols[None, :], mask=m2, other=0.0)
-        k = tl.load(k_ptr + r64 * s_kn + h * s_kh + cols[None, :], mask=m2, other=0.0)
-        v = tl.load(v_ptr + r64 * s_vn + h * s_vh + cols[None, :], mask=m2, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_M] float32
-        s = tl.where(rmask[None, :], s, float("-inf"))
-        p = tl.exp(s - tl.max(s, axis=1)[:, None])
-        l = tl.sum(p, axis=1)
-        o = tl.dot(p.to(v.dtype), v) / l[:, None]
-        tl.store(o_ptr + r64 * s_on + h * s_oh + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=m2)
+        for cls in layouts:
+            for case in CHECK_CASES[cls]:
+                while True:
+                    n = case.bounds[-1]
+                    name = self.select(n, case.slots, case.max_seqlen, head_dim, dtype, device)
+                    key = (name, cls, head_dim, dtype, case, capture)
+                    if name == LAST_RESORT or key in self._checked:
+                        break
+                    why = check_backend(BACKENDS[name].run, case, num_heads, head_dim, dtype, device, capture)
+                    if why is None:
+                        self._checked.add(key)
+                        break
+                    self.demote(name, cls, head_dim, dtype, why)
+
+    # -- what ran ---------------------------------------------------------------------------------------
+
+    def selected(self) -> dict[str, str]:
+        """'<class>/D<head dim>/<dtype>' -> backend, for every layout selected so far (after a runner's
+        warm-up or capture: what its forward runs)."""
+        out = {}
+        for (cls, d, dtype, many), name in sorted(self._selected.items(), key=lambda kv: str(kv[0])):
+            out[f"{cls}{'/many-segments' if many else ''}/D{d}/{str(dtype).removeprefix('torch.')}"] = name
+        return out
+
+    def describe(self) -> dict:
+        return {
+            "choice": self.choice,
+            "selected": self.selected(),
+            "missing": {need: why for need, why in self._present.items() if why},
+            "demoted": {f"{n}@{c}/D{d}": why for (n, c, d, _), why in self._demoted.items()},
+        }
+
+    def summary(self) -> str:
+        d = self.describe()
+        parts = [f"{k} -> {v}" for k, v in d["selected"].items()] or ["nothing selected yet"]
+        notes = [f"{need} unavailable ({why})" for need, why in d["missing"].items()]
+        notes += [f"{k} demoted ({why})" for k, why in d["demoted"].items()]
+        return f"attention ({self.choice}): " + ", ".join(parts) + ("; " + "; ".join(notes) if notes else "")
 
 
-def short_segment_attention_triton(q, k, v, cu_seqlens, max_seqlen: int):
-    """Attention within segments of at most `max_seqlen` (<= 128) rows; q, k, v [N, H, D] -> [N, H, D]."""
-    n, h, d = q.shape
-    out = torch.empty(n, h, d, device=q.device, dtype=q.dtype)
-    num_segments = cu_seqlens.shape[0] - 1
-    block_m = max(16, triton.next_power_of_2(max_seqlen))
-    block_d = max(16, triton.next_power_of_2(d))
-    if num_segments > 0 and n:
-        _short_segment_attn_kernel[(num_segments, h)](
-            q, k, v, out, cu_seqlens, d**-0.5,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            D=d, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4 if block_m <= 64 else 8,
-        )
-    return out
+def check_backend(run, case: CheckCase, num_heads: int, head_dim: int, dtype, device, capture: bool) -> str | None:
+    """None if `run` matches the float32 reference on `case` (eager, and replayed in a CUDA graph if
+    `capture`), else what went wrong. Inputs come from a CPU generator (the default CUDA RNG untouched)."""
+    bounds = case.bounds
+    n = bounds[-1]
+    gen = torch.Generator().manual_seed(n * 31 + case.slots)
+
+    def fresh():
+        return torch.randn(n, 3, num_heads, head_dim, generator=gen).to(device, dtype)
+
+    try:
+        qkv = fresh()
+        q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]  # v strided, as in the towers
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        why = _compare(run(q, k, v, cu, case.max_seqlen), reference_attention(q, k, v, cu))
+        if why or not capture:
+            return why
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            run(q, k, v, cu, case.max_seqlen)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(q, k, v, cu, case.max_seqlen)
+        qkv.copy_(fresh())
+        q.copy_(qkv[:, 0])
+        k.copy_(qkv[:, 1])
+        out.fill_(float("nan"))
+        graph.replay()
+        why = _compare(out, reference_attention(q, k, v, cu))
+        del graph
+        return f"in a CUDA graph: {why}" if why else None
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure demotes the backend
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(device)
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    if out.shape != ref.shape:
+        return f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o = out.float()
+    bad_rows = int(o.isnan().flatten(1).any(1).sum())
+    if bad_rows:
+        return f"{bad_rows} rows with NaN"
+    rel = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
+    return None if rel <= CHECK_REL_TOL else f"relative error {rel:.2e} > {CHECK_REL_TOL:g} against float32"
+
+
+# ---- the active policy ----------------------------------------------------------------------------
+
+_local = threading.local()
+_default: AttentionPolicy | None = None
+
+
+class _Labels(threading.local):
+    on = False
+
+
+_labels = _Labels()
+
+
+def active_policy() -> AttentionPolicy:
+    """The policy `use_policy` made active on this thread, else the default (auto, created on first use)."""
+    policy = getattr(_local, "policy", None)
+    if policy is not None:
+        return policy
+    global _default
+    if _default is None:
+        _default = AttentionPolicy()
+    return _default
+
+
+@contextlib.contextmanager
+def use_policy(policy: AttentionPolicy):
+    """Run the towers' attention under `policy` on this thread (a runner around its forward and capture)."""
+    previous = getattr(_local, "policy", None)
+    _local.policy = policy
+    try:
+        yield policy
+    finally:
+        _local.policy = previous
+
+
+@contextlib.contextmanager
+def profile_labels():
+    """Wrap each attention call in a torch.profiler range "attention:<backend>" (benchmarks' profiles)."""
+    _labels.on = True
+    try:
+        yield
+    finally:
+        _labels.on = False

@@ -1,9 +1,11 @@
-"""Image preprocessing for the Qwen-VL vision towers, equal to transformers' PIL-backend processor.
+"""Image preprocessing for the Qwen-VL vision towers, equal to transformers' processors.
 
-`probe` and `plan` size an image from its header alone (so `encode` can answer before decoding);
-`preprocess` produces the tower's input. See docs/interfaces.md, Preprocessing.
+`probe` and `plan` size an image from its header alone (so `encode` can answer before decoding); a backend
+(`make_backend`: pil or torchvision, backends.py) produces the tower's input; `preprocess` is the pil one.
+See docs/interfaces.md, Preprocessing.
 """
 
+from .backends import Backend, PilBackend, TorchvisionBackend, make_backend
 from .config import PreprocessConfig
 from .decode import SUPPORTED_FORMATS, ImageHeader, probe
 from .limits import ImageLimits
@@ -12,11 +14,15 @@ from .resize import ImagePlan, plan
 
 __all__ = [
     "SUPPORTED_FORMATS",
+    "Backend",
     "ImageHeader",
     "ImageLimits",
     "ImagePlan",
+    "PilBackend",
     "PreprocessConfig",
     "PreprocessedImage",
+    "TorchvisionBackend",
+    "make_backend",
     "plan",
     "preprocess",
     "probe",

@@ -16,7 +16,7 @@ from .resize import plan, resize
 
 @dataclass(frozen=True)
 class PreprocessedImage:
-    pixel_values: torch.Tensor  # [num_patches, C*T*P*P] float32, CPU
+    pixel_values: torch.Tensor  # [num_patches, C*T*P*P]; here float32 on the CPU (backends.py: any dtype, device)
     grid_thw: tuple[int, int, int]
     num_tokens: int
 

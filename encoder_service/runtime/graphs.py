@@ -11,11 +11,15 @@ totals but different image sizes). Outputs are cloned out of the static buffer b
 
 Graph kinds per bucket (two per bucket; models/metadata.py: EXACT, SINGLE, MULTI):
   - "exact" (buckets of common resolutions, `exact_buckets`): one one-frame image of exactly the bucket's
-    patch count: no padding, one segment, so full attention is one plain dense SDPA call.
-  - "single" (other buckets): one image of one frame. Two segments (the image + the dummy), max_seqlen = B:
-    ops/attention.py runs the full-attention layers as ONE dense SDPA call (segment mask folded into the
-    head dims).
-  - "multi": up to `max_images` frames (+ dummy rows); full attention runs through varlen_attn.
+    patch count: no padding, one segment (attention layout class ONE).
+  - "single" (other buckets): one image of one frame. Two segments (the image + the dummy), max_seqlen = B
+    (PADDED_SINGLE).
+  - "multi": up to `max_images` frames (+ dummy rows, then zero-length filler slots), max_seqlen = B
+    (SEVERAL). Qwen2.5's window layers: WINDOWS in every kind.
+Which attention backend runs each layout class is the runner's attention policy's (ops/attention.py); it
+is selected at the warm-up before each capture (FA4 and Triton compile there, never inside a capture),
+after the policy's startup check ran every layout class in a small captured graph. `describe()["attention"]`
+and the startup log say which backend serves which layout class.
 
 `capture=False` builds the same static buffers, pads, copies in, runs the tower eagerly ON THE STATIC
 BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding, boundary and order
@@ -32,6 +36,7 @@ from typing import Sequence
 import torch
 
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE, BatchMetadata, PaddedShape
+from encoder_service.ops.attention import ONE, PADDED_SINGLE, SEVERAL, use_policy
 from encoder_service.runtime.packing import PackedBatch, pack
 from encoder_service.runtime.runner import (
     DeviceMetadataCache,
@@ -77,13 +82,16 @@ class _Graph:
         tower = self.runner.tower
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks algorithms
-            for _ in range(2):
-                tower(self.pixels, self.meta)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = tower(self.pixels, self.meta)
+        with use_policy(self.runner.attention):
+            # warm-up on these very shapes: the attention backends are selected, Triton and FA4 compile,
+            # cuBLAS picks algorithms (nothing compiles inside the capture)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    tower(self.pixels, self.meta)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = tower(self.pixels, self.meta)
 
     @torch.inference_mode()
     def run(self, pixel_values: Sequence[torch.Tensor], padded_meta) -> torch.Tensor:
@@ -102,7 +110,8 @@ class _Graph:
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        return self.runner.tower(self.pixels, self.meta)
+        with use_policy(self.runner.attention):
+            return self.runner.tower(self.pixels, self.meta)
 
 
 class GraphRunner:
@@ -121,8 +130,11 @@ class GraphRunner:
         max_padding: float = 0.05,
         exact_buckets: Sequence[int] = (),
         solo_min_patches: int | None = 4096,
+        attention: str = "auto",
     ):
-        self.eager = EagerRunner(loaded, max_batch_patches=max_batch_patches)  # spill / policy path
+        # spill / policy path; its attention policy is this runner's too
+        self.eager = EagerRunner(loaded, max_batch_patches=max_batch_patches, attention=attention)
+        self.attention = self.eager.attention
         self.tower, self.spec = loaded.tower, loaded.spec
         self.device, self.dtype = self.eager.device, self.eager.dtype
         self.merge_unit = self.spec.merge_size**2
@@ -144,6 +156,8 @@ class GraphRunner:
         self._device_meta = DeviceMetadataCache(meta_cache_size)
 
         capture = capture and self.device.type == "cuda"
+        if capture:  # every layout class a graph may hold, checked inside a small captured graph first
+            self.eager.check_attention((ONE, PADDED_SINGLE, SEVERAL), capture=True)
         pool = torch.cuda.graph_pool_handle() if capture else None
         if capture:
             torch.cuda.synchronize()
@@ -166,6 +180,8 @@ class GraphRunner:
             "%.1f MiB held", self.mode, len(self.graphs), self.buckets, sorted(self.exact_buckets), max_images,
             self.capture_s, self.graph_bytes / 2**20,
         )
+        if capture:
+            log.info("%s", self.attention.summary())
 
     @torch.inference_mode()
     def encode(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[GridTHW]) -> list[torch.Tensor]:
@@ -248,4 +264,5 @@ class GraphRunner:
             "solo_min_patches": self.solo_min_patches,
             "capture_s": round(self.capture_s, 3),
             "graph_mib": round(self.graph_bytes / 2**20, 1),
+            "attention": self.attention.describe(),
         }

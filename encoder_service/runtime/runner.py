@@ -12,6 +12,12 @@ owns the GPU.
 
 The buckets: settings.py's DEFAULT_BUCKETS (the service's `--graph-buckets`) unless given, plus an exact
 bucket for each of COMMON_RESOLUTIONS under the largest.
+
+Attention: each runner holds an `AttentionPolicy` (ops/attention.py; `attention=` "auto" | "fa4" | "triton" |
+"torch", the service's `--attention`), runs its startup check at construction (CUDA, half precision: every
+layout class the tower uses, the selected backend compiled and compared with float32; the graph runner
+also inside a captured graph) and makes it active around every forward and capture (`use_policy`).
+`describe()["attention"]` says which backend serves which layout class; it is logged at startup.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from encoder_service.ops.attention import ONE, SEVERAL, WINDOWS, AttentionPolicy, use_policy
 from encoder_service.ops.fast_path import triton
 from encoder_service.settings import DEFAULT_BUCKETS
 
@@ -106,7 +113,8 @@ class EagerRunner:
 
     mode = "eager"
 
-    def __init__(self, loaded, *, max_batch_patches: int | None = None, meta_cache_size: int = 64):
+    def __init__(self, loaded, *, max_batch_patches: int | None = None, meta_cache_size: int = 64,
+                 attention: str | AttentionPolicy = "auto"):
         self.loaded = loaded
         self.tower = loaded.tower
         self.spec = loaded.spec
@@ -115,6 +123,18 @@ class EagerRunner:
         self.buckets: list[int] = []
         self.max_batch_patches = max_batch_patches
         self._device_meta = DeviceMetadataCache(meta_cache_size)
+        self.attention = attention if isinstance(attention, AttentionPolicy) else AttentionPolicy(attention)
+        # An eager forward sees one image alone (ONE) and batches (SEVERAL); Qwen2.5 also its windows.
+        self.check_attention((ONE, SEVERAL), capture=False)
+
+    def check_attention(self, layouts: tuple[str, ...], *, capture: bool) -> None:
+        """The attention policy's startup check (ops/attention.py: AttentionPolicy.prepare) for this tower's
+        head dim, heads and dtype; a no-op off CUDA or in float32."""
+        config = self.tower.config
+        if getattr(config, "window_units", None):
+            layouts = (*layouts, WINDOWS)
+        self.attention.prepare(head_dim=config.head_dim, num_heads=config.num_heads, dtype=self.dtype,
+                               device=self.device, layouts=layouts, capture=capture)
 
     def device_metadata(self, grid_thw: list[GridTHW]):
         """tower.metadata(grid_thw) on the device, from a small LRU keyed by the batch's grids (a repeated
@@ -127,7 +147,8 @@ class EagerRunner:
         grid_thw = [tuple(int(x) for x in g) for g in grid_thw]
         pv = torch.cat([p.to(self.device, non_blocking=True) for p in pixel_values], dim=0)
         pv = pv.to(self.dtype)
-        return self.tower(pv, self.device_metadata(grid_thw))
+        with use_policy(self.attention):
+            return self.tower(pv, self.device_metadata(grid_thw))
 
     @torch.inference_mode()
     def encode(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[GridTHW]) -> list[torch.Tensor]:
@@ -147,6 +168,7 @@ class EagerRunner:
             "dtype": str(self.dtype).removeprefix("torch."),
             "buckets": [],
             "max_batch_patches": self.max_batch_patches,
+            "attention": self.attention.describe(),
         }
 
 
@@ -180,13 +202,15 @@ def _module_dtype(m: torch.nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def make_runner(loaded, *, cuda_graphs: bool, buckets: Sequence[int] | None = None, **kwargs) -> TowerRunner:
+def make_runner(loaded, *, cuda_graphs: bool, buckets: Sequence[int] | None = None, attention: str = "auto",
+                **kwargs) -> TowerRunner:
     """The runner for `loaded` (models/loader.py: LoadedModel).
 
     `buckets` (patch rows; None: settings.DEFAULT_BUCKETS) gain exact buckets (no padding, see graphs.py) for
     COMMON_RESOLUTIONS below the largest one. cuda_graphs=True on a CUDA device: a GraphRunner that captures
     graphs per bucket at construction (startup) and logs the buckets, the capture time and the memory the
-    graphs hold. Otherwise (CPU, or `--no-cuda-graphs`): an EagerRunner.
+    graphs hold. Otherwise (CPU, or `--no-cuda-graphs`): an EagerRunner. `attention`: the runner's attention
+    choice (ops/attention.py: CHOICES); which backend serves which layout is logged.
     """
     device = torch.device(loaded.device) if loaded.device is not None else _module_device(loaded.tower)
     if device.type == "cuda":
@@ -197,8 +221,11 @@ def make_runner(loaded, *, cuda_graphs: bool, buckets: Sequence[int] | None = No
     if cuda_graphs and device.type == "cuda":
         from encoder_service.runtime.graphs import GraphRunner
 
-        return GraphRunner(loaded, buckets=buckets, capture=True, exact_buckets=exact, **kwargs)
+        return GraphRunner(loaded, buckets=buckets, capture=True, exact_buckets=exact, attention=attention, **kwargs)
     if cuda_graphs:
         log.info("cuda_graphs requested on %s: running eagerly (graphs need CUDA)", device)
     max_batch = kwargs.get("max_batch_patches")
-    return EagerRunner(loaded, max_batch_patches=max_batch)
+    runner = EagerRunner(loaded, max_batch_patches=max_batch, attention=attention)
+    if device.type == "cuda":
+        log.info("%s", runner.attention.summary())
+    return runner

@@ -4,6 +4,10 @@
 language model, special token ids inside its vocabulary) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
 transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens).
 
+`add_tiny_tokenizer(path)` adds what an LLM server's front end needs on top (vLLM's renderer and processor, in
+the vLLM tier): a character-level tokenizer whose special ids match the checkpoint's, and a chat template that
+renders each image part as `<|vision_start|><|image_pad|><|vision_end|>`.
+
 Structure kept per family:
   - qwen2_vl: quick_gelu MLP (mlp_ratio 2), LayerNorm merger.
   - qwen2_5_vl: window_size 56 px = 2x2 merged tokens per window, so a 112x112 image already has 4 windows;
@@ -133,3 +137,44 @@ def _check_shards(path: Path) -> None:
     index = json.loads((path / "model.safetensors.index.json").read_text())
     if len(set(index["weight_map"].values())) < 2:
         raise RuntimeError(f"tiny checkpoint in {path} has a single shard; tests need several")
+
+
+# Special tokens of the tiny tokenizer: the checkpoint's image / video / vision ids (_SPECIAL_IDS) and chat markers.
+_TOKENIZER_SPECIALS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2,
+                       "<|video_pad|>": _SPECIAL_IDS["video_token_id"],
+                       "<|vision_start|>": _SPECIAL_IDS["vision_start_token_id"],
+                       "<|vision_end|>": _SPECIAL_IDS["vision_end_token_id"],
+                       "<|image_pad|>": _SPECIAL_IDS["image_token_id"]}
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_tiny_tokenizer(path: str | Path) -> Path:
+    """Write a character-level WordLevel tokenizer (a-z, 0-9, newline, a few words; one token per character)
+    and a chat template into the tiny checkpoint at `path`; returns `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(path)
+    vocab = dict(_TOKENIZER_SPECIALS)
+    words = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)] + \
+        ["\n", " ", "user", "assistant", "system"]
+    free = (i for i in range(3, 252) if i not in vocab.values())
+    for word in words:
+        vocab[word] = next(free)
+    vocab["<unk>"] = next(free)
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer.add_special_tokens(list(_TOKENIZER_SPECIALS))
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "unk_token": "<unk>", "model_max_length": 4096, "chat_template": _CHAT_TEMPLATE}, indent=1))
+    (path / "chat_template.jinja").write_text(_CHAT_TEMPLATE)
+    return path

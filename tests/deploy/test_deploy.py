@@ -260,6 +260,8 @@ def test_chart_is_self_contained():
         (("redis.mode=external",), "redis.mode=external needs"),
         (("model.source=pvc",), "model.source=pvc needs"),
         (("service.sessionAffinity=Sticky",), "service.sessionAffinity"),
+        (("sglang.enabled=true", "sglang.port=50051"), "sglang.port must differ"),
+        (("sglang.port=0",), "sglang.port"),
     ],
 )
 def test_bad_values_are_rejected(sets, message):
@@ -281,7 +283,8 @@ def test_gpu_limit_default_and_configurable():
 def test_probes(scenario):
     c = encoder_container(render(scenario))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": 8000, "grpc": 50051}
+    sglang = {"sglang": 9100} if scenario == "sglang-values" else {}  # only where the protocol is on
+    assert ports == {"http": 8000, "grpc": 50051} | sglang
     # Liveness: process health only, identical whatever the Redis mode (it must never touch Redis).
     live = c["livenessProbe"]
     assert live["httpGet"] == {"path": "/health/live", "port": "http"}
@@ -332,9 +335,11 @@ def test_env_values_follow_values():
     env = env_of(encoder_container(render("auth-values")))
     expect = {
         "ENCODER_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct", "ENCODER_REVISION": "main", "ENCODER_DTYPE": "float16",
+        "ENCODER_PREPROCESS": "torchvision-pil-decode",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
         "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",
+        "ENCODER_ATTENTION": "torch",
     }
     assert {k: env[k]["value"] for k in expect} == expect
     assert env["NCCL_DEBUG"]["value"] == "WARN"  # extraEnv
@@ -461,6 +466,60 @@ def test_session_affinity_follows_redis():
     assert "sessionAffinity" not in one(docs, "Service", "enc-encoder-service-headless")["spec"]  # DNS, no proxy
 
 
+def test_sglang_protocol_off_by_default():
+    docs = render()
+    c = encoder_container(docs)
+    assert "sglang" not in {p["name"] for p in c["ports"]}
+    assert not {"ENCODER_SGLANG_PROTOCOL", "ENCODER_SGLANG_PORT"} & set(env_of(c))
+    assert not [d for d in docs if "sglang" in d["metadata"]["name"]]
+    for svc in find(docs, "Service"):  # its port is on no Service
+        assert all(p["name"] != "sglang" for p in svc["spec"]["ports"])
+
+
+def sglang_objects(docs):
+    svc = one(docs, "Service", "enc-encoder-service-sglang")
+    policies = find(docs, "NetworkPolicy", "enc-encoder-service-sglang")
+    return svc, policies
+
+
+@pytest.mark.parametrize("source", ["ci", "docs"])
+def test_sglang_protocol_enabled(source, tmp_path):
+    """ci/sglang-values.yaml, and the values docs/sglang.md shows (read from the doc, not copied)."""
+    if source == "ci":
+        docs, port = render("sglang-values"), 9100
+    else:
+        from tests.support.docs_blocks import block
+
+        values = yaml.safe_load(block("helm-values"))
+        port = values["sglang"]["port"]
+        path = tmp_path / "docs-values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        p = run([tool("helm"), "template", "enc", str(CHART), "--namespace", "ml", "-f", str(path)])
+        assert p.returncode == 0, p.stderr
+        docs = [d for d in yaml.safe_load_all(p.stdout) if d]
+    c = encoder_container(docs)
+    env = env_of(c)
+    assert env["ENCODER_SGLANG_PROTOCOL"]["value"] == "true" and env["ENCODER_SGLANG_PORT"]["value"] == str(port)
+    assert {"name": "sglang", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    svc, policies = sglang_objects(docs)
+    # Its own Service, cluster-internal only, one encoder pod per language server (zmq_to_scheduler).
+    assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["sessionAffinity"] == "ClientIP"
+    assert svc["spec"]["ports"] == [{"name": "sglang", "port": port, "targetPort": "sglang", "protocol": "TCP",
+                                     "appProtocol": "http"}]
+    assert svc["spec"]["selector"] == one(docs, "Service", "enc-encoder-service")["spec"]["selector"]
+    assert svc["metadata"]["labels"]["app.kubernetes.io/component"] != "encoder"  # not scraped twice
+    main = one(docs, "Service", "enc-encoder-service")
+    assert all(p["name"] != "sglang" for p in main["spec"]["ports"])
+    (policy,) = policies  # both set allowedFrom
+    open_rule, sglang_rule = policy["spec"]["ingress"]
+    assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {8000, 50051}
+    assert sglang_rule["ports"] == [{"port": port, "protocol": "TCP"}] and sglang_rule["from"]
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "encoder"
+    # Without allowedFrom: the Service, and no policy.
+    _, policies = sglang_objects(render(sets=("sglang.enabled=true",)))
+    assert not policies
+
+
 def test_servicemonitor_only_with_crd():
     assert not find(render(), "ServiceMonitor")
     (sm,) = find(render(api_versions=(SERVICE_MONITOR_API,)), "ServiceMonitor")
@@ -542,8 +601,10 @@ def test_notes_render(scenario, tmp_path):
     assert p.returncode == 0, p.stderr
     text = yaml.safe_load(p.stdout)["data"]["notes"]
     assert "enc-encoder-service.ml.svc:8000" in text and "helm test enc" in text
-    assert ("auth is off" in text) == (scenario != "auth-values")
+    given = yaml.safe_load((CHART / "ci" / f"{scenario}.yaml").read_text()) if scenario != "default" else {}
+    assert ("auth is off" in text) == (not (given.get("auth") or {}).get("enabled", False))
+    assert ("enc-encoder-service-sglang.ml.svc:9100" in text) == (scenario == "sglang-values")
     assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline
-    no_redis = scenario == "pvc-model-values"
+    no_redis = (given.get("redis") or {}).get("mode") == "none"
     assert ("a fetch must reach the replica that encoded its ids" in text) == no_redis
     assert ("waits (plain Redis pub/sub)" in text) == (not no_redis)

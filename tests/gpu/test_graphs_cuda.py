@@ -41,3 +41,19 @@ def test_every_service_bucket_replays_like_eager(dtype):
         for grids, kind in cases.bucket_batches(bucket, runner.exact_buckets):
             assert [(g.bucket, g.kind) for _, g in runner.plan(grids)] == [(bucket, kind)]
             cases.check_batch(runner, lm, grids, seed, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("choice", ["auto", "fa4", "triton", "torch"])
+def test_every_attention_choice_replays_like_eager(loaded, family, choice):
+    """Each --attention choice (its backends warmed, checked and captured) against the tower run on each
+    image alone (the default policy); the runner says which backend served which layout. (The tiny towers'
+    head dim is 16: a backend demoted there falls back; test_ops_cuda checks 72 and 80 demote nothing.)"""
+    lm = loaded(family, "cuda", torch.bfloat16)
+    runner = make_runner(lm, cuda_graphs=True, buckets=cases.BUCKETS, attention=choice)
+    attention = runner.describe()["attention"]
+    assert attention["choice"] == choice and attention["selected"], attention
+    for seed, grids in enumerate(cases.SAME_TOTAL_SINGLE + cases.SAME_TOTAL_MULTI + cases.MIXED):
+        cases.check_batch(runner, lm, grids, seed, rtol=2e-2, atol=2e-2)
+    if choice == "torch":
+        assert not {"fa4", "triton_split", "triton_short"} & set(attention["selected"].values())

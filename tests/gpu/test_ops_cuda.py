@@ -1,14 +1,19 @@
 """Each fused kernel of ops/ against its torch reference on the same CUDA bfloat16 inputs (the CPU tiers
-run only the references). Differences are rounding only: the kernels keep float32 inside and round once."""
+run only the references). Differences are rounding only: the kernels keep float32 inside and round once.
+Attention: every backend this machine has (FA4 when installed, our Triton kernels, torch's) against float32
+attention on the towers' real layouts (head dims 72 and 80, padded by the graphs' own rule: dummy segments,
+zero-length filler slots; v the strided view of a fused qkv), eagerly and replayed in a captured graph."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from encoder_service.models.metadata import build_batch_metadata
-from encoder_service.ops import activation, attention, norm, pos_embed, rotary
+from encoder_service.models.metadata import EXACT, MULTI, SINGLE, PaddedShape, build_batch_metadata
+from encoder_service.ops import activation, attention, attention_triton, norm, pos_embed, rotary
 from encoder_service.ops.fast_path import fast_path
 
 DEV, DT = "cuda", torch.bfloat16
@@ -77,3 +82,82 @@ def test_short_segment_attention():
     out = attention.varlen_attention(q, k, v, cu, 64)  # the Triton kernel (max_seqlen <= 64)
     ref = attention.varlen_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), cu.cpu(), 64)
     assert rel(out.cpu(), ref) < 1e-2
+
+
+# ---- attention backends on the towers' layouts ------------------------------------------------------
+
+
+def tower_layout(grids, kind=None, bucket=0, windows=False) -> attention.CheckCase:
+    """The full-attention (or window) layout of these images, padded into a graph of `kind` and `bucket`
+    by models/metadata.py as the graphs pad them (kind None: eager, unpadded), as a CheckCase."""
+    meta = build_batch_metadata(grids, merge=2, head_dim=80, rope_theta=10000.0, window_units=4 if windows else None)
+    if kind is not None:
+        shape = PaddedShape.for_graph(bucket, kind, max_images=32, merge_unit=4, window_units=4 if windows else None)
+        meta = meta.padded(shape)
+    cu, max_seqlen = (meta.cu_window_seqlens, meta.max_window_seqlen) if windows else (meta.cu_seqlens, meta.max_seqlen)
+    bounds = cu.tolist()
+    lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]) if b > a)
+    return attention.CheckCase(lengths, len(bounds) - 1, max_seqlen)
+
+
+LAYOUTS = {
+    "one": tower_layout([(1, 32, 48)]),  # an image alone, exact bucket
+    "single_padded": tower_layout([(1, 30, 46)], SINGLE, 2048),  # image + dummy segment
+    "single_exact_fit": tower_layout([(1, 32, 64)], SINGLE, 2048),  # image + a zero-length slot
+    "multi_graph": tower_layout([(1, 16, 16)] * 5 + [(1, 12, 20)], MULTI, 2048),  # + dummy + 26 empty slots
+    "several_eager": tower_layout([(1, 16, 16)] * 5 + [(1, 12, 20)]),
+    "video_frames": tower_layout([(4, 16, 20)]),  # 4 frames: 4 segments
+    "windows_exact": tower_layout([(1, 30, 46)], EXACT, 1380, windows=True),
+    "windows_multi_graph": tower_layout([(1, 16, 16)] * 5 + [(1, 12, 20)], MULTI, 2048, windows=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("head_dim", [72, 80])
+@pytest.mark.parametrize("name", list(attention.BACKENDS))
+def test_attention_backend_against_float32(name, head_dim, layout):
+    case = LAYOUTS[layout]
+    backend = attention.BACKENDS[name]
+    cls = attention.layout_class(case.bounds[-1], case.slots, case.max_seqlen)
+    if not backend.serves(cls, head_dim, case.slots):
+        pytest.skip(f"{name} does not serve {cls} layouts")
+    missing = attention.AttentionPolicy().missing(backend.needs, torch.device(DEV))
+    if missing:
+        pytest.skip(f"{name}: {missing}")
+    assert attention.check_backend(backend.run, case, 16, head_dim, DT, DEV, capture=True) is None
+
+
+@pytest.mark.parametrize("config", list(attention_triton.SPLIT_CONFIGS))
+def test_every_split_config(config):
+    run = functools.partial(attention_triton.split_head_attention, config=attention_triton.SPLIT_CONFIGS[config])
+    for layout in ("one", "multi_graph", "windows_multi_graph"):
+        for head_dim in (72, 80):
+            assert attention.check_backend(run, LAYOUTS[layout], 16, head_dim, DT, DEV, capture=True) is None
+
+
+@pytest.mark.parametrize("choice", attention.CHOICES)
+def test_every_choice_passes_its_startup_check(choice):
+    """Nothing this machine has is demoted: a demotion here is a backend failing numerics or capture."""
+    policy = attention.AttentionPolicy(choice)
+    for head_dim in (72, 80):
+        policy.prepare(head_dim=head_dim, num_heads=16, dtype=DT, device=DEV, capture=True)
+    assert policy.describe()["demoted"] == {}
+    selected = set(policy.selected().values())
+    if choice == "fa4" and not policy.missing("fa4", torch.device(DEV)):
+        assert selected == {"fa4"}
+    if choice == "triton":
+        assert selected == {"triton_split", "triton_short"}
+    if choice == "torch":
+        assert selected <= {"torch_dense", "torch_two_segment", "torch_varlen"}
+
+
+def test_varlen_attention_is_the_active_policys():
+    case = LAYOUTS["several_eager"]
+    q, k, v = (torch.randn(case.bounds[-1], 16, 80, device=DEV, dtype=DT) for _ in range(3))
+    cu = torch.tensor(case.bounds, device=DEV, dtype=torch.int32)
+    ref = attention.reference_attention(q, k, v, cu)
+    for choice in attention.CHOICES:
+        policy = attention.AttentionPolicy(choice)
+        with attention.use_policy(policy):
+            assert rel(attention.varlen_attention(q, k, v, cu, case.max_seqlen), ref) < 1e-2
+        assert len(policy.selected()) == 1

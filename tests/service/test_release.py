@@ -14,7 +14,6 @@ import torch
 from encoder_service import errors
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
-from encoder_service.cache import key_from_id
 from tests.support.images import image_bytes as png
 from tests.support.clients import async_client, sync_client
 
@@ -24,13 +23,7 @@ TRANSPORTS = ["http", "grpc"]
 
 
 def pinned(svc, public_id: str) -> bool:
-    core = svc.core
-    name = key_from_id(public_id, core.model_fp, core.settings.cache.hash).name
-
-    async def on_loop():  # the store is not thread-safe: ask on the service's loop
-        return core.store.local.is_pinned(name)
-
-    return svc.call(on_loop)
+    return svc.pinned(public_id)
 
 
 def pinned_keys(svc) -> int:

@@ -18,12 +18,14 @@ def _reference_model(checkpoint: str):
     return loaded, PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
 
 
-def reference_rows(checkpoint: Path, data: bytes) -> torch.Tensor:
-    """[num_tokens, row_width] float32: the tower of `checkpoint` on the preprocessed `data`, alone."""
-    from encoder_service.preprocessing import ImageLimits, preprocess
+def reference_rows(checkpoint: Path, data: bytes, preprocess: str = "pil") -> torch.Tensor:
+    """[num_tokens, row_width] float32: the tower of `checkpoint` on `data` preprocessed by the `preprocess`
+    backend on the CPU, alone."""
+    from encoder_service.preprocessing import ImageLimits, make_backend
 
     loaded, cfg = _reference_model(str(checkpoint))
-    pre = preprocess(data, cfg, ImageLimits(max_image_bytes=1 << 24, max_pixels=1 << 26))
+    backend = make_backend(preprocess, cfg, ImageLimits(max_image_bytes=1 << 24, max_pixels=1 << 26), "cpu")
+    pre = backend.preprocess(data)
     grid = tuple(int(x) for x in pre.grid_thw)
     with torch.inference_mode():
         return loaded.tower(pre.pixel_values.to(loaded.dtype), loaded.tower.metadata([grid])).float()

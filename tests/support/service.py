@@ -2,9 +2,10 @@
 random model, running on its own event loop in a background thread (so sync and async tests can both use it).
 
 The fixtures that start them are in tests/service/conftest.py. A `RunningService` has `.url`
-(http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.core` (the EncoderCore), `.checkpoint`,
-`.settings`, `.call(coro_fn)` to run a coroutine on the service's loop (the core's asyncio objects
-belong to that loop), and `.sample(name, labels)` to read a metric there.
+(http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.sglang_url` (with --sglang-protocol: SGLang's
+encoder protocol, api/sglang/), `.core` (the EncoderCore), `.checkpoint`, `.settings`, `.call(coro_fn)` to run
+a coroutine on the service's loop (the core's asyncio objects belong to that loop), and `.sample(name, labels)`
+to read a metric there.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ class RunningService:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-service-loop", daemon=True)
         self._thread.start()
-        self.service = Service(settings, http_sock=bind_socket("127.0.0.1", 0))
+        sglang_sock = bind_socket("127.0.0.1", 0) if settings.server.sglang_protocol else None
+        self.service = Service(settings, http_sock=bind_socket("127.0.0.1", 0), sglang_sock=sglang_sock)
         self.call(self.service.start, timeout=START_TIMEOUT_S)
         self.core = self.service.core
         self.url = self.service.http_address
         self.grpc_address = self.service.grpc_address
+        self.sglang_url = self.service.sglang_address  # None unless --sglang-protocol
 
     def call(self, coro_fn, *args, timeout: float = 60):
         """Run `await coro_fn(*args)` on the service's loop and return its result (bounded wait)."""
@@ -54,6 +57,18 @@ class RunningService:
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise
+
+    def pinned(self, public_id: str) -> bool:
+        """Whether encode pins of `public_id` are held in the local tier (asked on the service's loop)."""
+        from encoder_service.cache import key_from_id
+
+        core = self.core
+        name = key_from_id(public_id, core.model_fp, core.settings.cache.hash).name
+
+        async def on_loop():  # the store is not thread-safe
+            return core.store.local.is_pinned(name)
+
+        return self.call(on_loop)
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample of the core's Prometheus registry (0 when absent), read on the service's loop: a read

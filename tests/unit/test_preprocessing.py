@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import io
-import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageFile
 from transformers import Qwen2VLImageProcessorPil
 
 from encoder_service.errors import ImageDecodeError, LimitExceeded, ModelLoadError
-from encoder_service.models.spec import VisionSpec
 from encoder_service.preprocessing import (
     ImageHeader,
     ImageLimits,
@@ -24,40 +20,34 @@ from encoder_service.preprocessing import (
     probe,
 )
 from tests.support.images import png_header_only
-
-DATA = Path(__file__).parents[1] / "data"
-PHOTOS = ["grace_hopper.jpg", "rocket.jpg", "camera.png"]  # real photographs, see data/README.md
-
-QWEN2_5 = VisionSpec("qwen2_5_vl", "qwen2_5_vl", 14, 2, 2, 3, 2048, 0)
-QWEN3 = VisionSpec("qwen3_vl", "qwen3_vl", 16, 2, 2, 3, 2048, 3)
-
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-# The published checkpoints' preprocessor_config.json, in each family's own form.
-HUB_CONFIGS = {
-    "qwen2_5": (QWEN2_5, {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
-                          "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-                          "image_processor_type": "Qwen2VLImageProcessor"}),
-    "qwen3": (QWEN3, {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
-                      "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-                      "image_processor_type": "Qwen2VLImageProcessorFast"}),
-}
-
-LIMITS = ImageLimits(max_image_bytes=32 << 20, max_pixels=67108864)
-
-
-def write_checkpoint(path: Path, settings: dict, filename: str = "preprocessor_config.json") -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / filename).write_text(json.dumps(settings))
-    return path
+from tests.support.preprocess_cases import (
+    BAD_INPUTS,
+    CLIP_MEAN,
+    DATA,
+    HUB_CONFIGS,
+    IMAGES,
+    LIMITS,
+    ODD_SIZES,
+    PHOTOS,
+    QWEN2_5,
+    QWEN3,
+    SMALL_SETTINGS,
+    animated_gif,
+    config_and_processor,
+    encode,
+    exif_rotated_jpeg,
+    multi_picture_jpeg,
+    photo_1080p_jpeg,
+    rgb_image,
+    write_checkpoint,
+)
 
 
 @pytest.fixture(params=sorted(HUB_CONFIGS), scope="module")
 def family(request, tmp_path_factory):
     """(our config, transformers' processor) loaded from the same hub-style checkpoint directory."""
     spec, settings = HUB_CONFIGS[request.param]
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp(request.param), settings)
-    return PreprocessConfig.from_checkpoint(checkpoint, spec), Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+    return config_and_processor(tmp_path_factory.mktemp(request.param), spec, settings, Qwen2VLImageProcessorPil)
 
 
 def assert_same_as_transformers(data: bytes, family) -> None:
@@ -76,24 +66,6 @@ def assert_same_as_transformers(data: bytes, family) -> None:
     assert ours.num_tokens == ours.pixel_values.shape[0] // cfg.merge_size**2
 
 
-def encode(image: Image.Image, fmt: str, **save_args) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **save_args)
-    return buffer.getvalue()
-
-
-def texture(height: int, width: int, channels: int, seed: int = 0) -> np.ndarray:
-    """uint8 [H, W, C]: smooth gradients plus noise, so bicubic overshoots and clips like on real edges."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = 127 + 100 * np.sin(x[..., None] / 7.0 + y[..., None] / 11.0 + np.arange(channels))
-    return np.clip(base + rng.normal(0, 40, (height, width, channels)), 0, 255).astype(np.uint8)
-
-
-def rgb_image(height: int, width: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(texture(height, width, 3, seed))
-
-
 # ---- parity with transformers ----
 
 
@@ -103,84 +75,19 @@ def test_real_photographs_match_transformers(name, family):
 
 
 def test_1080p_jpeg_matches_transformers(family):
-    photo = Image.open(DATA / "rocket.jpg").resize((1920, 1080), Image.Resampling.BICUBIC)
-    assert_same_as_transformers(encode(photo, "JPEG", quality=90), family)
+    assert_same_as_transformers(photo_1080p_jpeg(), family)
 
 
-@pytest.mark.parametrize(
-    "height, width",
-    [
-        (77, 123),  # sides not multiples of 28 or 32
-        (10, 10),  # below min_pixels: scaled up
-        (28, 5000),  # aspect ratio 178: one patch row (Qwen2.5)
-        (5000, 25),  # aspect ratio 200, the largest accepted
-        (301, 5),  # side below half a factor rounds to 0 before the min_pixels step
-        (70, 126),  # 70 = 2.5 * 28: Python's round() goes to the even 2 (Qwen2.5)
-        (272, 300),  # 272 = 8.5 * 32: likewise, above Qwen3's min_pixels
-    ],
-)
+@pytest.mark.parametrize("height, width", ODD_SIZES)
 def test_sizes_match_transformers(height, width, family):
     assert_same_as_transformers(encode(rgb_image(height, width), "PNG"), family)
 
 
 def test_large_downscale_matches_transformers(tmp_path):
     """max_pixels far below the photo's size (like the tiny test checkpoints): a 5x bicubic reduction."""
-    settings = {"min_pixels": 8 * 28 * 28, "max_pixels": 16 * 28 * 28}
-    checkpoint = write_checkpoint(tmp_path, settings)
-    family = PreprocessConfig.from_checkpoint(checkpoint, QWEN2_5), Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+    family = config_and_processor(tmp_path, QWEN2_5, SMALL_SETTINGS, Qwen2VLImageProcessorPil)
     for name in PHOTOS:
         assert_same_as_transformers((DATA / name).read_bytes(), family)
-
-
-def _rgba() -> Image.Image:
-    alpha = np.tile(np.linspace(0, 255, 90).astype(np.uint8), (60, 1))[..., None]
-    return Image.fromarray(np.concatenate([texture(60, 90, 3), alpha], axis=-1))
-
-
-def _palette() -> Image.Image:
-    return rgb_image(60, 90).quantize(colors=64)
-
-
-def _animated_gif() -> bytes:
-    frames = [rgb_image(60, 90, seed).quantize(colors=32) for seed in (1, 2, 3)]
-    return encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=40, loop=0)
-
-
-def _cmyk_jpeg() -> bytes:
-    return encode(Image.frombytes("CMYK", (90, 60), texture(60, 90, 4).tobytes()), "JPEG", quality=92)
-
-
-def _multi_picture_jpeg() -> bytes:
-    """What phones write (MPO): Pillow's JPEG opener reads it; the first picture is the image."""
-    return encode(rgb_image(60, 90, 1), "MPO", save_all=True, append_images=[rgb_image(60, 90, 2)])
-
-
-def _exif_rotated_jpeg() -> bytes:
-    exif = Image.Exif()
-    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
-    return encode(rgb_image(60, 90), "JPEG", exif=exif)
-
-
-IMAGES = {
-    "rgba_png": lambda: encode(_rgba(), "PNG"),
-    "la_png": lambda: encode(_rgba().convert("LA"), "PNG"),
-    "palette_png": lambda: encode(_palette(), "PNG"),
-    "palette_png_transparent_index": lambda: encode(_palette(), "PNG", transparency=5),
-    "grayscale_png_transparent_value": lambda: encode(rgb_image(60, 90).convert("L"), "PNG", transparency=128),
-    "grayscale_l_png": lambda: encode(rgb_image(60, 90).convert("L"), "PNG"),
-    "bilevel_1_png": lambda: encode(rgb_image(60, 90).convert("1"), "PNG"),
-    "16bit_png": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.uint16) * 257), "PNG"),
-    "int32_i_tiff": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.int32) * 2 - 100), "TIFF"),
-    "float_f_tiff": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.float32) * 1.5), "TIFF"),
-    "cmyk_jpeg": _cmyk_jpeg,
-    "exif_rotated_jpeg": _exif_rotated_jpeg,
-    "multi_picture_jpeg": _multi_picture_jpeg,  # transformers ignores EXIF orientation for PIL input; so do we
-    "animated_gif_first_frame": _animated_gif,
-    "bmp": lambda: encode(rgb_image(60, 90), "BMP"),
-    "tiff": lambda: encode(rgb_image(60, 90), "TIFF", compression="tiff_lzw"),
-    "webp_lossy": lambda: encode(rgb_image(60, 90), "WEBP", quality=80),
-    "webp_alpha": lambda: encode(_rgba(), "WEBP", lossless=True),
-}
 
 
 @pytest.mark.parametrize("kind", sorted(IMAGES))
@@ -195,12 +102,12 @@ def test_modes_under_test_are_the_ones_named():
     assert modes["16bit_png"] == "I;16" and modes["cmyk_jpeg"] == "CMYK" and modes["bilevel_1_png"] == "1"
     assert modes["int32_i_tiff"] == "I" and modes["float_f_tiff"] == "F" and modes["grayscale_l_png"] == "L"
     assert "transparency" in Image.open(io.BytesIO(IMAGES["palette_png_transparent_index"]())).info
-    assert Image.open(io.BytesIO(_animated_gif())).n_frames == 3
-    assert probe(_multi_picture_jpeg(), LIMITS).format == "MPO"
+    assert Image.open(io.BytesIO(animated_gif())).n_frames == 3
+    assert probe(multi_picture_jpeg(), LIMITS).format == "MPO"
 
 
 def test_exif_orientation_is_not_applied():
-    header = probe(_exif_rotated_jpeg(), LIMITS)
+    header = probe(exif_rotated_jpeg(), LIMITS)
     assert (header.width, header.height) == (90, 60)
 
 
@@ -367,25 +274,6 @@ def test_limits_validate_themselves():
         ImageLimits(1 << 20, 1 << 20, max_aspect_ratio=300)
     with pytest.raises(ValueError, match="positive"):
         ImageLimits(0, 1 << 20)
-
-
-def _corrupt_png() -> bytes:
-    data = bytearray(encode(rgb_image(60, 90), "PNG"))
-    data[len(data) // 2] ^= 0xFF  # inside IDAT: CRC and zlib stream both break
-    return bytes(data)
-
-
-BAD_INPUTS = {
-    "empty": lambda: b"",
-    "random_bytes": lambda: np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(),
-    "text_file": lambda: b"name,value\nimage,not really\n" * 20,
-    "zero_width_png": lambda: png_header_only(0, 10),
-    "zero_height_png": lambda: png_header_only(10, 0),
-    "truncated_jpeg": lambda: (DATA / "grace_hopper.jpg").read_bytes()[:20000],
-    "corrupt_png": _corrupt_png,
-    "png_header_without_pixels": lambda: png_header_only(64, 64),
-    "unsupported_format_ppm": lambda: encode(rgb_image(10, 10), "PPM"),
-}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_INPUTS))

@@ -116,6 +116,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_REVISION" $revision)
     (list "ENCODER_DEVICE" $srv.device)
     (list "ENCODER_DTYPE" $srv.dtype)
+    (list "ENCODER_PREPROCESS" $srv.preprocess)
     (list "ENCODER_HOST" "0.0.0.0")
     (list "ENCODER_HTTP_PORT" .Values.ports.http)
     (list "ENCODER_GRPC_PORT" .Values.ports.grpc)
@@ -129,6 +130,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_GRAPH_BUCKETS" (join "," ($srv.graphBuckets | default list)))
     (list "ENCODER_BATCH_TOKENS" $srv.batchTokens)
     (list "ENCODER_MAX_QUEUE" $srv.maxQueue)
+    (list "ENCODER_ATTENTION" $srv.attention)
     (list "ENCODER_MAX_IMAGES" $srv.maxImages)
     (list "ENCODER_MAX_BODY_BYTES" $srv.maxBodyBytes)
     (list "ENCODER_MAX_IMAGE_BYTES" $srv.maxImageBytes)
@@ -137,6 +139,8 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_LOG_LEVEL" $srv.logLevel)
     (list "ENCODER_SHM_FETCH" $srv.shmFetch)
     (list "ENCODER_SHM_DIR" $srv.shmDir)
+    (list "ENCODER_SGLANG_PROTOCOL" (ternary "true" "" .Values.sglang.enabled))
+    (list "ENCODER_SGLANG_PORT" (ternary .Values.sglang.port "" .Values.sglang.enabled))
     (list "HF_HOME" .Values.model.cache.mountPath)
     (list "HOME" "/tmp") }}
 {{- range $literal }}
@@ -199,6 +203,9 @@ only on the replica that encoded them) and None with it (any replica serves any 
 {{- end }}
 {{- if and (eq .Values.redis.mode "external") (not (or .Values.redis.external.existingSecret .Values.redis.external.url)) }}
 {{- fail "redis.mode=external needs redis.external.existingSecret or redis.external.url" }}
+{{- end }}
+{{- if and .Values.sglang.enabled (has (int .Values.sglang.port) (list (int .Values.ports.http) (int .Values.ports.grpc))) }}
+{{- fail "sglang.port must differ from ports.http and ports.grpc" }}
 {{- end }}
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) }}
 {{- fail "autoscaling.minReplicas must not exceed autoscaling.maxReplicas" }}

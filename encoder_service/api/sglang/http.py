@@ -1,0 +1,230 @@
+"""SGLang's encoder-server endpoints (0.5.23, sglang/srt/disaggregation/encoder/), a thin adapter over the core.
+
+POST /encode                 {"req_id", "mm_items", "num_parts", "part_idx", "modality", "prefill_host",
+                              "embedding_port", ...}: encode the part's images (the core: its cache, single
+                              flight and batching), then push [header, rows] to the language side (push.py):
+                              to prefill_host:embedding_port (zmq_to_tokenizer), else to every rank that
+                              registered for the req_id (zmq_to_scheduler). Answers `null` after the push,
+                              as SGLang's own encoder does; an error answers {"status": "error", "message",
+                              "req_id"} with its HTTP status and pushes an error header to the same places.
+POST /scheduler_receive_url  {"req_id", "receive_count", "receive_url": "host:port", "modality"}: one rank's
+                              PULL address for a part (before or after its /encode: session.py).
+GET  /health                 200 while the core is ready (never waits on the GPU), else 503.
+
+mm_items are strings (or {"url": ..., options} dicts): a data: URI or raw base64 is decoded here; an
+http(s) URL goes to the core's URL fetcher (only --allow-url-hosts hosts); a local path is never read
+(it names a file on the language server's host, and the request comes from the network). Body size, item
+count, bytes and pixels: the same limits as /v1/encode. No auth: SGLang sends none (private network only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+
+from encoder_service.api import errors as api_errors
+from encoder_service.api.http import _bounded, _parse
+from encoder_service.api.sglang import header as hdr
+from encoder_service.api.sglang.push import Pusher, endpoint
+from encoder_service.api.sglang.session import Part, Sessions
+from encoder_service.core import EncoderCore, ImageInput
+from encoder_service.errors import EncoderServiceError, InvalidInput
+from encoder_service.protocol.wire import row_bytes
+
+log = logging.getLogger(__name__)
+
+MODALITIES = ("IMAGE", "VIDEO", "AUDIO")
+# Keys of an mm_items dict that change nothing here: SGLang's content hash (we hash the bytes ourselves) and
+# the OpenAI `detail` (Qwen-VL has no such option). Any other option would change the embedding and is refused.
+_IGNORED_ITEM_KEYS = {"content_hash", "detail"}
+_REGISTER_MAX_BYTES = 64 << 10  # a registration is a few hundred bytes
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang adds fields we don't need (encoder_idx, time_stats_json)
+
+
+class EncodeBody(_Body):
+    req_id: StrictStr
+    mm_items: list[StrictStr | dict]
+    num_parts: StrictInt
+    part_idx: StrictInt
+    modality: StrictStr
+    prefill_host: StrictStr | None = None
+    embedding_port: StrictInt | None = None
+
+
+class RegisterBody(_Body):
+    req_id: StrictStr
+    receive_count: StrictInt
+    receive_url: StrictStr
+    modality: StrictStr | None = None
+
+
+def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI:
+    max_body = core.settings.limits.max_body_bytes
+    metrics = core.metrics
+    app = FastAPI(title="encoder_service (SGLang protocol)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health():
+        ok = core.ready()
+        return JSONResponse({"status": "ok" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    @app.post("/encode")
+    async def encode(request: Request):
+        t0 = time.perf_counter()
+        metrics.in_flight.inc()
+        outcome, body, part = "ok", None, None
+        try:
+            body = _parse(EncodeBody, await _bounded(request, max_body).body())
+            validate_encode(body)
+            part = sessions.open_encode(body.req_id)
+            await _encode(body, part)
+            return JSONResponse(None)
+        except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
+            outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
+            return await _fail(body, part, exc)
+        finally:
+            metrics.in_flight.dec()
+            metrics.requests.labels(method="sglang_encode", outcome=outcome).inc()
+            metrics.request_ms.labels(method="sglang_encode").observe((time.perf_counter() - t0) * 1e3)
+
+    @app.post("/scheduler_receive_url")
+    async def scheduler_receive_url(request: Request):
+        outcome, body = "ok", None
+        try:
+            body = _parse(RegisterBody, await _bounded(request, _REGISTER_MAX_BYTES).body())
+            if not body.req_id:
+                raise InvalidInput("req_id must be a non-empty string")
+            endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
+            part = sessions.register(body.req_id, body.receive_url, body.receive_count)
+            if part.error is not None:  # the part failed before this rank registered: tell it now
+                await _push_quietly([body.receive_url], [part.error], persistent=True)
+            return JSONResponse(None)
+        except EncoderServiceError as exc:
+            outcome = exc.kind
+            return _error_response(exc, body.req_id if body is not None else None)
+        finally:
+            metrics.requests.labels(method="sglang_register", outcome=outcome).inc()
+
+    async def _encode(body: EncodeBody, part: Part) -> None:
+        images = [image_input(i, item) for i, item in enumerate(body.mm_items)]
+        result = await core.encode(images, wait=True, return_embeddings=True, timeout_s=sessions.ttl_s)
+        rows = result.embeddings[0] if len(result.embeddings) == 1 else torch.cat(result.embeddings)
+        rows = rows.contiguous()
+        frames = [hdr.embedding_header(body.req_id, body.num_parts, body.part_idx,
+                                       [info.grid_thw for info in result.images], list(rows.shape),
+                                       core.dtype, body.modality),
+                  row_bytes(rows)]
+        if body.embedding_port is not None:  # zmq_to_tokenizer: the tokenizer's own per-request port
+            await pusher.send(f"{body.prefill_host}:{body.embedding_port}", frames, persistent=False)
+        else:  # zmq_to_scheduler: every rank that registered (they may still be on their way)
+            urls = await sessions.wait_registered(part)
+            await asyncio.gather(*(pusher.send(url, frames, persistent=True) for url in urls))
+        sessions.finish(part)
+
+    async def _fail(body: EncodeBody | None, part: Part | None, exc: Exception) -> JSONResponse:
+        """Answer the /encode with the error and push its error header wherever the part's rows would go.
+        `part`: the one this /encode opened; None when it failed before that (then the part its ranks
+        registered for, if any)."""
+        if not isinstance(exc, EncoderServiceError):
+            log.exception("SGLang /encode failed")
+            exc = EncoderServiceError("internal error")
+        if body is None:
+            return _error_response(exc, None)
+        if part is None:  # failed before this /encode opened its part
+            part = sessions.get(body.req_id)
+            if part is not None and part.encoding:  # a duplicate: the /encode running must not be disturbed
+                return _error_response(exc, body.req_id)
+        message = f"encoder_service: {exc.message}"
+        code = api_errors.http_status(exc)
+        try:
+            error = hdr.error_header(body.req_id, body.num_parts, body.part_idx, message, code,
+                                     body.modality if body.modality in MODALITIES else "IMAGE")
+        except ValueError:  # no header can carry this part (e.g. a bad part_idx): the HTTP answer alone
+            return _error_response(exc, body.req_id)
+        if body.embedding_port is not None:
+            await _push_quietly([f"{body.prefill_host}:{body.embedding_port}"], [error], persistent=False)
+        elif part is not None:
+            sessions.fail(part, error)  # ranks registering later get it too
+            await _push_quietly(part.receive_urls, [error], persistent=True)
+        return _error_response(exc, body.req_id)
+
+    async def _push_quietly(urls, frames, *, persistent: bool) -> None:
+        results = await asyncio.gather(*(pusher.send(u, frames, persistent=persistent) for u in urls),
+                                       return_exceptions=True)
+        for url, r in zip(urls, results):
+            if isinstance(r, BaseException):
+                log.warning("could not push an error header to %s: %s", url, r)
+
+    return app
+
+
+def validate_encode(body: EncodeBody) -> None:
+    """What SGLang's own encoder checks (runtime.py validate_encode_request), plus the destination."""
+    if not body.req_id:
+        raise InvalidInput("req_id must be a non-empty string")
+    if body.modality not in MODALITIES:
+        raise InvalidInput(f"modality must be one of {', '.join(MODALITIES)}, got {body.modality!r:.50}")
+    if body.modality != "IMAGE":
+        raise InvalidInput(f"this encoder serves images only, got modality {body.modality}")
+    if not body.mm_items:
+        raise InvalidInput("mm_items must not be empty")
+    if body.num_parts <= 0:
+        raise InvalidInput(f"num_parts must be > 0, got {body.num_parts}")
+    if not 0 <= body.part_idx < body.num_parts:
+        raise InvalidInput(f"part_idx must be in [0, {body.num_parts}), got {body.part_idx}")
+    if body.embedding_port is not None:
+        if not body.prefill_host:
+            raise InvalidInput("embedding_port is set (zmq_to_tokenizer) but prefill_host is empty")
+        endpoint(f"{body.prefill_host}:{body.embedding_port}")
+
+
+def image_input(index: int, item: str | dict) -> ImageInput:
+    """One mm_items entry -> the core's ImageInput (bytes, or an http(s) URL the core fetches)."""
+    where = f"mm_items[{index}]"
+    if isinstance(item, dict):
+        url = item.get("url")
+        if not isinstance(url, str):
+            raise InvalidInput(f"{where}: an item object needs a string 'url'")
+        options = sorted(set(item) - {"url"} - _IGNORED_ITEM_KEYS)
+        if options:
+            raise InvalidInput(f"{where}: per-item options {options} are not supported (this encoder preprocesses "
+                               "every image as the checkpoint's processor config says)")
+        item = url
+    if item.startswith(("http://", "https://")):
+        return ImageInput(url=item)
+    if item.startswith("data:"):
+        head, sep, payload = item.partition(",")
+        if not sep or not head.lower().endswith(";base64"):
+            raise InvalidInput(f"{where}: a data: URI must be data:<mime>;base64,<data>")
+        return ImageInput(data=_b64(where, payload))
+    if not item.startswith("file:"):
+        try:
+            return ImageInput(data=base64.b64decode(item, validate=True))
+        except (binascii.Error, ValueError):
+            pass
+    raise InvalidInput(f"{where}: not a data: URI, base64 or an http(s) URL ({item[:60]!r}); local file paths are "
+                       "never read (send the image inline, or by URL from an --allow-url-hosts host)")
+
+
+def _b64(where: str, payload: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"{where}: not valid base64 ({exc})") from None
+
+
+def _error_response(exc: EncoderServiceError, req_id: str | None) -> JSONResponse:
+    """SGLang's own error shape: the language side reads `message` (receiver.py _extract_encoder_error)."""
+    return JSONResponse({"status": "error", "message": f"encoder_service: {exc.message}", "req_id": req_id},
+                        status_code=api_errors.http_status(exc))

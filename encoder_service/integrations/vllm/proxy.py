@@ -1,0 +1,328 @@
+"""`encoder-service vllm-proxy`: an OpenAI chat front end for a vLLM instance that runs EncoderServiceConnector.
+
+    encoder-service vllm-proxy --encoder-url http://127.0.0.1:8000 --vllm-url http://127.0.0.1:8200 \
+        --host 0.0.0.0 --port 8100 [--auth-token TOKEN] [--vllm-api-key KEY]
+
+POST /v1/chat/completions: every `{"type": "image_url", "image_url": {"url": ...}}` part (a data: URL, or an
+http(s) URL the encoder fetches itself: its --allow-url-hosts) goes to our `encode` (one call per chat
+request; it answers before the ViT runs), and is replaced by the metadata-only part vLLM's consumer takes
+
+    {"type": "image_embeds", "image_embeds": {"image_grid_thw": [t, h, w]}, "uuid": "<our id>"}
+
+and the request gets `ec_transfer_params = {"encoder_service": {"ids": [...]}}` (our ids in image order, for
+requests whose identifier vLLM re-hashes: see connector.py). Then it is forwarded to `--vllm-url`; the answer
+comes back as it is, a streamed one (`"stream": true`, server-sent events) chunk by chunk as vLLM sends it.
+The connector releases the encode's pins when vLLM finishes the request; when vLLM refuses the request
+outright (an HTTP error status), the proxy releases them itself.
+GET /v1/models and /health are passed through (/health also asks the encoder's /health/ready over HTTP).
+
+Every flag has an env twin, ENCODER_PROXY_<FLAG> (the flag wins).
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`request: Request`,
+# imported inside make_app) at definition time.
+import argparse
+import base64
+import binascii
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from encoder_service import errors
+from encoder_service.client.base import ImageSource
+from encoder_service.integrations.vllm import PARAMS_KEY
+
+log = logging.getLogger("encoder_service.vllm_proxy")
+
+IMAGE_TYPES = ("image_url",)
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "te",
+               "trailer", "upgrade", "proxy-authenticate", "proxy-authorization"}
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 < v <= 65535:
+        raise ValueError(f"port must be in 1..65535, got {text!r}")
+    return v
+
+
+def _url(text: str) -> str:
+    if not str(text).startswith(("http://", "https://", "grpc://")):
+        raise ValueError(f"must start with http://, https:// or grpc://, got {text!r}")
+    return str(text).rstrip("/")
+
+
+def _http_url(text: str) -> str:
+    url = _url(text)
+    if url.startswith("grpc://"):
+        raise ValueError(f"vLLM speaks HTTP: give http://host:port, got {text!r}")
+    return url
+
+
+def _log_level(text: str) -> str:
+    level = str(text).strip().lower()
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(_LOG_LEVELS)}, got {text!r}")
+    return level
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise ValueError(f"must be > 0, got {text!r}")
+    return v
+
+
+# name -> (parser, default, help); flag --name-with-dashes, env ENCODER_PROXY_NAME.
+OPTIONS = {
+    "encoder_url": (_url, None, "encoder service: http://host:port or grpc://host:port (required)"),
+    "vllm_url": (_http_url, None, "the vLLM prefill/decode instance: http://host:port (required)"),
+    "host": (str, "127.0.0.1", "bind address"),
+    "port": (_port, "8100", "port"),
+    "auth_token": (str, None, "the encoder service's bearer token (its --auth-token)"),
+    "vllm_api_key": (str, None, "bearer token for vLLM (its --api-key); default: the caller's Authorization"),
+    "timeout_s": (_positive, "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
+    "log_level": (_log_level, "info", "log level"),
+}
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    encoder_url: str
+    vllm_url: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    auth_token: str | None = field(default=None, repr=False)
+    vllm_api_key: str | None = field(default=None, repr=False)
+    timeout_s: float = 600.0
+    log_level: str = "info"
+
+
+def env_name(name: str) -> str:
+    return "ENCODER_PROXY_" + name.upper()
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, (_, default, help_text) in OPTIONS.items():
+        shown = f" (default {default})" if default else ""
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=name.upper(),
+                            help=f"{help_text}{shown} [env {env_name(name)}]")
+
+
+def resolve_proxy(ns: argparse.Namespace, env: Mapping[str, str]) -> ProxySettings:
+    """Flag > env > default, each value parsed once; ValueError naming the flag and its env twin."""
+    values = {}
+    for name, (parse, default, _) in OPTIONS.items():
+        raw = getattr(ns, name, None)
+        if raw is None and env.get(env_name(name), "") != "":
+            raw = env[env_name(name)]
+        if raw is None:
+            raw = default
+        if raw is None:
+            if name in ("encoder_url", "vllm_url"):
+                raise ValueError(f"--{name.replace('_', '-')} / {env_name(name)} is required")
+            continue
+        try:
+            values[name] = parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"--{name.replace('_', '-')} / {env_name(name)}: {exc}") from None
+    return ProxySettings(**values)
+
+
+# ---- the rewrite ------------------------------------------------------------------------------------------
+def image_parts(body: dict) -> list[dict]:
+    """The request's image parts, in prompt order (messages in order, parts in order)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise errors.InvalidInput("a chat request needs a 'messages' list")
+    parts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts += [p for p in content if isinstance(p, dict) and p.get("type") in IMAGE_TYPES]
+    return parts
+
+
+def image_source(part: dict) -> ImageSource:
+    """An image part's bytes (data: URL, base64) or its http(s) URL, for our encode."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise errors.InvalidInput("an image_url part without a url")
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if ";base64" not in header:
+            raise errors.InvalidInput("data: image URLs must be base64")
+        try:
+            return ImageSource(data=base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError):
+            raise errors.InvalidInput("an image data: URL is not valid base64") from None
+    if url.startswith(("http://", "https://")):
+        return ImageSource(url=url)
+    raise errors.InvalidInput(f"image url must be a data: or http(s) URL, got {url[:40]!r}")
+
+
+def embeds_part(info) -> dict:
+    """The metadata-only part vLLM's EC consumer takes for one encoded image (`info`: our ImageInfo)."""
+    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(info.grid_thw)}, "uuid": info.id}
+
+
+def rewrite(body: dict, infos: Sequence) -> dict:
+    """A copy of `body` with its image parts (image_parts order) replaced by `embeds_part(infos[k])`, and our
+    ids in `ec_transfer_params`."""
+    out = copy.deepcopy(body)
+    parts = image_parts(out)
+    if len(parts) != len(infos):
+        raise ValueError(f"{len(parts)} image parts, {len(infos)} encoded images")
+    for part, info in zip(parts, infos):
+        part.clear()
+        part.update(embeds_part(info))
+    if infos:
+        params = dict(out.get("ec_transfer_params") or {})
+        params[PARAMS_KEY] = {"ids": [i.id for i in infos]}
+        out["ec_transfer_params"] = params
+    return out
+
+
+# ---- the app ----------------------------------------------------------------------------------------------
+def _error(status: int, message: str, kind: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _upstream_headers(request, settings: ProxySettings) -> dict:
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    if settings.vllm_api_key:
+        headers["authorization"] = f"Bearer {settings.vllm_api_key}"
+    elif "authorization" in request.headers:
+        headers["authorization"] = request.headers["authorization"]
+    if "x-request-id" in request.headers:
+        headers["x-request-id"] = request.headers["x-request-id"]
+    return headers
+
+
+def _passed_headers(response) -> dict:
+    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
+    """The proxy's FastAPI app. `encoder` (an AsyncEncoderClient) and `upstream` (an httpx.AsyncClient for
+    vLLM) are built from `settings` when not given; the app closes what it built."""
+    import contextlib
+
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
+    from starlette.background import BackgroundTask
+
+    from encoder_service.api.errors import http_status
+    from encoder_service.client import AsyncEncoderClient
+
+    own = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            for closer in own:
+                await closer()
+
+    app = FastAPI(title="encoder-service vllm-proxy", lifespan=lifespan)
+    if encoder is None:
+        if settings.encoder_url.startswith("grpc://"):
+            encoder = AsyncEncoderClient.grpc(settings.encoder_url.removeprefix("grpc://"), token=settings.auth_token,
+                                              timeout=settings.timeout_s)
+        else:
+            encoder = AsyncEncoderClient.http(settings.encoder_url, token=settings.auth_token,
+                                              timeout=settings.timeout_s)
+        own.append(encoder.close)
+    if upstream is None:
+        upstream = httpx.AsyncClient(base_url=settings.vllm_url, timeout=httpx.Timeout(settings.timeout_s,
+                                                                                      connect=10.0))
+        own.append(upstream.aclose)
+    app.state.encoder, app.state.upstream = encoder, upstream
+
+    async def release(ids: list[str]) -> None:
+        try:
+            await encoder.release(ids)
+        except Exception as exc:  # noqa: BLE001 - pins end at their lease anyway
+            log.warning("release of %d ids failed: %s", len(ids), exc)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error")
+        ids: list[str] = []
+        try:
+            parts = image_parts(body)
+            if parts:
+                infos = await encoder.encode([image_source(p) for p in parts])
+                ids = sorted({i.id for i in infos})
+                body = rewrite(body, infos)
+        except errors.EncoderServiceError as exc:
+            status = http_status(exc)
+            return _error(status, f"encoder service: {exc}", "invalid_request_error" if status < 500 else exc.kind)
+        upstream_request = upstream.build_request("POST", "/v1/chat/completions", json=body,
+                                                  headers=_upstream_headers(request, settings))
+        try:
+            response = await upstream.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            if ids:
+                await release(ids)
+            return _error(502, f"vLLM at {settings.vllm_url} unreachable: {type(exc).__name__}: {exc}",
+                          "upstream_error")
+        if response.status_code >= 400 and ids:  # refused before the engine: no request_finished will release
+            await release(ids)
+        if "text/event-stream" in response.headers.get("content-type", ""):
+            return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
+                                     headers=_passed_headers(response), background=BackgroundTask(response.aclose))
+        try:
+            content = await response.aread()
+        finally:
+            await response.aclose()
+        return Response(content, status_code=response.status_code, headers=_passed_headers(response))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            response = await upstream.get("/v1/models", headers=_upstream_headers(request, settings))
+        except httpx.HTTPError as exc:
+            return _error(502, f"vLLM unreachable: {exc}", "upstream_error")
+        return Response(response.content, status_code=response.status_code, headers=_passed_headers(response))
+
+    @app.get("/health")
+    async def health():
+        status = {}
+        try:
+            status["vllm"] = (await upstream.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            status["vllm"] = False
+        if settings.encoder_url.startswith("http"):
+            try:
+                async with httpx.AsyncClient(timeout=5.0) as probe:
+                    status["encoder"] = (await probe.get(settings.encoder_url + "/health/ready")).status_code == 200
+            except httpx.HTTPError:
+                status["encoder"] = False
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(status, status_code=200 if all(status.values()) else 503)
+
+    return app
+
+
+def serve(settings: ProxySettings) -> None:
+    import uvicorn
+
+    uvicorn.run(make_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=5)

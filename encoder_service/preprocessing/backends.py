@@ -1,0 +1,139 @@
+"""The preprocessing backends (`--preprocess`), behind one call: `backend.preprocess(data, dtype)`.
+
+  pil                     transformers' `Qwen2VLImageProcessorPil`, bit for bit (pipeline.py), on the calling
+                          CPU thread; pixel values on the CPU. The default off CUDA.
+  torchvision             transformers' default `Qwen2VLImageProcessor` (torchvision), bit for bit on the same
+                          kind of device given the same decoded pixels (torch_ops.py), run on the model's
+                          device. On CUDA, JPEGs are decoded there by nvJPEG (nvjpeg.py), other images by
+                          Pillow and copied up. The default on CUDA.
+  torchvision-pil-decode  the same with every image decoded by Pillow: equal to transformers given a PIL image.
+
+Both read the header and check the limits before any pixel is decoded (decode.py). A backend's
+`fingerprint` names what its values depend on; it is part of the cache key (cache/keys.py), so rows made by
+one backend are never served for another.
+
+On CUDA the torchvision backend runs on the calling thread's own stream (the engine's CPU pool: one stream
+per thread, so images overlap each other and the ViT, which runs on the default stream), casts to the
+tower's dtype there, and waits for that stream before returning: the engine's GPU thread gets a finished
+device tensor and copies nothing. How many such tensors exist at once is bounded by the engine's queue
+(engine/engine.py prepares every queued image as soon as a pool thread is free): up to --max-queue images
+plus the batch on the GPU, about 25 MB each for a 1080p image in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from ..settings import PREPROCESS_BACKENDS
+from . import torch_ops
+from .config import PreprocessConfig
+from .decode import ImageHeader, decode_rgb, probe
+from .limits import ImageLimits
+from .nvjpeg import NvJpegDecoder
+from .pipeline import PreprocessedImage, preprocess
+from .resize import plan
+
+log = logging.getLogger(__name__)
+
+
+class PilBackend:
+    """`Qwen2VLImageProcessorPil` on the calling thread (pipeline.py)."""
+
+    # Kept as the fingerprint every cache key had before there were backends (cache/keys.py leaves it out).
+    fingerprint = "pil"
+
+    def __init__(self, cfg: PreprocessConfig, limits: ImageLimits):
+        self.cfg, self.limits = cfg, limits
+        self.device = torch.device("cpu")
+
+    def preprocess(self, data: bytes, dtype: torch.dtype = torch.float32) -> PreprocessedImage:
+        """Pixel values on the CPU in `dtype` (float32: transformers' own output). Raises LimitExceeded
+        (before decoding) or ImageDecodeError. Safe to call from many threads at once."""
+        pre = preprocess(data, self.cfg, self.limits)
+        # Cast on the CPU thread, not on the GPU: the patch embedding casts to the model dtype first thing,
+        # and the cast rounds the same on either side, so bf16 halves the host-to-device bytes at no cost.
+        return dataclasses.replace(pre, pixel_values=pre.pixel_values.to(dtype))
+
+
+class TorchvisionBackend:
+    """`Qwen2VLImageProcessor` as torch ops on `device`; `jpeg_decoder` (nvJPEG) decodes the JPEGs it accepts,
+    Pillow everything else."""
+
+    def __init__(self, cfg: PreprocessConfig, limits: ImageLimits, device: torch.device | str, *,
+                 jpeg_decoder: NvJpegDecoder | None = None):
+        self.cfg, self.limits = cfg, limits
+        self.device = _indexed(torch.device(device))
+        self._jpeg = jpeg_decoder
+        self._local = threading.local()  # .stream: the calling thread's CUDA stream
+        # torchvision resizes uint8 natively on the CPU and through float32 elsewhere (torch_ops.resize).
+        resize = "uint8" if self.device.type == "cpu" else "float32"
+        self.fingerprint = f"torchvision:resize={resize},decode={'nvjpeg' if jpeg_decoder else 'pil'}"
+
+    def preprocess(self, data: bytes, dtype: torch.dtype = torch.float32) -> PreprocessedImage:
+        """Pixel values on the backend's device in `dtype`, complete (on CUDA: this thread's stream waited
+        for). Raises LimitExceeded (before decoding) or ImageDecodeError. Safe from many threads at once."""
+        if self.device.type != "cuda":
+            return self._preprocess(data, dtype)
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            pre = self._preprocess(data, dtype)
+            # The engine's GPU thread reads the tensor on the default stream; this keeps its memory from being
+            # handed out on this stream again until the work queued there by the time it is freed is done.
+            pre.pixel_values.record_stream(torch.cuda.default_stream(self.device))
+        stream.synchronize()  # the CPU thread waits (GIL released), never the GPU thread
+        return pre
+
+    def _preprocess(self, data: bytes, dtype: torch.dtype) -> PreprocessedImage:
+        header, image = self.decode(data)
+        image_plan = plan(header, self.cfg)
+        pixel_values = torch_ops.to_pixel_values(image, image_plan.resized_height, image_plan.resized_width,
+                                                 self.cfg, dtype)
+        return PreprocessedImage(pixel_values, image_plan.grid_thw, image_plan.num_tokens)
+
+    def decode(self, data: bytes) -> tuple[ImageHeader, torch.Tensor]:
+        """The header (limits checked first) and the RGB pixels, [3, H, W] uint8 contiguous on the device: what
+        transformers' processor is given (the tests hand it the same tensor). On CUDA, call it on the stream
+        the result is used on."""
+        if self._jpeg is not None:
+            header = probe(data, self.limits)
+            if self._jpeg.accepts(header):
+                image = self._jpeg.decode(data, header)
+                if image is not None:
+                    return header, image
+        # Pillow and transformers' convert_to_rgb (decode.to_rgb), then what transformers does with a PIL
+        # image: np.array (a writable copy), from_numpy, permute to CHW, contiguous, to the device. Here the
+        # upload comes first (the same bytes) and the CHW copy is made on the device.
+        header, rgb = decode_rgb(data, self.limits)
+        hwc = torch.from_numpy(np.array(rgb))  # [H, W, 3] uint8
+        return header, hwc.to(self.device).permute(2, 0, 1).contiguous()
+
+
+Backend = PilBackend | TorchvisionBackend
+
+
+def make_backend(name: str, cfg: PreprocessConfig, limits: ImageLimits, device: torch.device | str) -> Backend:
+    """The backend `--preprocess` names (settings.PREPROCESS_BACKENDS), for a model on `device`."""
+    device = _indexed(torch.device(device))
+    if name == "pil":
+        backend = PilBackend(cfg, limits)
+    elif name in ("torchvision", "torchvision-pil-decode"):
+        nvjpeg = name == "torchvision" and device.type == "cuda"
+        backend = TorchvisionBackend(cfg, limits, device, jpeg_decoder=NvJpegDecoder.load(device) if nvjpeg else None)
+    else:
+        raise ValueError(f"preprocess backend is {name!r}, expected one of {', '.join(PREPROCESS_BACKENDS)}")
+    log.info("preprocessing: %s on %s", backend.fingerprint, backend.device)
+    return backend
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """cuda -> cuda:N (the current device): streams and the decoder need the index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,178 @@
+"""The proxy (`encoder-service vllm-proxy`, the documented command line, run from the main venv) between a
+client and a stand-in vLLM HTTP server, with the request it forwards fed through vLLM's own chat front end,
+Scheduler and our connector: the image_embeds parts are accepted, each with as many placeholder tokens as
+our encode answered, and the rows reach encoder_cache. Streamed answers pass through chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import blake3
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM tier: run scripts/tiers/vllm.sh")  # not just any "vllm"
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from tests.support.vllm_engine import TOKEN, ec_config, encoder_service_argv, free_port, subprocess_env  # noqa: E402
+from tests.support.images import image_bytes as png  # noqa: E402
+from tests.support.vllm_docs import documented  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+CHUNKS, GAP_S = 4, 0.4  # the stand-in's streamed answer: CHUNKS events, GAP_S apart
+
+
+class StandInVllm(ThreadingHTTPServer):
+    """Answers like vLLM's OpenAI server and records each chat body it is sent. A body whose last text is
+    "refuse" gets a 400, as vLLM answers a request it rejects before its engine."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.server.bodies.append(body)
+        if body["messages"][-1]["content"][-1].get("text") == "refuse":
+            return self._send(400, {"error": {"message": "refused", "code": 400}})
+        if not body.get("stream"):
+            return self._send(200, {"id": "c", "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}]})
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()  # HTTP/1.0: the body runs until the connection closes
+        for k in range(CHUNKS):
+            event = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": str(k)}}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(GAP_S)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture(scope="module")
+def front(encoders, tmp_path_factory):
+    """(proxy URL, stand-in vLLM) with the proxy in front of the Qwen2.5-VL encoder."""
+    vllm = StandInVllm()
+    port = free_port()
+    argv = documented("proxy").replaced({
+        "--encoder-url": encoders["qwen2_5_vl"].url, "--vllm-url": vllm.url, "--host": "127.0.0.1",
+        "--port": str(port), "--auth-token": TOKEN})
+    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(encoder_service_argv(*argv[1:]), stdout=out, stderr=subprocess.STDOUT,
+                                env=subprocess_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield url, vllm
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        vllm.shutdown()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat_body(images: list[bytes], text: str, **extra) -> dict:
+    return {"model": "m", "max_completion_tokens": 2, **extra, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(images[0])}},
+                                     {"type": "text", "text": text}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images[1:]]
+         + [{"type": "text", "text": text}]}]}
+
+
+def test_forwarded_request_goes_through_vllms_front_end(front, encoders, checkpoints, shm_dir, vllm_instance):
+    url, vllm = front
+    encoder = encoders["qwen2_5_vl"]
+    images = [png(224, 168, 4001), png(84, 140, 4002), png(56, 112, 4003)]
+    answer = httpx.post(url + "/v1/chat/completions", json=chat_body(images, "what is it"), timeout=60)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "ok"
+    forwarded = vllm.bodies[-1]
+    with encoder.client() as c:
+        infos = c.encode(images)  # the same bytes: the same ids (and one more pin each, released below)
+        c.release([i.id for i in infos])
+    parts = [p for m in forwarded["messages"] if isinstance(m["content"], list) for p in m["content"]
+             if p["type"] != "text"]
+    assert parts == [{"type": "image_embeds", "image_embeds": {"image_grid_thw": list(i.grid_thw)}, "uuid": i.id}
+                     for i in infos]
+    assert forwarded["ec_transfer_params"] == {"encoder_service": {"ids": [i.id for i in infos]}}
+
+    inst = vllm_instance(checkpoints["qwen2_5_vl"], ec_config(encoder.url, shm_dir=str(shm_dir)))
+    request = inst.request("fwd", forwarded)  # vLLM's ChatCompletionRequest, OnlineRenderer, InputProcessor
+    assert [f.identifier for f in request.mm_features] == [i.id for i in infos]
+    assert [request.get_num_encoder_embeds(k) for k in range(len(infos))] == [i.num_tokens for i in infos]
+    image_pad = 255  # the tiny tokenizer's <|image_pad|>
+    assert request.prompt_token_ids.count(image_pad) == sum(i.num_tokens for i in infos)
+    assert inst.run([request]) == {"fwd": "length"} and inst.local_encodes == {}
+    with encoder.client() as c:
+        for i in infos:
+            assert torch.equal(inst.gathered[i.id], c.fetch([(i.id, 0)], 0, i.num_tokens).rows)
+
+
+def test_streamed_answer_passes_through_chunk_by_chunk(front):
+    url, vllm = front
+    arrivals, data = [], b""
+    start = time.monotonic()
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json=chat_body([png(84, 84, 4101)], "stream it", stream=True)) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        for chunk in response.iter_raw():
+            arrivals.append(time.monotonic() - start)
+            data += chunk
+    events = [e for e in data.decode().split("\n\n") if e]
+    assert len(events) == CHUNKS + 1 and events[-1] == "data: [DONE]"
+    assert [json.loads(e.removeprefix("data: "))["choices"][0]["delta"]["content"] for e in events[:-1]] == \
+        [str(k) for k in range(CHUNKS)]
+    # the first event arrives while vLLM is still sending the rest, not once the answer is complete
+    assert len(arrivals) >= CHUNKS and arrivals[-1] - arrivals[0] >= (CHUNKS - 1) * GAP_S * 0.8
+    assert vllm.bodies[-1]["stream"] is True
+
+
+def test_errors(front, encoders):
+    url, vllm = front
+    sent = len(vllm.bodies)
+    bad = httpx.post(url + "/v1/chat/completions", json=chat_body([b"not an image"], "x"), timeout=60)
+    assert bad.status_code == 400 and "encoder service" in bad.json()["error"]["message"]
+    assert len(vllm.bodies) == sent  # nothing forwarded
+    image = png(140, 84, 4201)
+    refused = httpx.post(url + "/v1/chat/completions", json=chat_body([image], "refuse"), timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "refused"
+    with encoders["qwen2_5_vl"].client() as c:  # the proxy's encode pinned the image; it released that pin itself
+        assert c.release([blake3.blake3(image).hexdigest(length=16)]) == 0  # our content id
+    assert httpx.get(url + "/v1/models", timeout=10).json() == {"data": [{"id": "m"}]}

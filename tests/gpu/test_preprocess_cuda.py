@@ -1,0 +1,154 @@
+"""The torchvision preprocessing backend on CUDA (preprocessing/backends.py, torch_ops.py, nvjpeg.py).
+
+1. Equal to transformers' `Qwen2VLImageProcessor` run with device="cuda": given the same decoded uint8
+   pixels (nvJPEG's, for the `torchvision` backend: transformers never decodes on the GPU), and given the
+   PIL image itself for `torchvision-pil-decode`. Bit for bit: the same torch ops on the same device.
+2. nvJPEG against Pillow's libjpeg-turbo: not bit-exact (another IDCT and chroma upsampling); within the
+   bound torchvision's own tests use, mean |difference| < 2 levels.
+3. The device tensors it hands over work in both runners as the host ones do, from many threads at once.
+4. Time per image (printed, not asserted): the backend vs the pil one, 720p and 1080p JPEGs.
+
+Needs torchvision (nvJPEG, and transformers' processor imports it):
+    python -m pytest -q tests/gpu/test_preprocess_cuda.py
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("torchvision", reason="nvJPEG and transformers' torchvision processor need torchvision")
+
+from transformers import Qwen2VLImageProcessor  # noqa: E402 - needs torchvision
+
+from encoder_service.preprocessing import PreprocessConfig, make_backend, probe  # noqa: E402
+from encoder_service.preprocessing.decode import decode_rgb  # noqa: E402
+from encoder_service.preprocessing.nvjpeg import NvJpegDecoder  # noqa: E402
+from encoder_service.runtime.runner import make_runner  # noqa: E402
+from tests.support.preprocess_cases import (  # noqa: E402
+    CASES,
+    DATA,
+    HUB_CONFIGS,
+    JPEGS,
+    LIMITS,
+    cmyk_jpeg,
+    config_and_processor,
+    encode,
+    multi_picture_jpeg,
+    photo_1080p_jpeg,
+)
+
+
+@pytest.fixture(params=sorted(HUB_CONFIGS), scope="module")
+def family(request, tmp_path_factory):
+    """(our config, transformers' default processor) from the same checkpoint directory."""
+    spec, settings = HUB_CONFIGS[request.param]
+    return config_and_processor(tmp_path_factory.mktemp(request.param), spec, settings, Qwen2VLImageProcessor)
+
+
+def assert_equal(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.device.type == theirs.device.type == "cuda" and ours.dtype == theirs.dtype == torch.float32
+    assert ours.shape == theirs.shape
+    diff = (ours - theirs).abs()
+    assert torch.equal(ours, theirs), f"max |diff| {diff.max().item()}, {(diff > 0).float().mean().item():.2%} differ"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_equal_to_transformers_on_cuda(name, family):
+    cfg, processor = family
+    data = CASES[name]()
+    nvjpeg = make_backend("torchvision", cfg, LIMITS, "cuda")
+    assert nvjpeg.fingerprint == "torchvision:resize=float32,decode=nvjpeg"
+    _, pixels = nvjpeg.decode(data)  # [3, H, W] uint8 on the GPU: nvJPEG's for most JPEGs, else Pillow's
+    reference = processor(pixels, input_data_format="channels_first", return_tensors="pt", device="cuda")
+    ours = nvjpeg.preprocess(data)  # decodes again: nvJPEG must be deterministic too
+    assert ours.grid_thw == tuple(reference["image_grid_thw"][0].tolist())
+    assert_equal(ours.pixel_values, reference["pixel_values"])
+
+    pil_decode = make_backend("torchvision-pil-decode", cfg, LIMITS, "cuda")
+    reference = processor(Image.open(io.BytesIO(data)), return_tensors="pt", device="cuda")
+    assert_equal(pil_decode.preprocess(data).pixel_values, reference["pixel_values"])
+
+
+PHOTOS = ("grace_hopper", "rocket", "photo_1080p")
+
+
+@pytest.mark.parametrize("name", sorted(JPEGS))
+def test_nvjpeg_is_close_to_pillow(name, capsys):
+    data = JPEGS[name]()
+    decoder = NvJpegDecoder.load(torch.device("cuda", torch.cuda.current_device()))
+    assert decoder is not None
+    header = probe(data, LIMITS)
+    assert decoder.accepts(header)
+    gpu = decoder.decode(data, header)
+    assert gpu is not None, "nvJPEG refused it: the backend would decode it with Pillow"
+    pil = torch.from_numpy(np.array(decode_rgb(data, LIMITS)[1])).permute(2, 0, 1)
+    diff = (gpu.cpu().int() - pil.int()).abs()
+    with capsys.disabled():
+        print(f"\nnvJPEG vs Pillow {name} {header.width}x{header.height}: mean |diff| {diff.float().mean():.3f}, "
+              f"max {diff.max()}, {(diff > 0).float().mean():.1%} of values differ")
+    # torchvision's test_decode_jpeg_cuda bound (mean < 2) is for photographs; nvJPEG upsamples chroma otherwise
+    # than libjpeg-turbo, which shows most on synthetic textures of hard edges (exif_rotated, 90x60: mean 5.3 on
+    # the H100, 2026-11-23). A wrong decode (shifted, swapped channels, another orientation) is far above 8.
+    assert diff.float().mean() < (2 if name in PHOTOS else 8)
+
+
+def test_nvjpeg_leaves_cmyk_and_multi_picture_to_pillow():
+    decoder = NvJpegDecoder.load(torch.device("cuda", torch.cuda.current_device()))
+    assert not decoder.accepts(probe(cmyk_jpeg(), LIMITS))
+    assert not decoder.accepts(probe(multi_picture_jpeg(), LIMITS))
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_runners_take_the_device_tensors_from_many_threads(loaded, cuda_graphs):
+    """The engine's path: prepare on pool threads (one stream each), the GPU thread encodes on the default
+    stream. Rows equal those of the same values handed over from pinned host memory."""
+    lm = loaded("qwen2_5_vl", "cuda", torch.bfloat16)
+    cfg = PreprocessConfig.from_checkpoint(lm.checkpoint_dir, lm.spec)
+    backend = make_backend("torchvision", cfg, LIMITS, "cuda")
+    runner = make_runner(lm, cuda_graphs=cuda_graphs, buckets=[64, 256])
+    datas = [make() for make in JPEGS.values()] * 3
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        prepared = list(pool.map(lambda d: backend.preprocess(d, torch.bfloat16), datas))
+    alone = [backend.preprocess(d, torch.bfloat16) for d in datas]
+    assert all(torch.equal(a.pixel_values, b.pixel_values) for a, b in zip(alone, prepared))
+    assert all(p.pixel_values.device.type == "cuda" and p.pixel_values.dtype == torch.bfloat16 for p in prepared)
+    assert all(torch.equal(p.pixel_values, backend.preprocess(d).pixel_values.to(torch.bfloat16))
+               for p, d in zip(prepared, datas))
+    for start in range(0, len(prepared), 4):
+        batch = prepared[start : start + 4]
+        grids = [p.grid_thw for p in batch]
+        on_device = runner.encode([p.pixel_values for p in batch], grids)
+        on_host = runner.encode([p.pixel_values.cpu().pin_memory() for p in batch], grids)
+        assert all(torch.equal(a, b) for a, b in zip(on_device, on_host))
+
+
+def test_time_per_image(capsys):
+    """Printed: median ms per image through backend.preprocess (bf16 out, synchronized), one thread."""
+    cfg = PreprocessConfig.default_for(HUB_CONFIGS["qwen2_5"][0])
+    photo = Image.open(DATA / "rocket.jpg")
+    images = {"720p": encode(photo.resize((1280, 720), Image.Resampling.BICUBIC), "JPEG", quality=90),
+              "1080p": photo_1080p_jpeg()}
+    lines = []
+    for name in ("torchvision", "torchvision-pil-decode", "pil"):
+        backend = make_backend(name, cfg, LIMITS, "cuda")
+        for size, data in images.items():
+            for _ in range(3):
+                backend.preprocess(data, torch.bfloat16)
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                out = backend.preprocess(data, torch.bfloat16).pixel_values
+                if out.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            lines.append(f"{name:24} {size:6} {statistics.median(times):7.2f} ms  (min {min(times):.2f})")
+    with capsys.disabled():
+        print("\npreprocess, median ms per image (bf16 out):\n" + "\n".join(lines))

@@ -1,0 +1,174 @@
+"""The vLLM connector's scheduler-side books and host arenas (integrations/vllm/transfer.py) on their own: a
+fake fetcher stands in for the encoder (tests/service/test_vllm_transfer.py has the real one)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from encoder_service.client.shm import ShmBuffers
+from encoder_service.integrations.vllm.transfer import (
+    ConnectorOptions,
+    ItemUnavailable,
+    Need,
+    RowArenas,
+    ShmRows,
+    StagedRows,
+    StagingTable,
+)
+
+
+class FakeFetcher:
+    """fetch() blocks until the test says how the item ends: `finish(item_id)` or `finish(item_id, "why")`."""
+
+    def __init__(self, **options):
+        self.options = ConnectorOptions("http://encoder:1", **options)
+        self.expected_width = 4
+        self.gates: dict[str, threading.Event] = {}
+        self.outcome: dict[str, str | None] = {}
+        self.fetched, self.dropped, self.released = [], [], []
+        self.arenas = None
+
+    def fetch(self, item_id: str, num_rows: int) -> StagedRows:
+        self.fetched.append(item_id)
+        self.gates.setdefault(item_id, threading.Event()).wait(10)
+        if self.outcome.get(item_id):
+            raise ItemUnavailable(self.outcome[item_id])
+        return StagedRows(item_id, torch.zeros(num_rows, 4), ShmRows("f", "/d", 0, num_rows, 4, "float32"), None, 0,
+                          num_rows + 1)
+
+    def finish(self, item_id: str, why: str | None = None) -> None:
+        self.outcome[item_id] = why
+        self.gates.setdefault(item_id, threading.Event()).set()
+
+    def drop(self, staged):
+        self.dropped.append(staged.item_id)
+
+    def release(self, ids):
+        self.released.append(ids)
+
+    def close(self):
+        pass
+
+
+def settle(table: StagingTable) -> None:
+    """Wait for the fetches that were let go to report back."""
+    table._pool.shutdown(wait=True)
+    table._pool = type(table._pool)(max_workers=2)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_failure_fails_every_waiting_request_once_and_a_new_request_retries():
+    fetcher = FakeFetcher()
+    table = StagingTable(fetcher)
+    need = Need("ident", "img", 3)
+    assert not table.ensure("a", [need]) and not table.ensure("b", [need])
+    assert fetcher.fetched == ["img"] and not table.has("ident")
+    fetcher.finish("img", "gone")
+    settle(table)
+    assert not table.ensure("c", [Need("other", "img2", 1)])  # drains: a and b fail
+    assert table.take_failed() == {"a", "b"} and table.take_failed() == set()
+    assert table.why("a") is None and not table.ensure("a", [need])  # reported: stays off until finished
+    table.finished("a")
+    table.finished("b")
+    fetcher.gates.pop("img")
+    assert not table.ensure("d", [need]) and fetcher.fetched.count("img") == 2  # tried again
+    fetcher.finish("img")
+    fetcher.finish("img2")
+    settle(table)
+    assert table.ensure("d", [need]) and table.has("ident")
+    table.close()
+
+
+def test_items_live_while_waited_for_or_held():
+    fetcher = FakeFetcher()
+    table = StagingTable(fetcher)
+    a, b = Need("A", "a", 2), Need("B", "b", 2)
+    for n in (a, b):
+        fetcher.finish(n.item_id)
+    table.ensure("r", [a, b])
+    settle(table)
+    assert table.ensure("r", [a, b])
+    table.allocated("r", "A", 2)  # vLLM took A; B is later in the prompt (a later chunk)
+    loads = table.end_step()
+    assert [(x.identifier, x.num_rows) for x in loads] == [("A", 2)] and table.has("A") and table.has("B")
+    table.finished("r", ["a", "b", "a"])
+    settle(table)
+    assert fetcher.released == [["a", "b"]]
+    table.end_step()  # B: nobody waits, vLLM never took it -> dropped; A: vLLM still holds it
+    assert fetcher.dropped == ["b"] and table.has("A") and not table.has("B")
+    table.end_step(freed=["A"])
+    assert fetcher.dropped == ["b", "a"] and not table.has("A")
+    table.allocated("s", "A", 2)  # vLLM taking an item we don't have fails the request, loudly
+    assert table.take_failed() == {"s"}
+    table.close()
+
+
+def test_row_count_mismatch_and_wait_timeout():
+    clock = Clock()
+    fetcher = FakeFetcher(wait_timeout_s=5)
+    table = StagingTable(fetcher, clock=clock)
+    fetcher.finish("a")
+    table.ensure("r", [Need("A", "a", 2)])
+    settle(table)
+    assert not table.ensure("other", [Need("A2", "a", 3)])  # staged with 2 rows, this placeholder has 3
+    assert "staged with 2 rows" in table.why("other")
+    assert not table.ensure("slow", [Need("S", "s", 1)])
+    clock.now = 4.0
+    assert not table.ensure("slow", [Need("S", "s", 1)]) and table.why("slow") is None
+    clock.now = 6.0
+    assert not table.ensure("slow", [Need("S", "s", 1)]) and "within 5 s" in table.why("slow")
+    fetcher.finish("s")
+    table.close()
+
+
+def test_fetch_ahead_budget():
+    fetcher = FakeFetcher(max_staged_bytes=100)  # estimate: (rows + 1) * width 4 * 2 bytes
+    table = StagingTable(fetcher)
+    assert not table.ensure("r1", [Need("A", "a", 9)])  # 80 bytes: starts (nothing else ahead)
+    assert not table.ensure("r2", [Need("B", "b", 9)])  # 160 > 100: waits
+    assert fetcher.fetched == ["a"]
+    fetcher.finish("a")
+    settle(table)
+    assert table.ensure("r1", [Need("A", "a", 9)])
+    table.allocated("r1", "A", 9)
+    table.end_step()  # A is vLLM's now: no longer ahead
+    assert not table.ensure("r2", [Need("B", "b", 9)]) and fetcher.fetched == ["a", "b"]
+    fetcher.finish("b")
+    table.close()
+
+
+def test_arenas(tmp_path):
+    buffers = ShmBuffers(str(tmp_path))
+    clock = Clock()
+    arenas = RowArenas(buffers, arena_bytes=10 * 4 * 4, quarantine_s=5, clock=clock)  # 10 rows of 4 float32
+    a1, s1 = arenas.take(4, 4, "float32")
+    _, s2 = arenas.take(4, 4, "float32")
+    assert (s1, s2) == (0, 4) and len(arenas.names()) == 1
+    a3, s3 = arenas.take(4, 4, "float32")  # no room left in the first: a second arena
+    assert a3 is not a1 and s3 == 0 and len(arenas.names()) == 2
+    big, _ = arenas.take(25, 4, "float32")  # larger than an arena: one of its own size
+    assert big.rows.shape == (25, 4)
+    arenas.give(a1, s1, 4)
+    arenas.give(a1, s2, 4, quarantine=True)  # a failed fetch: its range rests
+    assert arenas.take(6, 4, "float32")[0] is not a1
+    clock.now = 6
+    assert arenas.take(6, 4, "float32") == (a1, 0)  # merged back: rows 0..7 free again
+    first = set(arenas.names())
+    arenas.give(big, 0, 25)  # emptied, not the only arena: unlinked
+    del big
+    assert len(arenas.names()) == len(first) - 1
+    assert sorted(os.listdir(tmp_path)) == sorted(arenas.names())
+    with pytest.raises(OSError):
+        RowArenas(ShmBuffers("/proc"), 1 << 20, 1).take(1, 4, "float32")
+    buffers.close()
