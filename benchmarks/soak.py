@@ -106,8 +106,8 @@ class Replica:
             cmd += ["--redis-url", redis_url]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}  # only the flags above
         self.log_path = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.log_path, "w"))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self._log)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -130,6 +130,7 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._log.close()
 
     def counters(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
