@@ -22,6 +22,12 @@ from encoder_service.settings import Settings, format_size
 
 log = logging.getLogger("encoder_service")
 
+# How long an idle HTTP keep-alive connection stays open. Longer than clients keep theirs (httpx 5 s,
+# aiohttp 15 s, Go 90 s): at uvicorn's default of 5 s a client reusing a connection at the moment the server
+# closes it gets a ReadError (seen once in 13600 sessions of benchmarks/soak.py). Idle connections cost a
+# socket each, bounded by the clients' pools.
+HTTP_KEEP_ALIVE_S = 120
+
 
 def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
     """Load the model (unless `loaded` is given), make the runner, the store and the core (not started)."""
@@ -133,7 +139,7 @@ class Service:
         """uvicorn serving `app` on `sock`, started (listening) on this loop: (server, its task, its URL)."""
         s = self.settings.server
         config = uvicorn.Config(app, lifespan="off", log_level=s.log_level, access_log=False,
-                                timeout_graceful_shutdown=10, log_config=None)
+                                timeout_graceful_shutdown=10, timeout_keep_alive=HTTP_KEEP_ALIVE_S, log_config=None)
         server = _Uvicorn(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn {name}")
         listening = asyncio.create_task(server.listening.wait())

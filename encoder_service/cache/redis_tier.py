@@ -14,7 +14,8 @@
     was replaced meanwhile, e.g. by a replica on another GPU); a second one is a corrupt value.
   - Handoff (handoff.py): `mark_pending` at accept, the writer settles the marker and publishes when the
     rows land or cannot, `mark_failed` when the encode fails; `wait_for` is a fetch's wait on another
-    replica, woken through one shared pub/sub connection (subscriber.py).
+    replica, woken through one shared pub/sub connection (subscriber.py). `touch` finds which of a
+    replica's local hits Redis evicted meanwhile (and keeps the others hot there).
   - Connections (redis_connections.py): bounded; more operations than connections wait for one, and
     running out is never "Redis is down"; a connection error is retried once on a fresh connection.
   - Faults: a connection error (again on the retry) or a socket timeout marks the tier down (logged once,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -86,6 +87,7 @@ class RedisTier:
         # Rows to write ("rows", key, Entry) and marker outcomes to publish ("settle", key, value), in order.
         self._queue: asyncio.Queue[tuple[str, str, object]] = asyncio.Queue()
         self._queued_bytes = 0
+        self._writing: Counter[str] = Counter()  # keys of the queued row writes
         self._queued_notices = 0
         self._writer: asyncio.Task | None = None
         self._probe: asyncio.Task | None = None
@@ -229,6 +231,7 @@ class RedisTier:
             self._dropped(key, "the write-behind queue to Redis was full")
             return False
         self._queued_bytes += entry.nbytes
+        self._writing[key] += 1
         self._queue.put_nowait(("rows", key, entry))
         return True
 
@@ -250,6 +253,9 @@ class RedisTier:
             finally:
                 if kind == "rows":
                     self._queued_bytes -= item.nbytes
+                    self._writing[key] -= 1
+                    if not self._writing[key]:
+                        del self._writing[key]
                 else:
                     self._queued_notices -= 1
                 self._queue.task_done()
@@ -303,6 +309,22 @@ class RedisTier:
             self._marked.popitem(last=False)
         self.counters["pending_marked"] += len(keys)
         return True
+
+    async def touch(self, keys: Sequence[str]) -> list[str]:
+        """Of `keys` (entries this replica has in its local tier and was asked for again), those Redis no longer
+        has and this tier is not writing already. TOUCH also refreshes their LRU clock in Redis: a replica
+        serving an id from its own tier sends Redis nothing else, so without it Redis would evict the ids most
+        used here first. One round trip; [] (nothing to act on) while down or paused by OOM, or on an error."""
+        if not keys or not self.up or self._writes_paused():
+            return []
+        try:
+            found = await self._conns.pipelined(*(("touch", k) for k in keys))
+        except PoolTimeout:
+            return []
+        except RedisError as exc:
+            self._on_error(exc)
+            return []
+        return [k for k, n in zip(keys, found) if not n and k not in self._writing]
 
     def mark_failed(self, key: str, exc: BaseException) -> None:
         """The encode of `key` failed here: if it was marked pending here, publish the failure (queued), so

@@ -10,6 +10,7 @@
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, in-flight fill, Redis GETRANGE
     await store.mark_pending(keys)                -> bool               other replicas' fetches wait for them
     await store.wait_for(key, timeout_s)          -> Settled            a fetch's wait for another replica's encode
+    await store.share(keys)                       -> int                local hits other replicas can read again
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
     store.stats()                                 -> dict (flat counters)
 
@@ -24,7 +25,8 @@ the next call tries again. `was_cached` is False only for the call whose fill ra
 Across replicas (Redis only; cache/handoff.py): `mark_pending` the ids an `encode` will create before
 answering it; a fill settles them by itself (rows written behind, found in Redis, or `create()` failed).
 A fetch that misses everywhere calls `wait_for`: LANDED -> read again, NOT_PENDING -> 404, a failure is
-raised as `EncodeFailed`.
+raised as `EncodeFailed`. An `encode` answered from the local tier calls `share` for those ids: Redis may
+have evicted them (its LRU never sees a replica's local hits), and another replica's fetch must find them.
 
 Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
@@ -78,7 +80,7 @@ class EmbeddingStore:
         )
         self.redis = RedisTier(redis_url, ttl_s=redis_ttl_s, **(redis_options or {})) if redis_url else None
         self._inflight: dict[str, asyncio.Task] = {}
-        self.counters = dict(fills=0, creates=0, joins=0, fill_failures=0)
+        self.counters = dict(fills=0, creates=0, joins=0, fill_failures=0, reshared=0)
 
     async def start(self) -> None:
         if self.redis is not None:
@@ -195,6 +197,24 @@ class EmbeddingStore:
             return Settled.NOT_PENDING
         label = key.id if isinstance(key, CacheKey) else key
         return await self.redis.wait_for(_name(key), timeout_s, label)
+
+    async def share(self, keys: Iterable[Key], lease_s: float | None = None) -> int:
+        """Ids an `encode` answers from the local tier: another replica may fetch them. Those Redis evicted are
+        marked pending for `lease_s` (default: the store's) and written again from the local tier (a fetch
+        elsewhere waits for the write); the others are only touched in Redis (its LRU follows their use here).
+        Returns how many were written again; 0 without Redis."""
+        if self.redis is None:
+            return 0
+        names = list(dict.fromkeys(_name(k) for k in keys))
+        missing = {name: entry for name in await self.redis.touch(names)
+                   if (entry := self.local.peek(name)) is not None}
+        if not missing:
+            return 0
+        await self.redis.mark_pending(list(missing), self.lease_s if lease_s is None else lease_s)
+        for name, entry in missing.items():  # each write, once it lands, settles its marker
+            self.redis.write_behind(name, entry)
+        self.counters["reshared"] += len(missing)
+        return len(missing)
 
     # ---- leases ---------------------------------------------------------------------------------
 

@@ -46,6 +46,9 @@ STORE: dict[str, Stat] = {
     "joins": _counter("encoder_cache_fill_joins", "Callers that joined a store fill already in flight"),
     "fill_failures": _counter("encoder_cache_fill_failures", "Store fills that failed (nothing cached)"),
     "inflight": _gauge("encoder_cache_fills_in_flight", "Store fills in flight"),
+    "reshared": _counter("encoder_cache_reshared",
+                         "Entries an encode found in the host LRU tier after Redis had evicted them: written to "
+                         "Redis again, so that other replicas can fetch them"),
     # host LRU tier and leases (cache/local.py)
     "local_hits": _counter("encoder_cache_local_lookups", _LOOKUPS, result="hit"),
     "local_misses": _counter("encoder_cache_local_lookups", _LOOKUPS, result="miss"),

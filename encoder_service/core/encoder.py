@@ -4,13 +4,16 @@ encode: read each image (images.py: bytes, then on CPU threads the cache key and
 alone). Ids neither cached nor in flight are admitted to the engine queue, all or none (429 when full);
 every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
+With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
+another replica waits for them, and local hits that Redis evicted are written there again.
 Each id rides one flight (flight.py): the store's single flight, whose create submits the image to the
 engine (decoded on a CPU thread, encoded on the GPU thread). `wait=True` waits for the rows (and can return
 them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image (sized by its
-flight, else by the cache entry's header); the store reads only those (waiting, up to the timeout, for
-images still encoding). With a `ShmTarget` the rows go into the client's shared-memory file instead of the
-result (shm_writer.py).
+flight, else by the cache entry's header, else, with Redis, by the header of the rows another replica is
+encoding once they land: handoff.py); the store reads only those (waiting for images still encoding). One
+`timeout_s` covers the waits and the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
+client's shared-memory file instead of the result (shm_writer.py).
 release: drop the encode pins of ids the caller is done with (leases end early).
 """
 
@@ -29,6 +32,7 @@ from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fing
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flight, Flights
+from encoder_service.core.handoff import Handoff
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
@@ -66,6 +70,7 @@ class EncoderCore:
         self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
         self.flights = Flights()
+        self.handoff = Handoff(store, self.metrics)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self.metrics.registry.register(CacheCollector(store, self.shm))
@@ -173,11 +178,22 @@ class EncoderCore:
         for entry in hits.values():
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
+        marking = self.handoff.mark([unique[name].key for name in permits],  # None without Redis
+                                    [unique[name].key for name, entry in hits.items() if entry is not None])
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
+        # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
+        # find the flight (or it would be admitted a second time).
         flights = {name: self.flights.join(p.key, p.grid_thw, p.num_tokens, permits.get(name),
-                                           functools.partial(self._fill, data=p.data, timings=timings))
+                                           functools.partial(self._fill, data=p.data, timings=timings,
+                                                             marking=marking if name in permits else None))
                    for name, p in unique.items()}
+        if marking is not None:
+            try:  # before answering: once the caller has the ids, a fetch elsewhere must find them pending
+                await asyncio.shield(marking)
+            except asyncio.CancelledError:
+                self._leave(flights)
+                raise
         infos = [self._info(unique[p.key.name], hits[p.key.name] is not None) for p in probed]
         result = EncodeResult(images=infos, timings=timings)
         if wait:
@@ -247,10 +263,14 @@ class EncoderCore:
                          row_width=spec.row_width, hidden_size=spec.out_hidden_size, layout=spec.layout,
                          dtype=self.dtype, cached=cached)
 
-    async def _fill(self, flight: Flight, *, data: bytes, timings: dict) -> tuple[Entry, bool]:
+    async def _fill(self, flight: Flight, *, data: bytes, timings: dict,
+                    marking: asyncio.Task | None) -> tuple[Entry, bool]:
         """A flight's task: its id's entry through the store's single flight, (entry, created). Only a miss
         there (not local, not in Redis, no store fill in flight) runs `create`: the engine encodes `data`,
-        and this request's `timings` get the engine's."""
+        and this request's `timings` get the engine's. `marking` (the id's pending marker being written) is
+        awaited first: the fill's outcome settles that marker, so it must not be published before it."""
+        if marking is not None:
+            await asyncio.shield(marking)
         created = False
 
         async def create() -> Entry:
@@ -293,11 +313,15 @@ class EncoderCore:
                 f"encode did not finish within timeout_s={timeout_s} (waited {time.perf_counter() - t0:.3f}s)"
             ) from None
         except asyncio.CancelledError:
-            for name, flight in flights.items():  # the caller left: its images are not wanted by it any more
-                flight.waiters -= 1
-                self.store.release(name)
+            self._leave(flights)
             raise
         return dict(zip(flights, done))
+
+    def _leave(self, flights: dict[str, Flight]) -> None:
+        """The caller left before its answer: its images are not wanted by it any more, nor pinned for it."""
+        for name, flight in flights.items():
+            flight.waiters -= 1
+            self.store.release(name)
 
     # ---- fetch -----------------------------------------------------------------------------------------
     async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
@@ -313,26 +337,30 @@ class EncoderCore:
             raise errors.InvalidInput("no items in the fetch")
         self._check_id_count("fetch items", len(items))
         keys = {it.id: key_from_id(it.id, self.model_fp, self.settings.cache.hash) for it in items}
-        sizes = {i: await self._num_tokens(k) for i, k in keys.items()}
+        deadline = timeouts.Deadline(timeout_s)  # one timeout over the sizes (a wait on another replica) and rows
+        try:
+            sizes = dict(zip(keys, await timeouts.gather_within(
+                deadline.bound(), *(self._num_tokens(k, deadline) for k in keys.values()))))
+        except TimeoutError:
+            raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
-        if timeout_s == 0:  # don't wait: rows still encoding are not ready (cached ones, here or in Redis, are)
+        if deadline.dont_wait:  # rows still encoding are not ready (cached ones, here or in Redis, are)
             encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights})
             if encoding:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(encoding)} of the chunk's images "
                                               f"are still encoding (first: {encoding[0]!r})")
-            timeout_s = None
         places = mapping = None
         if shm is not None:
             places = placements(segments, start, self._row_bytes, shm.by_position)
             mapping = self.shm.check(shm, max((at + n for at, n in places), default=0))
         t_plan = time.perf_counter()
         try:
-            parts = await timeouts.gather_within(timeout_s, *(self._rows(keys[s.id], s) for s in segments))
+            parts = await timeouts.gather_within(deadline.bound(), *(self._rows(keys[s.id], s) for s in segments))
         except BaseException as exc:
             if mapping is not None:
                 self.shm.release(mapping)
             if isinstance(exc, TimeoutError):
-                raise errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s}") from None
+                raise self._rows_late(timeout_s, t0) from None
             raise
         t_read = time.perf_counter()
         num_rows = sum(p.shape[0] for p in parts)
@@ -360,19 +388,38 @@ class EncoderCore:
         if n > limit:
             raise errors.LimitExceeded(f"number of {what}", n, limit)
 
-    async def _num_tokens(self, key) -> int:
+    @staticmethod
+    def _rows_late(timeout_s: float | None, t0: float) -> errors.DeadlineExceeded:
+        return errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s} "
+                                       f"(waited {time.perf_counter() - t0:.3f}s)")
+
+    async def _num_tokens(self, key, deadline: timeouts.Deadline) -> int:
+        """The id's row count: how its last encode here failed (raised), else its flight's, else its entry's
+        header (local tier, else the header alone from Redis), else that of the rows another replica is
+        encoding, once they land (handoff.py; no Redis round trip for ids known here)."""
         self.flights.raise_failure(key)
         flight = self.flights.get(key.name)
         if flight is not None:
             return flight.num_tokens
-        header = await self.store.header(key)  # local tier, else only the entry's header from Redis
+        header = await self.store.header(key)
         if header is None:
-            raise errors.NotFound(f"unknown id {key.id!r}: never encoded here, or evicted (encode it again)")
+            header = await self.handoff.header_from_elsewhere(key, deadline)
         return header.num_rows
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
+        """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
+        it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
+        Redis GETRANGE)."""
+        flight = self.flights.get(key.name)
         with self.flights.waiting(key.name):
-            rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
+            if flight is not None:
+                try:
+                    entry, _ = await asyncio.shield(flight.task)
+                except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
+                    raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
+                rows = entry.rows(seg.row_start, seg.row_end)
+            else:
+                rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         tier = "local" if self.store.peek(key) is not None else "redis"

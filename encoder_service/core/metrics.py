@@ -36,6 +36,10 @@ class Metrics:
         self.batch_failures = Counter("encoder_batch_failures", "ViT batches that raised", registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "Images waiting for the GPU", registry=r)
         self.in_flight = Gauge("encoder_in_flight_requests", "Requests being served", registry=r)
+        self.pending_unmarked = Counter(
+            "encoder_pending_unmarked", "Ids accepted for encoding whose pending marker could not be written to "
+            "Redis (down, full or busy): fetches of them on other replicas answer at once instead of waiting",
+            registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -259,6 +259,7 @@ def test_chart_is_self_contained():
         (("auth.enabled=true",), "auth.enabled needs"),
         (("redis.mode=external",), "redis.mode=external needs"),
         (("model.source=pvc",), "model.source=pvc needs"),
+        (("service.sessionAffinity=Sticky",), "service.sessionAffinity"),
         (("sglang.enabled=true", "sglang.port=50051"), "sglang.port must differ"),
         (("sglang.port=0",), "sglang.port"),
     ],
@@ -448,6 +449,23 @@ def test_services():
     assert headless["metadata"]["labels"]["app.kubernetes.io/component"] != "encoder"
 
 
+def test_session_affinity_follows_redis():
+    """Without Redis an id lives only on the replica that encoded it: ClientIP sends every call of one client
+    pod to one replica, so its fetches find its encodes. With Redis any replica serves any id (a fetch waits
+    for one another replica is encoding): no affinity, calls spread."""
+    spec = one(render(), "Service", "enc-encoder-service")["spec"]
+    assert spec["sessionAffinity"] == "None" and "sessionAffinityConfig" not in spec
+    spec = one(render("pvc-model-values"), "Service", "enc-encoder-service")["spec"]  # redis.mode none
+    assert spec["sessionAffinity"] == "ClientIP"
+    assert spec["sessionAffinityConfig"] == {"clientIP": {"timeoutSeconds": 10800}}  # above the 300 s lease
+    docs = render("pvc-model-values", sets=("service.sessionAffinity=None",))
+    assert one(docs, "Service", "enc-encoder-service")["spec"]["sessionAffinity"] == "None"  # clients that pin
+    docs = render(sets=("service.sessionAffinity=ClientIP", "service.sessionAffinityTimeoutSeconds=600"))
+    assert one(docs, "Service", "enc-encoder-service")["spec"]["sessionAffinityConfig"]["clientIP"] == {
+        "timeoutSeconds": 600}
+    assert "sessionAffinity" not in one(docs, "Service", "enc-encoder-service-headless")["spec"]  # DNS, no proxy
+
+
 def test_sglang_protocol_off_by_default():
     docs = render()
     c = encoder_container(docs)
@@ -587,3 +605,6 @@ def test_notes_render(scenario, tmp_path):
     assert ("auth is off" in text) == (not (given.get("auth") or {}).get("enabled", False))
     assert ("enc-encoder-service-sglang.ml.svc:9100" in text) == (scenario == "sglang-values")
     assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline
+    no_redis = (given.get("redis") or {}).get("mode") == "none"
+    assert ("a fetch must reach the replica that encoded its ids" in text) == no_redis
+    assert ("waits (plain Redis pub/sub)" in text) == (not no_redis)

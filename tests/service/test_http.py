@@ -10,6 +10,7 @@ logged once.
 from __future__ import annotations
 
 import base64
+import http.client
 import logging
 import socket
 import time
@@ -65,6 +66,22 @@ def assert_still_serving(c: httpx.Client, seed: int = 999) -> None:
 
 
 # ---- round trips -----------------------------------------------------------------------------------------
+def test_idle_keep_alive_connections_outlive_the_clients_own(service):
+    """A connection idle past uvicorn's default keep-alive (5 s, httpx's own expiry too) is still open: the
+    server never closes one that a client may be reusing at that moment (a ReadError for the client)."""
+    host, port = service.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/health/live")
+        assert conn.getresponse().read() == b'{"live":true}'
+        sock = conn.sock
+        time.sleep(5.5)
+        conn.request("GET", "/health/live")  # on the same socket: http.client raises if the server closed it
+        assert conn.getresponse().read() == b'{"live":true}' and conn.sock is sock
+    finally:
+        conn.close()
+
+
 def test_health_metadata_metrics(service):
     with client(service) as c:
         assert c.get("/health/live").json() == {"live": True}

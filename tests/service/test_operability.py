@@ -1,7 +1,8 @@
 """What an operator sees, over a real service and a real redis-server: /metrics carries the cache's own
 counters (host LRU tier, leases, Redis tier, shared-memory writer; core/cache_metrics.py), parsed as
 Prometheus parses them, and they move as the service encodes, evicts and loses Redis. Readiness reports
-Redis's state as detail and stays ready without it; liveness never looks at Redis.
+Redis's state as detail and stays ready without it; liveness never looks at Redis, and neither probe sends
+Redis anything (nor uses the pub/sub connection a fetch's wait opened).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from encoder_service.cache import key_from_id
 from encoder_service.client import EncoderClient
 from tests.support.images import image_bytes
 from tests.support.service import RunningService, make_settings
@@ -98,6 +100,13 @@ def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_serve
         return commands.info("stats")["total_commands_processed"]  # counts this INFO too
 
     with httpx.Client(base_url=svc.url, timeout=30) as c:
+        # An id another replica is encoding: this fetch's wait opens the tier's pub/sub connection, which
+        # stays open (idle) after it; the probes must not use it either.
+        pending = key_from_id("cd" * 16, svc.core.model_fp, svc.core.settings.cache.hash)
+        assert svc.call(svc.core.store.mark_pending, [pending])
+        r = c.post("/v1/fetch", json={"items": [{"id": "cd" * 16, "offset": 0}], "start": 0, "end": 4,
+                                      "timeout_s": 0.2})
+        assert r.status_code == 504 and svc.sample("encoder_cache_redis_subscriber_connects_total") == 1
         before = processed()
         assert c.get("/health/live").json() == {"live": True}
         assert c.get("/health/ready").json() == {"ready": True, "redis": "up"}
@@ -106,7 +115,8 @@ def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_serve
 
         redis_server.kill()
         r = c.post("/v1/fetch", json={"items": [{"id": "ab" * 16, "offset": 0}], "start": 0, "end": 4})
-        assert r.status_code == 404  # the header read from Redis failed: the tier is down now
+        # Not here, and the tier (down now: its header read failed) cannot say whether another replica has it.
+        assert r.status_code == 503 and "Redis tier" in r.json()["error"]["message"]
         r = c.get("/health/ready")
         assert r.status_code == 200 and r.json() == {"ready": True, "redis": "down"}
         assert c.get("/health/live").status_code == 200

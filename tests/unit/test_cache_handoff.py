@@ -265,3 +265,39 @@ async def test_512_concurrent_waits_share_one_subscriber_connection(redis_server
         stats = b.stats()
         assert stats["redis_pending_wakeups"] == 512 and stats["redis_pending_channels"] == 0
         assert stats["redis_subscriber_connects"] == 1 and stats["redis_errors"] == 0
+
+
+async def test_a_local_hit_that_redis_evicted_is_shared_again(redis_server):
+    """Replica A serves an id from its own tier (an encode's local hit), which Redis's LRU never sees: Redis
+    may evict it meanwhile. `share` puts it back, marked pending until the write lands, so B finds it."""
+    async with replicas(redis_server.url) as (a, b):
+        entry = make_entry(8)
+        await a.get_or_create("k", creator(entry, []))
+        await a.redis.flush()
+        assert await a.share(["k"]) == 0  # still in Redis: only touched
+        assert command_calls(redis_server.url, "touch") == 1
+        with redis.Redis.from_url(redis_server.url) as direct:
+            direct.delete("k")  # evicted
+        assert await b.wait_for("k", 0) is Settled.NOT_PENDING  # B would answer 404
+        assert await a.share(["k"]) == 1  # marked pending, written again behind
+        assert await b.wait_for("k", LONG_S) is Settled.LANDED
+        assert torch.equal(await b.read_rows("k", 0, 300), entry.tensor)
+        assert a.stats()["reshared"] == 1
+        local_only = EmbeddingStore(1 << 20)
+        assert await local_only.share(["k"]) == 0  # no Redis: nothing to share
+
+
+async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_server):
+    async with replicas(redis_server.url) as (a, b):
+        gate, write = asyncio.Event(), a.redis._write
+
+        async def held_write(key, entry):  # the write-behind has not reached Redis yet
+            await gate.wait()
+            await write(key, entry)
+
+        a.redis._write = held_write
+        await a.get_or_create("k", creator(make_entry(9), []))
+        assert await a.share(["k"]) == 0  # not in Redis, but its write is queued: nothing to do
+        gate.set()
+        await a.redis.flush()
+        assert a.stats()["redis_writes"] == 1 and a.stats()["reshared"] == 0

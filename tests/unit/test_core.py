@@ -6,21 +6,26 @@ Same image from many requests: encoded once. Many requests at once: each gets it
 per chunk, exactly the overlapping slices of the whole embeddings (Qwen3's deepstack rows too). Flights
 (core/flight.py): a request for an id in flight joins it without queue room, waiters leaving drop the
 queued image, a failure is remembered for fetch (and named by its image index when waited for), queue
-permits are given back on every path. timeout_s=0 answers what is cached and never waits.
+permits are given back on every path. timeout_s=0 answers what is cached and never waits. Across cores
+sharing one Redis (core/handoff.py): encode marks its misses pending before answering (and goes on when it
+cannot), a fetch elsewhere waits for them within its one timeout, and stops waiting at its first error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
+import redis
 import torch
 
 from encoder_service import errors
 from encoder_service.api.service import build_core
-from encoder_service.cache import CacheKey, Entry, make_key
-from encoder_service.core import EncoderCore, FetchItem, ImageInput
+from encoder_service.cache import CacheKey, Entry, key_from_id, make_key
+from encoder_service.cache.handoff import marker_name
+from encoder_service.core import EncoderCore, FetchItem, ImageInput, timeouts
 from encoder_service.core.flight import Flights
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes, truncated_jpeg
@@ -344,3 +349,102 @@ async def test_a_joined_store_fill_gives_its_permit_back(make_core):
     (info,) = (await asyncio.wait_for(request, WAIT_S)).images
     await other
     assert info.cached and core.engine.permits == 0 and images_encoded(core) == encoded
+
+
+# ---- across replicas (core/handoff.py; the two real replicas: tests/service/test_replicas.py) ------------
+def marker_of(redis_server, key: CacheKey) -> bytes | None:
+    with redis.Redis.from_url(redis_server.url) as direct:
+        return direct.get(marker_name(key.name))
+
+
+async def test_encode_marks_its_misses_pending_before_answering(make_core, redis_server):
+    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
+    core.runner.gate.clear()  # the ViT holds the image: the encode is still running when it answers
+    data = image_bytes(64, 64, 40)
+    await core.encode(inputs(data))
+    assert marker_of(redis_server, key_of(core, data)) == b"pending"
+    core.runner.gate.set()
+    await core.encode(inputs(data), wait=True)
+    await core.store.redis.flush()
+    assert marker_of(redis_server, key_of(core, data)) is None  # the rows landed: the marker went with them
+    marked = core.store.stats()["redis_pending_marked"]
+    await core.encode(inputs(data))  # cached here: nothing to mark
+    assert core.store.stats()["redis_pending_marked"] == marked
+
+
+async def test_encode_goes_on_when_its_marker_cannot_be_written(make_core, redis_server):
+    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    redis_server.kill()
+    (info,) = (await core.encode(inputs(image_bytes(64, 64, 41)), wait=True)).images
+    assert info.num_tokens == 4 and not info.cached
+    assert core.metrics.registry.get_sample_value("encoder_pending_unmarked_total") == 1
+
+
+async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, redis_server):
+    a = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
+    b = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    a.runner.gate.clear()
+    data = image_bytes(64, 64, 42)
+    (info,) = (await a.encode(inputs(data))).images
+    t0 = time.monotonic()
+    with pytest.raises(errors.DeadlineExceeded, match="timeout_s=0 .* still encoding on another replica"):
+        await b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=0)
+    with pytest.raises(errors.DeadlineExceeded, match="within timeout_s=0.2"):
+        await b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=0.2)
+    assert time.monotonic() - t0 < 2
+    fetching = asyncio.create_task(b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S))
+    await until(lambda: b.store.stats()["redis_pending_waits"] == 2, "B's fetch waiting")
+    a.runner.gate.set()
+    rows = (await asyncio.wait_for(fetching, WAIT_S)).rows
+    assert torch.equal(rows, (await a.fetch([FetchItem(info.id, 0)], 0, 4)).rows)
+
+
+async def test_a_fetch_stops_waiting_elsewhere_when_another_of_its_ids_is_unknown(make_core, redis_server):
+    b = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    pending = key_from_id("ab" * 16, b.model_fp, b.settings.cache.hash)
+    assert await b.store.mark_pending([pending])  # as another replica that accepted it (and never finishes)
+    fetching = asyncio.create_task(b.fetch([FetchItem(pending.id, 0), FetchItem("cd" * 16, 8)], 0, 12,
+                                           timeout_s=WAIT_S))
+    with pytest.raises(errors.NotFound, match="'cd"):
+        await asyncio.wait_for(fetching, 5)
+    await until(lambda: b.store.stats()["redis_pending_channels"] == 0, "the wait for the other id cancelled")
+    redis_server.kill()
+    with pytest.raises(errors.Unavailable, match="Redis tier"):  # not here, and Redis cannot tell: 503
+        await b.fetch([FetchItem("ef" * 16, 0)], 0, 4, timeout_s=WAIT_S)
+
+
+def test_deadline_gives_each_wait_what_is_left():
+    now = [100.0]
+    deadline = timeouts.Deadline(2.0, clock=lambda: now[0])
+    assert deadline.left() == deadline.bound() == 2.0 and not deadline.dont_wait
+    now[0] = 101.5
+    assert deadline.left() == deadline.bound() == 0.5
+    now[0] = 103.0
+    assert deadline.left() == 0.0  # past: the next wait answers with the state now
+    assert timeouts.Deadline(None).left() is None and timeouts.Deadline(None).bound() is None
+    dont_wait = timeouts.Deadline(0.0)
+    assert dont_wait.dont_wait and dont_wait.left() == 0.0 and dont_wait.bound() is None
+
+
+async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_flight(make_core, redis_server):
+    """A new flight's fill starts once the id's pending marker is written (a Redis round trip): a fetch of the
+    id meanwhile (another request's: its encode joined the flight) waits for the flight, it is no 404."""
+    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    gate, mark_pending = asyncio.Event(), core.store.mark_pending
+
+    async def slow_mark_pending(keys, lease_s=None):
+        await gate.wait()
+        return await mark_pending(keys, lease_s)
+
+    core.store.mark_pending = slow_mark_pending
+    data = image_bytes(64, 64, 43)
+    key = key_of(core, data)
+    encoding = asyncio.create_task(core.encode(inputs(data)))
+    await until(lambda: key.name in core.flights, "the flight")
+    fetching = asyncio.create_task(core.fetch([FetchItem(key.id, 0)], 0, 4, timeout_s=WAIT_S))
+    await asyncio.sleep(0.1)
+    assert not fetching.done()  # waiting for the flight, not answered 404
+    gate.set()
+    await encoding
+    rows = (await asyncio.wait_for(fetching, WAIT_S)).rows
+    assert torch.equal(rows, (await core.fetch([FetchItem(key.id, 0)], 0, 4)).rows)

@@ -176,6 +176,20 @@ float64: integral ones are printed without an exponent.
 {{- end }}
 {{- end }}
 
+{{/*
+The main Service's sessionAffinity: service.sessionAffinity, or when empty ClientIP without Redis (ids live
+only on the replica that encoded them) and None with it (any replica serves any id).
+*/}}
+{{- define "encoder-service.sessionAffinity" -}}
+{{- if .Values.service.sessionAffinity }}
+{{- .Values.service.sessionAffinity }}
+{{- else if eq .Values.redis.mode "none" }}
+{{- "ClientIP" }}
+{{- else }}
+{{- "None" }}
+{{- end }}
+{{- end }}
+
 {{/* Values that cannot work: fail at render time with a message instead of a crash-looping pod. */}}
 {{- define "encoder-service.validate" -}}
 {{- if and (eq .Values.model.source "hub") (not .Values.model.id) }}

@@ -1,0 +1,211 @@
+"""Two real replicas on loopback sharing one real redis-server, as behind one Kubernetes Service (issue 13,
+item 1): each is the whole service (core + HTTP + gRPC). An LLM server's encode reaches replica A and its
+fetch of the same id reaches B:
+
+  - B's fetch, made while A's encode is still running, waits (on Redis pub/sub, core/handoff.py) and gets
+    A's rows bit for bit once they land: over HTTP, and over gRPC;
+  - A's encode failing (a JPEG cut short: its header is fine, its decode fails in A's engine) gives B that
+    400, not a 404;
+  - an id nobody encoded is a 404 on B at once;
+  - 128 concurrent fetches on B of ids B has only in Redis all succeed (item 2, through the service);
+  - an id A serves from its own tier after Redis evicted it is written there again by A's encode;
+  - fetches of ids A has in flight or locally send Redis nothing.
+
+A's engine is held at its decode step (`held_decode`) so that "still running" is deterministic, and B's
+`encoder_cache_redis_pending_waits_total` proves its fetch was waiting before A's rows existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+import torch
+
+from encoder_service import errors
+from encoder_service.cache import key_from_id
+from encoder_service.client import AsyncEncoderClient
+from tests.support.clients import sync_client
+from tests.support.images import image_bytes, truncated_jpeg
+from tests.support.redis_server import RedisServer
+from tests.support.service import RunningService, running
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT_S = 30  # bound on every wait in this file
+PENDING_WAITS = "encoder_cache_redis_pending_waits_total"
+
+
+@pytest.fixture(scope="module")
+def shared_redis():
+    server = RedisServer(maxmemory="64mb", policy="allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(request, tiny_checkpoint, shared_redis) -> tuple[RunningService, RunningService]:
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    return (running(request, checkpoint, "--redis-url", shared_redis.url),
+            running(request, checkpoint, "--redis-url", shared_redis.url))
+
+
+@contextlib.contextmanager
+def held_decode(svc: RunningService):
+    """The replica's engine holds every image at its decode step (a CPU thread) until the yielded gate is
+    set: its encodes are still running, for as long as the test needs."""
+    gate = threading.Event()
+    images = svc.core.images
+
+    def prepare(*args, _prepare=images.prepare):
+        assert gate.wait(WAIT_S), "the test never opened the gate"
+        return _prepare(*args)
+
+    images.prepare = prepare
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del images.prepare  # the class's method again
+
+
+def eventually(predicate, timeout_s: float = WAIT_S) -> None:
+    """Bounded wait for a state another thread changes (the service's loop)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def in_redis(url: str, svc: RunningService, id_: str) -> bool:
+    name = key_from_id(id_, svc.core.model_fp, svc.core.settings.cache.hash).name
+    with redis.Redis.from_url(url) as direct:
+        return bool(direct.exists(name))
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_fetch_on_b_waits_for_the_encode_still_running_on_a(replicas, shared_redis, transport):
+    a, b = replicas
+    data = image_bytes(112, 84, seed=1 if transport == "http" else 2)
+    misses = b.sample("encoder_cache_misses_total")
+    with held_decode(a) as gate, sync_client(a, transport) as on_a, sync_client(b, transport) as on_b, \
+            ThreadPoolExecutor(1) as pool:
+        (info,) = on_a.encode([data])  # answered at once; A's engine holds the image
+        waits = b.sample(PENDING_WAITS)
+        fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
+        eventually(lambda: b.sample(PENDING_WAITS) > waits)  # B's fetch sleeps on its subscription...
+        name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
+        assert name in a.core.flights and not in_redis(shared_redis.url, a, info.id)  # ...A's encode runs on
+        assert not fetching.done()
+        gate.set()
+        from_b = fetching.result(WAIT_S).rows
+        from_a = on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows
+    assert from_b.shape == (info.num_tokens, info.row_width)
+    assert torch.equal(from_b, from_a)  # A's rows, bit for bit
+    assert b.core.store.peek(name) is None and b.sample("encoder_cache_misses_total") == misses  # not encoded on B
+
+
+def test_timeout_zero_on_b_answers_at_once_while_a_encodes(replicas):
+    a, b = replicas
+    with held_decode(a) as gate, httpx.Client(base_url=a.url, timeout=WAIT_S) as on_a, \
+            httpx.Client(base_url=b.url, timeout=WAIT_S) as on_b:
+        r = on_a.post("/v1/encode", content=image_bytes(64, 64, seed=7), headers={"content-type": "image/png"})
+        info = r.json()["images"][0]
+        body = {"items": [{"id": info["id"], "offset": 0}], "start": 0, "end": info["num_tokens"]}
+        t0 = time.monotonic()
+        r = on_b.post("/v1/fetch", json=body | {"timeout_s": 0})
+        assert r.status_code == 504 and "still encoding on another replica" in r.json()["error"]["message"]
+        r = on_b.post("/v1/fetch", json=body | {"timeout_s": 0.3})  # one timeout over the wait and the reads
+        assert r.status_code == 504 and "within timeout_s=0.3" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+        gate.set()
+        assert on_b.post("/v1/fetch", json=body | {"timeout_s": WAIT_S}).status_code == 200
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_failed_encode_on_a_is_its_error_on_b_not_404(replicas, transport):
+    a, b = replicas
+    with held_decode(a) as gate, sync_client(a, transport) as on_a, sync_client(b, transport) as on_b, \
+            ThreadPoolExecutor(1) as pool:
+        (info,) = on_a.encode([truncated_jpeg(seed=3 if transport == "http" else 4)])  # the header reads fine
+        waits = b.sample(PENDING_WAITS)
+        fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
+        eventually(lambda: b.sample(PENDING_WAITS) > waits)
+        gate.set()  # A decodes now, and fails
+        with pytest.raises(errors.InvalidInput) as failed:
+            fetching.result(WAIT_S)
+    assert "failed on another replica" in str(failed.value)
+    assert getattr(failed.value.status, "name", failed.value.status) in (400, "INVALID_ARGUMENT")
+    with sync_client(b, transport) as on_b:  # a fetch arriving later reads the failure from the marker
+        with pytest.raises(errors.InvalidInput):
+            on_b.fetch([(info.id, 0)], 0, info.num_tokens)
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_an_id_nobody_encoded_is_404_on_b_at_once(replicas, transport):
+    _, b = replicas
+    with sync_client(b, transport) as on_b:
+        t0 = time.monotonic()
+        with pytest.raises(errors.NotFound, match="nor being encoded by another replica"):
+            on_b.fetch([("ab" * 16, 0)], 0, 4)
+        assert time.monotonic() - t0 < 2
+
+
+def test_128_concurrent_fetches_of_ids_b_has_only_in_redis(replicas, shared_redis):
+    a, b = replicas
+    datas = [image_bytes(64, 48, seed=1000 + k) for k in range(128)]
+    with sync_client(a, "http") as on_a:
+        infos = [info for k in range(0, 128, 8) for info in on_a.encode(datas[k:k + 8], wait=True)]
+        expected = {info.id: on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows for info in infos}
+    a.call(a.core.store.redis.flush)  # A's write-behind has landed
+    names = [key_from_id(i.id, b.core.model_fp, b.core.settings.cache.hash).name for i in infos]
+    assert all(b.core.store.peek(n) is None for n in names)  # B has none of them locally
+    hits = b.sample("encoder_cache_hits_total", {"tier": "redis"})
+
+    async def fetch_all() -> list:
+        async with AsyncEncoderClient.http(b.url, timeout=WAIT_S, limits=httpx.Limits(max_connections=128)) as on_b:
+            return await asyncio.gather(*(on_b.fetch([(i.id, 0)], 0, i.num_tokens) for i in infos),
+                                        return_exceptions=True)
+
+    got = asyncio.run(fetch_all())
+    failures = [g for g in got if isinstance(g, BaseException)]
+    assert not failures, failures[:3]
+    assert all(torch.equal(g.rows, expected[i.id]) for g, i in zip(got, infos))
+    assert b.sample("encoder_cache_hits_total", {"tier": "redis"}) - hits == 128
+    assert all(b.core.store.peek(n) is None for n in names)  # read by range from Redis, not promoted
+
+
+def test_an_id_a_serves_locally_but_redis_evicted_is_fetched_on_b(replicas, shared_redis):
+    """A's encode of an id it has in its own tier (a local hit) sends Redis no read, so Redis's LRU may evict
+    the id while A keeps using it: that encode writes it to Redis again, and B's fetch gets it."""
+    a, b = replicas
+    data = image_bytes(96, 96, seed=77)
+    with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:
+        (info,) = on_a.encode([data], wait=True)
+        a.call(a.core.store.redis.flush)
+        name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
+        with redis.Redis.from_url(shared_redis.url) as direct:
+            assert direct.delete(name) == 1  # evicted from Redis; A still has it
+        (again,) = on_a.encode([data])
+        assert again.cached
+        rows = on_b.fetch([(info.id, 0)], 0, info.num_tokens).rows
+        assert torch.equal(rows, on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows)
+    assert a.sample("encoder_cache_reshared_total") == 1
+
+
+def test_fetching_local_ids_sends_redis_nothing(replicas, shared_redis):
+    """No header read and no wait for ids in flight or in the local tier: the hot path stays off Redis."""
+    a, _ = replicas
+    with sync_client(a, "http") as on_a, redis.Redis.from_url(shared_redis.url) as direct:
+        (info,) = on_a.encode([image_bytes(64, 64, seed=2024)], wait=True)
+        a.call(a.core.store.redis.flush)
+        before = direct.info("stats")["total_commands_processed"]
+        for _ in range(5):
+            on_a.fetch([(info.id, 0)], 0, info.num_tokens)
+        assert direct.info("stats")["total_commands_processed"] == before + 1  # only that INFO itself
