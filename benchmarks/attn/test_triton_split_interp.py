@@ -5,9 +5,9 @@ stays reproducible; not part of the main suite (testpaths = tests). The interpre
 cases: the H100 failures (graph-padded and multi-segment layouts at real sizes, NaN rows, an illegal
 address) did not show here.
 
-Same requirements as tests/unit/test_attention_triton_interp.py (Triton 3.6, TRITON_INTERPRET=1):
+Same requirements as benchmarks/attn/test_triton_short_interp.py (Triton 3.6, TRITON_INTERPRET=1):
 
-    TRITON_INTERPRET=1 /work/kern/venv36/bin/python -m pytest --noconftest -q -p no:cacheprovider \
+    TRITON_INTERPRET=1 /tmp/triton-venv/bin/python -m pytest --noconftest -q -p no:cacheprovider \
         benchmarks/attn/test_triton_split_interp.py
 """
 
@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch  # noqa: E402
 
 from benchmarks.attn import triton_split as T  # noqa: E402
-from tests.support.triton_interp import H, bf16_dot_in_the_interpreter, bounds, check, qkv, windows  # noqa: E402, F401
+from benchmarks.attn.triton_interp import H, bf16_dot_in_the_interpreter, bounds, check, qkv, windows  # noqa: E402, F401
 
 
 @pytest.mark.parametrize("d", [72, 80])

@@ -22,9 +22,10 @@ from tests.support.sglang_header import globals_in, walk
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Printed by the SGLang 0.5.23 PoC's header builder for req_id "r_local_part_0", 1 part, grid [1, 4, 6],
-# shape [6, 256], bfloat16; SGLang's safe_pickle_loads read it into the EmbeddingData its own encoder sends
-# (field for field, /work/engines/sglang/poc/check_header.py). A change here changes the wire.
+# Our header for req_id "r_local_part_0", 1 part, grid [1, 4, 6], shape [6, 256], bfloat16, as checked once
+# against SGLang 0.5.23: its safe_pickle_loads read these bytes into the same EmbeddingData, field for field,
+# that its own encoder sends (the engine tier, tests/engines/sglang/, checks that on every CI run). A change
+# here changes the wire.
 GOLDEN = (
     b"\x80\x04\x8c*sglang.srt.disaggregation.encoder.receiver\x8c\rEmbeddingData\x93)\x81}(\x8c\x06req_id"
     b"\x8c\x0er_local_part_0\x8c\tnum_partsK\x01\x8c\x08part_idxK\x00\x8c\x08grid_dim](](K\x01K\x04K\x06ee"

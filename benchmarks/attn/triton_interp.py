@@ -1,4 +1,4 @@
-"""Helpers of the Triton interpreter tests (tests/unit/test_attention_triton_interp.py: the production
+"""Helpers of the Triton interpreter tests (benchmarks/attn/test_triton_short_interp.py: the production
 short-segment kernel; benchmarks/attn/test_triton_split_interp.py: the rejected split kernel). Import this
 only once Triton is importable and TRITON_INTERPRET=1 was set at process start (the test modules check both
 first); a module that imports `bf16_dot_in_the_interpreter` gets it as an autouse fixture."""
