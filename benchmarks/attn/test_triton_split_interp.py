@@ -52,7 +52,7 @@ def test_split_graph_padded_layouts(d):
     for lengths, slots in (([150, 106], 2), ([256, 0], 2), ([40, 60, 50, 106], 9)):  # 256 rows each
         cu = bounds(lengths, slots)
         q, k, v = qkv(256, d, torch.bfloat16, seed=2)
-        check(T.split_head_attention(q, k, v, cu, 256), q, k, v, cu)  # the service's config
+        check(T.split_head_attention(q, k, v, cu, 256), q, k, v, cu)  # the default config
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])
