@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 from the start of the process (see the test module's docstring)", allow_module_level=True)
+    pytest.skip("needs TRITON_INTERPRET=1 from the start of the process (see the test module's docstring)",
+                allow_module_level=True)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
