@@ -9,8 +9,9 @@ kernels (ops/) against the eager torch ops they replace.
 
     python benchmarks/attention_kernels.py      # GPU only; writes $OUT/attention_kernels.{json,md}
 
-benchmarks/attention_candidates.py is issue 14's comparison of the attention backends (FlashAttention-4, our
-head-dim-split Triton kernel, cudnn-frontend, torch's) on the graphs' real layouts, crash-isolated.
+benchmarks/attention_candidates.py is issue 14's comparison of the attention backends (FlashAttention-4,
+cudnn-frontend, torch's, and our rejected head-dim-split Triton kernel) on the graphs' real layouts,
+crash-isolated.
 """
 
 from __future__ import annotations
@@ -48,14 +49,8 @@ def rel(out, ref) -> float:
 
 
 def reference(q, k, v, bounds):
-    """float32 attention per segment (memory-efficient SDPA in float32)."""
-    out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e > s:
-            seg = [x[s:e].float().transpose(0, 1) for x in (q, k, v)]
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                out[s:e] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
-    return out
+    """float32 attention per segment, the service's own reference (rows past bounds[-1] are not written)."""
+    return attention.reference_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32))
 
 
 def attn_flops(bounds, d) -> float:

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _service_setup import bench_device, sync  # noqa: E402
 from gpu_parity import REAL, SMALL, build_reference, patch_grid, reference_rows, setup_info  # noqa: E402
 
 from encoder_service.models.loader import load_model  # noqa: E402
@@ -64,11 +65,6 @@ SMALL_CASES = {"112x112": [(112, 112)], "224x160": [(224, 160)], "4 x 112x112": 
 FP32_CASES = {"448x448", "720p", "1080p", "8 x 448x448", "112x112", "4 x 112x112"}
 TARGETS_MS = {("qwen2_5_vl", "448x448"): 3, ("qwen2_5_vl", "1080p"): 35, ("qwen2_5_vl", "8 x 448x448"): 20,
               ("qwen3_vl", "720p"): 10, ("qwen3_vl", "1080p"): 30}
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_call(fn, device, min_iters: int, max_iters: int, budget_s: float) -> tuple[float, int]:
@@ -383,10 +379,7 @@ def main() -> int:
     parser.add_argument("--graph-buckets", type=parse_buckets, default=DEFAULT_BUCKETS,
                         help="patch-token buckets (default: the service's, %(default)s)")
     args = parser.parse_args()
-    if not args.small and not torch.cuda.is_available():
-        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
-    device = torch.device("cpu" if args.small else "cuda")
-    dtype = torch.float32 if args.small else torch.bfloat16
+    device, dtype = bench_device(args.small, parser)
     configs, cases = (SMALL, SMALL_CASES) if args.small else (REAL, CASES)
     if args.case:
         unknown = set(args.case) - set(cases)

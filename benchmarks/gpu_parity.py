@@ -32,6 +32,8 @@ import transformers
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _service_setup import bench_device  # noqa: E402
+
 from encoder_service.models.loader import load_model  # noqa: E402
 
 MAX_REL_ERR = 1e-2
@@ -228,10 +230,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny towers, float32, on CPU")
     args = parser.parse_args()
-    if not args.small and not torch.cuda.is_available():
-        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
-    device = torch.device("cpu" if args.small else "cuda")
-    dtype = torch.float32 if args.small else torch.bfloat16
+    device, dtype = bench_device(args.small, parser)
     configs, images = (SMALL, SMALL_IMAGES) if args.small else (REAL, IMAGES)
 
     setup = setup_info(device, dtype, args.small)

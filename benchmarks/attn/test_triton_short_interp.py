@@ -16,16 +16,11 @@ The rejected head-dim-split kernel's interpreter tests moved with it: benchmarks
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-triton = pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 from the start of the process (see the docstring)", allow_module_level=True)
-
-from encoder_service.ops import attention_triton as T  # noqa: E402
-from benchmarks.attn.triton_interp import bf16_dot_in_the_interpreter, check, windows  # noqa: E402, F401
+# triton_interp skips this module without Triton or TRITON_INTERPRET=1
+from benchmarks.attn.triton_interp import bf16_dot_in_the_interpreter, check, windows  # noqa: F401
+from encoder_service.ops import attention_triton as T
 
 
 @pytest.mark.parametrize("d", [72, 80])

@@ -1,16 +1,25 @@
 """Helpers of the Triton interpreter tests (benchmarks/attn/test_triton_short_interp.py: the production
-short-segment kernel; benchmarks/attn/test_triton_split_interp.py: the rejected split kernel). Import this
-only once Triton is importable and TRITON_INTERPRET=1 was set at process start (the test modules check both
-first); a module that imports `bf16_dot_in_the_interpreter` gets it as an autouse fixture."""
+short-segment kernel; benchmarks/attn/test_triton_split_interp.py: the rejected split kernel). Importing it
+skips the importing test module unless Triton is importable and TRITON_INTERPRET=1 was set at process start
+(the kernels are compiled, not interpreted, otherwise); a module that imports `bf16_dot_in_the_interpreter`
+gets it as an autouse fixture."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-import torch
-import triton.language as tl
+import os
 
-from encoder_service.ops.attention import reference_attention
+import pytest
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from the start of the process (see the test module's docstring)",
+                allow_module_level=True)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from encoder_service.ops.attention import reference_attention  # noqa: E402
 
 H = 2
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -60,8 +60,8 @@ class SplitConfig:
 
 # The four block configs measured on the H100 (no autotuner: nothing was to be timed at a first call or
 # tuned during capture). m128n128w8s2 and m128n64w4s3 gave an illegal address / NaN rows at D = 72 on the
-# unpadded 8 x 784 layout; m64n64w4s2 (the service's config for max_seqlen <= 64) gave 192 NaN rows;
-# m128n64w8s2 was its config for longer segments.
+# unpadded 8 x 784 layout; m64n64w4s2 (its config for max_seqlen <= 64 while it was in the service) gave 192
+# NaN rows; m128n64w8s2 was its config for longer segments.
 SPLIT_CONFIGS = {c.name: c for c in (
     SplitConfig(128, 64, 8, 2),
     SplitConfig(64, 64, 4, 2),
@@ -70,7 +70,7 @@ SPLIT_CONFIGS = {c.name: c for c in (
 )}
 
 
-def split_config(head_dim: int, max_seqlen: int) -> SplitConfig:
+def split_config(max_seqlen: int) -> SplitConfig:
     """The default config (Python ints only): the one the service ran while the kernel was in production."""
     if max_seqlen <= 64:
         return SPLIT_CONFIGS["m64n64w4s2"]
@@ -283,7 +283,7 @@ def split_head_attention(q, k, v, cu_seqlens, max_seqlen: int, *, config: SplitC
         raise ValueError(f"{num_segments} segment slots: split_head_attention takes at most {SPLIT_MAX_SEGMENTS}")
     if out is None:
         out = torch.empty(n, h, d, device=q.device, dtype=q.dtype)
-    cfg = config or split_config(d, max_seqlen)
+    cfg = config or split_config(max_seqlen)
     d0, d1 = split_head_dim(d)
     slots = num_block_slots(n, num_segments, int(max_seqlen), cfg.block_m)
     if n == 0 or num_segments <= 0 or slots == 0:

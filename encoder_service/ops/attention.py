@@ -61,7 +61,7 @@ def varlen_attention(
 
 def _per_segment_attention(q, k, v, cu_seqlens):
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()  # a CPU tensor: a plain read, not a device sync
+    bounds = cu_seqlens.tolist()  # CPU op: a plain read; reference_attention on CUDA: a sync (checks only)
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             # [L, H, D] -> [1, H, L, D]: 4-D like transformers' call, so the CPU kernel (and its bf16

@@ -240,9 +240,8 @@ class GraphRunner:
         )
 
     def _padded_meta(self, graph: _Graph, grids: list[GridTHW]):
-        """Padded metadata of this batch for this graph, on the device, from a small LRU (a repeated batch
-        shape costs a device-to-device copy per replay instead of a host-to-device one). None if the batch
-        does not fit the graph's slots."""
+        """Padded metadata of this batch for this graph, on the device, from the DeviceMetadataCache keyed by
+        (bucket, kind, grids). None if the batch does not fit the graph's slots."""
         key = (graph.bucket, graph.kind, tuple(grids))
         try:
             return self._device_meta.get(key, lambda: graph.pad(self.tower.metadata(grids)).to(self.device))

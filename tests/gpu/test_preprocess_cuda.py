@@ -39,18 +39,14 @@ from tests.support.preprocess_cases import (  # noqa: E402
     JPEGS,
     LIMITS,
     cmyk_jpeg,
-    config_and_processor,
     encode,
+    family_fixture,
     multi_picture_jpeg,
     photo_1080p_jpeg,
 )
 
 
-@pytest.fixture(params=sorted(HUB_CONFIGS), scope="module")
-def family(request, tmp_path_factory):
-    """(our config, transformers' default processor) from the same checkpoint directory."""
-    spec, settings = HUB_CONFIGS[request.param]
-    return config_and_processor(tmp_path_factory.mktemp(request.param), spec, settings, Qwen2VLImageProcessor)
+family = family_fixture(Qwen2VLImageProcessor)  # (our config, transformers' processor) per published checkpoint
 
 
 def assert_equal(ours: torch.Tensor, theirs: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from encoder_service.models.spec import VisionSpec
@@ -62,6 +63,19 @@ def config_and_processor(path: Path, spec: VisionSpec, settings: dict, processor
     (made at `path`) holding the processor `settings`."""
     checkpoint = write_checkpoint(path, settings)
     return PreprocessConfig.from_checkpoint(checkpoint, spec), processor_class.from_pretrained(checkpoint)
+
+
+def family_fixture(processor_class):
+    """A module-scoped `family` fixture over the published checkpoints (params: HUB_CONFIGS' names): (our
+    PreprocessConfig, transformers' `processor_class`), both read from one checkpoint directory. A test
+    module takes it as `family = family_fixture(SomeProcessor)`."""
+
+    @pytest.fixture(params=sorted(HUB_CONFIGS), scope="module")
+    def family(request, tmp_path_factory):
+        spec, settings = HUB_CONFIGS[request.param]
+        return config_and_processor(tmp_path_factory.mktemp(request.param), spec, settings, processor_class)
+
+    return family
 
 
 def encode(image: Image.Image, fmt: str, **save_args) -> bytes:

@@ -24,7 +24,6 @@ from tests.support.preprocess_cases import (
     BAD_INPUTS,
     CLIP_MEAN,
     DATA,
-    HUB_CONFIGS,
     IMAGES,
     LIMITS,
     ODD_SIZES,
@@ -36,6 +35,7 @@ from tests.support.preprocess_cases import (
     config_and_processor,
     encode,
     exif_rotated_jpeg,
+    family_fixture,
     multi_picture_jpeg,
     photo_1080p_jpeg,
     rgb_image,
@@ -43,11 +43,7 @@ from tests.support.preprocess_cases import (
 )
 
 
-@pytest.fixture(params=sorted(HUB_CONFIGS), scope="module")
-def family(request, tmp_path_factory):
-    """(our config, transformers' processor) loaded from the same hub-style checkpoint directory."""
-    spec, settings = HUB_CONFIGS[request.param]
-    return config_and_processor(tmp_path_factory.mktemp(request.param), spec, settings, Qwen2VLImageProcessorPil)
+family = family_fixture(Qwen2VLImageProcessorPil)  # (our config, transformers' processor) per published checkpoint
 
 
 def assert_same_as_transformers(data: bytes, family) -> None:
