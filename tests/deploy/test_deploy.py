@@ -106,6 +106,19 @@ def pod_specs(docs) -> list[tuple[str, dict]]:
     return specs
 
 
+def readme_config_rows() -> dict[str, list[str]]:
+    """The README's Configuration table: first flag of each row -> its cells (flag, env, default, meaning)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if re.match(r"^\|\s*flag\s*\|\s*env\s*\|", line))
+    rows = {}
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[re.search(r"--[a-z0-9-]+", cells[0]).group(0)] = cells
+    return rows
+
+
 @functools.cache
 def readme_env_vars() -> frozenset[str]:
     """The ENCODER_* names of the README's Configuration table (the CLI's env twins): parsed, not copied."""
@@ -230,6 +243,19 @@ def test_dockerfile_contract():
     assert "--index-url" in build and "TORCH_INDEX_URL" in build and "/opt/venv" in build
 
 
+def test_dockerfile_matches_extras():
+    """The image's optional FlashAttention-4 layer installs the pyproject extra's versions, and the package with
+    the sglang extra (pyzmq: --sglang-protocol)."""
+    extras = (ROOT / "pyproject.toml").read_text()
+    ins = dockerfile_instructions()
+    args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
+    fa4 = re.search(r'^fa4 = \["flash-attn-4==([^"]+)", "nvidia-cutlass-dsl>=([^"]+)"\]', extras, re.M)
+    assert fa4, "pyproject's fa4 extra changed shape: update this test"
+    assert args["FA4_VERSION"] == fa4.group(1) and args["CUTLASS_DSL_VERSION"] == fa4.group(2)
+    assert args["WITH_FA4"] == "1"  # the README and deploy/README say the image has it by default
+    assert any(k == "RUN" and '"/src[sglang]"' in v for k, v in ins)
+
+
 def test_dockerignore():
     entries = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", ".pytest_cache", "**/__pycache__", "tests"} <= entries
@@ -262,6 +288,7 @@ def test_chart_is_self_contained():
         (("service.sessionAffinity=Sticky",), "service.sessionAffinity"),
         (("sglang.enabled=true", "sglang.port=50051"), "sglang.port must differ"),
         (("sglang.port=0",), "sglang.port"),
+        (("server.device=gpu",), "server.device"),
     ],
 )
 def test_bad_values_are_rejected(sets, message):
@@ -320,6 +347,27 @@ def test_env_names_are_cli_twins(scenario):
     assert env["HF_HOME"]["value"] == "/models/hf-cache"
     for e in env.values():  # Kubernetes wants strings; a float would print as 6.7108864e+07
         assert "valueFrom" in e or (isinstance(e["value"], str) and "e+" not in e["value"]), e
+
+
+def test_readme_table_is_the_cli():
+    """One README row per `encoder-service serve` flag (settings.OPTIONS), with its env twin, its default where
+    it has a literal one, and every choice of a choice flag; no row for a flag that does not exist."""
+    from encoder_service import settings
+
+    rows = readme_config_rows()
+    assert set(rows) == {settings.flag(name) for name in settings.OPTIONS}, sorted(rows)
+    choices = {"dtype": settings.DTYPES, "preprocess": settings.PREPROCESS_BACKENDS, "hash": settings.HASHES,
+               "attention": settings.ATTENTION, "log_level": settings.LOG_LEVELS}
+    for name, (_, default, _) in settings.OPTIONS.items():
+        flag, env, shown, meaning = rows[settings.flag(name)]
+        assert f"`{settings.env_name(name)}`" in env, (flag, env)
+        if name in settings._SWITCHES:
+            assert flag == f"`{settings.flag(name)} / --no-{settings.flag(name)[2:]}`", flag
+            assert shown == ("off" if default == "false" else "on (GPU only)"), (flag, shown)
+        elif default not in (None, ""):
+            assert shown == f"`{default}`", (flag, shown, default)
+        for choice in choices.get(name, ()):
+            assert f"`{choice}`" in shown + meaning, (flag, choice)
 
 
 def test_every_cli_env_var_is_wired():

@@ -99,7 +99,7 @@ key: redis-url
 
 {{/*
 The encoder container's env. Every ENCODER_* variable is the env twin of an `encoder-service serve` flag
-(README "Configuration"; tests/test_deploy.py checks the names against that table). A literal value that
+(README "Configuration"; tests/deploy/test_deploy.py checks the names against that table). A literal value that
 is null or "" is left out, so the service's own default applies. YAML numbers reach templates as
 float64: integral ones are printed without an exponent.
 */}}
