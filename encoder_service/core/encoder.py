@@ -409,7 +409,8 @@ class EncoderCore:
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
         """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
         it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
-        Redis GETRANGE)."""
+        Redis GETRANGE). No rows: how the id's encode failed here, if it did (its flight may have ended since
+        `_num_tokens`), else NotFound."""
         flight = self.flights.get(key.name)
         with self.flights.waiting(key.name):
             if flight is not None:
@@ -421,6 +422,7 @@ class EncoderCore:
             else:
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
+            self.flights.raise_failure(key)  # its flight failed after the chunk was sized from it
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         tier = "local" if self.store.peek(key) is not None else "redis"
         self.metrics.cache_hits.labels(tier=tier).inc()
