@@ -87,14 +87,12 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
+            header = msgs.header_to_proto(result.header())
             if shm is not None:  # the rows are in the client's file: the header alone answers
-                header = wire.WireHeader(result.dtype, result.row_width, result.layout, tuple(result.segments))
-                message = msgs.header_to_proto(header)
-                message.shm_bytes = result.shm_bytes
-                await context.write(pb.FetchChunk(header=message))
+                header.shm_bytes = result.shm_bytes
+                await context.write(pb.FetchChunk(header=header))
                 return
-            header = wire.WireHeader.of(result.segments, result.rows, result.layout)  # checks rows against segments
-            await context.write(pb.FetchChunk(header=msgs.header_to_proto(header)))
+            await context.write(pb.FetchChunk(header=header))
             # Each write waits for flow control: the stream stays a few messages ahead of the reader.
             for piece in wire.grpc_data_chunks(result.rows, FETCH_DATA_BYTES):
                 await context.write(pb.FetchChunk(data=bytes(piece)))
