@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.core import FetchItem, ImageInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, Overloaded
+from encoder_service.errors import EncoderServiceError, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol import wire
 from encoder_service.protocol.proto import encoder_pb2 as pb
@@ -68,7 +68,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         async with self._rpc(context, "encode"):
-            images = [_image_input(i, img) for i, img in enumerate(request.images)]
+            images = [_image_input(img) for img in request.images]
             result = await self._core.encode(images, wait=request.wait or request.return_embeddings,
                                              return_embeddings=request.return_embeddings,
                                              timeout_s=_time_left(context))
@@ -135,10 +135,9 @@ def _time_left(context) -> float | None:
     return None if remaining is None else max(0.0, remaining)
 
 
-def _image_input(index: int, img: pb.Image) -> ImageInput:
+def _image_input(img: pb.Image) -> ImageInput:
+    """Neither source set: the core's InvalidInput (core/images.py: read), as for HTTP."""
     source = img.WhichOneof("source")
-    if source is None:
-        raise InvalidInput(f"image {index}: set one of data / url")
     return ImageInput(data=img.data if source == "data" else None, url=img.url if source == "url" else None,
                       caller_id=img.caller_id or None)
 

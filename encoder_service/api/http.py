@@ -261,15 +261,17 @@ def _parse(model: type[BaseModel], body: bytes):
 
 
 def _json_image(index: int, img: ImageJson) -> ImageInput:
-    if (img.data is None) == (img.url is None):
-        raise InvalidInput(f"image {index}: give exactly one of data (base64) or url")
-    if img.url is not None:
-        return ImageInput(url=img.url, caller_id=img.id)
+    """The core checks that exactly one of data / url is given (core/images.py: read)."""
+    data = None if img.data is None else _b64(f"image {index}: data", img.data)
+    return ImageInput(data=data, url=img.url, caller_id=img.id)
+
+
+def _b64(where: str, text: str) -> bytes:
+    """Strict base64 (no characters outside the alphabet); InvalidInput naming `where` (also SGLang's)."""
     try:
-        data = base64.b64decode(img.data, validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"image {index}: data is not valid base64 ({exc})") from None
-    return ImageInput(data=data, caller_id=img.id)
+        raise InvalidInput(f"{where}: not valid base64 ({exc})") from None
 
 
 async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:

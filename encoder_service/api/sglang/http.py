@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from encoder_service.api import errors as api_errors
-from encoder_service.api.http import _bounded, _parse
+from encoder_service.api.http import _b64, _bounded, _parse
 from encoder_service.api.sglang import header as hdr
 from encoder_service.api.sglang.push import Pusher, endpoint
 from encoder_service.api.sglang.session import Part, Sessions
@@ -41,7 +41,6 @@ from encoder_service.protocol.wire import row_bytes
 
 log = logging.getLogger(__name__)
 
-MODALITIES = ("IMAGE", "VIDEO", "AUDIO")
 # Keys of an mm_items dict that change nothing here: SGLang's content hash (we hash the bytes ourselves) and
 # the OpenAI `detail` (Qwen-VL has no such option). Any other option would change the embedding and is refused.
 _IGNORED_ITEM_KEYS = {"content_hash", "detail"}
@@ -149,7 +148,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
         code = api_errors.http_status(exc)
         try:
             error = hdr.error_header(body.req_id, body.num_parts, body.part_idx, message, code,
-                                     body.modality if body.modality in MODALITIES else "IMAGE")
+                                     body.modality if body.modality in hdr.MODALITIES else "IMAGE")
         except ValueError:  # no header can carry this part (e.g. a bad part_idx): the HTTP answer alone
             return _error_response(exc, body.req_id)
         if body.embedding_port is not None:
@@ -173,8 +172,8 @@ def validate_encode(body: EncodeBody) -> None:
     """What SGLang's own encoder checks (runtime.py validate_encode_request), plus the destination."""
     if not body.req_id:
         raise InvalidInput("req_id must be a non-empty string")
-    if body.modality not in MODALITIES:
-        raise InvalidInput(f"modality must be one of {', '.join(MODALITIES)}, got {body.modality!r:.50}")
+    if body.modality not in hdr.MODALITIES:
+        raise InvalidInput(f"modality must be one of {', '.join(hdr.MODALITIES)}, got {body.modality!r:.50}")
     if body.modality != "IMAGE":
         raise InvalidInput(f"this encoder serves images only, got modality {body.modality}")
     if not body.mm_items:
@@ -215,13 +214,6 @@ def image_input(index: int, item: str | dict) -> ImageInput:
             pass
     raise InvalidInput(f"{where}: not a data: URI, base64 or an http(s) URL ({item[:60]!r}); local file paths are "
                        "never read (send the image inline, or by URL from an --allow-url-hosts host)")
-
-
-def _b64(where: str, payload: str) -> bytes:
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"{where}: not valid base64 ({exc})") from None
 
 
 def _error_response(exc: EncoderServiceError, req_id: str | None) -> JSONResponse:
