@@ -450,6 +450,11 @@ class RedisTier:
 
     # ---- state ----------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> str:
+        """"up" or "down" (readiness detail, stats)."""
+        return "up" if self.up else "down"
+
     def _available(self) -> bool:
         if not self.up:
             self.counters["skipped_down"] += 1
@@ -520,7 +525,7 @@ class RedisTier:
             self.counters,
             **self._conns.counters,
             **self._subscriber.counters,
-            state="up" if self.up else "down",
+            state=self.state,
             writes_paused=self._writes_paused(),
             queued_bytes=self._queued_bytes,
             queued_notices=self._queued_notices,

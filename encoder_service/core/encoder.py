@@ -115,7 +115,7 @@ class EncoderCore:
     def readiness(self) -> dict:
         """`ready`, with the Redis tier's state as detail ("up", "down" or "off"). Redis down leaves the
         service ready: it serves from the local tier and encodes on. Liveness never looks at Redis."""
-        return {"ready": self.ready(), "redis": self.store.stats().get("redis_state", "off")}
+        return {"ready": self.ready(), "redis": "off" if self.store.redis is None else self.store.redis.state}
 
     def metadata(self) -> dict:
         s, spec = self.settings, self.spec
@@ -244,7 +244,7 @@ class EncoderCore:
     def _never_pinnable(self, sizes: dict[str, int], first_index: dict[str, int]) -> errors.LimitExceeded | None:
         """Why this request's pins could not be granted even with no other pin held (one image over
         --max-pinned-bytes, or all of them together), else None: they fit once other pins end (429)."""
-        limit = self.store.stats()["local_max_pinned_bytes"]
+        limit = self.store.local.max_pinned_bytes
         for name, nbytes in sizes.items():
             if nbytes > limit:
                 return errors.LimitExceeded(
