@@ -15,6 +15,7 @@ import pytest
 import torch
 import zmq
 
+from encoder_service.cache import make_key
 from encoder_service.core import ImageInput
 from tests.support.images import image_bytes
 from tests.support.service import running
@@ -173,6 +174,23 @@ def test_every_tp_rank_gets_a_copy(sglang_service):
     finally:
         for p in ranks:
             p.close()
+
+
+def test_an_encode_leaves_no_pins_behind(sglang_service, pull):
+    """The rows are pushed, never fetched: /encode ends its images' leases, or they would hold
+    --max-pinned-bytes for --lease-s."""
+    svc = sglang_service
+    a = image_bytes(62, 46, seed=109)
+    rid = uuid.uuid4().hex + "_local_part_0"
+    r = httpx.post(f"{svc.sglang_url}/encode", timeout=60, json=encode_body(rid, [data_uri(a)] * 2,
+                                                                          embedding_port=pull.port))
+    assert r.status_code == 200 and len(pull.recv()) == 2
+    name = make_key(a, svc.core.model_fp, svc.core.settings.cache.hash).name
+
+    async def state():
+        return svc.core.store.local.is_pinned(name), svc.core.store.peek(name) is not None
+
+    assert svc.call(state) == (False, True)  # not pinned, still cached
 
 
 def test_tokenizer_transport(sglang_service_qwen3, pull):

@@ -118,6 +118,9 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
     async def _encode(body: EncodeBody, part: Part) -> None:
         images = [image_input(i, item) for i, item in enumerate(body.mm_items)]
         result = await core.encode(images, wait=True, return_embeddings=True, timeout_s=sessions.ttl_s)
+        # The rows go out in the push below and nothing fetches these ids: their encode pins (leases) end now,
+        # instead of holding --max-pinned-bytes for --lease-s (until then further encodes would be 429).
+        core.release([info.id for info in result.images])
         rows = result.embeddings[0] if len(result.embeddings) == 1 else torch.cat(result.embeddings)
         rows = rows.contiguous()
         frames = [hdr.embedding_header(body.req_id, body.num_parts, body.part_idx,
