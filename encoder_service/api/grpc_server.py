@@ -69,9 +69,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         async with self._rpc(context, "encode"):
             images = [_image_input(img) for img in request.images]
-            result = await self._core.encode(images, wait=request.wait or request.return_embeddings,
-                                             return_embeddings=request.return_embeddings,
-                                             timeout_s=_time_left(context))
+            result = await self._core.encode(images, wait=request.wait, return_embeddings=request.return_embeddings,
+                                             timeout_s=_time_left(context))  # the core waits for embeddings
             context.set_trailing_metadata(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
