@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
+from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
-from encoder_service.api.http import _b64, _bounded, _parse
 from encoder_service.api.sglang import header as hdr
 from encoder_service.api.sglang.push import Pusher, endpoint
 from encoder_service.api.sglang.session import Part, Sessions
@@ -84,7 +84,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
         metrics.in_flight.inc()
         outcome, body, part = "ok", None, None
         try:
-            body = _parse(EncodeBody, await _bounded(request, max_body).body())
+            body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
             validate_encode(body)
             part = sessions.open_encode(body.req_id)
             await _encode(body, part)
@@ -101,7 +101,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
     async def scheduler_receive_url(request: Request):
         outcome, body = "ok", None
         try:
-            body = _parse(RegisterBody, await _bounded(request, _REGISTER_MAX_BYTES).body())
+            body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
             if not body.req_id:
                 raise InvalidInput("req_id must be a non-empty string")
             endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
@@ -209,7 +209,7 @@ def image_input(index: int, item: str | dict) -> ImageInput:
         head, sep, payload = item.partition(",")
         if not sep or not head.lower().endswith(";base64"):
             raise InvalidInput(f"{where}: a data: URI must be data:<mime>;base64,<data>")
-        return ImageInput(data=_b64(where, payload))
+        return ImageInput(data=bodies.b64(where, payload))
     if not item.startswith("file:"):
         try:
             return ImageInput(data=base64.b64decode(item, validate=True))
