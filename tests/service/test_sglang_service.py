@@ -250,6 +250,11 @@ def test_error_to_the_tokenizer_port(sglang_service, pull):
     (frame,) = pull.recv()
     assert "local file paths" in walk(frame)[2]["error_msg"]
 
+    async def part():
+        return svc.service._sglang_protocol.sessions.get(rid)
+
+    assert svc.call(part) is None  # the failed part is not kept (it would hold a slot until its TTL)
+
 
 @pytest.mark.parametrize("change, status, needle", [
     (dict(mm_items=["aGk="] * 9), 400, "number of images in the request is 9, over the limit of 8"),

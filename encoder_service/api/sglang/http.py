@@ -143,6 +143,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
             exc = EncoderServiceError("internal error")
         if body is None:
             return _error_response(exc, None)
+        opened = part
         if part is None:  # failed before this /encode opened its part
             part = sessions.get(body.req_id)
             if part is not None and part.encoding:  # a duplicate: the /encode running must not be disturbed
@@ -156,6 +157,8 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
             return _error_response(exc, body.req_id)
         if body.embedding_port is not None:
             await _push_quietly([f"{body.prefill_host}:{body.embedding_port}"], [error], persistent=False)
+            if opened is not None:  # no rank registers for a tokenizer part: nothing to keep it for
+                sessions.finish(opened)
         elif part is not None:
             sessions.fail(part, error)  # ranks registering later get it too
             await _push_quietly(part.receive_urls, [error], persistent=True)
