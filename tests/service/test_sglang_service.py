@@ -6,6 +6,8 @@ against the service in tests/engines/sglang/."""
 from __future__ import annotations
 
 import base64
+import logging
+import socket
 import threading
 import time
 import uuid
@@ -293,3 +295,24 @@ def test_registration_validation(sglang_service):
         body = {"req_id": "r", "receive_count": 1, "receive_url": "127.0.0.1:1", "modality": "IMAGE"} | bad
         r = httpx.post(f"{sglang_service.sglang_url}/scheduler_receive_url", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["status"] == "error", r.text
+
+
+def test_a_client_gone_mid_upload_is_cancelled_not_an_error(sglang_service, caplog):
+    svc = sglang_service
+
+    def cancelled() -> float:
+        return svc.sample("encoder_requests_total", {"method": "sglang_encode", "outcome": "cancelled"})
+
+    caplog.set_level(logging.DEBUG)
+    before = cancelled()
+    host, port = svc.sglang_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b"{" * 1000)
+        time.sleep(0.2)  # the server reads the body; then the client goes away with 99% of it unsent
+    for _ in range(200):  # the server learns of it asynchronously
+        if cancelled() > before:
+            break
+        time.sleep(0.05)
+    assert cancelled() - before == 1
+    assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]

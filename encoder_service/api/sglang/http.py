@@ -27,8 +27,9 @@ import time
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from starlette.requests import ClientDisconnect
 
 from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
@@ -89,6 +90,12 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
             part = sessions.open_encode(body.req_id)
             await _encode(body, part)
             return JSONResponse(None)
+        except ClientDisconnect:  # gone mid-upload, as /v1/encode counts it: no body, so nobody to tell
+            outcome = "cancelled"
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
             outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
             return await _fail(body, part, exc)
