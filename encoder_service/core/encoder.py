@@ -411,8 +411,7 @@ class EncoderCore:
         it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
         Redis GETRANGE). No rows: how the id's encode failed here, if it did (its flight may have ended since
         `_num_tokens`), else NotFound."""
-        flight = self.flights.get(key.name)
-        with self.flights.waiting(key.name):
+        with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
                     entry, _ = await asyncio.shield(flight.task)
