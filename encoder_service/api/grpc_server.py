@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.core import FetchItem, ImageInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, Overloaded
+from encoder_service.errors import EncoderServiceError, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol import wire
 from encoder_service.protocol.proto import encoder_pb2 as pb
@@ -68,10 +68,9 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         async with self._rpc(context, "encode"):
-            images = [_image_input(i, img) for i, img in enumerate(request.images)]
-            result = await self._core.encode(images, wait=request.wait or request.return_embeddings,
-                                             return_embeddings=request.return_embeddings,
-                                             timeout_s=_time_left(context))
+            images = [_image_input(img) for img in request.images]
+            result = await self._core.encode(images, wait=request.wait, return_embeddings=request.return_embeddings,
+                                             timeout_s=_time_left(context))  # the core waits for embeddings
             context.set_trailing_metadata(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
@@ -87,14 +86,12 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
+            header = msgs.header_to_proto(result.header())
             if shm is not None:  # the rows are in the client's file: the header alone answers
-                header = wire.WireHeader(result.dtype, result.row_width, result.layout, tuple(result.segments))
-                message = msgs.header_to_proto(header)
-                message.shm_bytes = result.shm_bytes
-                await context.write(pb.FetchChunk(header=message))
+                header.shm_bytes = result.shm_bytes
+                await context.write(pb.FetchChunk(header=header))
                 return
-            header = wire.WireHeader.of(result.segments, result.rows, result.layout)  # checks rows against segments
-            await context.write(pb.FetchChunk(header=msgs.header_to_proto(header)))
+            await context.write(pb.FetchChunk(header=header))
             # Each write waits for flow control: the stream stays a few messages ahead of the reader.
             for piece in wire.grpc_data_chunks(result.rows, FETCH_DATA_BYTES):
                 await context.write(pb.FetchChunk(data=bytes(piece)))
@@ -137,10 +134,9 @@ def _time_left(context) -> float | None:
     return None if remaining is None else max(0.0, remaining)
 
 
-def _image_input(index: int, img: pb.Image) -> ImageInput:
+def _image_input(img: pb.Image) -> ImageInput:
+    """Neither source set: the core's InvalidInput (core/images.py: read), as for HTTP."""
     source = img.WhichOneof("source")
-    if source is None:
-        raise InvalidInput(f"image {index}: set one of data / url")
     return ImageInput(data=img.data if source == "data" else None, url=img.url if source == "url" else None,
                       caller_id=img.caller_id or None)
 

@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import logging
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive
 
+from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded
+from encoder_service.errors import EncoderServiceError, InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.shm import ShmTarget
@@ -158,12 +157,12 @@ def create_app(core: EncoderCore) -> FastAPI:
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
-        bounded = _bounded(request, max_body)
+        bounded = bodies.bounded(request, max_body)
         q = request.query_params
         wait, embeds = _qbool(q, "wait"), _qbool(q, "return_embeddings")
         timeout_s = _qfloat(q, "timeout_s")
         if ctype == "application/json":
-            body = _parse(EncodeJson, await bounded.body())
+            body = bodies.parse(EncodeJson, await bounded.body())
             images = [_json_image(i, img) for i, img in enumerate(body.images)]
             wait, embeds, timeout_s = body.wait, body.return_embeddings, body.timeout_s
         elif ctype == "multipart/form-data":
@@ -190,11 +189,10 @@ def create_app(core: EncoderCore) -> FastAPI:
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
                                   timeout_s=body.timeout_s, shm=shm)
+        header = result.header()
         if shm is not None:  # the rows are in the client's file: the header alone answers
-            header = wire.WireHeader(result.dtype, result.row_width, result.layout, tuple(result.segments))
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
                                 headers=dict(timing_headers(result.timings)))
-        header = wire.WireHeader.of(result.segments, result.rows, result.layout)  # checks rows against segments
         if SAFETENSORS in request.headers.get("accept", ""):
             payload, media = wire.encode_safetensors(header, result.rows), SAFETENSORS
         else:
@@ -207,7 +205,7 @@ def create_app(core: EncoderCore) -> FastAPI:
         ctype = _content_type(request)
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
-        return _parse(model, await _bounded(request, max_body).body())
+        return bodies.parse(model, await bodies.bounded(request, max_body).body())
 
     async def _release(request: Request) -> Response:
         body = await _json_body(request, ReleaseJson)
@@ -233,44 +231,10 @@ def _content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-def _bounded(request: Request, limit: int) -> Request:
-    """A view of `request` whose body reads raise LimitExceeded past `limit` bytes (never buffered beyond)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise LimitExceeded("request body bytes (Content-Length)", int(declared), limit)
-    received = 0
-    receive: Receive = request.receive
-
-    async def bounded_receive() -> Message:
-        nonlocal received
-        message = await receive()
-        if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise LimitExceeded("request body bytes", f"over {limit}", limit)
-        return message
-
-    return Request(request.scope, bounded_receive)
-
-
-def _parse(model: type[BaseModel], body: bytes):
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
-        raise InvalidInput(f"bad JSON body: {problems}") from None
-
-
 def _json_image(index: int, img: ImageJson) -> ImageInput:
-    if (img.data is None) == (img.url is None):
-        raise InvalidInput(f"image {index}: give exactly one of data (base64) or url")
-    if img.url is not None:
-        return ImageInput(url=img.url, caller_id=img.id)
-    try:
-        data = base64.b64decode(img.data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"image {index}: data is not valid base64 ({exc})") from None
-    return ImageInput(data=data, caller_id=img.id)
+    """The core checks that exactly one of data / url is given (core/images.py: read)."""
+    data = None if img.data is None else bodies.b64(f"image {index}: data", img.data)
+    return ImageInput(data=data, url=img.url, caller_id=img.id)
 
 
 async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:

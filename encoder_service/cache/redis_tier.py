@@ -224,8 +224,8 @@ class RedisTier:
     def write_behind(self, key: str, entry: Entry) -> bool:
         """Queue a write; never blocks. False (counted) when down, paused by OOM, or the queue is full; then
         an id marked pending here is settled as failed ("not stored"), so fetches elsewhere stop waiting."""
-        if not self.up or self._writes_paused():
-            self._dropped(key, "Redis is unreachable" if not self.up else "Redis is full")
+        if (why := self._not_writing()) is not None:
+            self._dropped(key, why)
             return False
         if self._queued_bytes + entry.nbytes > self.max_queued_bytes:
             self._dropped(key, "the write-behind queue to Redis was full")
@@ -261,8 +261,8 @@ class RedisTier:
                 self._queue.task_done()
 
     async def _write(self, key: str, entry: Entry) -> None:
-        if not self.up or self._writes_paused():
-            self._dropped(key, "Redis is unreachable" if not self.up else "Redis is full")
+        if (why := self._not_writing()) is not None:
+            self._dropped(key, why)
             return
         value = await asyncio.to_thread(entry.to_bytes, key)
         try:
@@ -292,7 +292,7 @@ class RedisTier:
         another replica waits for them instead of answering 404. Awaited before `encode` answers: one round
         trip for all keys. False (nothing marked) while down or paused by OOM (the rows could not be stored
         either: a fetch elsewhere then answers 404, as without markers), or on an error."""
-        if not keys or not self.up or self._writes_paused():
+        if not keys or self._not_writing() is not None:
             return False
         px = max(1, int(ttl_s * 1000))
         try:
@@ -315,7 +315,7 @@ class RedisTier:
         has and this tier is not writing already. TOUCH also refreshes their LRU clock in Redis: a replica
         serving an id from its own tier sends Redis nothing else, so without it Redis would evict the ids most
         used here first. One round trip; [] (nothing to act on) while down or paused by OOM, or on an error."""
-        if not keys or not self.up or self._writes_paused():
+        if not keys or self._not_writing() is not None:
             return []
         try:
             found = await self._conns.pipelined(*(("touch", k) for k in keys))
@@ -450,6 +450,11 @@ class RedisTier:
 
     # ---- state ----------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> str:
+        """"up" or "down" (readiness detail, stats)."""
+        return "up" if self.up else "down"
+
     def _available(self) -> bool:
         if not self.up:
             self.counters["skipped_down"] += 1
@@ -457,6 +462,12 @@ class RedisTier:
 
     def _writes_paused(self) -> bool:
         return time.monotonic() < self._writes_paused_until
+
+    def _not_writing(self) -> str | None:
+        """Why nothing is written to Redis now (down, or paused by an OOM reply), else None."""
+        if not self.up:
+            return "Redis is unreachable"
+        return "Redis is full" if self._writes_paused() else None
 
     def _on_error(self, exc: Exception, *, writing: bool = False) -> None:
         self.counters["errors"] += 1
@@ -520,7 +531,7 @@ class RedisTier:
             self.counters,
             **self._conns.counters,
             **self._subscriber.counters,
-            state="up" if self.up else "down",
+            state=self.state,
             writes_paused=self._writes_paused(),
             queued_bytes=self._queued_bytes,
             queued_notices=self._queued_notices,

@@ -62,6 +62,11 @@ def _name(key: Key) -> str:
     return key.name if isinstance(key, CacheKey) else key
 
 
+def _names(keys: Iterable[Key]) -> list[str]:
+    """Their names, each once, in order."""
+    return list(dict.fromkeys(_name(k) for k in keys))
+
+
 class EmbeddingStore:
     def __init__(
         self,
@@ -184,8 +189,7 @@ class EmbeddingStore:
         the store's), so a fetch on another replica waits for them. False without Redis or when not marked."""
         if self.redis is None:
             return False
-        names = list(dict.fromkeys(_name(k) for k in keys))
-        return await self.redis.mark_pending(names, self.lease_s if lease_s is None else lease_s)
+        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s)
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
         """For a fetch that missed every tier: wait until another replica's encode of `key` lands in Redis
@@ -198,19 +202,18 @@ class EmbeddingStore:
         label = key.id if isinstance(key, CacheKey) else key
         return await self.redis.wait_for(_name(key), timeout_s, label)
 
-    async def share(self, keys: Iterable[Key], lease_s: float | None = None) -> int:
+    async def share(self, keys: Iterable[Key]) -> int:
         """Ids an `encode` answers from the local tier: another replica may fetch them. Those Redis evicted are
-        marked pending for `lease_s` (default: the store's) and written again from the local tier (a fetch
-        elsewhere waits for the write); the others are only touched in Redis (its LRU follows their use here).
+        marked pending for the store's lease and written again from the local tier (a fetch elsewhere waits
+        for the write); the others are only touched in Redis (its LRU follows their use here).
         Returns how many were written again; 0 without Redis."""
         if self.redis is None:
             return 0
-        names = list(dict.fromkeys(_name(k) for k in keys))
-        missing = {name: entry for name in await self.redis.touch(names)
+        missing = {name: entry for name in await self.redis.touch(_names(keys))
                    if (entry := self.local.peek(name)) is not None}
         if not missing:
             return 0
-        await self.redis.mark_pending(list(missing), self.lease_s if lease_s is None else lease_s)
+        await self.redis.mark_pending(list(missing), self.lease_s)
         for name, entry in missing.items():  # each write, once it lands, settles its marker
             self.redis.write_behind(name, entry)
         self.counters["reshared"] += len(missing)

@@ -7,7 +7,8 @@
   handoff.py     across replicas (Redis): mark accepted ids pending; a fetch waits for another replica's encode
   timeouts.py    timeout_s (None / 0: don't wait / > 0), one Deadline over waits in turn, the bounded gather
   shm_writer.py  shared-memory fetch, server side: rows into a co-located client's file
-  urls.py        allow-listed URL images;  metrics.py: Prometheus
+  urls.py        allow-listed URL images
+  metrics.py     Prometheus metrics (one registry per core); cache_metrics.py: the cache's and shm's counters on it
 """
 
 from encoder_service.core.encoder import EncoderCore

@@ -115,7 +115,7 @@ class EncoderCore:
     def readiness(self) -> dict:
         """`ready`, with the Redis tier's state as detail ("up", "down" or "off"). Redis down leaves the
         service ready: it serves from the local tier and encodes on. Liveness never looks at Redis."""
-        return {"ready": self.ready(), "redis": self.store.stats().get("redis_state", "off")}
+        return {"ready": self.ready(), "redis": "off" if self.store.redis is None else self.store.redis.state}
 
     def metadata(self) -> dict:
         s, spec = self.settings, self.spec
@@ -244,7 +244,7 @@ class EncoderCore:
     def _never_pinnable(self, sizes: dict[str, int], first_index: dict[str, int]) -> errors.LimitExceeded | None:
         """Why this request's pins could not be granted even with no other pin held (one image over
         --max-pinned-bytes, or all of them together), else None: they fit once other pins end (429)."""
-        limit = self.store.stats()["local_max_pinned_bytes"]
+        limit = self.store.local.max_pinned_bytes
         for name, nbytes in sizes.items():
             if nbytes > limit:
                 return errors.LimitExceeded(
@@ -409,9 +409,9 @@ class EncoderCore:
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
         """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
         it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
-        Redis GETRANGE)."""
-        flight = self.flights.get(key.name)
-        with self.flights.waiting(key.name):
+        Redis GETRANGE). No rows: how the id's encode failed here, if it did (its flight may have ended since
+        `_num_tokens`), else NotFound."""
+        with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
                     entry, _ = await asyncio.shield(flight.task)
@@ -421,6 +421,7 @@ class EncoderCore:
             else:
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
+            self.flights.raise_failure(key)  # its flight failed after the chunk was sized from it
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         tier = "local" if self.store.peek(key) is not None else "redis"
         self.metrics.cache_hits.labels(tier=tier).inc()

@@ -103,13 +103,13 @@ class Flights:
         raise exc.prefixed(f"encode of id {key.id!r} failed: ")
 
     @contextlib.contextmanager
-    def waiting(self, name: str) -> Iterator[None]:
-        """A fetch waiting for an id's rows: its flight, if any, stays wanted meanwhile."""
+    def waiting(self, name: str) -> Iterator[Flight | None]:
+        """A fetch waiting for an id's rows: its flight (None: not in flight), which stays wanted meanwhile."""
         flight = self._flights.get(name)
         if flight is not None:
             flight.waiters += 1
         try:
-            yield
+            yield flight
         finally:
             if flight is not None:
                 flight.waiters -= 1

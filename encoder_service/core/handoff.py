@@ -63,15 +63,16 @@ class Handoff:
         try:
             await self.store.share(hits)
         except Exception:  # never fatal to the encode (a fetch elsewhere of an evicted id answers 404)
-            log.debug("sharing %d local hits failed", len(hits), exc_info=True)
+            # The tier answers Redis faults itself (counted, logged once): what reaches here is a bug.
+            log.warning("sharing %d local hits failed", len(hits), exc_info=True)
 
     async def _pending(self, keys: list[CacheKey]) -> None:
         if not keys:
             return
         try:
             marked = await self.store.mark_pending(keys)
-        except Exception:  # never fatal to the encode: the tier counts and logs its own faults
-            log.debug("marking %d ids pending failed", len(keys), exc_info=True)
+        except Exception:  # never fatal to the encode; Redis faults the tier answers itself: this is a bug
+            log.warning("marking %d ids pending failed", len(keys), exc_info=True)
             marked = False
         if marked:
             self._failing = False

@@ -22,8 +22,8 @@ class Metrics:
                                   registry=r)
         self.preprocess_ms = Histogram("encoder_preprocess_ms", "Decode + resize + patchify of one image (ms)",
                                        buckets=_MS_BUCKETS, registry=r)
-        self.encode_ms = Histogram("encoder_encode_ms", "One ViT batch from its launch to its rows on the host (ms; consecutive batches overlap)", buckets=_MS_BUCKETS,
-                                   registry=r)
+        self.encode_ms = Histogram("encoder_encode_ms", "One ViT batch from its launch to its rows on the host "
+                                   "(ms; consecutive batches overlap)", buckets=_MS_BUCKETS, registry=r)
         self.batch_patches = Histogram("encoder_batch_patches", "Patch tokens per ViT batch",
                                        buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536), registry=r)
         self.cache_ms = Histogram("encoder_cache_ms", "Cache lookup / read time (ms)", ["op"], buckets=_MS_BUCKETS,

@@ -1,6 +1,6 @@
 """What the core takes and answers. The transports build the inputs from their requests and turn the
 results into their answers (protocol/ has the payloads and messages both ends share, and `ImageInfo`,
-the per-image encode answer)."""
+the per-image encode answer; `FetchResult.header()` is a fetch's wire header for both transports)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service.protocol.image_info import ImageInfo
+from encoder_service.protocol.wire import WireHeader
 from encoder_service.ranges import Segment
 
 
@@ -41,3 +42,10 @@ class FetchResult:
     layout: str
     timings: dict[str, float] = field(default_factory=dict)  # ms
     shm_bytes: int | None = None  # bytes written into the caller's ShmTarget
+
+    def header(self) -> WireHeader:
+        """The wire header (protocol/wire.py) of this result: with rows, checked against the segments
+        (`WireHeader.of`: a mismatch is a server bug, never sent); written to shared memory, from the fields."""
+        if self.rows is not None:
+            return WireHeader.of(self.segments, self.rows, self.layout)
+        return WireHeader(self.dtype, self.row_width, self.layout, tuple(self.segments))

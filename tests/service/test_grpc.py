@@ -132,6 +132,14 @@ async def test_bad_input_gets_a_status_and_a_message(service, call, code, words)
     await _serving(service)
 
 
+async def test_an_image_without_data_or_url_is_invalid(service):
+    async with grpc.aio.insecure_channel(service.grpc_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await pb_grpc.EncoderStub(channel).Encode(pb.EncodeRequest(images=[pb.Image(caller_id="x")]), timeout=30)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "image 0: give exactly one of data or url" in exc.value.details()
+
+
 async def test_positions_past_int64_cannot_be_sent(service):
     """HTTP answers 400 for them (tests/service/test_http.py: test_bad_fetches); gRPC cannot even carry them,
     and the client says so as the same error type instead of protobuf's ValueError."""

@@ -6,6 +6,8 @@ against the service in tests/engines/sglang/."""
 from __future__ import annotations
 
 import base64
+import logging
+import socket
 import threading
 import time
 import uuid
@@ -15,6 +17,7 @@ import pytest
 import torch
 import zmq
 
+from encoder_service.cache import make_key
 from encoder_service.core import ImageInput
 from tests.support.images import image_bytes
 from tests.support.service import running
@@ -175,6 +178,23 @@ def test_every_tp_rank_gets_a_copy(sglang_service):
             p.close()
 
 
+def test_an_encode_leaves_no_pins_behind(sglang_service, pull):
+    """The rows are pushed, never fetched: /encode ends its images' leases, or they would hold
+    --max-pinned-bytes for --lease-s."""
+    svc = sglang_service
+    a = image_bytes(62, 46, seed=109)
+    rid = uuid.uuid4().hex + "_local_part_0"
+    r = httpx.post(f"{svc.sglang_url}/encode", timeout=60, json=encode_body(rid, [data_uri(a)] * 2,
+                                                                          embedding_port=pull.port))
+    assert r.status_code == 200 and len(pull.recv()) == 2
+    name = make_key(a, svc.core.model_fp, svc.core.settings.cache.hash).name
+
+    async def state():
+        return svc.core.store.local.is_pinned(name), svc.core.store.peek(name) is not None
+
+    assert svc.call(state) == (False, True)  # not pinned, still cached
+
+
 def test_tokenizer_transport(sglang_service_qwen3, pull):
     svc = sglang_service_qwen3
     images = [image_bytes(70, 50, seed=105), image_bytes(33, 90, seed=106)]
@@ -232,6 +252,11 @@ def test_error_to_the_tokenizer_port(sglang_service, pull):
     (frame,) = pull.recv()
     assert "local file paths" in walk(frame)[2]["error_msg"]
 
+    async def part():
+        return svc.service._sglang_protocol.sessions.get(rid)
+
+    assert svc.call(part) is None  # the failed part is not kept (it would hold a slot until its TTL)
+
 
 @pytest.mark.parametrize("change, status, needle", [
     (dict(mm_items=["aGk="] * 9), 400, "number of images in the request is 9, over the limit of 8"),
@@ -270,3 +295,24 @@ def test_registration_validation(sglang_service):
         body = {"req_id": "r", "receive_count": 1, "receive_url": "127.0.0.1:1", "modality": "IMAGE"} | bad
         r = httpx.post(f"{sglang_service.sglang_url}/scheduler_receive_url", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["status"] == "error", r.text
+
+
+def test_a_client_gone_mid_upload_is_cancelled_not_an_error(sglang_service, caplog):
+    svc = sglang_service
+
+    def cancelled() -> float:
+        return svc.sample("encoder_requests_total", {"method": "sglang_encode", "outcome": "cancelled"})
+
+    caplog.set_level(logging.DEBUG)
+    before = cancelled()
+    host, port = svc.sglang_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b"{" * 1000)
+        time.sleep(0.2)  # the server reads the body; then the client goes away with 99% of it unsent
+    for _ in range(200):  # the server learns of it asynchronously
+        if cancelled() > before:
+            break
+        time.sleep(0.05)
+    assert cancelled() - before == 1
+    assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]

@@ -284,6 +284,25 @@ async def test_a_failed_encode_is_remembered_for_fetch(make_core):
     assert core.engine.permits == 0
 
 
+async def test_a_fetch_sized_by_a_flight_that_fails_before_its_rows_are_read_gets_the_failure(make_core):
+    # The race behind a flaky 404: the chunk is sized from the id's flight, the flight fails (and ends)
+    # before the rows are read, and the store has nothing: the remembered failure answers, not "unknown id".
+    core = await make_core()
+    truncated = truncated_jpeg(7)
+    (info,) = (await core.encode(inputs(truncated))).images
+    flight = core.flights.get(key_of(core, truncated).name)
+    num_tokens = core._num_tokens
+
+    async def sized_then_failed(key, deadline):
+        n = await num_tokens(key, deadline)
+        await asyncio.gather(flight.task, return_exceptions=True)
+        return n
+
+    core._num_tokens = sized_then_failed
+    with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{info.id}' failed: .*trunc"):
+        await core.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S)
+
+
 async def test_failures_are_remembered_up_to_a_bound():
     flights = Flights(failures_kept=2)
 

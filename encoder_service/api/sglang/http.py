@@ -27,11 +27,12 @@ import time
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from starlette.requests import ClientDisconnect
 
+from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
-from encoder_service.api.http import _bounded, _parse
 from encoder_service.api.sglang import header as hdr
 from encoder_service.api.sglang.push import Pusher, endpoint
 from encoder_service.api.sglang.session import Part, Sessions
@@ -41,7 +42,6 @@ from encoder_service.protocol.wire import row_bytes
 
 log = logging.getLogger(__name__)
 
-MODALITIES = ("IMAGE", "VIDEO", "AUDIO")
 # Keys of an mm_items dict that change nothing here: SGLang's content hash (we hash the bytes ourselves) and
 # the OpenAI `detail` (Qwen-VL has no such option). Any other option would change the embedding and is refused.
 _IGNORED_ITEM_KEYS = {"content_hash", "detail"}
@@ -85,11 +85,17 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
         metrics.in_flight.inc()
         outcome, body, part = "ok", None, None
         try:
-            body = _parse(EncodeBody, await _bounded(request, max_body).body())
+            body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
             validate_encode(body)
             part = sessions.open_encode(body.req_id)
             await _encode(body, part)
             return JSONResponse(None)
+        except ClientDisconnect:  # gone mid-upload, as /v1/encode counts it: no body, so nobody to tell
+            outcome = "cancelled"
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
             outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
             return await _fail(body, part, exc)
@@ -102,7 +108,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
     async def scheduler_receive_url(request: Request):
         outcome, body = "ok", None
         try:
-            body = _parse(RegisterBody, await _bounded(request, _REGISTER_MAX_BYTES).body())
+            body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
             if not body.req_id:
                 raise InvalidInput("req_id must be a non-empty string")
             endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
@@ -119,6 +125,9 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
     async def _encode(body: EncodeBody, part: Part) -> None:
         images = [image_input(i, item) for i, item in enumerate(body.mm_items)]
         result = await core.encode(images, wait=True, return_embeddings=True, timeout_s=sessions.ttl_s)
+        # The rows go out in the push below and nothing fetches these ids: their encode pins (leases) end now,
+        # instead of holding --max-pinned-bytes for --lease-s (until then further encodes would be 429).
+        core.release([info.id for info in result.images])
         rows = result.embeddings[0] if len(result.embeddings) == 1 else torch.cat(result.embeddings)
         rows = rows.contiguous()
         frames = [hdr.embedding_header(body.req_id, body.num_parts, body.part_idx,
@@ -141,6 +150,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
             exc = EncoderServiceError("internal error")
         if body is None:
             return _error_response(exc, None)
+        opened = part
         if part is None:  # failed before this /encode opened its part
             part = sessions.get(body.req_id)
             if part is not None and part.encoding:  # a duplicate: the /encode running must not be disturbed
@@ -149,11 +159,13 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
         code = api_errors.http_status(exc)
         try:
             error = hdr.error_header(body.req_id, body.num_parts, body.part_idx, message, code,
-                                     body.modality if body.modality in MODALITIES else "IMAGE")
+                                     body.modality if body.modality in hdr.MODALITIES else "IMAGE")
         except ValueError:  # no header can carry this part (e.g. a bad part_idx): the HTTP answer alone
             return _error_response(exc, body.req_id)
         if body.embedding_port is not None:
             await _push_quietly([f"{body.prefill_host}:{body.embedding_port}"], [error], persistent=False)
+            if opened is not None:  # no rank registers for a tokenizer part: nothing to keep it for
+                sessions.finish(opened)
         elif part is not None:
             sessions.fail(part, error)  # ranks registering later get it too
             await _push_quietly(part.receive_urls, [error], persistent=True)
@@ -173,8 +185,8 @@ def validate_encode(body: EncodeBody) -> None:
     """What SGLang's own encoder checks (runtime.py validate_encode_request), plus the destination."""
     if not body.req_id:
         raise InvalidInput("req_id must be a non-empty string")
-    if body.modality not in MODALITIES:
-        raise InvalidInput(f"modality must be one of {', '.join(MODALITIES)}, got {body.modality!r:.50}")
+    if body.modality not in hdr.MODALITIES:
+        raise InvalidInput(f"modality must be one of {', '.join(hdr.MODALITIES)}, got {body.modality!r:.50}")
     if body.modality != "IMAGE":
         raise InvalidInput(f"this encoder serves images only, got modality {body.modality}")
     if not body.mm_items:
@@ -207,7 +219,7 @@ def image_input(index: int, item: str | dict) -> ImageInput:
         head, sep, payload = item.partition(",")
         if not sep or not head.lower().endswith(";base64"):
             raise InvalidInput(f"{where}: a data: URI must be data:<mime>;base64,<data>")
-        return ImageInput(data=_b64(where, payload))
+        return ImageInput(data=bodies.b64(where, payload))
     if not item.startswith("file:"):
         try:
             return ImageInput(data=base64.b64decode(item, validate=True))
@@ -215,13 +227,6 @@ def image_input(index: int, item: str | dict) -> ImageInput:
             pass
     raise InvalidInput(f"{where}: not a data: URI, base64 or an http(s) URL ({item[:60]!r}); local file paths are "
                        "never read (send the image inline, or by URL from an --allow-url-hosts host)")
-
-
-def _b64(where: str, payload: str) -> bytes:
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"{where}: not valid base64 ({exc})") from None
 
 
 def _error_response(exc: EncoderServiceError, req_id: str | None) -> JSONResponse:

@@ -1,0 +1,49 @@
+"""Request bodies, for both HTTP apps (api/http.py and the SGLang protocol's api/sglang/http.py): read within
+a byte limit, parse strict JSON into a model, decode strict base64."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.types import Message, Receive
+
+from encoder_service.errors import InvalidInput, LimitExceeded
+
+
+def bounded(request: Request, limit: int) -> Request:
+    """A view of `request` whose body reads raise LimitExceeded past `limit` bytes (never buffered beyond)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise LimitExceeded("request body bytes (Content-Length)", int(declared), limit)
+    received = 0
+    receive: Receive = request.receive
+
+    async def bounded_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise LimitExceeded("request body bytes", f"over {limit}", limit)
+        return message
+
+    return Request(request.scope, bounded_receive)
+
+
+def parse(model: type[BaseModel], body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+        raise InvalidInput(f"bad JSON body: {problems}") from None
+
+
+def b64(where: str, text: str) -> bytes:
+    """Strict base64 (no characters outside the alphabet); InvalidInput naming `where`."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"{where}: not valid base64 ({exc})") from None
