@@ -86,7 +86,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
-            header = msgs.header_to_proto(result.header())
+            header = msgs.header_to_proto(wire.WireHeader.of_fetch(result))
             if shm is not None:  # the rows are in the client's file: the header alone answers
                 header.shm_bytes = result.shm_bytes
                 await context.write(pb.FetchChunk(header=header))

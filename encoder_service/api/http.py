@@ -189,7 +189,7 @@ def create_app(core: EncoderCore) -> FastAPI:
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
                                   timeout_s=body.timeout_s, shm=shm)
-        header = result.header()
+        header = wire.WireHeader.of_fetch(result)
         if shm is not None:  # the rows are in the client's file: the header alone answers
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
                                 headers=dict(timing_headers(result.timings)))

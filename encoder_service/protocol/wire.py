@@ -76,6 +76,14 @@ class WireHeader:
             raise ValueError(f"rows {tuple(rows.shape)} do not match segments ({header.num_rows} rows)")
         return header
 
+    @classmethod
+    def of_fetch(cls, result) -> WireHeader:
+        """The header of a core fetch answer (`segments`, `rows`, `dtype`, `row_width`, `layout`): with rows,
+        `of` (checked against the segments); rows written to shared memory instead: from the fields alone."""
+        if result.rows is not None:
+            return cls.of(result.segments, result.rows, result.layout)
+        return cls(result.dtype, result.row_width, result.layout, tuple(result.segments))
+
     def to_dict(self) -> dict:
         return {"version": self.version, "dtype": self.dtype, "row_width": self.row_width,
                 "layout": self.layout, "num_rows": self.num_rows,
