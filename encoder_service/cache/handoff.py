@@ -41,6 +41,8 @@ same string (Redis keeps channel names apart from key names). Names outside that
 
 from __future__ import annotations
 
+import asyncio
+
 import enum
 
 from encoder_service.cache.keys import KEY_PREFIX
@@ -87,6 +89,8 @@ def failure_value(kind: str, message: str) -> bytes:
 def failure_of(exc: BaseException) -> bytes:
     if isinstance(exc, EncoderServiceError):
         return failure_value(exc.kind, exc.message)
+    if isinstance(exc, asyncio.CancelledError):  # dropped before it ran: nothing to wait for, nothing wrong
+        return failure_value("not_found", "its encode was dropped before it ran (every caller left)")
     return failure_value("internal", f"{type(exc).__name__} on the encoding replica")
 
 

@@ -165,9 +165,11 @@ class EmbeddingStore:
             entry = await create()
             if not isinstance(entry, Entry):
                 raise TypeError(f"create() for {name} returned {type(entry).__name__}, expected Entry")
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            # Fetches waiting on other replicas answer this error; a cancelled encode (the engine dropped it:
+            # every caller left) too, instead of waiting on its pending marker until the lease ends.
             if self.redis is not None:
-                self.redis.mark_failed(name, exc)  # fetches waiting on other replicas answer this error
+                self.redis.mark_failed(name, exc)
             raise
         self.counters["creates"] += 1
         self.local.put(name, entry)

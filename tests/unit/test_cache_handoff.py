@@ -106,6 +106,29 @@ async def test_a_failed_encode_is_raised_on_the_other_replica_not_404(redis_serv
         assert b.stats()["redis_pending_failures"] == 2
 
 
+async def test_a_dropped_encode_fails_the_wait_elsewhere_at_once(redis_server):
+    """An encode the engine drops (every caller left: its create is cancelled) settles its marker too, so a
+    fetch on the other replica gets a clear not-found at once instead of waiting out the lease."""
+    async with replicas(redis_server.url) as (a, b):
+        started = asyncio.Event()
+
+        async def create():
+            started.set()
+            await asyncio.Event().wait()  # the engine's future, cancelled when the image is dropped
+
+        waiting = await accepted_and_awaited(a, b, "dropped")
+        encode = asyncio.create_task(a.get_or_create("dropped", create))
+        await started.wait()
+        a._inflight["dropped"].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await encode
+        dropped = time.monotonic()
+        with pytest.raises(EncodeFailed) as info:
+            await waiting
+        assert time.monotonic() - dropped < 1.0
+        assert info.value.kind == "not_found" and "dropped" in info.value.message
+
+
 async def test_an_id_nobody_accepted_is_not_pending_at_once(redis_server):
     async with replicas(redis_server.url) as (a, b):
         t0 = time.monotonic()
