@@ -22,7 +22,8 @@ from encoder_service.integrations.vllm.transfer import (
 
 
 class FakeFetcher:
-    """fetch() blocks until the test says how the item ends: `finish(item_id)` or `finish(item_id, "why")`."""
+    """fetch() blocks until the test says how the item ends: `finish(item_id)` or `finish(item_id, "why")`.
+    fetch runs on the table's pool thread: `wait_fetched(item_id, n)` waits until it has started n times."""
 
     def __init__(self, **options):
         self.options = ConnectorOptions("http://encoder:1", **options)
@@ -31,14 +32,21 @@ class FakeFetcher:
         self.outcome: dict[str, str | None] = {}
         self.fetched, self.dropped, self.released = [], [], []
         self.arenas = None
+        self._started = threading.Condition()
 
     def fetch(self, item_id: str, num_rows: int) -> StagedRows:
-        self.fetched.append(item_id)
+        with self._started:
+            self.fetched.append(item_id)
+            self._started.notify_all()
         self.gates.setdefault(item_id, threading.Event()).wait(10)
         if self.outcome.get(item_id):
             raise ItemUnavailable(self.outcome[item_id])
         return StagedRows(item_id, torch.zeros(num_rows, 4), ShmRows("f", "/d", 0, num_rows, 4, "float32"), None, 0,
                           num_rows + 1)
+
+    def wait_fetched(self, item_id: str, times: int = 1) -> None:
+        with self._started:
+            assert self._started.wait_for(lambda: self.fetched.count(item_id) >= times, timeout=10), self.fetched
 
     def finish(self, item_id: str, why: str | None = None) -> None:
         self.outcome[item_id] = why
@@ -73,6 +81,7 @@ def test_failure_fails_every_waiting_request_once_and_a_new_request_retries():
     table = StagingTable(fetcher)
     need = Need("ident", "img", 3)
     assert not table.ensure("a", [need]) and not table.ensure("b", [need])
+    fetcher.wait_fetched("img")
     assert fetcher.fetched == ["img"] and not table.has("ident")
     fetcher.finish("img", "gone")
     settle(table)
@@ -82,7 +91,9 @@ def test_failure_fails_every_waiting_request_once_and_a_new_request_retries():
     table.finished("a")
     table.finished("b")
     fetcher.gates.pop("img")
-    assert not table.ensure("d", [need]) and fetcher.fetched.count("img") == 2  # tried again
+    assert not table.ensure("d", [need])
+    fetcher.wait_fetched("img", 2)
+    assert fetcher.fetched.count("img") == 2  # tried again, once
     fetcher.finish("img")
     fetcher.finish("img2")
     settle(table)
@@ -137,13 +148,16 @@ def test_fetch_ahead_budget():
     table = StagingTable(fetcher)
     assert not table.ensure("r1", [Need("A", "a", 9)])  # 80 bytes: starts (nothing else ahead)
     assert not table.ensure("r2", [Need("B", "b", 9)])  # 160 > 100: waits
+    fetcher.wait_fetched("a")
     assert fetcher.fetched == ["a"]
     fetcher.finish("a")
     settle(table)
     assert table.ensure("r1", [Need("A", "a", 9)])
     table.allocated("r1", "A", 9)
     table.end_step()  # A is vLLM's now: no longer ahead
-    assert not table.ensure("r2", [Need("B", "b", 9)]) and fetcher.fetched == ["a", "b"]
+    assert not table.ensure("r2", [Need("B", "b", 9)])
+    fetcher.wait_fetched("b")
+    assert fetcher.fetched == ["a", "b"]
     fetcher.finish("b")
     table.close()
 
