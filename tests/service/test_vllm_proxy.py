@@ -49,6 +49,7 @@ def test_documented_commands():
     proxy.add_proxy_arguments(parser)
     s = proxy.resolve_proxy(parser.parse_args(argv[2:]), env={})
     assert (s.encoder_url, s.auth_token) == (DOC_URL, DOC_TOKEN)
+    assert s.host == "0.0.0.0" and s.api_key  # listening beyond loopback: callers must bring a key
     assert s.vllm_url == f"http://127.0.0.1:{vllm.value('--port')}"
 
 
@@ -127,6 +128,31 @@ async def test_proxy_forwards_rewritten(proxied, service):
     assert r.status_code == 200 and r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
     plain = body_with(text="no images")
     assert (await client.post("/v1/chat/completions", json=plain)).status_code == 200 and seen[-1][0] == plain
+
+
+async def test_proxy_api_key(service):
+    """With --api-key, a caller without the key is refused before its images reach the encoder."""
+    seen, key = [], "client-key"
+    settings = proxy.ProxySettings(encoder_url=service.url, vllm_url="http://vllm", api_key=key)
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
+    app = proxy.make_app(settings, upstream=upstream)
+    image = png(112, 84, 505)
+
+    def encodes() -> float:
+        return service.sample("encoder_requests_total", {"method": "encode", "outcome": "ok"})
+
+    before = encodes()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
+        for headers in [{}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {key}"}]:
+            r = await client.post("/v1/chat/completions", json=body_with(data_url(image)), headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert (await client.get("/v1/models", headers=headers)).status_code == 401
+        assert seen == [] and encodes() == before  # nothing sent to the encoder, nothing forwarded
+        r = await client.post("/v1/chat/completions", json=body_with(data_url(image)),
+                              headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and seen[-1][1] == f"Bearer {key}"  # the caller's key goes on to vLLM
+        assert encodes() == before + 1
 
 
 async def test_proxy_errors(proxied, service):

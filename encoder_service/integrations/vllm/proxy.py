@@ -1,7 +1,11 @@
 """`encoder-service vllm-proxy`: an OpenAI chat front end for a vLLM instance that runs EncoderServiceConnector.
 
     encoder-service vllm-proxy --encoder-url http://127.0.0.1:8000 --vllm-url http://127.0.0.1:8200 \
-        --host 0.0.0.0 --port 8100 [--auth-token TOKEN] [--vllm-api-key KEY]
+        --host 0.0.0.0 --port 8100 [--api-key KEY] [--auth-token TOKEN] [--vllm-api-key KEY]
+
+With --api-key, every call but /health must carry `Authorization: Bearer KEY`, checked before the body is read,
+so an unauthenticated caller never gets an image encoded (vLLM's own --api-key only sees the request after
+the encode).
 
 POST /v1/chat/completions: every `{"type": "image_url", "image_url": {"url": ...}}` part (a data: URL, or an
 http(s) URL the encoder fetches itself: its --allow-url-hosts) goes to our `encode` (one call per chat
@@ -84,6 +88,8 @@ OPTIONS = {
     "vllm_url": (_http_url, None, "the vLLM prefill/decode instance: http://host:port (required)"),
     "host": (str, "127.0.0.1", "bind address"),
     "port": (_port, "8100", "port"),
+    "api_key": (str, None, "bearer token the proxy's callers must send (checked before any encode); default: "
+                           "none, every caller is served"),
     "auth_token": (str, None, "the encoder service's bearer token (its --auth-token)"),
     "vllm_api_key": (str, None, "bearer token for vLLM (its --api-key); default: the caller's Authorization"),
     "timeout_s": (_positive, "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
@@ -97,6 +103,7 @@ class ProxySettings:
     vllm_url: str
     host: str = "127.0.0.1"
     port: int = 8100
+    api_key: str | None = field(default=None, repr=False)
     auth_token: str | None = field(default=None, repr=False)
     vllm_api_key: str | None = field(default=None, repr=False)
     timeout_s: float = 600.0
@@ -221,6 +228,7 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
     from fastapi.responses import Response, StreamingResponse
     from starlette.background import BackgroundTask
 
+    from encoder_service.api.auth import BearerAuth
     from encoder_service.api.errors import http_status
     from encoder_service.client import AsyncEncoderClient
 
@@ -248,6 +256,17 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
                                                                                       connect=10.0))
         own.append(upstream.aclose)
     app.state.encoder, app.state.upstream = encoder, upstream
+    auth = BearerAuth(settings.api_key)
+
+    def refused(request: Request):
+        """A 401 answer unless the caller sent the proxy's --api-key (None: let it through)."""
+        try:
+            auth.check(request.headers.get("authorization"))
+        except errors.Unauthenticated as exc:
+            answer = _error(401, str(exc), "authentication_error")
+            answer.headers["www-authenticate"] = "Bearer"
+            return answer
+        return None
 
     async def release(ids: list[str]) -> None:
         try:
@@ -257,6 +276,8 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
         try:
             body = await request.json()
         except ValueError:
@@ -295,6 +316,8 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
 
     @app.get("/v1/models")
     async def models(request: Request):
+        if (denied := refused(request)) is not None:
+            return denied
         try:
             response = await upstream.get("/v1/models", headers=_upstream_headers(request, settings))
         except httpx.HTTPError as exc:
@@ -323,6 +346,10 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
 
 def serve(settings: ProxySettings) -> None:
     import uvicorn
+
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("vllm-proxy listens on %s without --api-key: any caller that reaches it gets its images "
+                    "encoded", settings.host)
 
     uvicorn.run(make_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=5)

@@ -27,6 +27,7 @@ from tests.support.vllm_docs import documented  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 CHUNKS, GAP_S = 4, 0.4  # the stand-in's streamed answer: CHUNKS events, GAP_S apart
+CALLER = {"authorization": "Bearer caller-key"}  # the proxy's --api-key, as its callers send it
 
 
 class StandInVllm(ThreadingHTTPServer):
@@ -81,7 +82,7 @@ def front(encoders, tmp_path_factory):
     port = free_port()
     argv = documented("proxy").replaced({
         "--encoder-url": encoders["qwen2_5_vl"].url, "--vllm-url": vllm.url, "--host": "127.0.0.1",
-        "--port": str(port), "--auth-token": TOKEN})
+        "--port": str(port), "--auth-token": TOKEN, "--api-key": "caller-key"})
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(encoder_service_argv(*argv[1:]), stdout=out, stderr=subprocess.STDOUT,
@@ -121,7 +122,8 @@ def test_forwarded_request_goes_through_vllms_front_end(front, encoders, checkpo
     url, vllm = front
     encoder = encoders["qwen2_5_vl"]
     images = [png(224, 168, 4001), png(84, 140, 4002), png(56, 112, 4003)]
-    answer = httpx.post(url + "/v1/chat/completions", json=chat_body(images, "what is it"), timeout=60)
+    answer = httpx.post(url + "/v1/chat/completions", json=chat_body(images, "what is it"), headers=CALLER,
+                        timeout=60)
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "ok"
     forwarded = vllm.bodies[-1]
     with encoder.client() as c:
@@ -149,7 +151,7 @@ def test_streamed_answer_passes_through_chunk_by_chunk(front):
     url, vllm = front
     arrivals, data = [], b""
     start = time.monotonic()
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, headers=CALLER,
                       json=chat_body([png(84, 84, 4101)], "stream it", stream=True)) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         for chunk in response.iter_raw():
@@ -167,12 +169,15 @@ def test_streamed_answer_passes_through_chunk_by_chunk(front):
 def test_errors(front, encoders):
     url, vllm = front
     sent = len(vllm.bodies)
-    bad = httpx.post(url + "/v1/chat/completions", json=chat_body([b"not an image"], "x"), timeout=60)
+    bad = httpx.post(url + "/v1/chat/completions", json=chat_body([b"not an image"], "x"), headers=CALLER,
+                     timeout=60)
     assert bad.status_code == 400 and "encoder service" in bad.json()["error"]["message"]
     assert len(vllm.bodies) == sent  # nothing forwarded
     image = png(140, 84, 4201)
-    refused = httpx.post(url + "/v1/chat/completions", json=chat_body([image], "refuse"), timeout=60)
+    refused = httpx.post(url + "/v1/chat/completions", json=chat_body([image], "refuse"), headers=CALLER,
+                         timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["message"] == "refused"
     with encoders["qwen2_5_vl"].client() as c:  # the proxy's encode pinned the image; it released that pin itself
         assert c.release([blake3.blake3(image).hexdigest(length=16)]) == 0  # our content id
-    assert httpx.get(url + "/v1/models", timeout=10).json() == {"data": [{"id": "m"}]}
+    assert httpx.get(url + "/v1/models", headers=CALLER, timeout=10).json() == {"data": [{"id": "m"}]}
+    assert httpx.post(url + "/v1/chat/completions", json=chat_body([image], "x"), timeout=60).status_code == 401
