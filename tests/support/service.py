@@ -17,16 +17,12 @@ from pathlib import Path
 
 from encoder_service.api.service import Service, bind_socket
 from encoder_service.settings import Settings
+from tests.support.ports import free_port
 
 AUTH_TOKEN = "test-token-123"
 START_TIMEOUT_S = 120
 TEST_LIMITS = ["--max-images", "8", "--max-body-bytes", "2MiB", "--max-image-bytes", "1MiB",
                "--max-pixels", "4000000", "--max-queue", "64", "--cache-bytes", "256MiB", "--batch-tokens", "4096"]
-
-
-def free_port() -> int:
-    with bind_socket("127.0.0.1", 0) as s:
-        return s.getsockname()[1]
 
 
 def make_settings(checkpoint: Path, *extra: str, grpc: bool = True) -> Settings:
