@@ -21,6 +21,7 @@ import base64
 import json
 import os
 import re
+import subprocess
 import time
 import types
 import urllib.error
@@ -39,9 +40,8 @@ pytest.importorskip("sglang.srt", reason="the SGLang tier runs in its own venv: 
 
 import torch  # noqa: E402
 
-from tests.engines.sglang import sglang_model  # noqa: E402
 from tests.support import docs_blocks  # noqa: E402
-from tests.support.encoder_process import ServiceProcess, encoder_service_argv, main_python  # noqa: E402
+from tests.support.encoder_process import ROOT, ServiceProcess, encoder_service_argv, main_python  # noqa: E402
 from tests.support.images import image_bytes  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -102,11 +102,17 @@ class Encoder(ServiceProcess):
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
+    """The model directory both sides load: our tiny random checkpoint with its tokenizer (testing/tiny.py:
+    build_tiny_checkpoint, add_tiny_tokenizer), built by the main venv, which serves it."""
     built = {}
 
     def get(family: str) -> Path:
         if family not in built:
-            built[family] = sglang_model.build(main_python(), family, tmp_path_factory.mktemp("models") / family)
+            path = tmp_path_factory.mktemp("models") / family
+            code = ("import sys; from encoder_service.testing.tiny import add_tiny_tokenizer, build_tiny_checkpoint; "
+                    "add_tiny_tokenizer(build_tiny_checkpoint(sys.argv[1], sys.argv[2]))")
+            subprocess.run([main_python(), "-c", code, family, str(path)], check=True, timeout=300, cwd=ROOT)
+            built[family] = path
         return built[family]
 
     return get
