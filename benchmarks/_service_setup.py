@@ -1,15 +1,12 @@
-"""Shared setup of the end-to-end benchmarks (scenarios.py, load_bench.py): a real-size random-weight
-checkpoint the service loads, photo-like JPEGs, and the service (core + HTTP, optionally gRPC, on
-127.0.0.1) running on its own thread's event loop in this process.
+"""Shared setup of the end-to-end benchmarks (scenarios.py, load_bench.py, connector_bench.py): a real-size
+random-weight checkpoint the service loads, photo-like JPEGs, the device, the service's settings, and the service
+(core + HTTP, optionally gRPC, on 127.0.0.1) running on its own thread's event loop in this process.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
-import socket
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +68,7 @@ def service_settings(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     """Settings of a benchmark's service: the checkpoint on `device` in `dtype`, HTTP on `http_sock`'s port,
     gRPC on a free port (or off), on 127.0.0.1, warnings only; `extra` flags after those."""
     from encoder_service.settings import Settings
+    from tests.support.ports import free_port
 
     return Settings.from_args([
         "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
@@ -78,35 +76,13 @@ def service_settings(checkpoint: Path, device: torch.device, dtype: torch.dtype,
         "--grpc-port", str(free_port()) if grpc else "0", "--log-level", "warning", *extra], env={})
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on `host` a moment ago (for servers that take a number, not a socket)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def in_process_service(settings, http_sock, core=None):
+    """The service (core + HTTP on `http_sock`, gRPC too when the settings give it a port) on its own thread's
+    event loop in this process (tests/support/service.py: RunningService). `core`: an already built
+    EncoderCore (api/service.py: build_core) to serve. `.url`, `.grpc_address`, `.close()`."""
+    from tests.support.service import RunningService
 
-
-class InProcessService:
-    """Service (core + HTTP on 127.0.0.1, free port; gRPC too when the settings give it a port) on its own
-    thread's event loop. `core`: an already built EncoderCore (api/service.py: build_core) to serve."""
-
-    def __init__(self, settings, http_sock, core=None):
-        from encoder_service.api.service import Service
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="service-loop", daemon=True)
-        self.thread.start()
-        self.service = Service(settings, core=core, http_sock=http_sock)
-        self._run(self.service.start(), timeout=1800)
-        self.url = self.service.http_address
-        self.grpc_address = self.service.grpc_address
-
-    def _run(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self._run(self.service.stop(grace_s=5), timeout=60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    return RunningService(settings, http_sock=http_sock, core=core, start_timeout_s=1800)  # CUDA graph capture
 
 
 def sync(device: torch.device) -> None:

@@ -52,13 +52,6 @@ POLL_S = 0.0002  # how often the side asks ensure() while an item is in flight (
 
 
 # ---- the vLLM side (child process) ----------------------------------------------------------------------
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _table(job: dict, mode: str, width: int):
     from encoder_service.integrations.vllm.transfer import ConnectorOptions, RowFetcher, StagingTable
 
@@ -79,10 +72,12 @@ def _staged(table, need, request_id: str) -> None:
 
 
 def _to_device(table, loader, need, request_id: str, width: int, device):
+    from _service_setup import sync
+
     table.allocated(request_id, need.identifier, need.num_rows)
     (load,) = table.end_step()
     rows = loader.load(load, width)
-    _sync(device)
+    sync(device)
     return rows, load
 
 
@@ -101,6 +96,7 @@ def _stats(samples: list[float]) -> dict:
 def side_main(job_path: str) -> int:
     import torch
 
+    from _service_setup import sync
     from encoder_service.client import EncoderClient
     from encoder_service.integrations.vllm.transfer import Need, RowLoader, expected_row_width
     from load_bench import make_jpegs
@@ -160,12 +156,12 @@ def side_main(job_path: str) -> int:
                 for pin in (True, False):
                     other = RowLoader(device, dtype, pin=pin)
                     other.load(load, width)
-                    _sync(device)
+                    sync(device)
                     times = []
                     for _ in range(n):
                         t0 = time.perf_counter()
                         other.load(load, width)
-                        _sync(device)
+                        sync(device)
                         times.append((time.perf_counter() - t0) * 1e3)
                     copies["pinned" if pin and other.pin else "pageable"] = _stats(times)
                     other.close()
@@ -189,7 +185,7 @@ def side_main(job_path: str) -> int:
 def run_family(family: str, small: bool, device, dtype, n: int, tmp: Path, index: int) -> tuple[dict, list[str]]:
     import torch
 
-    from _service_setup import InProcessService, build_checkpoint, service_settings
+    from _service_setup import build_checkpoint, in_process_service, service_settings
     from encoder_service.api.service import bind_socket, build_core
 
     checkpoint = tmp / family
@@ -205,7 +201,7 @@ def run_family(family: str, small: bool, device, dtype, n: int, tmp: Path, index
     settings = service_settings(checkpoint, device, dtype, http_sock, "--cache-bytes", "8GiB", "--shm-fetch")
     core = build_core(settings)
     setup_s = time.perf_counter() - t0
-    svc = InProcessService(settings, http_sock, core=core)
+    svc = in_process_service(settings, http_sock, core=core)
     try:
         job, result = tmp / f"{family}.job.json", tmp / f"{family}.result.json"
         job.write_text(json.dumps(dict(family=family, http=svc.url, grpc=svc.grpc_address, shm_dir="/dev/shm",

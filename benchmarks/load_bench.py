@@ -375,7 +375,7 @@ def main() -> int:
     if args.client:
         return client_main(args.client)
 
-    from _service_setup import InProcessService, bench_device, build_checkpoint, service_settings
+    from _service_setup import bench_device, build_checkpoint, in_process_service, service_settings
     from encoder_service.api.service import bind_socket, build_core
     from gpu_parity import REAL, setup_info
 
@@ -418,7 +418,7 @@ def main() -> int:
         model = model_only(core, cfg, device)
         t_model = time.perf_counter()
 
-        svc = InProcessService(settings, http_sock, core=core)
+        svc = in_process_service(settings, http_sock, core=core)
         try:
             print(f"service up: {svc.url} grpc {svc.grpc_address}", flush=True)
             job = Path(tmp) / "job.json"

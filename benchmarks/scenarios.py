@@ -36,12 +36,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _service_setup import InProcessService, build_checkpoint, jpeg, sync  # noqa: E402
+from _service_setup import (  # noqa: E402
+    bench_device,
+    build_checkpoint,
+    in_process_service,
+    jpeg,
+    service_settings,
+    sync,
+)
 from gpu_parity import REAL, SMALL, setup_info  # noqa: E402
 
 from encoder_service.api.service import bind_socket  # noqa: E402
 from encoder_service.client import EncoderClient  # noqa: E402
-from encoder_service.settings import Settings  # noqa: E402
 
 # Peak memory for 64 images may exceed the 8-image peak by this factor and still count as "bounded".
 PEAK_GROWTH_LIMIT = 1.25
@@ -147,30 +153,24 @@ def main() -> int:
     parser.add_argument("--shm", action="store_true",
                         help="fetch through shared memory (server --shm-fetch, client shm=True) instead of HTTP")
     args = parser.parse_args()
-    if not args.small and not torch.cuda.is_available():
-        parser.error("needs a CUDA device (use --small for a CPU smoke test)")
-    device = torch.device("cpu" if args.small else "cuda")
-    dtype = torch.float32 if args.small else torch.bfloat16
+    device, dtype = bench_device(args.small, parser)
     turn_size, many_size = ((320, 180), (256, 144)) if args.small else ((1920, 1080), (2560, 1440))
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp)
         build_checkpoint(args.family, args.small, device, dtype, checkpoint)
         http_sock = bind_socket("127.0.0.1", 0)  # HTTP only (gRPC off), on a free loopback port
-        settings = Settings.from_args([
-            "--model", str(checkpoint), "--device", device.type, "--dtype", str(dtype).removeprefix("torch."),
-            "--host", "127.0.0.1", "--http-port", str(http_sock.getsockname()[1]), "--grpc-port", "0",
-            "--log-level", "warning",
-            "--batch-tokens", str(args.batch_tokens), "--max-images", str(max(64, args.many)),
-            "--max-body-bytes", "1GiB", "--max-image-bytes", "64MiB", "--max-queue", str(max(256, 2 * args.many)),
-            "--cache-bytes", "48GiB" if not args.small else "2GiB",
-        ] + (["--shm-fetch"] if args.shm else []), env={})
+        settings = service_settings(
+            checkpoint, device, dtype, http_sock, "--batch-tokens", str(args.batch_tokens),
+            "--max-images", str(max(64, args.many)), "--max-body-bytes", "1GiB", "--max-image-bytes", "64MiB",
+            "--max-queue", str(max(256, 2 * args.many)), "--cache-bytes", "48GiB" if not args.small else "2GiB",
+            *(["--shm-fetch"] if args.shm else []), grpc=False)
         setup = setup_info(device, dtype, args.small) | dict(
             family=args.family, vision=json.dumps((SMALL if args.small else REAL)[args.family]),
             chunk_size=args.chunk_size, batch_tokens=args.batch_tokens, fetch="shared memory" if args.shm else "HTTP",
             cuda_graphs=settings.engine.cuda_graphs)
         print(json.dumps(setup))
-        svc = InProcessService(settings, http_sock)
+        svc = in_process_service(settings, http_sock)
         try:
             with EncoderClient.http(svc.url, timeout=600, shm=args.shm) as client:
                 turns = multi_turn(client, device, args.rounds, turn_size, args.chunk_size)

@@ -34,30 +34,27 @@ import argparse
 import asyncio
 import collections
 import datetime
-import io
 import json
 import os
 import random
 import statistics
-import struct
-import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import httpx
-import numpy as np
 import torch
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from encoder_service import errors  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
-from tests.support.redis_server import RedisServer, free_port  # noqa: E402
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
+from tests.support.images import image_bytes, png_chunk  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 BASE_SIZES = [(64, 64), (96, 72), (112, 112), (160, 120), (224, 168), (200, 300), (320, 240), (128, 256)]
 RECENT = 64  # ids a session may repeat
@@ -69,18 +66,11 @@ OPS = ("encode", "fetch", "release")
 # ---- images: a few base PNGs; "new" bytes are a base with a tEXt chunk naming a counter (a new cache key,
 # the same pixels: no PNG compression per request in the load generator) ---------------------------------
 def base_pngs(seed: int = 0) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for w, h in BASE_SIZES:
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
+    return [image_bytes(w, h, seed * 100 + k) for k, (w, h) in enumerate(BASE_SIZES)]
 
 
 def with_text(png: bytes, n: int) -> bytes:
-    payload = b"soak\x00" + str(n).encode()
-    chunk = struct.pack(">I", len(payload)) + b"tEXt" + payload + struct.pack(">I", zlib.crc32(b"tEXt" + payload))
+    chunk = png_chunk(b"tEXt", b"soak\x00" + str(n).encode())
     return png[:33] + chunk + png[33:]  # after the signature (8) and IHDR (25)
 
 
@@ -93,44 +83,17 @@ def rss_mib(pid: int | str = "self") -> float:
     return float("nan")
 
 
-class Replica:
+class Replica(ServiceProcess):
     def __init__(self, name: str, checkpoint: Path, redis_url: str | None, args, log_dir: Path):
-        self.name = name
         self.http_port, self.grpc_port = free_port(), free_port()
         self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
-        cmd = [sys.executable, "-m", "encoder_service.cli", "serve", "--model", str(checkpoint), "--device", "cpu",
-               "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-               "--log-level", "warning", "--cache-bytes", args.cache_bytes, "--lease-s", str(args.lease_s),
-               "--max-queue", "256"]
+        cmd = ["serve", "--model", str(checkpoint), "--device", "cpu", "--host", "127.0.0.1",
+               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--log-level", "warning",
+               "--cache-bytes", args.cache_bytes, "--lease-s", str(args.lease_s), "--max-queue", "256"]
         if redis_url:
             cmd += ["--redis-url", redis_url]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}  # only the flags above
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self._log)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:  # a child process starting: nothing to subscribe to, so poll
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready within {READY_TIMEOUT_S:.0f}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        super().__init__(encoder_service_argv(*cmd, python=sys.executable), f"{self.url}/health/ready",
+                         log_dir / f"{name}.log", name=f"replica {name}")
 
     def counters(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -297,7 +260,7 @@ def main() -> int:
 
     def sample(at: str) -> None:
         for r in replicas:
-            rss[f"replica {r.name}"][at] = rss_mib(r.proc.pid)
+            rss[r.name][at] = rss_mib(r.proc.pid)
         if redis is not None:
             rss["redis-server"][at] = rss_mib(redis.proc.pid)
         rss["load generator (this)"][at] = rss_mib()
@@ -306,12 +269,12 @@ def main() -> int:
         replicas = [Replica(chr(ord("a") + i), checkpoint, redis and redis.url, args, work)
                     for i in range(args.replicas)]
         for r in replicas:
-            r.wait_ready()
+            r.wait_ready(READY_TIMEOUT_S)
         load = Load(replicas, shared=redis is not None, args=args)
         sample("start")
         elapsed = asyncio.run(asyncio.wait_for(load.run(args.seconds, lambda: sample("middle")), args.seconds + 120))
         sample("end")
-        counters = {f"replica {r.name}": r.counters() for r in replicas}
+        counters = {r.name: r.counters() for r in replicas}
     finally:
         for r in replicas:
             r.stop()

@@ -4,9 +4,9 @@
 language model, special token ids inside its vocabulary) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
 transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens).
 
-`add_tiny_tokenizer(path)` adds what an LLM server's front end needs on top (vLLM's renderer and processor, in
-the vLLM tier): a character-level tokenizer whose special ids match the checkpoint's, and a chat template that
-renders each image part as `<|vision_start|><|image_pad|><|vision_end|>`.
+`add_tiny_tokenizer(path)` adds what an LLM server's front end needs on top (vLLM's renderer and processor, SGLang's
+Qwen-VL processor: the engine tiers): a character-level tokenizer whose special ids match the checkpoint's, and a
+chat template that renders each image part as `<|vision_start|><|image_pad|><|vision_end|>`.
 
 Structure kept per family:
   - qwen2_vl: quick_gelu MLP (mlp_ratio 2), LayerNorm merger.

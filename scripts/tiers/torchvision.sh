@@ -8,8 +8,8 @@ set -euo pipefail
 source "$(dirname "$0")/venv.sh"
 tier_venv torchvision "$ROOT/scripts/tiers/torchvision.sh"
 if [ "$TIER_FRESH" = 1 ]; then
-  "$PY" -m pip install -q --no-deps torchvision==0.28.0
-  "$PY" -m pip install -q transformers==5.23.0 numpy==2.4.6 pillow==13.0.0 \
+  tier_pip install -q --no-deps torchvision==0.28.0
+  tier_pip install -q transformers==5.23.0 numpy==2.4.6 pillow==13.0.0 \
     pytest==9.2.0 pytest-asyncio==1.5.0 pytest-timeout==2.4.0
   tier_shim_torchvision
   tier_done

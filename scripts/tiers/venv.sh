@@ -5,8 +5,10 @@
 #
 # Order, so that nothing pulls a multi-GB CUDA build of torch: CPU torch first (`torch==2.13.0`, the local
 # CPU wheel), then what the tier's own script installs with --no-deps. The venv is reused while a stamp of
-# its inputs (the tier script and the files named in INPUTS) is unchanged: CI from a clean checkout builds
-# it once; a developer's second run skips the install.
+# its inputs (this file and the files named in INPUTS: the tier's script and its lock) is unchanged: CI from
+# a clean checkout builds it once; a developer's second run skips the install. Installs compile no .pyc
+# (Python compiles what it imports) and `tier_pip` drops pip's notices about index locations this machine
+# lacks, so the output is the tier's own lines and real errors.
 #
 # `tier_shim_torchvision VENV`: PyPI only has CUDA builds of torchvision, whose compiled ops can't load next
 # to CPU torch; tests/engines/torchvision_cpu_shim.py (installed through a .pth file, so subprocesses get it
@@ -14,6 +16,11 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+export PIP_NO_COMPILE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+tier_pip() {  # ARGS: `$PY -m pip ARGS`, without the "Location ... is ignored" notices
+  "$PY" -m pip "$@" 2>&1 | { grep -v -E "is ignored: it is neither a file nor a directory" || true; }
+}
 
 tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the caller must install
   local name="$1"; shift
@@ -27,7 +34,7 @@ tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the call
   fi
   rm -rf "$VENV"
   "${PYTHON:-python3}" -m venv "$VENV"
-  "$PY" -m pip install -q torch==2.13.0
+  tier_pip install -q torch==2.13.0
   echo "$stamp" > "$VENV/.tier-stamp.pending"
   TIER_FRESH=1
 }

@@ -19,26 +19,30 @@ START=$SECONDS
 LOCK=scripts/tiers/vllm-cpu.lock
 PINS=(vllm==0.33.0 torchvision==0.28.0)
 
+# The servers' side: the main venv (scripts/test.sh made it; a bare checkout gets it here).
+export ENCODER_MAIN_PYTHON="${ENCODER_MAIN_PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$ENCODER_MAIN_PYTHON" ] || scripts/setup.sh
+
 tier_venv vllm scripts/tiers/vllm.sh "$LOCK"
 if [ "$TIER_FRESH" = 1 ]; then
   WHEELS="${TIER_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/encoder-service/wheels}"
-  DONE="$WHEELS/.vllm-$(cat scripts/tiers/vllm.sh "$LOCK" | sha256sum | cut -c1-16)"
+  DONE="$WHEELS/.vllm-$(echo "${PINS[@]}" | cat - "$LOCK" | sha256sum | cut -c1-16)"  # these wheels are there
   if [ ! -e "$DONE" ]; then
     mkdir -p "$WHEELS"
-    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${PINS[@]}" -r "$LOCK"
+    tier_pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${PINS[@]}" -r "$LOCK"
     touch "$DONE"
   fi
-  "$PY" -m pip install -q --no-deps --no-index --find-links "$WHEELS" "${PINS[@]}" -r "$LOCK"
+  tier_pip install -q --no-deps --no-index --find-links "$WHEELS" "${PINS[@]}" -r "$LOCK"
   tier_shim_torchvision
   SP="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   find "$SP/vllm" -name '*.so' -delete
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+  tier_pip install -q --no-deps --no-build-isolation -e .
   VLLM_TARGET_DEVICE=cpu "$PY" -c "import vllm.v1.core.sched.scheduler, torchvision.transforms.v2.functional"
   tier_done
   echo "vllm tier: venv built in $((SECONDS - START)) s"
 fi
 
-export VLLM_TARGET_DEVICE=cpu ENCODER_MAIN_PYTHON="${ENCODER_MAIN_PYTHON:-$ROOT/.venv/bin/python}"
+export VLLM_TARGET_DEVICE=cpu
 # --confcutdir: the root conftest (tiny checkpoints, Redis) is not needed. -W: the main suite's pytest-asyncio
 # options are unknown here (no async tests in this tier).
 "$PY" -m pytest -q -ra -p no:cacheprovider --confcutdir=tests/engines -W ignore::pytest.PytestConfigWarning \

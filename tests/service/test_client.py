@@ -138,7 +138,7 @@ async def test_errors_map_to_the_same_types_on_both_transports(service, auth_ser
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_unreachable_server_is_unavailable(transport):
-    from tests.support.service import free_port
+    from tests.support.ports import free_port
 
     address = f"127.0.0.1:{free_port()}"
     c = EncoderClient.http(f"http://{address}", timeout=5) if transport == "http" else \

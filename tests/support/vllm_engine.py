@@ -2,8 +2,8 @@
 documented command; vLLM's own objects around a stand-in model runner. Nothing here imports vLLM until used.
 
   - `EncoderProcess(checkpoint, shm_dir, log, *extra)`: `encoder-service serve` with the flags of docs/vllm.md,
-    this test's ports, model, token and shared-memory dir, run by $ENCODER_MAIN_PYTHON (default .venv) on
-    this checkout's code.
+    this test's ports, model, token and shared-memory dir (encoder_process.py: run by the main venv on this
+    checkout's code; `wait_ready()`, `stop()`), and `client()`.
   - `ec_config(url, **options)`: the documented --ec-transfer-config with this test's URL and token.
   - `VllmInstance(checkpoint, ec_config)`: what a vLLM prefill/decode instance runs around the model, on CPU,
     all vLLM's own objects: VllmConfig, the chat front end (ChatCompletionRequest -> OnlineRenderer ->
@@ -15,41 +15,17 @@ documented command; vLLM's own objects around a stand-in model runner. Nothing h
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv
+from tests.support.ports import free_port
+
 TOKEN = "tier-token-42"
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-START_TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main_python() -> str:
-    py = os.environ.get("ENCODER_MAIN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
-    if not Path(py).exists():
-        raise RuntimeError(f"no main venv python at {py}: run scripts/setup.sh, or set ENCODER_MAIN_PYTHON")
-    return py
-
-
-def encoder_service_argv(*args: str) -> list[str]:
-    """`encoder-service ARGS` run from the main venv, on this checkout's code."""
-    return [main_python(), "-m", "encoder_service.cli", *args]
-
-
-def subprocess_env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
-
-
-class EncoderProcess:
+class EncoderProcess(ServiceProcess):
     """`encoder-service serve` (the documented command, our ports and model) in a subprocess."""
 
     def __init__(self, checkpoint: Path, shm_dir: Path, log_path: Path, *extra: str):
@@ -61,40 +37,14 @@ class EncoderProcess:
             "--auth-token": TOKEN})
         argv += ["--device", "cpu", "--shm-dir", str(shm_dir), "--log-level", "warning", *extra]
         self.url, self.grpc = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(encoder_service_argv(*argv[1:]), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=subprocess_env(), cwd=ROOT)
-
-    def wait_ready(self) -> EncoderProcess:
-        import httpx
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"encoder exited {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"encoder not ready in {START_TIMEOUT_S} s: {self.log_path.read_text()[-3000:]}")
+        super().__init__(encoder_service_argv(*argv[1:]), self.url + "/health/ready", log_path,
+                         name=f"encoder ({checkpoint.name})")
 
     def client(self, transport: str = "http"):
         from encoder_service.client import EncoderClient
 
         return EncoderClient.http(self.url, token=TOKEN) if transport == "http" else \
             EncoderClient.grpc(self.grpc, token=TOKEN)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log.close()
 
 
 def ec_config(url: str, **extra) -> dict:

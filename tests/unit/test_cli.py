@@ -76,7 +76,7 @@ def test_bad_values_raise_naming_the_setting(args, env, needle):
 def test_serve_demo_model_then_sigterm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
     env["PYTHONPATH"] = str(REPO)
-    from tests.support.service import free_port
+    from tests.support.ports import free_port
 
     grpc_port = free_port()
     proc = subprocess.Popen(

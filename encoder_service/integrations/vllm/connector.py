@@ -22,7 +22,6 @@ Without them such a request fails with a clear error (the hash is unknown to the
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-
-log = logging.getLogger("encoder_service.integrations.vllm")
 
 class ItemMapError(ValueError):
     """A request's images can't be mapped to our ids."""

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 import types
@@ -40,15 +38,13 @@ os.environ.setdefault("SGLANG_ENCODER_RECV_TIMEOUT", "60")
 # package of that name where SGLang is not installed.
 pytest.importorskip("sglang.srt", reason="the SGLang tier runs in its own venv: bash scripts/tiers/sglang.sh")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 
-from tests.engines.sglang import sglang_model  # noqa: E402
 from tests.support import docs_blocks  # noqa: E402
+from tests.support.encoder_process import ROOT, ServiceProcess, encoder_service_argv, main_python  # noqa: E402
+from tests.support.images import image_bytes  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
-MAIN_VENV = Path(os.environ.get("ENCODER_MAIN_VENV", ROOT / ".venv"))
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer")
 SIZES = [(100, 60), (57, 131), (224, 200)]  # (w, h): three different grids
@@ -57,14 +53,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # ---- our service, as documented -------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
@@ -75,32 +63,19 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -
         return exc.code, exc.read()
 
 
-class Encoder:
+class Encoder(ServiceProcess):
     def __init__(self, model_dir: Path, log_path: Path):
         documented = docs_blocks.command("encoder")
         assert documented.argv[:2] == ["encoder-service", "serve"] and "--sglang-protocol" in documented.argv
         self.sglang_port, self.http_port = free_port(), free_port()
         argv = documented.replaced({"--model": str(model_dir), "--host": "127.0.0.1",
                                     "--sglang-port": str(self.sglang_port)})
-        argv = [str(MAIN_VENV / "bin" / "encoder-service"), *argv[1:], "--device", "cpu",
-                "--http-port", str(self.http_port), "--grpc-port", "0", "--log-level", "warning"]
-        self.argv = argv
-        self.log = open(log_path, "w")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
+        argv += ["--device", "cpu", "--http-port", str(self.http_port), "--grpc-port", "0", "--log-level", "warning"]
         self.url = f"http://127.0.0.1:{self.sglang_port}"  # what --encoder-urls names
         self.http_url = f"http://127.0.0.1:{self.http_port}"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"encoder-service exited {self.proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if http("GET", f"{self.url}/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"encoder-service not healthy in time:\n{log_path.read_text()}")
+        super().__init__(encoder_service_argv(*argv[1:]), f"{self.url}/health", log_path,
+                         name=f"encoder ({model_dir.name})")
+        self.wait_ready()
 
     def rows(self, images: list[bytes]) -> list[torch.Tensor]:
         """Our rows of `images` from /v1/encode (return_embeddings): the reference for SGLang's."""
@@ -124,25 +99,20 @@ class Encoder:
     def images_encoded(self) -> float:
         return self.metric("encoder_images_encoded_total")
 
-    def close(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
+    """The model directory both sides load: our tiny random checkpoint with its tokenizer (testing/tiny.py:
+    build_tiny_checkpoint, add_tiny_tokenizer), built by the main venv, which serves it."""
     built = {}
 
     def get(family: str) -> Path:
         if family not in built:
-            assert (MAIN_VENV / "bin" / "encoder-service").exists(), f"no main venv at {MAIN_VENV} (scripts/setup.sh)"
-            built[family] = sglang_model.build(str(MAIN_VENV / "bin" / "python"), family,
-                                               tmp_path_factory.mktemp("models") / family)
+            path = tmp_path_factory.mktemp("models") / family
+            code = ("import sys; from encoder_service.testing.tiny import add_tiny_tokenizer, build_tiny_checkpoint; "
+                    "add_tiny_tokenizer(build_tiny_checkpoint(sys.argv[1], sys.argv[2]))")
+            subprocess.run([main_python(), "-c", code, family, str(path)], check=True, timeout=300, cwd=ROOT)
+            built[family] = path
         return built[family]
 
     return get
@@ -159,7 +129,7 @@ def encoder(model_dir, tmp_path_factory):
 
     yield get
     for enc in running.values():
-        enc.close()
+        enc.stop()
 
 
 # ---- SGLang's side, as documented ------------------------------------------------------------------------
@@ -202,10 +172,7 @@ def hf_config_of(model: Path):
 
 def noise_png(i: int, seed: int) -> bytes:
     w, h = SIZES[i % len(SIZES)]
-    rng = np.random.default_rng(seed * 100 + i)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return image_bytes(w, h, seed * 100 + i)
 
 
 def data_uri(b: bytes) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,8 +20,10 @@ pytest.importorskip("vllm.config", reason="vLLM tier: run scripts/tiers/vllm.sh"
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from tests.support.vllm_engine import TOKEN, ec_config, encoder_service_argv, free_port, subprocess_env  # noqa: E402
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.vllm_engine import TOKEN, ec_config  # noqa: E402
 from tests.support.vllm_docs import documented  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,25 +84,14 @@ def front(encoders, tmp_path_factory):
     argv = documented("proxy").replaced({
         "--encoder-url": encoders["qwen2_5_vl"].url, "--vllm-url": vllm.url, "--host": "127.0.0.1",
         "--port": str(port), "--auth-token": TOKEN, "--api-key": "caller-key"})
-    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(encoder_service_argv(*argv[1:]), stdout=out, stderr=subprocess.STDOUT,
-                                env=subprocess_env())
     url = f"http://127.0.0.1:{port}"
+    proxy = ServiceProcess(encoder_service_argv(*argv[1:]), url + "/health",
+                           tmp_path_factory.mktemp("proxy") / "proxy.log", name="vllm-proxy")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        proxy.wait_ready(120)
         yield url, vllm
     finally:
-        proc.terminate()
-        proc.wait(15)
+        proxy.stop()
         vllm.shutdown()
 
 

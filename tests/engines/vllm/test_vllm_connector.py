@@ -19,8 +19,9 @@ import torch  # noqa: E402
 
 from encoder_service import errors  # noqa: E402
 from encoder_service.integrations.vllm import proxy  # noqa: E402
-from tests.support.vllm_engine import ec_config, free_port  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.vllm_engine import ec_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,82 @@
+"""Our service as deployed: an `encoder-service ...` command line (serve, vllm-proxy) in a subprocess, ready
+once an HTTP URL answers 200, stopped with SIGTERM (SIGKILL if it does not exit). Used by the engine tiers
+(tests/engines/: their venvs have our package without its dependencies, so this imports only the stdlib and
+httpx) and benchmarks/soak.py.
+
+  - `main_python()`: the python of the venv that has the service's dependencies: $ENCODER_MAIN_PYTHON, default
+    .venv/bin/python (scripts/setup.sh).
+  - `encoder_service_argv(*args, python=None)`: `encoder-service ARGS` run by that python (or `python`).
+  - `ServiceProcess(argv, ready_url, log_path, env=None, name="encoder-service")`: starts `argv` (stdout and
+    stderr into `log_path`) on this checkout's code (PYTHONPATH), with no ENCODER_* variables of ours (only its
+    command line configures it) plus `env`; `wait_ready(timeout_s)` returns it once `ready_url` answers (if
+    it exits or is not ready in time: stopped, RuntimeError with the log's tail), `stop()` (idempotent),
+    `log_tail()`; a context manager.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main_python() -> str:
+    py = os.environ.get("ENCODER_MAIN_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
+    if not Path(py).exists():
+        raise RuntimeError(f"no main venv python at {py}: run scripts/setup.sh, or set ENCODER_MAIN_PYTHON")
+    return py
+
+
+def encoder_service_argv(*args: str, python: str | None = None) -> list[str]:
+    """`encoder-service ARGS` run by `python` (default: the main venv's)."""
+    return [python or main_python(), "-m", "encoder_service.cli", *args]
+
+
+class ServiceProcess:
+    def __init__(self, argv: list[str], ready_url: str, log_path: Path, env: dict[str, str] | None = None,
+                 name: str = "encoder-service"):
+        self.argv, self.ready_url, self.log_path, self.name = list(argv), ready_url, Path(log_path), name
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
+        child_env.update(PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, timeout_s: float = 240.0):
+        """Returns self once `ready_url` answers 200 (polled: a child starting has nothing to subscribe to)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.ready_url, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.name}: {self.ready_url} not ready in {timeout_s:g} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: the service stops gracefully
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
