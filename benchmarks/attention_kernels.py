@@ -77,6 +77,14 @@ def dense(q, k, v, backend=None, scale=None):
         return F.scaled_dot_product_attention(*args, scale=scale).squeeze(0).transpose(0, 1)
 
 
+def two_segment(q, k, v, cu, backend=None):
+    """ops/attention.py's two-segment dense trick, its SDPA call on `backend` (None: torch's choice)."""
+    if backend is None:
+        return attention.two_segment_dense_attention(q, k, v, cu)
+    with sdpa_kernel([backend]):
+        return attention.two_segment_dense_attention(q, k, v, cu)
+
+
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -98,13 +106,9 @@ def one_segment(name, n, d, bucket):
         record(name, f"dense sdpa {b}", lambda: dense(q[:n], k[:n], v[:n], backend), ref, n, fl)
     # In a graph: the image plus padding rows up to the bucket, two segments, max_seqlen = bucket.
     cu2 = torch.tensor([0, n, bucket], device=DEV, dtype=torch.int32)
-    record(name, f"graph {bucket}: two-segment dense (default)",
-           lambda: attention.two_segment_dense_attention(q, k, v, cu2), ref, n, fl)
+    record(name, f"graph {bucket}: two-segment dense (default)", lambda: two_segment(q, k, v, cu2), ref, n, fl)
     for b, backend in BACKENDS.items():
-        attention.DENSE_BACKENDS[:] = [backend]
-        record(name, f"graph {bucket}: two-segment dense {b}",
-               lambda: attention.two_segment_dense_attention(q, k, v, cu2), ref, n, fl)
-    attention.DENSE_BACKENDS[:] = []
+        record(name, f"graph {bucket}: two-segment dense {b}", lambda: two_segment(q, k, v, cu2, backend), ref, n, fl)
     cu33 = torch.tensor([0, n] + [bucket] * 32, device=DEV, dtype=torch.int32)
     if varlen_attn is not None:
         record(name, f"graph {bucket}: varlen_attn, 33 slots, max_seqlen {bucket}",

@@ -82,9 +82,6 @@ def reference_attention(q, k, v, cu_seqlens) -> torch.Tensor:
 # Cross-segment logit offset of the two-segment dense path: exp(-C * head_dim**-0.5) is exactly 0 in
 # float32 for head_dim <= 256, and C is finite in float16 and bfloat16.
 _SEGMENT_PENALTY = 30000.0
-# SDPA backends allowed for the dense paths (empty: torch's default choice, which is cuDNN on the H100;
-# benchmarks/attention_kernels.py sets it to compare them).
-DENSE_BACKENDS: list = []
 
 
 def _masked_dense_attention(q, k, v, cu_seqlens):
@@ -99,16 +96,10 @@ def _masked_dense_attention(q, k, v, cu_seqlens):
 
 
 def _dense_sdpa(q, k, v, scale=None):
-    """q, k, v [N, H, D*] -> [N, H, Dv] with SDPA over all rows as one sequence."""
+    """q, k, v [N, H, D*] -> [N, H, Dv] with SDPA over all rows as one sequence (torch's choice of kernel:
+    cuDNN on the H100; benchmarks/attention_kernels.py compares them under sdpa_kernel)."""
     args = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-    if DENSE_BACKENDS:
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(DENSE_BACKENDS):
-            out = F.scaled_dot_product_attention(*args, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(*args, scale=scale)
-    return out.squeeze(0).transpose(0, 1)
+    return F.scaled_dot_product_attention(*args, scale=scale).squeeze(0).transpose(0, 1)
 
 
 def two_segment_dense_attention(q, k, v, cu_seqlens):
