@@ -170,7 +170,7 @@ class Service:
             await self._grpc_health.enter_graceful_shutdown()  # open Health.Watch streams hear it now
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
-        for server, task in ((self._http, self._http_task), (self._sglang, self._sglang_task)):
+        for server in (self._http, self._sglang):
             if server is not None:
                 server.should_exit = True
         for task in (self._http_task, self._sglang_task):

@@ -42,7 +42,6 @@ same string (Redis keeps channel names apart from key names). Names outside that
 from __future__ import annotations
 
 import asyncio
-
 import enum
 
 from encoder_service.cache.keys import KEY_PREFIX

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
-from tests.support.images import image_bytes, png_header_only
+from tests.support.images import image_bytes, png_header_only, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
 
 
@@ -168,20 +168,15 @@ def test_fetch_payload_per_accept(service):
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
-def _truncated_jpeg() -> bytes:
-    data = image_bytes(120, 120, 5, "JPEG")
-    return data[: len(data) // 2]
-
-
 BAD_ENCODES = {
     "invalid base64": ({"images": [{"data": "!!not base64!!"}]}, 400, "base64"),
     "not an image": ({"images": [{"data": base64.b64encode(b"hello, world").decode()}]}, 400, "image 0"),
     "zero bytes": ({"images": [{"data": ""}]}, 400, "empty"),
-    "truncated jpeg": ({"images": [{"data": base64.b64encode(_truncated_jpeg()).decode()}], "wait": True},
+    "truncated jpeg": ({"images": [{"data": base64.b64encode(truncated_jpeg(5)).decode()}], "wait": True},
                        400, "trunc"),
     "truncated third image, waited for": (
         {"images": [{"data": base64.b64encode(image_bytes(40 + k, 40, 8)).decode()} for k in range(2)]
-         + [{"data": base64.b64encode(_truncated_jpeg()).decode()}], "wait": True}, 400, "image 2: "),
+         + [{"data": base64.b64encode(truncated_jpeg(5)).decode()}], "wait": True}, 400, "image 2: "),
     "decompression bomb": ({"images": [{"data": base64.b64encode(png_header_only(60000, 60000)).decode()}]},
                            400, "pixel"),
     "zero-sized image": ({"images": [{"data": base64.b64encode(png_header_only(0, 10)).decode()}]}, 400, "image 0"),
@@ -220,7 +215,7 @@ def test_bad_encode_is_a_4xx_naming_the_problem(service, case):
 
 def test_truncated_jpeg_without_wait_fails_at_fetch(service):
     with client(service) as c:
-        info = encode_json(c, [_truncated_jpeg()[:-7]]).json()["images"][0]  # header is fine: answered
+        info = encode_json(c, [truncated_jpeg(6)]).json()["images"][0]  # header is fine: answered
         r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0, "end": 4})
         assert r.status_code == 400 and "trunc" in r.json()["error"]["message"].lower(), r.text
         assert_still_serving(c)

@@ -88,7 +88,7 @@ def core_rows(svc, images: list[bytes]) -> list[torch.Tensor]:
 
 
 def images_encoded(svc) -> float:
-    return svc.core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
+    return svc.sample("encoder_images_encoded_total")
 
 
 def check_push(svc, frames, req_id, images, *, num_parts=1, part_idx=0):

@@ -29,7 +29,7 @@ def test_every_stat_has_a_described_metric(tmp_path):
         shm.close()
 
 
-def test_values_are_read_at_scrape_time(tmp_path):
+def test_values_are_read_at_scrape_time():
     store = EmbeddingStore(4096, max_pinned_bytes=2048)
     registry = CollectorRegistry()
     registry.register(CacheCollector(store))
@@ -52,7 +52,7 @@ def test_values_are_read_at_scrape_time(tmp_path):
     assert after[("encoder_cache_local_lookups_total", (("result", "miss"),))] == 1
 
 
-def test_a_stat_without_a_row_is_still_exported(tmp_path):
+def test_a_stat_without_a_row_is_still_exported():
     class Store:
         def stats(self):
             return {"local_evictions": 3, "brand_new_counter": 7, "redis_state": "down", "note": "text"}
