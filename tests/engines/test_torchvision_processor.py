@@ -16,7 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-pytest.importorskip("torchvision", reason="the torchvision tier runs in its own venv: scripts/tiers/torchvision.sh")
+from tests.support.engine_tier import require  # noqa: E402
+
+require("torchvision", "scripts/tiers/torchvision.sh")
 
 from transformers import AutoImageProcessor, Qwen2VLImageProcessor  # noqa: E402 - needs torchvision
 

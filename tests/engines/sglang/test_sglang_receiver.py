@@ -36,7 +36,9 @@ os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # docs: the language side'
 os.environ.setdefault("SGLANG_ENCODER_RECV_TIMEOUT", "60")
 # Not plain "sglang": tests/engines is on sys.path (its conftest), so this directory passes for a namespace
 # package of that name where SGLang is not installed.
-pytest.importorskip("sglang.srt", reason="the SGLang tier runs in its own venv: bash scripts/tiers/sglang.sh")
+from tests.support.engine_tier import require  # noqa: E402
+
+require("sglang.srt", "scripts/tiers/sglang.sh")
 
 import torch  # noqa: E402
 

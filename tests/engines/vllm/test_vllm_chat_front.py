@@ -15,7 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import blake3
 import pytest
 
-pytest.importorskip("vllm.config", reason="vLLM tier: run scripts/tiers/vllm.sh")  # not just any "vllm"
+from tests.support.engine_tier import require  # noqa: E402
+
+require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 
 import httpx  # noqa: E402
 import torch  # noqa: E402

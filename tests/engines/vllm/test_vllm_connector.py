@@ -13,7 +13,9 @@ from collections import namedtuple
 
 import pytest
 
-pytest.importorskip("vllm.config", reason="vLLM tier: run scripts/tiers/vllm.sh")  # not just any "vllm"
+from tests.support.engine_tier import require  # noqa: E402
+
+require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 
 import torch  # noqa: E402
 
