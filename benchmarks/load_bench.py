@@ -362,11 +362,11 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
-    from encoder_service.settings import ATTENTION
+    from encoder_service.settings import ATTENTION, PREPROCESS_BACKENDS
 
     parser.add_argument("--attention", default="auto", choices=ATTENTION,
                         help="the service's --attention (default auto); the setup line says what ran")
-    parser.add_argument("--preprocess", choices=("pil", "torchvision", "torchvision-pil-decode"),
+    parser.add_argument("--preprocess", choices=PREPROCESS_BACKENDS,
                         help="the service's --preprocess (default: the service's own default for the device)")
     parser.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=LEVELS,
                         help=f"concurrency levels of the encode load (default {','.join(map(str, LEVELS))})")

@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from encoder_service import errors  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
+from load_bench import percentile  # noqa: E402 - this script's folder is on sys.path
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes, png_chunk  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
@@ -195,14 +195,6 @@ class Load:
                 for client in pair.values():
                     await client.close()
         return time.monotonic() - t0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 # ---- report ------------------------------------------------------------------------------------------------

@@ -122,14 +122,7 @@ def readme_config_rows() -> dict[str, list[str]]:
 @functools.cache
 def readme_env_vars() -> frozenset[str]:
     """The ENCODER_* names of the README's Configuration table (the CLI's env twins): parsed, not copied."""
-    lines = (ROOT / "README.md").read_text().splitlines()
-    header = next(i for i, line in enumerate(lines) if re.match(r"^\|\s*flag\s*\|\s*env\s*\|", line))
-    names = set()
-    for line in lines[header + 2:]:
-        if not line.startswith("|"):
-            break
-        env_cell = line.strip("|").split("|")[1]
-        names.update(re.findall(r"`(ENCODER_[A-Z0-9_]+)`", env_cell))
+    names = {n for cells in readme_config_rows().values() for n in re.findall(r"`(ENCODER_[A-Z0-9_]+)`", cells[1])}
     assert len(names) >= 20, f"README Configuration table parsed to too few env names: {sorted(names)}"
     return frozenset(names)
 

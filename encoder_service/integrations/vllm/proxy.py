@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 from encoder_service import errors
 from encoder_service.client.base import ImageSource
 from encoder_service.integrations.vllm import PARAMS_KEY
+from encoder_service.settings import _choice, _positive, flag
 
 log = logging.getLogger("encoder_service.vllm_proxy")
 
@@ -65,24 +66,7 @@ def _http_url(text: str) -> str:
     return url
 
 
-def _log_level(text: str) -> str:
-    level = str(text).strip().lower()
-    if level not in _LOG_LEVELS:
-        raise ValueError(f"must be one of {', '.join(_LOG_LEVELS)}, got {text!r}")
-    return level
-
-
-_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def _positive(text: str) -> float:
-    v = float(text)
-    if v <= 0:
-        raise ValueError(f"must be > 0, got {text!r}")
-    return v
-
-
-# name -> (parser, default, help); flag --name-with-dashes, env ENCODER_PROXY_NAME.
+# name -> (parser, default, help), as settings.OPTIONS; flag --name-with-dashes, env ENCODER_PROXY_NAME.
 OPTIONS = {
     "encoder_url": (_url, None, "encoder service: http://host:port or grpc://host:port (required)"),
     "vllm_url": (_http_url, None, "the vLLM prefill/decode instance: http://host:port (required)"),
@@ -92,8 +76,8 @@ OPTIONS = {
                            "none, every caller is served"),
     "auth_token": (str, None, "the encoder service's bearer token (its --auth-token)"),
     "vllm_api_key": (str, None, "bearer token for vLLM (its --api-key); default: the caller's Authorization"),
-    "timeout_s": (_positive, "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
-    "log_level": (_log_level, "info", "log level"),
+    "timeout_s": (_positive(float), "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
+    "log_level": (_choice(("critical", "error", "warning", "info", "debug")), "info", "log level"),
 }
 
 
@@ -117,7 +101,7 @@ def env_name(name: str) -> str:
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_, default, help_text) in OPTIONS.items():
         shown = f" (default {default})" if default else ""
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=name.upper(),
+        parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
                             help=f"{help_text}{shown} [env {env_name(name)}]")
 
 
@@ -132,12 +116,12 @@ def resolve_proxy(ns: argparse.Namespace, env: Mapping[str, str]) -> ProxySettin
             raw = default
         if raw is None:
             if name in ("encoder_url", "vllm_url"):
-                raise ValueError(f"--{name.replace('_', '-')} / {env_name(name)} is required")
+                raise ValueError(f"{flag(name)} / {env_name(name)} is required")
             continue
         try:
             values[name] = parse(raw)
         except ValueError as exc:
-            raise ValueError(f"--{name.replace('_', '-')} / {env_name(name)}: {exc}") from None
+            raise ValueError(f"{flag(name)} / {env_name(name)}: {exc}") from None
     return ProxySettings(**values)
 
 

@@ -1,4 +1,5 @@
-"""EncoderServiceConnector inside vLLM 0.33.0's own code (conftest.VllmInstance), against our real service.
+"""EncoderServiceConnector inside vLLM 0.33.0's own code (VllmInstance: tests/support/vllm_engine.py), against
+our real service.
 
 vLLM's factory loads the connector from the documented --ec-transfer-config in both roles; a chat request
 with metadata-only image_embeds parts (the proxy's rewrite) goes through vLLM's front end and Scheduler; the
