@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -272,6 +273,7 @@ def main() -> int:
             r.stop()
         if redis is not None:
             redis.stop()
+        print(f"checkpoint and replica logs: {work} (removed when the run passes)", file=sys.stderr)
     setup = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} CPU cores, {torch.__version__}, Python {sys.version.split()[0]}",
@@ -293,7 +295,10 @@ def main() -> int:
             "p50_ms": {op: percentile(v, 50) for op, v in load.latency_ms.items()},
             "p99_ms": {op: percentile(v, 99) for op, v in load.latency_ms.items()},
             "rss_mib": rss, "counters": counters}, indent=2))
-    return 1 if errors_seen or load.wrong_rows else 0
+    if errors_seen or load.wrong_rows:
+        return 1
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def _choice(options: Sequence[str]) -> Callable[[str], str]:
 def _device(text: str) -> str:
     t = str(text).strip().lower()
     if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", t):
-        raise ValueError(f"must be cpu, cuda or cuda:N, got {text!r}")
+        raise ValueError(f"must be cpu, cuda, cuda:N or mps, got {text!r}")
     return t
 
 

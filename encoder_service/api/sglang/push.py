@@ -83,12 +83,13 @@ class Pusher:
         try:
             await asyncio.wait_for(sock.send_multipart(frames, copy=False), self.send_timeout_s)
         except (TimeoutError, zmq.ZMQError) as exc:
-            reason = "timed out" if isinstance(exc, TimeoutError) else f"failed ({exc})"
+            timed_out = isinstance(exc, TimeoutError)
+            reason = f"timed out after {self.send_timeout_s:g}s" if timed_out else f"failed ({exc})"
             if persistent and self._sockets.get(address) is sock:
                 del self._sockets[address]
             sock.close(linger=0)  # never deliver a stale message later
             raise errors.Unavailable(
-                f"pushing the embeddings to {host_port} {reason} after {self.send_timeout_s:g}s: "
+                f"pushing the embeddings to {host_port} {reason}: "
                 "is the language server's receiver reachable from this host (SGLANG_HOST_IP)?") from None
         if not persistent:
             sock.close()  # lingers until what it queued is delivered (LINGER_MS at most)
