@@ -47,7 +47,8 @@ from gpu_parity import REAL, SMALL, build_reference, patch_grid, reference_rows,
 from encoder_service.models.loader import load_model  # noqa: E402
 from encoder_service.ops import attention  # noqa: E402
 from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
-from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets  # noqa: E402
+from encoder_service.runtime.eager import EagerRunner  # noqa: E402
+from encoder_service.runtime.runner import exact_resolution_buckets  # noqa: E402
 from encoder_service.settings import DEFAULT_BUCKETS, parse_buckets  # noqa: E402
 
 NAMES = {"qwen2_5_vl": "Qwen2.5-VL-7B", "qwen3_vl": "Qwen3-VL-8B"}
