@@ -22,8 +22,8 @@ Every request has a timeout (--request-timeout-s); the whole run a hard limit (-
 
 Prints the setup, requests and errors by status per op, p50 / p99 latency per op, RSS per process, and a
 few of the replicas' own counters; writes the same to benchmarks/results/soak-<date>-<commit>.json and
-$OUT/soak.md (benchmarks/common/report.py: where, with and without OUT), or the JSON alone to --json. Exit status 1 on any error status
-or wrong row.
+$OUT/soak.md (benchmarks/common/report.py: where, with and without OUT), or the JSON alone to --json. Exit
+status 1 on any error status or wrong row.
 
     python benchmarks/soak.py --seconds 240                  # 2 replicas + Redis, tiny model, CPU
     python benchmarks/soak.py --replicas 1 --no-redis --seconds 60
