@@ -1,6 +1,6 @@
 """The package's import rules, read from its source: every import statement of every module under
-encoder_service/ (module level and inside functions alike: a lazy import is still an arrow), parsed with ast,
-nothing imported. Data flows down: each part of the package imports only the parts below it that MAY_IMPORT
+encoder_service/ (at module level, inside functions, under TYPE_CHECKING alike: a lazy import is still an
+arrow), parsed with ast, nothing imported. Data flows down: each part of the package imports only the parts below it that MAY_IMPORT
 names, so the layering in docs/architecture.md stays true; and no two modules import each other, directly or
 round a circle."""
 
