@@ -27,7 +27,8 @@ share the service's GIL; the service, the model-only runs and the child are all 
     python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
     python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
 
-Prints a markdown table; writes $OUT/load_bench.json and $OUT/load_bench.md (OUT defaults to ./bench_out).
+Prints a markdown table; writes benchmarks/results/load_bench-<date>-<commit>.json and $OUT/load_bench.md
+(benchmarks/common/report.py: where, with and without OUT).
 Exits 1 when a correctness check fails (request errors, cache hits on distinct images, fetched rows wrong
 or HTTP/gRPC disagreeing); targets are reported (met / MISSED), not enforced.
 """
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import socket
@@ -44,14 +44,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common.device import bench_device, sync  # noqa: E402
+from benchmarks.common.images import make_jpegs  # noqa: E402
+from benchmarks.common.models import REAL, build_checkpoint  # noqa: E402
+from benchmarks.common.report import setup_info, write_result  # noqa: E402
+from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
+from benchmarks.common.stats import percentile  # noqa: E402
 
 FAMILY = "qwen2_5_vl"
 LEVELS = (1, 4, 16, 64)
@@ -68,33 +71,6 @@ CONFIGS = {
 }
 # Image index ranges (each image's content is a function of its index): never shared between phases.
 MODEL_ONLY_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_000_000, 4_000_000
-
-
-# ---- images -----------------------------------------------------------------------------------------------
-def distinct_jpeg(base: np.ndarray, index: int) -> bytes:
-    """`base` shifted by an index-dependent offset with the index stamped in as 32 8x8 blocks: distinct pixels
-    (and bytes) per index, the same size and photo-like statistics for all."""
-    from PIL import Image
-
-    h, w = base.shape[:2]
-    img = np.roll(base, shift=((17 * (index // w)) % h, index % w), axis=(0, 1))
-    for bit in range(32):
-        img[:8, 8 * bit:8 * bit + 8] = 255 if (index >> bit) & 1 else 0
-    buf = io.BytesIO()
-    Image.fromarray(img, "RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def make_jpegs(size: tuple[int, int], indices, seed: int = 0) -> list[bytes]:
-    from _service_setup import photo
-
-    base = photo(*size, seed=seed)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
-        return list(pool.map(lambda i: distinct_jpeg(base, i), indices))
-
-
-def percentile(samples: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(samples, dtype=np.float64), q)) if samples else float("nan")
 
 
 # ---- load generator (child process) -----------------------------------------------------------------------
@@ -264,7 +240,6 @@ def model_only(core, cfg: dict, device) -> list[dict]:
     reference of the target."""
     import torch
 
-    from _service_setup import sync
     from encoder_service.engine.scheduler import batch_budget
     from encoder_service.preprocessing import preprocess
 
@@ -375,14 +350,10 @@ def main() -> int:
     if args.client:
         return client_main(args.client)
 
-    from _service_setup import bench_device, build_checkpoint, in_process_service, service_settings
     from encoder_service.api.service import bind_socket, build_core
-    from gpu_parity import REAL, setup_info
 
     device, dtype = bench_device(args.small, parser)
     cfg = CONFIGS["small" if args.small else "full"] | dict(levels=args.levels)
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -470,10 +441,9 @@ def main() -> int:
                      "written in two parts waits for the client's delayed ACK (~40 ms on Linux loopback). HTTP "
                      "latencies above include that stall.")
     report = markdown(setup, model, levels, fetch, summary, checks, notes)
-    (out_dir / "load_bench.json").write_text(json.dumps(
-        dict(setup=setup, summary=summary, model_only=model, levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
-             targets=dict(service_fraction=SERVICE_TARGET, fetch_p50_ms=FETCH_TARGET_MS)), indent=2))
-    (out_dir / "load_bench.md").write_text(report)
+    write_result("load_bench", setup, dict(
+        summary=summary, model_only=model, levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
+        targets=dict(service_fraction=SERVICE_TARGET, fetch_p50_ms=FETCH_TARGET_MS)), report)
     print(report)
     print(f"total {t_end - t_start:.1f} s")
     return 1 if checks else 0

@@ -6,7 +6,7 @@ import json
 
 import grpc
 
-from encoder_service.client.base import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import grpc_messages as msgs

@@ -11,7 +11,7 @@ import base64
 
 import httpx
 
-from encoder_service.client.base import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ModelLoadError
 from ..models.spec import VisionSpec
-from .patchify import rescale_divisor
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +178,18 @@ def _per_channel(value, name: str, channels: int, source: str) -> tuple[float, .
     if len(value) != channels:
         raise ModelLoadError(f"{source}: {name} has {len(value)} values for {channels} channels")
     return tuple(float(v) for v in value)
+
+
+@lru_cache(maxsize=8)
+def rescale_divisor(rescale_factor: float) -> np.float32:
+    """The float32 d with float32(v) / d == float32(float64(v) * rescale_factor) for every uint8 v.
+
+    A float32 division is one pass; transformers' float64 product and cast are three. For 1/255 the two agree
+    on all 256 values; a factor for which they do not is rejected (ValueError) when the config is built.
+    """
+    divisor = np.float32(1 / rescale_factor)
+    values = np.arange(256)
+    reference = (values.astype(np.float64) * rescale_factor).astype(np.float32)
+    if not np.array_equal(values.astype(np.float32) / divisor, reference):
+        raise ValueError(f"rescale_factor {rescale_factor} is not supported (no exact float32 divisor)")
+    return divisor

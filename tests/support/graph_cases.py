@@ -14,7 +14,8 @@ from encoder_service.models.configs import Qwen2_5VLConfig
 from encoder_service.models.loader import LoadedModel
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE
 from encoder_service.models.qwen2_5_vl import Qwen2_5VLTower
-from encoder_service.runtime.runner import exact_resolution_buckets, tokens_of
+from encoder_service.runtime.eager import tokens_of
+from encoder_service.runtime.runner import exact_resolution_buckets
 from encoder_service.settings import DEFAULT_BUCKETS
 
 BUCKETS = [64, 128, 256]

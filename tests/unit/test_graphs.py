@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from encoder_service.runtime.eager import EagerRunner
 from encoder_service.runtime.graphs import GraphRunner
-from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets, make_runner
+from encoder_service.runtime.runner import exact_resolution_buckets, make_runner
 from encoder_service.settings import DEFAULT_BUCKETS
 from encoder_service.testing.tiny import TINY_FAMILIES
 from tests.support.graph_cases import (

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # HERE (no GPU), from the repo root, before the device calls that need FlashAttention-4 / cudnn-frontend
-# (benchmarks/attention_candidates.py, and bench_vit.py --attention fa4 after it on the same warm machine).
+# (benchmarks/attention/candidates.py, and bench_vit.py --attention fa4 after it on the same warm machine).
 #
-# The wheels live in .gpuwhl/ (ignored; NOT .whl/, which holds the service's own wheels for gpu_env.sh), one
+# The wheels live in .gpuwhl/ (ignored; NOT .whl/, which holds the service's own wheels for env.sh), one
 # version each, cp312 / manylinux x86_64 for the GPU image (torch 2.11+cu130, so the CuTe DSL's cu13 libs):
 #   flash_attn_4  nvidia_cutlass_dsl  nvidia_cutlass_dsl_libs_base  nvidia_cutlass_dsl_libs_core
 #   nvidia_cutlass_dsl_libs_cu13  quack_kernels  apache_tvm_ffi  torch_c_dlpack_ext  nvidia_cudnn_frontend
@@ -14,10 +14,10 @@
 # nvidia_cutlass_dsl_libs_cu13 alone is 92 MB. So they travel in two ignored folders, one per call:
 #   .gpuwhl_stage1/  the first 56 MiB of the cu13 wheel
 #   .gpuwhl_stage2/  the rest of it + the 8 other wheels + SHA256SUMS + CU13_NAME      (~53 MiB)
-# benchmarks/device/install_wheels.sh parks stage 1 in /tmp on call 1 and puts it all together on call 2
+# scripts/gpu/install_wheels.sh parks stage 1 in /tmp on call 1 and puts it all together on call 2
 # (the machine must still be warm: make call 2 right after call 1).
 #
-# usage: bash benchmarks/device/stage_wheels.sh [WHEEL_DIR=.gpuwhl]
+# usage: bash scripts/gpu/stage_wheels.sh [WHEEL_DIR=.gpuwhl]
 set -euo pipefail
 src="${1:-.gpuwhl}"
 [ -d "$src" ] || { echo "no wheel folder $src (see the comment at the top of $0)" >&2; exit 1; }

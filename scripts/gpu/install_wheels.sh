@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # ON THE GPU MACHINE, from the repo root: FlashAttention-4 + CuTe DSL + cudnn-frontend into /tmp/site from
-# the two wheel stages of benchmarks/device/stage_wheels.sh, carried by two device calls in a row:
-#   call 1, carry [".gpuwhl_stage1"]:  bash benchmarks/device/install_wheels.sh    # parks stage 1 in /tmp
-#   call 2, carry [".gpuwhl_stage2"]:  bash benchmarks/device/install_wheels.sh && PYTHONPATH=/tmp/site:. ...
+# the two wheel stages of scripts/gpu/stage_wheels.sh, carried by two device calls in a row:
+#   call 1, carry [".gpuwhl_stage1"]:  bash scripts/gpu/install_wheels.sh    # parks stage 1 in /tmp
+#   call 2, carry [".gpuwhl_stage2"]:  bash scripts/gpu/install_wheels.sh && PYTHONPATH=/tmp/site:. ...
 # Call 2 puts the cu13 wheel back together, checks every wheel against SHA256SUMS and installs them
 # (--no-deps: torch, cuda-bindings, einops, protobuf, nvidia-cudnn-cu13 are the image's). A later call on the
 # same warm machine finds them installed and does nothing (unless FA4 was left out: then it tries again).

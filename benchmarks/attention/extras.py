@@ -11,8 +11,8 @@ CUDA device, unit last stride, v possibly strided; cu_seqlens int32 [S + 1]; non
                        lengths only: B * max_seqlen == N, provable from ints, no filler slots)
 
 Each has `available() -> str` ('' or why not); the dense-only ones serve a layout only when
-`equal_lengths(n, slots, max_seqlen)` (benchmarks/attention_candidates.py checks it). From reading the libraries' sources (cudnn-frontend 1.32.0, flash-attn-4 4.0.0b36); the benchmark checks
-numerics, capture and the RNG for real.
+`equal_lengths(n, slots, max_seqlen)` (candidates.py checks it). From reading the libraries' sources
+(cudnn-frontend 1.32.0, flash-attn-4 4.0.0b36); the benchmark checks numerics, capture and the RNG for real.
 """
 
 from __future__ import annotations
