@@ -35,6 +35,11 @@ class ImageDecodeError(InvalidInput):
     """Bytes that are not a decodable image (corrupt, truncated, unknown format)."""
 
 
+class VideoDecodeError(InvalidInput):
+    """Bytes that are not a decodable video (corrupt, truncated, unsupported container or codec, no video
+    stream, no frames)."""
+
+
 class LimitExceeded(InvalidInput):
     """A configured limit was exceeded (bytes, pixels, aspect ratio, image count).
 

@@ -224,3 +224,48 @@ def test_bfloat16_norm_and_rotary_round_like_transformers():
     cos, sin = torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator)
     for a, b in zip(apply_rotary(q, k, cos, sin), ref.apply_rotary_pos_emb_vision(q, k, cos, sin)):
         assert torch.equal(a, b)
+
+
+# ---- videos: a real clip's frame groups (preprocessing/video.py), t > 1 and an odd frame count ----
+
+
+def video_pixels(loaded, checkpoint):
+    """(pixel_values of every frame group in order, grid_thw, the plan) of a 7-frame 128x96 clip: 4 groups,
+    the last one its last frame twice, as transformers pads."""
+    from encoder_service.preprocessing.limits import VideoLimits
+    from encoder_service.preprocessing.video import VideoOptions, plan_video, preprocess_group
+    from encoder_service.preprocessing.video_config import VideoConfig
+    from encoder_service.preprocessing.video_decode import iter_frame_groups, probe_video
+    from tests.support.video_cases import make_clip
+
+    cfg, limits = VideoConfig.from_checkpoint(checkpoint, loaded.spec), VideoLimits()
+    data = make_clip("mp4_h264", frames=7, width=128, height=96)
+    plan = plan_video(probe_video(data, limits), cfg, VideoOptions(sample_frames=False), limits)
+    groups = [preprocess_group(frames, plan, cfg) for frames in iter_frame_groups(data, plan, limits)]
+    assert plan.grid_thw[0] == len(groups) == 4 and plan.group_frames(3) == (6, 6)
+    return groups, plan.grid_thw, plan
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_video_matches_transformers(models, tiny_checkpoint, family):
+    """The whole video as one grid (t, h, w), and frame group by frame group (each (1, h, w), the way the
+    service encodes videos), against transformers' tower on the whole video."""
+    loaded, reference = models(family)
+    groups, grid, plan = video_pixels(loaded, tiny_checkpoint(family))
+    pixel_values = torch.cat(groups)
+    expected = run_reference(reference, pixel_values, [grid])
+    assert_parity(loaded, run_ours(loaded, pixel_values, [grid]), expected, f"{family} video {grid}")
+    by_group = torch.cat([run_ours(loaded, g, [plan.group_grid]) for g in groups])
+    assert_parity(loaded, by_group, expected, f"{family} video group by group")
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_video_groups_through_the_runner(models, tiny_checkpoint, family):
+    """Groups as the engine will submit them: items of one runner batch, each its own (1, h, w) grid."""
+    from encoder_service.runtime.runner import EagerRunner
+
+    loaded, _ = models(family)
+    groups, grid, plan = video_pixels(loaded, tiny_checkpoint(family))
+    rows = EagerRunner(loaded).encode(groups, [plan.group_grid] * len(groups))
+    assert [r.shape[0] for r in rows] == [plan.tokens_per_group] * plan.num_groups
+    assert_parity(loaded, torch.cat(rows), run_ours(loaded, torch.cat(groups), [grid]), f"{family} runner groups")
