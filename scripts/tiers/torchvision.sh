@@ -2,7 +2,9 @@
 # The torchvision tier: our `--preprocess torchvision` backend on the CPU against transformers' default Qwen-VL
 # image processor, `Qwen2VLImageProcessor` (torchvision), bit for bit (tests/engines/test_torchvision_processor.py;
 # in the main venv it is skipped). Its venv (venv.sh): CPU torch 2.13.0, torchvision 0.28.0 (the release for
-# torch 2.13, the Dockerfile's pair) through the import shim, transformers at the main venv's version.
+# torch 2.13, the Dockerfile's pair) through the import shim, and transformers at the LOWER end of pyproject's
+# range (the main venv gets the upper end), so the main suite's parity tests against transformers' own towers
+# and PIL processor run here too, at that end.
 #   scripts/tiers/torchvision.sh [pytest args]
 set -euo pipefail
 source "$(dirname "$0")/venv.sh"
@@ -15,6 +17,7 @@ if [ "$TIER_FRESH" = 1 ]; then
   tier_done
 fi
 cd "$ROOT"
-# --confcutdir: the root conftest (tiny checkpoints, Redis) is not needed, nor the packages it imports. The
-# package itself is found through pytest's pythonpath (pyproject), not installed.
-exec "$PY" -m pytest -q -ra --confcutdir=tests/engines tests/engines/test_torchvision_processor.py "$@"
+# The package itself is found through pytest's pythonpath (pyproject), not installed; the root conftest's tiny
+# checkpoints need only transformers and its dependencies.
+exec "$PY" -m pytest -q -ra tests/engines/test_torchvision_processor.py tests/unit/test_models_parity.py \
+  tests/unit/test_preprocessing.py "$@"

@@ -142,3 +142,25 @@ def test_concurrent_setups_wait_for_each_other(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert installs.read_text().splitlines() == ["-m pip install -q -e .[test]"] * 2
+
+
+# ---- the transformers range ------------------------------------------------------------------------------
+
+
+def release(version: str) -> tuple[int, ...]:
+    """"5.23" -> (5, 23, 0): the release numbers, padded to three."""
+    parts = tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version).group(0).split("."))
+    return (parts + (0, 0, 0))[:3]
+
+
+def test_both_ends_of_the_transformers_range_are_tested():
+    """pyproject's transformers range is what the tests run against: the main suite at the newest release in it
+    (a fresh install resolves that; this run's transformers must be in the range), the torchvision tier at its
+    lower end (scripts/tiers/torchvision.sh pins it, and runs the parity tests against transformers there)."""
+    import transformers
+
+    low, high = re.search(r'"transformers>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text()).groups()
+    tier = (ROOT / "scripts" / "tiers" / "torchvision.sh").read_text()
+    assert release(re.search(r"transformers==([\d.]+)", tier).group(1)) == release(low)
+    assert "tests/unit/test_models_parity.py" in tier and "tests/unit/test_preprocessing.py" in tier
+    assert release(low) <= release(transformers.__version__) < release(high)
