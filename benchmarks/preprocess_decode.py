@@ -2,7 +2,7 @@
 on CUDA, exact) vs `--preprocess torchvision-nvjpeg` (opt-in), with `pil` for reference; the README's
 "Preprocessing" numbers.
 
-Images: distinct photo-like JPEGs (benchmarks/_service_setup.py: `jpeg`, quality 92), 720p and 1080p. Per
+Images: distinct photo-like JPEGs (benchmarks/common/images.py: `jpeg`, quality 92), 720p and 1080p. Per
 backend and size:
   decode ms      `backend.decode(data)`: the header check and the pixels, [3, H, W] uint8 on the device (Pillow:
                  decoded on this thread, then uploaded; nvJPEG: decoded on the GPU), synchronized; median
@@ -15,11 +15,11 @@ Checks (exit 1 when one fails): nvJPEG decodes every one of these JPEGs itself (
 `torchvision-nvjpeg` equals it given nvJPEG's pixels, bit for bit. nvJPEG's pixels against Pillow's: mean and
 max |difference| in levels, reported.
 
-    python benchmarks/preprocess_decode.py         # GPU, torchvision installed (nvJPEG); about a minute
-    python benchmarks/preprocess_decode.py --cpu   # CPU smoke test: no nvJPEG (that backend decodes with
-                                                   # Pillow), the checks that need it are skipped
+    python benchmarks/preprocess_decode.py           # GPU, torchvision installed (nvJPEG); about a minute
+    python benchmarks/preprocess_decode.py --small   # CPU smoke test: no nvJPEG (that backend decodes with
+                                                     # Pillow), the checks that need it are skipped
 
-Prints a markdown table; writes $OUT/preprocess_decode.json and .md (OUT defaults to ./bench_out).
+Prints a markdown table; writes its JSON and preprocess_decode.md (benchmarks/common/report.py says where).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import json
 import os
 import statistics
 import sys
@@ -40,13 +39,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from _service_setup import jpeg  # noqa: E402
-from gpu_parity import setup_info  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common.device import bench_device, sync  # noqa: E402
+from benchmarks.common.images import jpeg  # noqa: E402
+from benchmarks.common.report import setup_info, write_result  # noqa: E402
 from encoder_service.preprocessing import PreprocessConfig, make_backend, probe  # noqa: E402
 from encoder_service.preprocessing.decode import decode_rgb  # noqa: E402
 from encoder_service.preprocessing.nvjpeg import NvJpegDecoder  # noqa: E402
@@ -54,14 +50,9 @@ from tests.support.preprocess_cases import HUB_CONFIGS, LIMITS, config_and_proce
 
 BACKENDS = ("torchvision", "torchvision-nvjpeg", "pil")
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
-IMAGES = {"gpu": 48, "cpu": 4}  # distinct images per size
+IMAGES = {"gpu": 48, "small": 4}  # distinct images per size
 CHECKED = 4  # images per size checked against transformers
 POOL_THREADS = min(8, os.cpu_count() or 2)  # the engine's CPU pool (engine/engine.py)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(call, datas, device) -> float:
@@ -147,12 +138,12 @@ def reference(tmp: Path):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu", action="store_true", help="CPU smoke test (no nvJPEG)")
+    parser.add_argument("--small", action="store_true", help="CPU smoke test (no nvJPEG), few images")
     args = parser.parse_args()
-    if not args.cpu and not torch.cuda.is_available():
-        parser.error("needs a CUDA device (--cpu for a smoke test)")
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
-    count = IMAGES["cpu" if args.cpu else "gpu"]
+    device, _ = bench_device(args.small, parser)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # the decoder and the streams need the index
+    count = IMAGES["small" if args.small else "gpu"]
     datas = {size: [jpeg(w, h, seed=k) for k in range(count)] for size, (w, h) in SIZES.items()}
     with tempfile.TemporaryDirectory() as tmp:
         cfg, processor, no_processor = reference(Path(tmp))
@@ -181,16 +172,12 @@ def main() -> int:
             print(f"{name:20} {size:6} decode {rows[-1]['decode_ms']:7.2f} ms  preprocess "
                   f"{rows[-1]['preprocess_ms']:7.2f} ms  {rows[-1]['images_per_s']:7.1f} images/s", flush=True)
 
-    setup = {k: v for k, v in setup_info(device, torch.bfloat16, args.cpu).items() if k != "sizes"} | dict(
+    setup = {k: v for k, v in setup_info(device, torch.bfloat16, args.small).items() if k != "sizes"} | dict(
         cpu_count=os.cpu_count(), images_per_size=count, jpeg_quality=92,
         transformers_check=f"{CHECKED} images per size" if processor is not None else f"skipped: {no_processor}")
     report = markdown(setup, rows, decodes, checks)
     print(report)
-    out = Path(os.environ.get("OUT", "bench_out"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "preprocess_decode.md").write_text(report)
-    (out / "preprocess_decode.json").write_text(json.dumps(dict(setup=setup, rows=rows, nvjpeg_vs_pillow=decodes,
-                                                                checks=checks), indent=2))
+    write_result("preprocess_decode", setup, dict(rows=rows, nvjpeg_vs_pillow=decodes, checks=checks), report)
     return 1 if checks else 0
 
 
