@@ -22,7 +22,7 @@ RUN apt-get update \
 # ---- build: create /opt/venv with torch and torchvision (CUDA) and the package -------------------------------
 FROM base AS build
 ARG TORCH_VERSION=2.13.0
-# torchvision gives the default `--preprocess torchvision` on CUDA its nvJPEG decoder (without it, JPEGs are
+# torchvision gives the opt-in `--preprocess torchvision-nvjpeg` its nvJPEG decoder (without it, JPEGs are
 # decoded by Pillow on the CPU). It must be the release built for TORCH_VERSION: 0.28.x for torch 2.13.
 ARG TORCHVISION_VERSION=0.28.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128

@@ -289,6 +289,17 @@ def test_bad_values_are_rejected(sets, message):
     assert rc != 0 and message in err, err
 
 
+def test_schema_choices_are_the_clis():
+    """The chart takes exactly the service's choices ("" leaves it to the service), deprecated names too."""
+    from encoder_service import settings
+
+    server = json.loads((CHART / "values.schema.json").read_text())["properties"]["server"]["properties"]
+    choices = {"dtype": settings.DTYPES, "preprocess": (*settings.PREPROCESS_BACKENDS, *settings.PREPROCESS_ALIASES),
+               "hash": settings.HASHES, "logLevel": settings.LOG_LEVELS, "attention": settings.ATTENTION}
+    for name, options in choices.items():
+        assert sorted(server[name]["enum"]) == sorted(["", *options]), name
+
+
 def test_gpu_limit_default_and_configurable():
     limits = encoder_container(render())["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 1
@@ -376,7 +387,7 @@ def test_env_values_follow_values():
     env = env_of(encoder_container(render("auth-values")))
     expect = {
         "ENCODER_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct", "ENCODER_REVISION": "main", "ENCODER_DTYPE": "float16",
-        "ENCODER_PREPROCESS": "torchvision-pil-decode",
+        "ENCODER_PREPROCESS": "torchvision-nvjpeg",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
         "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",

@@ -2,7 +2,10 @@
 the batch metadata they run on (models/metadata.py: per-shape pieces, padding).
 
 Relative error = max|ours - ref| / max|ref| (must be <= 1e-5); the mean (mean|ours - ref| / mean|ref|) is
-printed too (`pytest -s`). Qwen3 compares the main rows and every deepstack level separately.
+printed too (`pytest -s`). Qwen3 compares the main rows and every deepstack level separately. An image in a
+batch or padded against the same image alone is held to the same bound, not bit for bit: the GEMMs have other
+row counts, which a BLAS may round differently (MKL does, with MKL_CBWR=COMPATIBLE, by a few ulp); a boundary
+or padding error shows at 1e-2 and above.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def test_each_image_of_a_batch_equals_it_alone(models, family):
     patch_counts = [t * h * w for t, h, w in BATCH]
     token_counts = [n // loaded.spec.merge_size**2 for n in patch_counts]
     for grid, image_pv, rows in zip(BATCH, pv.split(patch_counts), batched.split(token_counts)):
-        torch.testing.assert_close(rows, run_ours(loaded, image_pv, [grid]), rtol=1e-6, atol=1e-6)
+        assert_parity(loaded, rows, run_ours(loaded, image_pv, [grid]), f"{family} {grid} batched vs alone")
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -141,7 +144,7 @@ def test_padded_metadata_leaves_real_rows_unchanged(models, family):
         out = loaded.tower(torch.cat([pv, garbage]), padded)
     real_tokens = meta.num_patches // meta.merge_unit
     assert out.shape == (real_tokens + pad // meta.merge_unit, loaded.spec.row_width)
-    torch.testing.assert_close(out[:real_tokens], run_ours(loaded, pv, BATCH), rtol=1e-6, atol=1e-6)
+    assert_parity(loaded, out[:real_tokens], run_ours(loaded, pv, BATCH), f"{family} padded vs not")
 
 
 def test_padded_rejects_too_few_segment_slots(models):
