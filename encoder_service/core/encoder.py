@@ -88,7 +88,7 @@ class EncoderCore:
         if warmup:
             t0 = time.perf_counter()
             data = warmup_image(self.spec.factor)
-            await self.engine.run_one(Job(lambda: self.images.prepare(data, None), 0), timeout_s=600)
+            await self.engine.warm_up(Job(lambda: self.images.prepare(data, None), 0), timeout_s=600)
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
         self._ready = True
 

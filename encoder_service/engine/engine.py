@@ -154,13 +154,13 @@ class Engine:
         return [Permit(self) for _ in range(n)]
 
     def submit(self, jobs: Sequence[Job], *, deadline: float | None = None,
-               permits: Sequence[Permit] | None = None) -> list[WorkItem]:
+               permits: Sequence[Permit] | None = None, warmup: bool = False) -> list[WorkItem]:
         """Queue one request's images (placeholder order). `deadline`: time.monotonic() seconds. `permits`:
         one per job from `admit` (used up here, whatever happens); without them the jobs are admitted here.
 
         Raises Unavailable when the engine is down, Overloaded when admitting here finds the queue full. Each
         item's `future` resolves to an EncodedImage or raises; it is cancelled when the job's `wanted()` turns
-        false while it waits.
+        false while it waits. `warmup`: the readiness encode, left out of the metrics.
         """
         try:
             if not self.alive:
@@ -174,7 +174,7 @@ class Engine:
                 self._preparing += 1
                 prepared.add_done_callback(self._prepared)
                 items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
-                                      deadline=deadline, wanted=job.wanted))
+                                      deadline=deadline, wanted=job.wanted, warmup=warmup))
             self._scheduler.push(items)
         finally:
             for permit in permits or ():  # the queued items count themselves now
@@ -204,10 +204,11 @@ class Engine:
         seconds = prepared.result()[1] / 1e3
         self._prepare_s = seconds if self._prepare_s is None else 0.8 * self._prepare_s + 0.2 * seconds
 
-    async def run_one(self, job: Job, *, timeout_s: float | None = None) -> EncodedImage:
-        """Encode one image through the whole engine (used by readiness warm-up)."""
+    async def warm_up(self, job: Job, *, timeout_s: float | None = None) -> EncodedImage:
+        """Encode one image through the whole engine, for readiness; not counted in the metrics (no request
+        asked for it)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        (item,) = self.submit([job], deadline=deadline)
+        (item,) = self.submit([job], deadline=deadline, warmup=True)
         try:
             return await asyncio.wait_for(asyncio.shield(item.future), timeout_s)
         except (asyncio.CancelledError, TimeoutError):
@@ -327,14 +328,14 @@ class Engine:
         # of the GPU starts when the previous one finished, if that was after its launch.
         self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - max(started, self._last_done))
         self._last_done = ended
-        m = self._metrics
+        m = self._metrics if not all(it.warmup for it in items) else None  # the warm-up's batch is no request's
         if m is not None:
             m.encode_ms.observe(encode_ms)
             m.batch_patches.observe(sum(it.num_patches for it in items))
-            m.images_encoded.inc(len(items))
+            m.images_encoded.inc(sum(not it.warmup for it in items))
         for item, ((_, grid), prep_ms), rows in zip(items, inputs, outputs):
             queue_ms = (started - item.enqueued_at) * 1e3
-            if m is not None:
+            if m is not None and not item.warmup:
                 m.queue_ms.observe(queue_ms)
                 m.preprocess_ms.observe(prep_ms)
             if not item.future.done():

@@ -38,6 +38,7 @@ class WorkItem:
     future: asyncio.Future
     deadline: float | None = None
     wanted: Callable[[], bool] = always_wanted
+    warmup: bool = False  # the readiness encode: not counted in the metrics
     enqueued_at: float = field(default_factory=time.monotonic)
     seq: int = 0  # request arrival number (set by the scheduler)
     index: int = 0  # placeholder order inside the request

@@ -86,7 +86,7 @@ def key_of(core, data: bytes) -> CacheKey:
 
 
 def images_encoded(core) -> float:
-    """Images through the ViT so far (the warm-up's included)."""
+    """Images through the ViT so far for requests (the start-up warm-up is not counted)."""
     return core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
 
 
@@ -143,6 +143,15 @@ async def test_fetch_equals_slices_of_the_whole_embedding(make_core, tiny_checkp
                 got[s.position:s.position + s.num_rows] = answers[0].rows[at:at + s.num_rows]
                 at += s.num_rows
         assert torch.equal(got, expected), f"chunk size {chunk_size}"
+
+
+async def test_the_warm_up_encode_is_not_counted(make_core):
+    core = await make_core()  # started: the warm-up encode ran through the engine
+    sample = core.metrics.registry.get_sample_value
+    assert core.ready() and images_encoded(core) == 0
+    assert sample("encoder_encode_ms_count") == sample("encoder_preprocess_ms_count") == 0
+    await core.encode(inputs(image_bytes(64, 64, 4241)), wait=True)
+    assert images_encoded(core) == 1 and sample("encoder_encode_ms_count") == 1
 
 
 async def test_same_image_from_many_requests_is_encoded_once(make_core):
