@@ -6,9 +6,9 @@ every id is pinned for its lease (429 when the pins are full; 400 when they coul
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
 With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
 another replica waits for them, and local hits that Redis evicted are written there again.
-Each id rides one flight (flight.py): the store's single flight, whose create submits the image to the
-engine (decoded on a CPU thread, encoded on the GPU thread). `wait=True` waits for the rows (and can return
-them).
+Each id rides one flight (flight.py, the one single flight), whose fill reads the store and, on a miss,
+submits the image to the engine (decoded on a CPU thread, encoded on the GPU thread) and puts its rows in
+the store. `wait=True` waits for the rows (and can return them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image (sized by its
 flight, else by the cache entry's header, else, with Redis, by the header of the rows another replica is
 encoding once they land: handoff.py); the store reads only those (waiting for images still encoding). One
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import time
 
@@ -31,7 +30,7 @@ from encoder_service import errors, preprocessing
 from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
-from encoder_service.core.flight import Flight, Flights
+from encoder_service.core.flight import Flight, Flights, Landed
 from encoder_service.core.handoff import Handoff
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics
@@ -67,9 +66,11 @@ class EncoderCore:
             backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
-        self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
+        self.engine = Engine(prepare=self.images.prepare, encode=runner.encode,
+                             batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
-        self.flights = Flights()
+        self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
+                               lease_s=settings.cache.lease_s)
         self.handoff = Handoff(store, self.metrics)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
@@ -87,8 +88,8 @@ class EncoderCore:
         self._started = True
         if warmup:
             t0 = time.perf_counter()
-            data = warmup_image(self.spec.factor)
-            await self.engine.warm_up(Job(lambda: self.images.prepare(data, None), 0), timeout_s=600)
+            image = self.images.probe(0, warmup_image(self.spec.factor), None)
+            await self.engine.warm_up(Job(image.data, image.grid_thw), timeout_s=600)
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
         self._ready = True
 
@@ -184,9 +185,7 @@ class EncoderCore:
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
         # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
         # find the flight (or it would be admitted a second time).
-        flights = {name: self.flights.join(p.key, p.grid_thw, p.num_tokens, permits.get(name),
-                                           functools.partial(self._fill, data=p.data, timings=timings,
-                                                             marking=marking if name in permits else None))
+        flights = {name: self.flights.join(p, permits.get(name), after=marking if name in permits else None)
                    for name, p in unique.items()}
         if marking is not None:
             try:  # before answering: once the caller has the ids, a fetch elsewhere must find them pending
@@ -202,13 +201,15 @@ class EncoderCore:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {not_cached} of the request's images "
                                               "are not cached yet (their encode goes on)")
             # timeout_s=0 here: every id is a local hit, pinned above, so its flight ends without waiting.
-            done = await self._wait_for(flights, timeout_s or None, t0, first_index)  # name -> (entry, created)
+            done = await self._wait_for(flights, timeout_s or None, t0, first_index)
             # Cached for this request unless its own miss started the flight that ran the encode.
-            result.images = [dataclasses.replace(i, cached=i.cached or not (p.key.name in permits and
-                                                                            done[p.key.name][1]))
+            ran = {name for name in permits if done[name].encoded}
+            for name in ran:  # the engine's timings of the images this request had encoded
+                timings.update({k: v for k, v in done[name].timings.items() if k.endswith("_ms")})
+            result.images = [dataclasses.replace(i, cached=i.cached or p.key.name not in ran)
                              for i, p in zip(infos, probed)]
             if return_embeddings:
-                result.embeddings = [done[p.key.name][0].tensor for p in probed]
+                result.embeddings = [done[p.key.name].entry.tensor for p in probed]
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         return result
 
@@ -263,42 +264,9 @@ class EncoderCore:
                          row_width=spec.row_width, hidden_size=spec.out_hidden_size, layout=spec.layout,
                          dtype=self.dtype, cached=cached)
 
-    async def _fill(self, flight: Flight, *, data: bytes, timings: dict,
-                    marking: asyncio.Task | None) -> tuple[Entry, bool]:
-        """A flight's task: its id's entry through the store's single flight, (entry, created). Only a miss
-        there (not local, not in Redis, no store fill in flight) runs `create`: the engine encodes `data`,
-        and this request's `timings` get the engine's. `marking` (the id's pending marker being written) is
-        awaited first: the fill's outcome settles that marker, so it must not be published before it."""
-        if marking is not None:
-            await asyncio.shield(marking)
-        created = False
-
-        async def create() -> Entry:
-            nonlocal created
-            created = True
-            self.metrics.cache_misses.inc()
-            t, h, w = flight.grid_thw
-            job = Job(lambda: self.images.prepare(data, flight.grid_thw), t * h * w, wanted=flight.wanted)
-            permits = None if flight.permit is None else [flight.permit]
-            (item,) = self.engine.submit([job], deadline=self._deadline(), permits=permits)
-            encoded = await item.future
-            timings.update({k: v for k, v in encoded.timings.items() if k.endswith("_ms")})
-            # The engine's rows are owned host tensors: the entry takes them without a copy.
-            return Entry.from_rows(encoded.rows, encoded.grid_thw, self.spec.layout, copy=False)
-
-        missed = flight.permit is not None
-        entry, _ = await self.store.get_or_create(flight.key, create)
-        if missed and not created:  # a local miss served by Redis or by a store fill already in flight
-            self.metrics.cache_hits.labels(tier="redis" if self.store.redis else "inflight").inc()
-        return entry, created
-
-    def _deadline(self) -> float:
-        """Background encodes stay wanted for the lease: past it nobody holds the id any more."""
-        return time.monotonic() + self.settings.cache.lease_s
-
     async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float,
-                        first_index: dict[str, int]) -> dict:
-        """name -> (entry, created) once every flight has landed; a failed image's error names its index."""
+                        first_index: dict[str, int]) -> dict[str, Landed]:
+        """name -> what its flight landed, once every one has; a failed image's error names its index."""
 
         async def landed(name: str, flight: Flight):
             try:
@@ -320,7 +288,7 @@ class EncoderCore:
     def _leave(self, flights: dict[str, Flight]) -> None:
         """The caller left before its answer: its images are not wanted by it any more, nor pinned for it."""
         for name, flight in flights.items():
-            flight.waiters -= 1
+            self.flights.leave(flight)
             self.store.release(name)
 
     # ---- fetch -----------------------------------------------------------------------------------------
@@ -408,16 +376,16 @@ class EncoderCore:
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
         """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
-        it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
-        Redis GETRANGE). No rows: how the id's encode failed here, if it did (its flight may have ended since
-        `_num_tokens`), else NotFound."""
+        it waits for the id's pending marker first), else from the store (local slice, Redis GETRANGE). No
+        rows: how the id's encode failed here, if it did (its flight may have ended since `_num_tokens`),
+        else NotFound."""
         with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
-                    entry, _ = await asyncio.shield(flight.task)
+                    landed = await asyncio.shield(flight.task)
                 except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
                     raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
-                rows = entry.rows(seg.row_start, seg.row_end)
+                rows = landed.entry.rows(seg.row_start, seg.row_end)
             else:
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:

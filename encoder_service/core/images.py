@@ -64,19 +64,19 @@ class ImageReader:
             key = make_key(data, self._model_fp, self._hash)
         return Probed(key, tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens), data)
 
-    def prepare(self, data: bytes, grid_thw: GridTHW | None) -> tuple[torch.Tensor, GridTHW]:
-        """CPU thread: pixel values [num_patches, patch_dim] in the tower's dtype, and the grid, which must
-        be the one encode answered (`grid_thw`; None: not answered, the warm-up)."""
+    def prepare(self, data: bytes, grid_thw: GridTHW) -> torch.Tensor:
+        """CPU thread (the engine's prepare stage): pixel values [num_patches, patch_dim] in the tower's dtype,
+        of the grid encode answered from the header (`grid_thw`)."""
         pre = self.backend.preprocess(data, self._dtype)
         grid = tuple(int(x) for x in pre.grid_thw)
-        if grid_thw is not None and grid != tuple(grid_thw):
+        if grid != tuple(grid_thw):
             raise errors.ImageDecodeError(f"decoded image has grid {grid}, its header promised {tuple(grid_thw)}")
         pixel_values = pre.pixel_values
         # Host pixel values (pil): pinned memory makes their copy to the GPU asynchronous on the GPU thread.
         # The torchvision backend on CUDA hands over a finished device tensor: nothing to copy.
         if self._pin_memory and pixel_values.device.type == "cpu":
             pixel_values = pixel_values.pin_memory()
-        return pixel_values, grid
+        return pixel_values
 
 
 def warmup_image(factor: int) -> bytes:

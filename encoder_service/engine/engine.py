@@ -13,6 +13,9 @@ batch while the completion thread waits for the previous one's rows, so the GPU 
 `loop.call_soon_threadsafe`; the threads never touch the loop otherwise. A batch that raises fails only its
 own items; if a thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
 
+The engine is built with its two stages, `prepare` (CPU threads) and `encode` (the GPU thread): a `Job`
+carries data (what to prepare, and the grid its pixel values must have), never a closure.
+
 Admission is checked once, in `admit(n)`: room for n images in the queue (at most max_queue, counting the
 permits handed out and not used yet), all or none, else Overloaded (HTTP 429). A caller that admits early
 (the core, before it answers encode) submits later with those permits; `submit` without permits admits
@@ -30,20 +33,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from encoder_service.engine.scheduler import Scheduler, WorkItem, always_wanted, batch_budget, drop
+from encoder_service.engine.scheduler import GridTHW, Scheduler, WorkItem, always_wanted, batch_budget, drop
 from encoder_service.errors import Overloaded, Unavailable
 from encoder_service.runtime.transfer import HostCopier
 
 log = logging.getLogger(__name__)
 
-GridTHW = tuple[int, int, int]
+# (job.data, job.grid_thw), on a CPU thread -> pixel values [t*h*w, patch_dim], ready for `encode`
+PrepareFn = Callable[[Any, GridTHW], torch.Tensor]
 # (pixel_values list, grid_thw list) -> one [num_tokens_i, row_width] tensor per image (TowerRunner.encode)
 EncodeFn = Callable[[Sequence[torch.Tensor], Sequence[GridTHW]], list[torch.Tensor]]
-PrepareFn = Callable[[], tuple[torch.Tensor, GridTHW]]
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,12 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class Job:
-    """One image to encode: `prepare` runs on a CPU thread and returns (pixel_values, grid_thw); the image
-    is dropped from the queue once `wanted()` is false."""
+    """One unit of ViT work: `data` is what the engine's `prepare` takes (an image's encoded bytes; the
+    engine never looks inside), `grid_thw` the grid its pixel values must have (t*h*w patches). Dropped
+    from the queue once `wanted()` is false."""
 
-    prepare: PrepareFn
-    num_patches: int
+    data: Any
+    grid_thw: GridTHW
     wanted: Callable[[], bool] = always_wanted
 
 
@@ -77,9 +81,9 @@ class Permit:
 
 
 class Engine:
-    def __init__(self, encode_fn: EncodeFn, *, batch_tokens: int, buckets: Sequence[int] = (), max_queue: int = 256,
-                 cpu_threads: int | None = None, metrics=None):
-        self._encode_fn = encode_fn
+    def __init__(self, *, prepare: PrepareFn, encode: EncodeFn, batch_tokens: int, buckets: Sequence[int] = (),
+                 max_queue: int = 256, cpu_threads: int | None = None, metrics=None):
+        self._prepare, self._encode = prepare, encode
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
         self._permits = 0  # admitted images not submitted yet (Permit objects not used or released)
@@ -170,10 +174,10 @@ class Engine:
             loop = self._loop
             items = []
             for job in jobs:
-                prepared = loop.run_in_executor(self.cpu_pool, _timed, job.prepare)
+                prepared = loop.run_in_executor(self.cpu_pool, _timed, self._prepare, job.data, job.grid_thw)
                 self._preparing += 1
                 prepared.add_done_callback(self._prepared)
-                items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
+                items.append(WorkItem(grid_thw=job.grid_thw, prepared=prepared, future=loop.create_future(),
                                       deadline=deadline, wanted=job.wanted, warmup=warmup))
             self._scheduler.push(items)
         finally:
@@ -277,7 +281,7 @@ class Engine:
             items, inputs = work
             started = time.monotonic()
             try:
-                outputs = self._encode_fn([pg[0] for pg, _ in inputs], [tuple(pg[1]) for pg, _ in inputs])
+                outputs = self._encode([pixel_values for pixel_values, _ in inputs], [it.grid_thw for it in items])
                 if len(outputs) != len(items):
                     raise RuntimeError(f"encode returned {len(outputs)} outputs for {len(items)} images")
                 rows = self._copier.start(outputs)
@@ -333,7 +337,7 @@ class Engine:
             m.encode_ms.observe(encode_ms)
             m.batch_patches.observe(sum(it.num_patches for it in items))
             m.images_encoded.inc(sum(not it.warmup for it in items))
-        for item, ((_, grid), prep_ms), rows in zip(items, inputs, outputs):
+        for item, (_, prep_ms), rows in zip(items, inputs, outputs):
             queue_ms = (started - item.enqueued_at) * 1e3
             if m is not None and not item.warmup:
                 m.queue_ms.observe(queue_ms)
@@ -341,7 +345,7 @@ class Engine:
             if not item.future.done():
                 timings = {"preprocess_ms": prep_ms, "queue_ms": queue_ms, "encode_ms": encode_ms,
                            "batch_images": float(len(items))}
-                item.future.set_result(EncodedImage(rows=rows, grid_thw=tuple(grid), timings=timings))
+                item.future.set_result(EncodedImage(rows=rows, grid_thw=item.grid_thw, timings=timings))
 
     def _fail_batch(self, items: list[WorkItem], exc: Exception) -> None:
         self._on_gpu.difference_update(items)
@@ -373,7 +377,7 @@ class Engine:
         return "the encode engine is not running"
 
 
-def _timed(prepare: PrepareFn) -> tuple[tuple[torch.Tensor, GridTHW], float]:
+def _timed(prepare: PrepareFn, data: Any, grid_thw: GridTHW) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = prepare()
-    return out, (time.perf_counter() - t0) * 1e3
+    pixel_values = prepare(data, grid_thw)
+    return pixel_values, (time.perf_counter() - t0) * 1e3

@@ -159,9 +159,9 @@ async def test_clients_leaving_mid_call_are_cancelled_not_errors(service, monkey
     client: outcome `cancelled`, one debug line each, and no ERROR from any logger (asyncio's "exception
     was never retrieved" included: it shows when the abandoned futures are collected)."""
     decoding = threading.Event()  # the image stays in its decode until the test lets it go
-    prepare = service.core.images.prepare
-    monkeypatch.setattr(service.core.images, "prepare",
-                        lambda data, grid: (decoding.wait(WAIT_S), prepare(data, grid))[1])
+    backend = service.core.images.backend  # what the engine's prepare stage decodes with
+    preprocess = backend.preprocess
+    monkeypatch.setattr(backend, "preprocess", lambda data, dtype: (decoding.wait(WAIT_S), preprocess(data, dtype))[1])
     def cancelled() -> tuple[float, float]:
         labels = [{"method": m, "outcome": "cancelled"} for m in ("encode", "fetch")]
         return tuple(service.sample("encoder_requests_total", la) for la in labels)

@@ -56,7 +56,7 @@ def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path)
         m = scrape(c)
         assert m["encoder_cache_redis_up"] == 1 and m["encoder_cache_redis_writes_paused"] == 0
         assert m["encoder_cache_local_capacity_bytes"] == 8192 and m["encoder_cache_max_pinned_bytes"] == 4096
-        assert m["encoder_cache_creates_total"] == m["encoder_cache_local_evictions_total"] == 0
+        assert m["encoder_cache_misses_total"] == m["encoder_cache_local_evictions_total"] == 0
         assert m["encoder_shm_writes_total"] == m["encoder_shm_open_mappings"] == 0
 
         ids = []
@@ -65,7 +65,7 @@ def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path)
             assert scrape(c)["encoder_cache_pinned_bytes"] == 768  # until the release
             assert c.post("/v1/release", json={"ids": ids[-1:]}).json() == {"released": 1}
         m = scrape(c)
-        assert m["encoder_cache_creates_total"] == 16 and m["encoder_cache_fills_total"] == 16
+        assert m["encoder_cache_misses_total"] == 16 and m["encoder_images_encoded_total"] == 16
         assert m["encoder_cache_local_evictions_total"] == 16 - m["encoder_cache_local_entries"] > 0
         assert m["encoder_cache_local_used_bytes"] == 768 * m["encoder_cache_local_entries"] <= 8192
         assert m["encoder_cache_pinned_bytes"] == m["encoder_cache_pinned_ids"] == 0
