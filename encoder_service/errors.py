@@ -1,4 +1,5 @@
-"""One error type for the whole service, mapped once per transport (HTTP status / gRPC code).
+"""One error type for the whole service, mapped once per transport (HTTP status / gRPC code) by its `kind`
+(protocol/errors.py has the table).
 
 Raise a subclass with a message that names what was wrong, the limit and the value.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 
 class EncoderServiceError(Exception):
-    """Base class. `kind` selects the transport mapping (see `api/errors.py`)."""
+    """Base class. `kind` selects the transport mapping (protocol/errors.py: KINDS)."""
 
     kind = "internal"
 
@@ -35,17 +36,26 @@ class ImageDecodeError(InvalidInput):
     """Bytes that are not a decodable image (corrupt, truncated, unknown format)."""
 
 
-class LimitExceeded(InvalidInput):
-    """A configured limit was exceeded (bytes, pixels, aspect ratio, image count).
+class UnsupportedMediaType(InvalidInput):
+    """A body of a content type the endpoint does not take. HTTP 415 / INVALID_ARGUMENT."""
 
-    HTTP 413 for body size, else 400 / INVALID_ARGUMENT.
-    """
+    kind = "unsupported_media_type"
+
+
+class LimitExceeded(InvalidInput):
+    """A configured limit was exceeded (bytes, pixels, aspect ratio, image count). HTTP 400 / INVALID_ARGUMENT."""
 
     kind = "limit"
 
     def __init__(self, what: str, value, limit, hint: str = ""):
         super().__init__(f"{what} is {value}, over the limit of {limit}" + (f": {hint}" if hint else ""))
         self.what, self.value, self.limit = what, value, limit
+
+
+class PayloadTooLarge(LimitExceeded):
+    """The request body is over --max-body-bytes. HTTP 413 / INVALID_ARGUMENT."""
+
+    kind = "payload_too_large"
 
 
 class NotFound(EncoderServiceError):

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.core import FetchItem, ImageInput
+from encoder_service.core.metrics import Observed
 from encoder_service.errors import EncoderServiceError, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol import wire
@@ -107,24 +107,15 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     @contextlib.asynccontextmanager
     async def _rpc(self, context, method: str | None = None):
         """The one place errors become gRPC statuses; request metrics (as HTTP counts them) for `method`."""
-        t0, outcome = time.perf_counter(), "ok"
-        metrics = self._core.metrics if method else None
-        if metrics:
-            metrics.in_flight.inc()
-        try:
-            yield
-        except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
-            outcome = "cancelled"
-            log.debug("gRPC %s cancelled by the client", method or "call")
-            raise
-        except Exception as exc:
-            outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
-            await _abort(context, exc)
-        finally:
-            if metrics:
-                metrics.in_flight.dec()
-                metrics.requests.labels(method=method, outcome=outcome).inc()
-                metrics.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
+        with self._core.metrics.observe(method) if method else contextlib.nullcontext(Observed()) as observed:
+            try:
+                yield
+            except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
+                log.debug("gRPC %s cancelled by the client", method or "call")
+                raise
+            except Exception as exc:
+                observed.failed(exc)
+                await _abort(context, exc)
 
 
 def _time_left(context) -> float | None:

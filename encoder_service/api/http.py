@@ -17,10 +17,8 @@ A client that goes away mid-upload is counted as the outcome `cancelled` and log
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +29,7 @@ from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
-from encoder_service.errors import EncoderServiceError, InvalidInput
+from encoder_service.errors import EncoderServiceError, InvalidInput, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.shm import ShmTarget
@@ -130,29 +128,20 @@ def create_app(core: EncoderCore) -> FastAPI:
 
     async def _observed(method: str, handler):
         """Request metrics around one handler; errors are answered here so they are counted too."""
-        t0 = time.perf_counter()
-        metrics.in_flight.inc()
-        outcome = "ok"
-        try:
-            return await handler()
-        except EncoderServiceError as exc:
-            outcome = exc.kind
-            return _error_response(exc)
-        except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
-            outcome = "cancelled"
-            log.debug("HTTP %s: the client disconnected before its body arrived", method)
-            return Response(status_code=499)  # "client closed request" (nginx's code), for access logs only
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
-            outcome = "internal"
-            log.exception("HTTP %s failed", method)
-            return _error_response(exc)
-        finally:
-            metrics.in_flight.dec()
-            metrics.requests.labels(method=method, outcome=outcome).inc()
-            metrics.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
+        with metrics.observe(method) as observed:
+            try:
+                return await handler()
+            except EncoderServiceError as exc:
+                observed.failed(exc)
+                return _error_response(exc)
+            except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
+                observed.cancelled()
+                log.debug("HTTP %s: the client disconnected before its body arrived", method)
+                return Response(status_code=499)  # "client closed request" (nginx's code), for access logs only
+            except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
+                observed.failed(exc)
+                log.exception("HTTP %s failed", method)
+                return _error_response(exc)
 
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
@@ -174,9 +163,7 @@ def create_app(core: EncoderCore) -> FastAPI:
         result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s)
         out = []
         for i, info in enumerate(result.images):
-            d = {"id": info.id, "grid_thw": list(info.grid_thw), "num_tokens": info.num_tokens,
-                 "row_width": info.row_width, "hidden_size": info.hidden_size, "layout": info.layout,
-                 "dtype": info.dtype, "cached": info.cached}
+            d = info.to_json()
             if result.embeddings is not None:
                 rows = result.embeddings[i]
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
@@ -223,8 +210,8 @@ def _error_response(exc: Exception) -> JSONResponse:
     return JSONResponse(api_errors.error_body(exc), status_code=api_errors.http_status(exc), headers=headers)
 
 
-def _unsupported(ctype: str, expected: str) -> InvalidInput:
-    return api_errors.UnsupportedMediaType(f"content type {ctype or '(none)'!r} is not accepted here; send {expected}")
+def _unsupported(ctype: str, expected: str) -> UnsupportedMediaType:
+    return UnsupportedMediaType(f"content type {ctype or '(none)'!r} is not accepted here; send {expected}")
 
 
 def _content_type(request: Request) -> str:

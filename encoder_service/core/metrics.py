@@ -1,14 +1,38 @@
 """Prometheus metrics of the service, kept in one registry per core (tests run several cores per process).
 
-`encoder_queue_depth` is the name the Helm chart's HPA scales on: keep it.
+`encoder_queue_depth` is the name the Helm chart's HPA scales on: keep it. Every transport observes its
+requests through `Metrics.observe` (in flight, outcome, latency), so they are counted alike.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from encoder_service.errors import EncoderServiceError
+
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+
+@dataclass
+class Observed:
+    """A request as its metrics see it: the outcome is `ok` unless the transport says otherwise."""
+
+    outcome: str = "ok"
+
+    def failed(self, exc: BaseException) -> None:
+        """Answered with an error: its kind (anything not ours is `internal`)."""
+        self.outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
+
+    def cancelled(self) -> None:
+        """The client left before its answer (nobody reads it, and it is not our failure)."""
+        self.outcome = "cancelled"
 
 
 class Metrics:
@@ -40,6 +64,24 @@ class Metrics:
             "encoder_pending_unmarked", "Ids accepted for encoding whose pending marker could not be written to "
             "Redis (down, full or busy): fetches of them on other replicas answer at once instead of waiting",
             registry=r)
+
+    @contextlib.contextmanager
+    def observe(self, method: str) -> Iterator[Observed]:
+        """One request of any transport: in flight while inside; on the way out its outcome is counted (`ok`,
+        what the transport set on the `Observed`, or `cancelled` when the request is cancelled inside) and
+        its latency observed."""
+        observed = Observed()
+        t0 = time.perf_counter()
+        self.in_flight.inc()
+        try:
+            yield observed
+        except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
+            observed.outcome = "cancelled"
+            raise
+        finally:
+            self.in_flight.dec()
+            self.requests.labels(method=method, outcome=observed.outcome).inc()
+            self.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

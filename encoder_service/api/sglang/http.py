@@ -23,7 +23,6 @@ import asyncio
 import base64
 import binascii
 import logging
-import time
 
 import torch
 from fastapi import FastAPI, Request
@@ -81,46 +80,37 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
 
     @app.post("/encode")
     async def encode(request: Request):
-        t0 = time.perf_counter()
-        metrics.in_flight.inc()
-        outcome, body, part = "ok", None, None
-        try:
-            body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
-            validate_encode(body)
-            part = sessions.open_encode(body.req_id)
-            await _encode(body, part)
-            return JSONResponse(None)
-        except ClientDisconnect:  # gone mid-upload, as /v1/encode counts it: no body, so nobody to tell
-            outcome = "cancelled"
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
-            outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
-            return await _fail(body, part, exc)
-        finally:
-            metrics.in_flight.dec()
-            metrics.requests.labels(method="sglang_encode", outcome=outcome).inc()
-            metrics.request_ms.labels(method="sglang_encode").observe((time.perf_counter() - t0) * 1e3)
+        body = part = None
+        with metrics.observe("sglang_encode") as observed:
+            try:
+                body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
+                validate_encode(body)
+                part = sessions.open_encode(body.req_id)
+                await _encode(body, part)
+                return JSONResponse(None)
+            except ClientDisconnect:  # gone mid-upload, as /v1/encode counts it: no body, so nobody to tell
+                observed.cancelled()
+                return Response(status_code=499)
+            except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
+                observed.failed(exc)
+                return await _fail(body, part, exc)
 
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url(request: Request):
-        outcome, body = "ok", None
-        try:
-            body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
-            if not body.req_id:
-                raise InvalidInput("req_id must be a non-empty string")
-            endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
-            part = sessions.register(body.req_id, body.receive_url, body.receive_count)
-            if part.error is not None:  # the part failed before this rank registered: tell it now
-                await _push_quietly([body.receive_url], [part.error], persistent=True)
-            return JSONResponse(None)
-        except EncoderServiceError as exc:
-            outcome = exc.kind
-            return _error_response(exc, body.req_id if body is not None else None)
-        finally:
-            metrics.requests.labels(method="sglang_register", outcome=outcome).inc()
+        body = None
+        with metrics.observe("sglang_register") as observed:
+            try:
+                body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
+                if not body.req_id:
+                    raise InvalidInput("req_id must be a non-empty string")
+                endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
+                part = sessions.register(body.req_id, body.receive_url, body.receive_count)
+                if part.error is not None:  # the part failed before this rank registered: tell it now
+                    await _push_quietly([body.receive_url], [part.error], persistent=True)
+                return JSONResponse(None)
+            except EncoderServiceError as exc:
+                observed.failed(exc)
+                return _error_response(exc, body.req_id if body is not None else None)
 
     async def _encode(body: EncodeBody, part: Part) -> None:
         images = [image_input(i, item) for i, item in enumerate(body.mm_items)]
