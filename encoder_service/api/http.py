@@ -11,7 +11,9 @@ POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode
 GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
      /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
-JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400.
+JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400;
+so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
+Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape.
 A client that goes away mid-upload is counted as the outcome `cancelled` and logged at debug.
 """
 
@@ -23,6 +25,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from encoder_service.api import bodies
@@ -32,6 +35,7 @@ from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
+from encoder_service.protocol.errors import kind_from_status
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
 
@@ -93,6 +97,13 @@ def create_app(core: EncoderCore) -> FastAPI:
     @app.exception_handler(EncoderServiceError)
     async def _service_error(request: Request, exc: EncoderServiceError):
         return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _framework_error(request: Request, exc: HTTPException):
+        """Starlette's own answers (an unknown path, a method a path does not take) in our error shape."""
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        body = {"error": {"kind": kind_from_status(exc.status_code) or "invalid_input", "message": message}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health/live")
     async def live():
@@ -226,7 +237,11 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
 
 async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:
     # One more file than allowed so the core's count check names the limit (instead of the parser's).
-    async with request.form(max_files=max_images + 1, max_fields=max_images + 16) as form:
+    try:
+        form = await request.form(max_files=max_images + 1, max_fields=max_images + 16)
+    except HTTPException as exc:  # the parser's own 400: no boundary, no boundary lines, too many parts
+        raise InvalidInput(f"multipart body: {exc.detail}") from None
+    try:
         images = []
         for part in form.getlist("image"):
             data = await part.read() if hasattr(part, "read") else str(part).encode()
@@ -234,6 +249,8 @@ async def _multipart_images(request: Request, max_images: int) -> list[ImageInpu
         if not images and len(form) > 0:
             raise InvalidInput(f"multipart body has no 'image' field (got fields {sorted(set(form.keys()))})")
         return images
+    finally:
+        await form.close()  # its spooled files
 
 
 def _qbool(q, name: str) -> bool:
