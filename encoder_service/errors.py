@@ -64,6 +64,13 @@ class NotFound(EncoderServiceError):
     kind = "not_found"
 
 
+class Conflict(EncoderServiceError):
+    """An id sent with other content than it already names (a caller id reused for another image): an id
+    never names two contents. HTTP 409 / ALREADY_EXISTS."""
+
+    kind = "conflict"
+
+
 class Overloaded(EncoderServiceError):
     """Queue full or pins exhausted. HTTP 429 / RESOURCE_EXHAUSTED, with a retry hint."""
 

@@ -10,7 +10,8 @@
     store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
     await store.header(key)                       -> EntryHeader | None local, else Redis header only
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, else Redis GETRANGE
-    await store.mark_pending(keys)                -> bool               other replicas' fetches wait for them
+    await store.mark_pending(keys, tags=None)     -> bool               other replicas' fetches wait for them
+    await store.content_tags(keys)                -> {name: tag}        caller ids' content tags other replicas recorded
     await store.wait_for(key, timeout_s)          -> Settled            a fetch's wait for another replica's encode
     await store.share(keys)                       -> int                local hits other replicas can read again
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
@@ -39,7 +40,7 @@ Leases, the flow the core follows (core/encoder.py):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -145,12 +146,21 @@ class EmbeddingStore:
 
     # ---- across replicas ------------------------------------------------------------------------
 
-    async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None) -> bool:
+    async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None,
+                           tags: Mapping[str, int] | None = None) -> bool:
         """Before `encode` answers: mark the ids it will create as pending in Redis for their lease (default:
-        the store's), so a fetch on another replica waits for them. False without Redis or when not marked."""
+        the store's), so a fetch on another replica waits for them; `tags`: the content tags of caller ids'
+        bytes, by name (each marker carries its own). False without Redis or when not marked."""
         if self.redis is None:
             return False
-        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s)
+        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s, tags)
+
+    async def content_tags(self, keys: Iterable[Key]) -> dict[str, int]:
+        """By name, the content tag other replicas recorded in Redis for these caller ids (their entries, or
+        the pending markers of their encodes now); {} without Redis, or when Redis cannot tell."""
+        if self.redis is None:
+            return {}
+        return await self.redis.content_tags(_names(keys))
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
         """For a fetch that missed every tier: wait until another replica's encode of `key` lands in Redis
@@ -174,7 +184,8 @@ class EmbeddingStore:
                    if (entry := self.local.peek(name)) is not None}
         if not missing:
             return 0
-        await self.redis.mark_pending(list(missing), self.lease_s)
+        await self.redis.mark_pending(list(missing), self.lease_s,
+                                      {name: entry.header.content_tag for name, entry in missing.items()})
         for name, entry in missing.items():  # each write, once it lands, settles its marker
             self.redis.write_behind(name, entry)
         self.counters["reshared"] += len(missing)

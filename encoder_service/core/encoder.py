@@ -1,7 +1,8 @@
 """EncoderCore: the one core that HTTP and gRPC adapt (api/http.py, api/grpc_server.py).
 
 encode: read each image (images.py: bytes, then on CPU threads the cache key and the size from the header
-alone). Ids neither cached nor in flight are admitted to the engine queue, all or none (429 when full);
+alone). A caller id sent with other bytes than it names is a Conflict (409). Ids neither cached nor in
+flight are admitted to the engine queue, all or none (429 when full);
 every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
 With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
@@ -27,10 +28,10 @@ import time
 import torch
 
 from encoder_service import errors, preprocessing
-from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint
+from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint, other_content
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
-from encoder_service.core.flight import Flight, Flights, Landed
+from encoder_service.core.flight import Flight, Flights, Landed, conflict
 from encoder_service.core.handoff import Handoff
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics
@@ -168,10 +169,12 @@ class EncoderCore:
         unique: dict[str, Probed] = {}
         first_index: dict[str, int] = {}  # where each id first appears in the request, for error messages
         for i, p in enumerate(probed):
-            unique.setdefault(p.key.name, p)
+            if other_content(p.content_tag, unique.setdefault(p.key.name, p).content_tag):
+                raise conflict(p.key).prefixed(f"image {i}: ")  # one caller id for two images of the request
             first_index.setdefault(p.key.name, i)
+        await self._check_contents(unique, first_index)
         hits = {name: self.store.peek(name) for name in unique}
-        for name, entry in hits.items():  # a caller id may name other bytes than this time: trust the entry
+        for name, entry in hits.items():  # what the id names (an entry from before content tags: unchecked)
             if entry is not None:
                 unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
                                                    num_tokens=entry.num_rows)
@@ -180,7 +183,8 @@ class EncoderCore:
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
         marking = self.handoff.mark([unique[name].key for name in permits],  # None without Redis
-                                    [unique[name].key for name, entry in hits.items() if entry is not None])
+                                    [unique[name].key for name, entry in hits.items() if entry is not None],
+                                    {name: unique[name].content_tag for name in permits})
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
         # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
@@ -212,6 +216,24 @@ class EncoderCore:
                 result.embeddings = [done[p.key.name].entry.tensor for p in probed]
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         return result
+
+    async def _check_contents(self, unique: dict[str, Probed], first_index: dict[str, int]) -> None:
+        """An id never names two contents: a caller id sent with other bytes than those its entry or its flight
+        here, or (with Redis) another replica's rows or encode, were made from is a Conflict (409), before
+        anything is admitted. Redis is asked first (one round trip, only for caller ids this replica neither
+        has nor is encoding); what is here is checked after it: nothing is awaited from there until the ids
+        have joined their flights."""
+        callers = {name: p for name, p in unique.items() if p.content_tag}
+        if not callers:
+            return
+        recorded = await self.handoff.recorded_tags([p.key for name, p in callers.items()
+                                                     if self.store.peek(name) is None and name not in self.flights])
+        for name, p in callers.items():
+            entry, flight = self.store.peek(name), self.flights.get(name)
+            tags = (recorded.get(name, 0), entry.header.content_tag if entry is not None else 0,
+                    flight.content_tag if flight is not None else 0)
+            if any(other_content(p.content_tag, tag) for tag in tags):
+                raise conflict(p.key).prefixed(f"image {first_index[name]}: ")
 
     def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None],
                        first_index: dict[str, int]) -> dict[str, Permit]:
@@ -376,9 +398,9 @@ class EncoderCore:
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
         """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
-        it waits for the id's pending marker first), else from the store (local slice, Redis GETRANGE). No
-        rows: how the id's encode failed here, if it did (its flight may have ended since `_num_tokens`),
-        else NotFound."""
+        it waits for the id's pending marker first), else how the id's encode failed here, if it did (its
+        flight may have ended since `_num_tokens`), else from the store (local slice, Redis GETRANGE); no
+        rows: NotFound."""
         with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
@@ -386,10 +408,10 @@ class EncoderCore:
                 except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
                     raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
                 rows = landed.entry.rows(seg.row_start, seg.row_end)
-            else:
+            else:  # its flight may have failed since the chunk was sized from it: that failure answers
+                self.flights.raise_failure(key)
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
-            self.flights.raise_failure(key)  # its flight failed after the chunk was sized from it
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         tier = "local" if self.store.peek(key) is not None else "redis"
         self.metrics.cache_hits.labels(tier=tier).inc()

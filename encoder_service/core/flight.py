@@ -13,6 +13,8 @@ and resolves to `Landed(entry, encoded, timings)`. A flight holds everything the
 meanwhile:
 
   grid_thw, num_tokens  what encode answered: a fetch sizes the id's segments from them before the rows exist
+  content_tag           of the bytes under a caller id (0 for a content key): the same id with other bytes
+                        is a Conflict, not a join; rows found in the store with another tag too
   waiters               encode requests that want the rows (those not waiting for them: until the lease
                         ends; a waiting one that is cancelled leaves) and fetches reading them; the engine
                         asks `wanted()` before it batches the image and drops it at 0
@@ -36,7 +38,7 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Entry
+from encoder_service.cache import CacheKey, EmbeddingStore, Entry, other_content
 from encoder_service.core.images import Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine, Job, Permit
@@ -60,6 +62,7 @@ class Flight:
     key: CacheKey
     grid_thw: tuple[int, int, int]
     num_tokens: int
+    content_tag: int  # cache/keys.py: content_tag (0: a content key, which is its content)
     permit: Permit | None  # None: nothing admitted (a cached id: its fill finds the entry at once)
     waiters: int = 1
     task: asyncio.Task | None = None
@@ -98,7 +101,7 @@ class Flights:
         if flight is not None:
             flight.waiters += 1
             return flight
-        flight = self._flights[key.name] = Flight(key, image.grid_thw, image.num_tokens, permit)
+        flight = self._flights[key.name] = Flight(key, image.grid_thw, image.num_tokens, image.content_tag, permit)
         flight.task = asyncio.create_task(self._fly(flight, image.data, after), name=f"encode {key.id}")
         flight.task.add_done_callback(_log_failure)
         return flight
@@ -128,6 +131,8 @@ class Flights:
     async def _fill(self, flight: Flight, data: bytes) -> Landed:
         entry = await self._store.get(flight.key)
         if entry is not None:
+            if other_content(flight.content_tag, entry.header.content_tag):  # another replica's, in Redis
+                raise conflict(flight.key)
             if flight.permit is not None:  # a local miss when admitted: another replica's rows, read from Redis
                 self._metrics.cache_hits.labels(tier="redis").inc()
             return Landed(entry, encoded=False)
@@ -141,7 +146,8 @@ class Flights:
             self._store.failed(flight.key, exc)
             raise
         # The engine's rows are owned host tensors: the entry takes them without a copy.
-        entry = Entry.from_rows(encoded.rows, encoded.grid_thw, self._layout, copy=False)
+        entry = Entry.from_rows(encoded.rows, encoded.grid_thw, self._layout, copy=False,
+                                content_tag=flight.content_tag)
         self._store.put(flight.key, entry)
         return Landed(entry, encoded=True, timings=encoded.timings)
 
@@ -165,10 +171,15 @@ class Flights:
                 self.leave(flight)
 
 
+def conflict(key: CacheKey) -> errors.Conflict:
+    return errors.Conflict(f"id {key.id!r} already names other image bytes (an id names one image: send these "
+                           "under another id)")
+
+
 def _log_failure(task: asyncio.Task) -> None:
     """Fills nobody awaited still have their failure logged (and retrieved)."""
     if task.cancelled():
         return
     exc = task.exception()
-    if exc is not None and not isinstance(exc, errors.InvalidInput):
+    if exc is not None and not isinstance(exc, (errors.InvalidInput, errors.Conflict)):  # the request's fault
         log.warning("encode of %s failed: %s", task.get_name(), exc)

@@ -31,6 +31,7 @@ KINDS: dict[str, ErrorKind] = {
     "failed_precondition": ErrorKind(400, "FAILED_PRECONDITION", errors.FailedPrecondition),
     "unauthenticated": ErrorKind(401, "UNAUTHENTICATED", errors.Unauthenticated),
     "not_found": ErrorKind(404, "NOT_FOUND", errors.NotFound),
+    "conflict": ErrorKind(409, "ALREADY_EXISTS", errors.Conflict),
     "overloaded": ErrorKind(429, "RESOURCE_EXHAUSTED", errors.Overloaded),
     "internal": ErrorKind(500, "INTERNAL", errors.EncoderServiceError),
     "model": ErrorKind(500, "FAILED_PRECONDITION", errors.EncoderServiceError),

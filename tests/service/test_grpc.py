@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_service import errors
 from encoder_service.api import grpc_server
 from encoder_service.cache import key_from_id
-from encoder_service.client import AsyncEncoderClient
+from encoder_service.client import AsyncEncoderClient, ImageSource
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.proto import encoder_pb2 as pb
@@ -129,6 +129,18 @@ async def test_bad_input_gets_a_status_and_a_message(service, call, code, words)
         with pytest.raises(errors.EncoderServiceError, match=words) as exc:
             await call(c, info)
         assert exc.value.status == getattr(grpc.StatusCode, code)
+    await _serving(service)
+
+
+async def test_a_reused_caller_id_with_other_bytes_is_already_exists(service):
+    a, b = image_bytes(70, 50, 62), image_bytes(50, 70, 63)
+    async with client(service) as c:
+        (first,) = await c.encode([ImageSource(data=a, caller_id="reused-grpc")], wait=True)
+        with pytest.raises(errors.Conflict, match="'u:reused-grpc' already names other image bytes") as exc:
+            await c.encode([ImageSource(data=b, caller_id="reused-grpc")])
+        assert exc.value.status == grpc.StatusCode.ALREADY_EXISTS  # with error-kind "conflict" in its metadata
+        (again,) = await c.encode([ImageSource(data=a, caller_id="reused-grpc")])
+        assert again.cached and again.grid_thw == first.grid_thw
     await _serving(service)
 
 

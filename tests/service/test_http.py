@@ -288,6 +288,22 @@ def test_body_too_large_is_413(service):
         assert_still_serving(c)
 
 
+def test_a_reused_caller_id_with_other_bytes_is_409(service):
+    a, b = image_bytes(70, 50, 60), image_bytes(50, 70, 61)
+    with client(service) as c:
+        r = c.post("/v1/encode?id=reused-http&wait=true", content=a, headers={"content-type": "image/png"})
+        assert r.status_code == 200, r.text
+        first = r.json()["images"][0]
+        for r in (c.post("/v1/encode?id=reused-http", content=b, headers={"content-type": "image/png"}),
+                  c.post("/v1/encode", json={"images": [{"data": base64.b64encode(b).decode(), "id": "reused-http"}]})):
+            assert r.status_code == 409, r.text
+            err = r.json()["error"]
+            assert err["kind"] == "conflict" and "id 'u:reused-http' already names other image bytes" in err["message"]
+        r = c.post("/v1/encode?id=reused-http", content=a, headers={"content-type": "image/png"})
+        assert r.status_code == 200 and r.json()["images"][0] == first | {"cached": True}
+        assert_still_serving(c)
+
+
 def test_wrong_content_type_is_415(service):
     with client(service) as c:
         r = c.post("/v1/encode", content=b"hi", headers={"content-type": "text/plain"})

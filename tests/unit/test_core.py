@@ -254,6 +254,63 @@ async def test_waiters_leaving_drop_the_queued_image(make_core):
     assert not core.store.local.is_pinned(gone_key.name) and not core.store.local.is_pinned(kept_key.name)
 
 
+# ---- an id names one content -----------------------------------------------------------------------------
+def named(data: bytes, caller_id: str) -> list[ImageInput]:
+    return [ImageInput(data=data, caller_id=caller_id)]
+
+
+async def test_a_caller_id_never_names_two_contents(make_core):
+    core = await make_core("qwen2_5_vl", gated=True)
+    a, b = image_bytes(64, 64, 50), image_bytes(96, 64, 51)  # 4 and 6 tokens
+    first = await core.encode(named(a, "shared"), return_embeddings=True)
+    with pytest.raises(errors.Conflict, match="^image 0: id 'u:shared' already names other image bytes"):
+        await core.encode(named(b, "shared"), wait=True)
+    (again,) = (await core.encode(named(a, "shared"), wait=True)).images  # the same bytes: the same id
+    assert again.cached and again.grid_thw == first.images[0].grid_thw
+    assert torch.equal(await fetch_all(core, again), first.embeddings[0])  # still a's rows
+    with pytest.raises(errors.Conflict, match="^image 1: id 'u:pair'"):  # two images of one request
+        await core.encode([ImageInput(data=a, caller_id="pair"), ImageInput(data=b, caller_id="pair")])
+    await hold_the_gpu(core)
+    await core.encode(named(a, "flying"))  # encoding now: its flight knows the bytes
+    with pytest.raises(errors.Conflict, match="'u:flying'"):
+        await core.encode(named(b, "flying"))
+    assert core.engine.permits == 0 and not core.store.local.is_pinned(key_of(core, b).name)
+    core.runner.gate.set()
+    (flown,) = (await asyncio.wait_for(core.encode(named(a, "flying"), wait=True), WAIT_S)).images
+    assert flown.num_tokens == 4
+
+
+async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_server, monkeypatch):
+    a_core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
+    b_core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    a, b = image_bytes(64, 64, 52), image_bytes(96, 64, 53)
+    # Rows another replica wrote (in Redis): a Conflict before the answer, without waiting.
+    await a_core.encode(named(a, "x"), wait=True)
+    await a_core.store.redis.flush()
+    with pytest.raises(errors.Conflict, match="'u:x' already names other image bytes"):
+        await b_core.encode(named(b, "x"))
+    (same,) = (await b_core.encode(named(a, "x"), wait=True)).images
+    assert same.cached and b_core.metrics.registry.get_sample_value("encoder_cache_hits_total", {"tier": "redis"}) == 1
+    # Another replica's encode still running: its pending marker carries the bytes' tag.
+    a_core.runner.gate.clear()
+    await a_core.encode(named(a, "y"))
+    with pytest.raises(errors.Conflict, match="'u:y'"):
+        await b_core.encode(named(b, "y"))
+    a_core.runner.gate.set()
+    # Where Redis could not tell before the answer (two encodes racing), the rows the fill finds can: the
+    # encode that answered fails with the Conflict, and so does a fetch of the id there.
+    await a_core.encode(named(a, "z"), wait=True)
+    await a_core.store.redis.flush()
+
+    async def nothing_recorded(keys):
+        return {}
+
+    monkeypatch.setattr(b_core.handoff, "recorded_tags", nothing_recorded)
+    (raced,) = (await b_core.encode(named(b, "z"))).images
+    with pytest.raises(errors.Conflict, match="encode of id 'u:z' failed: id 'u:z' already names other"):
+        await b_core.fetch([FetchItem(raced.id, 0)], 0, raced.num_tokens, timeout_s=WAIT_S)
+
+
 # ---- timeout_s -------------------------------------------------------------------------------------------
 async def test_a_cancelled_waiter_does_not_cancel_the_encode_others_wait_for(make_core):
     core = await make_core("qwen2_5_vl", gated=True)
@@ -471,9 +528,9 @@ async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_
     core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
     gate, mark_pending = asyncio.Event(), core.store.mark_pending
 
-    async def slow_mark_pending(keys, lease_s=None):
+    async def slow_mark_pending(keys, **kw):
         await gate.wait()
-        return await mark_pending(keys, lease_s)
+        return await mark_pending(keys, **kw)
 
     core.store.mark_pending = slow_mark_pending
     data = image_bytes(64, 64, 43)
