@@ -13,7 +13,8 @@ GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" 
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
 JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400;
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
-Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape.
+Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
+the three POSTs carries its request id (x-request-id: api/requests.py).
 A client that goes away mid-upload is counted as the outcome `cancelled` and logged at debug.
 """
 
@@ -31,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
+from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, UnsupportedMediaType
 from encoder_service.protocol import wire
@@ -91,7 +93,7 @@ def create_app(core: EncoderCore) -> FastAPI:
     settings = core.settings
     auth = BearerAuth(settings.server.auth_token)
     max_body = settings.limits.max_body_bytes
-    metrics = core.metrics
+    metrics, access_log = core.metrics, settings.server.access_log
     app = FastAPI(title="encoder_service", version="1", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(EncoderServiceError)
@@ -127,32 +129,35 @@ def create_app(core: EncoderCore) -> FastAPI:
 
     @app.post("/v1/encode")
     async def encode(request: Request):
-        return await _observed("encode", lambda: _encode(request))
+        return await _served(request, "encode", _encode)
 
     @app.post("/v1/fetch")
     async def fetch(request: Request):
-        return await _observed("fetch", lambda: _fetch(request))
+        return await _served(request, "fetch", _fetch)
 
     @app.post("/v1/release")
     async def release(request: Request):
-        return await _observed("release", lambda: _release(request))
+        return await _served(request, "release", _release)
 
-    async def _observed(method: str, handler):
-        """Request metrics around one handler; errors are answered here so they are counted too."""
-        with metrics.observe(method) as observed:
+    async def _served(request: Request, method: str, handler) -> Response:
+        """One request (api/requests.py: its id, metrics, access line) around its handler; errors are answered
+        here so they are counted too. Every answer carries the request id."""
+        with served(metrics, "http", method, request.headers.get(REQUEST_ID), access_log=access_log) as serving:
             try:
-                return await handler()
+                response = await handler(request)
             except EncoderServiceError as exc:
-                observed.failed(exc)
-                return _error_response(exc)
+                serving.observed.failed(exc)
+                response = _error_response(exc)
             except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
-                observed.cancelled()
+                serving.observed.cancelled()
                 log.debug("HTTP %s: the client disconnected before its body arrived", method)
-                return Response(status_code=499)  # "client closed request" (nginx's code), for access logs only
+                response = Response(status_code=499)  # "client closed request" (nginx's code), for access logs
             except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
-                observed.failed(exc)
+                serving.observed.failed(exc)
                 log.exception("HTTP %s failed", method)
-                return _error_response(exc)
+                response = _error_response(exc)
+            response.headers[REQUEST_ID] = serving.request_id
+            return response
 
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))

@@ -34,7 +34,7 @@ from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flight, Flights, Landed, conflict
 from encoder_service.core.handoff import Handoff
 from encoder_service.core.images import ImageReader, Probed, warmup_image
-from encoder_service.core.metrics import Metrics
+from encoder_service.core.metrics import Metrics, build_labels
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
 from encoder_service.core.urls import UrlFetcher
 from encoder_service.engine.engine import Engine, Job, Permit
@@ -76,6 +76,8 @@ class EncoderCore:
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self.metrics.registry.register(CacheCollector(store, self.shm))
+        self.metrics.build_info(**build_labels(attention=settings.engine.attention,
+                                               preprocess=settings.model.preprocess))
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
         self._ready = False
         self._draining = False
@@ -354,7 +356,7 @@ class EncoderCore:
             raise
         t_read = time.perf_counter()
         num_rows = sum(p.shape[0] for p in parts)
-        self.metrics.cache_ms.labels(op="fetch").observe((t_read - t_plan) * 1e3)
+        self.metrics.cache_latency.observe(t_read - t_plan, op="fetch")
         self.metrics.fetch_rows.inc(num_rows)
         self.metrics.fetch_bytes.inc(num_rows * self._row_bytes)
         timings = {"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3}

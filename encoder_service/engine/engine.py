@@ -334,14 +334,14 @@ class Engine:
         self._last_done = ended
         m = self._metrics if not all(it.warmup for it in items) else None  # the warm-up's batch is no request's
         if m is not None:
-            m.encode_ms.observe(encode_ms)
+            m.encode_latency.observe(encode_ms / 1e3)
             m.batch_patches.observe(sum(it.num_patches for it in items))
             m.images_encoded.inc(sum(not it.warmup for it in items))
         for item, (_, prep_ms), rows in zip(items, inputs, outputs):
             queue_ms = (started - item.enqueued_at) * 1e3
             if m is not None and not item.warmup:
-                m.queue_ms.observe(queue_ms)
-                m.preprocess_ms.observe(prep_ms)
+                m.queue_latency.observe(queue_ms / 1e3)
+                m.preprocess_latency.observe(prep_ms / 1e3)
             if not item.future.done():
                 timings = {"preprocess_ms": prep_ms, "queue_ms": queue_ms, "encode_ms": encode_ms,
                            "batch_images": float(len(items))}

@@ -65,7 +65,7 @@ async def test_client_disconnect_mid_stream_leaves_the_server_serving(service, m
             yield piece
 
     def cancelled_fetches() -> float:
-        labels = {"method": "fetch", "outcome": "cancelled"}
+        labels = {"transport": "grpc", "method": "fetch", "outcome": "cancelled"}
         return service.sample("encoder_requests_total", labels)
 
     monkeypatch.setattr(grpc_server.wire, "grpc_data_chunks", recorded_chunks)
@@ -175,7 +175,7 @@ async def test_clients_leaving_mid_call_are_cancelled_not_errors(service, monkey
     preprocess = backend.preprocess
     monkeypatch.setattr(backend, "preprocess", lambda data, dtype: (decoding.wait(WAIT_S), preprocess(data, dtype))[1])
     def cancelled() -> tuple[float, float]:
-        labels = [{"method": m, "outcome": "cancelled"} for m in ("encode", "fetch")]
+        labels = [{"transport": "grpc", "method": m, "outcome": "cancelled"} for m in ("encode", "fetch")]
         return tuple(service.sample("encoder_requests_total", la) for la in labels)
 
     caplog.set_level(logging.DEBUG)

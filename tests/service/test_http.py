@@ -242,7 +242,7 @@ def test_malformed_multipart_is_a_400_naming_the_problem(service, case):
     ctype, body, needle = BAD_MULTIPARTS[case]
 
     def internal() -> float:
-        return service.sample("encoder_requests_total", {"method": "encode", "outcome": "internal"})
+        return service.sample("encoder_requests_total", {"transport": "http", "method": "encode", "outcome": "internal"})
 
     before = internal()
     with client(service) as c:
@@ -507,7 +507,7 @@ def test_timeout_s_zero_answers_with_cached_rows_at_once(service):
 
 def test_a_client_gone_mid_upload_is_cancelled_not_an_error(service, caplog):
     def cancelled() -> float:
-        labels = {"method": "encode", "outcome": "cancelled"}
+        labels = {"transport": "http", "method": "encode", "outcome": "cancelled"}
         return service.sample("encoder_requests_total", labels)
 
     caplog.set_level(logging.DEBUG)
@@ -534,7 +534,7 @@ def test_a_bug_is_500_internal_counted_and_logged_once(service, monkeypatch, cap
         raise RuntimeError("a bug")
 
     def internal() -> float:
-        labels = {"method": "encode", "outcome": "internal"}
+        labels = {"transport": "http", "method": "encode", "outcome": "internal"}
         return service.sample("encoder_requests_total", labels)
 
     monkeypatch.setattr(service.core, "encode", broken)
@@ -545,3 +545,4 @@ def test_a_bug_is_500_internal_counted_and_logged_once(service, monkeypatch, cap
     assert internal() - before == 1
     logged = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     assert [rec.name for rec in logged] == ["encoder_service.api.http"] and logged[0].exc_info
+    assert logged[0].request_id == r.headers["x-request-id"]  # the log line names the request it was for

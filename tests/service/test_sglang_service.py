@@ -304,7 +304,7 @@ def test_a_client_gone_mid_upload_is_cancelled_not_an_error(sglang_service, capl
     svc = sglang_service
 
     def cancelled() -> float:
-        return svc.sample("encoder_requests_total", {"method": "sglang_encode", "outcome": "cancelled"})
+        return svc.sample("encoder_requests_total", {"transport": "sglang", "method": "encode", "outcome": "cancelled"})
 
     caplog.set_level(logging.DEBUG)
     before = cancelled()

@@ -73,15 +73,15 @@ async def test_observe_counts_each_outcome_once():
     def sample(name: str, **labels) -> float:
         return metrics.registry.get_sample_value(name, labels) or 0.0
 
-    with metrics.observe("encode"):
+    with metrics.observe("http", "encode"):
         assert sample("encoder_in_flight_requests") == 1
-    with metrics.observe("encode") as observed:
+    with metrics.observe("http", "encode") as observed:
         observed.failed(errors.NotFound("gone"))
-    with metrics.observe("encode") as observed:
+    with metrics.observe("http", "encode") as observed:
         observed.failed(ValueError("a bug"))
 
     async def left():
-        with metrics.observe("fetch"):
+        with metrics.observe("grpc", "fetch"):
             await asyncio.Event().wait()
 
     task = asyncio.create_task(left())
@@ -89,7 +89,12 @@ async def test_observe_counts_each_outcome_once():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert [sample("encoder_requests_total", method="encode", outcome=o) for o in ("ok", "not_found", "internal")] \
-        == [1, 1, 1]
-    assert sample("encoder_requests_total", method="fetch", outcome="cancelled") == 1
-    assert sample("encoder_request_ms_count", method="encode") == 3 and sample("encoder_in_flight_requests") == 0
+    assert [sample("encoder_requests_total", transport="http", method="encode", outcome=o)
+            for o in ("ok", "not_found", "internal")] == [1, 1, 1]
+    assert sample("encoder_requests_total", transport="grpc", method="fetch", outcome="cancelled") == 1
+    assert sample("encoder_request_seconds_count", transport="http", method="encode") == 3
+    assert sample("encoder_request_ms_count", transport="http", method="encode") == 3  # deprecated twin
+    assert sample("encoder_in_flight_requests") == 0
+    # The same observations in both: seconds, and the deprecated ms (buckets at the same bounds).
+    seconds = sample("encoder_request_seconds_sum", transport="http", method="encode")
+    assert sample("encoder_request_ms_sum", transport="http", method="encode") == pytest.approx(seconds * 1e3)
