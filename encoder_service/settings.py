@@ -100,6 +100,7 @@ class ServerSettings:
     grpc_port: int  # 0: gRPC off
     auth_token: str | None = field(repr=False)
     log_level: str
+    access_log: bool = False  # one INFO line per request (api/requests.py), on every transport
     shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
@@ -236,6 +237,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images may name (none: URLs off)"),
     "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
+    "access_log": (parse_bool, "false", "log one line per request (transport, method, outcome, seconds, request id)"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
     "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
@@ -243,7 +245,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "sglang_port": (_port, "8100", "port of the SGLang protocol (its /encode, /scheduler_receive_url, /health)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
-_SWITCHES = ("cuda_graphs", "shm_fetch", "sglang_protocol")
+_SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol")
 
 
 def flag(name: str) -> str:
@@ -329,6 +331,7 @@ def _build(v: dict) -> Settings:
                             preprocess=preprocess),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
+                              access_log=v["access_log"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"],
                               sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],

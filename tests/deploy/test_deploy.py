@@ -390,7 +390,7 @@ def test_env_values_follow_values():
         "ENCODER_PREPROCESS": "torchvision-nvjpeg",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
-        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",
+        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug", "ENCODER_ACCESS_LOG": "true",
         "ENCODER_ATTENTION": "torch",
     }
     assert {k: env[k]["value"] for k in expect} == expect

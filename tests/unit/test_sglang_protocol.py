@@ -162,7 +162,7 @@ async def test_registration_before_and_after_encode():
     table.finish(early)
     assert table.get("a") is None and len(table) == 0
     table.open_encode("b")
-    with pytest.raises(errors.InvalidInput, match="duplicate"):
+    with pytest.raises(errors.Conflict, match="duplicate"):
         table.open_encode("b")
 
 
