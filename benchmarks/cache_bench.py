@@ -62,10 +62,7 @@ async def bench(url: str, iters: int) -> list[dict]:
         entry = Entry.from_rows(torch.randn(num_rows, width, generator=g).bfloat16(), (1, 2, 2 * num_rows), layout)
         key = f"bench:{layout}"
 
-        async def create():
-            return entry
-
-        await writer.get_or_create(key, create)
+        writer.put(key, entry)  # local tier, and written behind to Redis
         await writer.redis.flush()
 
         async def local_get():

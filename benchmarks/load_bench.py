@@ -85,17 +85,17 @@ def scrape(url: str) -> dict[str, float]:
 
 def server_side(before: dict, after: dict, wall_s: float) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    batches = d.get("encoder_encode_ms_count", 0.0)
+    batches = d.get("encoder_encode_seconds_count", 0.0)
     images = d.get("encoder_images_encoded_total", 0.0)
 
-    def mean(name):
+    def mean(name, scale=1.0):
         n = d.get(f"{name}_count", 0.0)
-        return d.get(f"{name}_sum", 0.0) / n if n else None
+        return scale * d.get(f"{name}_sum", 0.0) / n if n else None
 
     return dict(vit_batches=int(batches), vit_images=int(images),
                 images_per_batch=images / batches if batches else None,
-                patches_per_batch=mean("encoder_batch_patches"), vit_ms_per_batch=mean("encoder_encode_ms"),
-                preprocess_ms=mean("encoder_preprocess_ms"), queue_ms=mean("encoder_queue_ms"))
+                patches_per_batch=mean("encoder_batch_patches"), vit_ms_per_batch=mean("encoder_encode_seconds", 1e3),
+                preprocess_ms=mean("encoder_preprocess_seconds", 1e3), queue_ms=mean("encoder_queue_seconds", 1e3))
 
 
 async def run_level(url: str, images: list[bytes], concurrency: int, level_s: float, timeout_s: float) -> dict:

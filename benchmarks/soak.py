@@ -100,7 +100,7 @@ class Replica(ServiceProcess):
     def counters(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        wanted = ("encoder_cache_creates_total", "encoder_cache_local_evictions_total",
+        wanted = ("encoder_cache_misses_total", "encoder_cache_local_evictions_total",
                   "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
                   "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
                   "encoder_cache_redis_pending_timeouts_total", "encoder_pending_unmarked_total",
