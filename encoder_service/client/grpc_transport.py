@@ -6,7 +6,7 @@ import json
 
 import grpc
 
-from encoder_service.client.types import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.client.errors import remote_error
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import grpc_messages as msgs
@@ -40,6 +40,22 @@ def _fetch_request(items, start: int, end: int, shm: dict | None = None) -> pb.F
         raise InvalidInput(f"fetch positions and offsets must be < 2**63 (gRPC's int64): {exc}") from None
 
 
+def _encode_videos_request(videos: list[VideoSource], wait: bool, return_embeddings: bool) -> pb.EncodeRequest:
+    def message(v: VideoSource) -> pb.Video:
+        source = ({"data": v.data} if v.data is not None else {"frames": pb.Frames(images=v.frames)}
+                  if v.frames is not None else {"url": v.url})
+        return pb.Video(**source, caller_id=v.caller_id or "", **v.options())
+
+    return pb.EncodeRequest(videos=[message(v) for v in videos], wait=wait, return_embeddings=return_embeddings)
+
+
+def _video_infos(response: pb.EncodeResponse) -> list[VideoInfo]:
+    embeddings = list(response.embeddings) or [None] * len(response.videos)
+    return [msgs.video_info_from_proto(m, VideoInfo,
+                                       embedding=None if e is None else msgs.embedding_from_bytes(m, e))
+            for m, e in zip(response.videos, embeddings)]
+
+
 def _infos(response: pb.EncodeResponse) -> list[ImageInfo]:
     embeddings = list(response.embeddings) or [None] * len(response.images)
     return [msgs.info_from_proto(m, ImageInfo, embedding=None if e is None else msgs.embedding_from_bytes(m, e))
@@ -66,6 +82,14 @@ class GrpcTransport:
         except grpc.RpcError as exc:
             raise _error(exc) from exc
         return _infos(response)
+
+    def encode_videos(self, videos, wait, return_embeddings, timeout):
+        try:
+            response = self._stub.Encode(_encode_videos_request(videos, wait, return_embeddings),
+                                         timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return _video_infos(response)
 
     def fetch(self, items, start, end, out, timeout):
         return self._stream(_fetch_request(items, start, end), msgs.FetchAssembler(out, start), timeout)
@@ -116,6 +140,14 @@ class AsyncGrpcTransport:
         except grpc.RpcError as exc:
             raise _error(exc) from exc
         return _infos(response)
+
+    async def encode_videos(self, videos, wait, return_embeddings, timeout):
+        try:
+            response = await self._stub.Encode(_encode_videos_request(videos, wait, return_embeddings),
+                                               timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return _video_infos(response)
 
     async def fetch(self, items, start, end, out, timeout):
         return await self._stream(_fetch_request(items, start, end), msgs.FetchAssembler(out, start), timeout)

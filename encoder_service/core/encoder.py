@@ -378,7 +378,7 @@ class EncoderCore:
         if not items:
             raise errors.InvalidInput("no items in the fetch")
         self._check_id_count("fetch items", len(items))
-        keys = {it.id: self._key(it.id) for it in items}
+        keys = {it.id: self.key_of(it.id) for it in items}
         deadline = timeouts.Deadline(timeout_s)  # one timeout over the sizes (a wait on another replica) and rows
         try:
             sizes = dict(zip(keys, await timeouts.gather_within(
@@ -484,7 +484,7 @@ class EncoderCore:
         names = {self._release_names(i) for i in ids}  # a video id: the key names of its frame groups
         return sum(any([self.store.release(name) for name in group]) for group in names)
 
-    def _key(self, public_id: str) -> CacheKey:
+    def key_of(self, public_id: str) -> CacheKey:
         """The key of an id a client sent back: an image's, or a video's frame group's (a video id alone is
         InvalidInput here: fetch names its groups, <id>#<g>)."""
         if not is_video_id(public_id):
