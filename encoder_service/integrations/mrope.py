@@ -11,11 +11,15 @@ is what decoding adds to the cache length to continue the sequence.
 Videos (prompt.py's VideoSlot): a Qwen2/2.5-VL video is one run of grid (t, h, w) whose temporal ids are
 `p + int(ti * interval)`, the interval `tokens_per_second * second_per_grid_t` for Qwen2.5-VL (in float32,
 as transformers computes it from its processor's tensor) and 1 for Qwen2-VL (`tokens_per_second=None`);
-a Qwen3-VL frame group is positioned like an image of grid (1, h, w). The running position advances by
-`max(h, w) / merge` after each, as after an image.
+a Qwen3-VL frame group is positioned like an image of grid (1, h, w). After every slot the running position
+is its largest id + 1: for an image (and a Qwen3-VL group) that is `p + max(h, w) / merge`, as above.
 
-This equals transformers' `Qwen*VLModel.get_rope_index` (5.24; tested against it in
-tests/service/test_integration_prefill.py).
+This equals transformers' `Qwen*VLModel.get_rope_index` (tested against it in
+tests/service/test_integration_prefill.py and test_integration_prefill_video.py) except in one case:
+after a Qwen2/2.5-VL video whose temporal ids pass its spatial ones, transformers 5.x (5.23, 5.24) continues
+at `p + max(h, w) / merge`, inside the video's time range; Qwen's own implementation (transformers 4.x, the
+one the models were trained with), vLLM and SGLang continue after the largest id, as here (SGLang's own
+positions are checked against these in tests/engines/sglang/).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def mrope_position_ids(prompt: VisionPrompt, spatial_merge_size: int, *,
         # [3, llm_t, llm_h, llm_w] -> [3, num_tokens] in row-major (t, h, w) order = placeholder order.
         grid = torch.stack(torch.meshgrid(temporal, torch.arange(llm_h), torch.arange(llm_w), indexing="ij"))
         position_ids[:, slot.offset : slot.end] = grid.reshape(3, -1) + next_pos
-        next_pos += max(llm_h, llm_w)
+        next_pos = int(position_ids[:, slot.offset : slot.end].max()) + 1
         cursor = slot.end
     position_ids[:, cursor:] = torch.arange(next_pos, next_pos + seq_len - cursor)
     rope_delta = int(position_ids.max()) + 1 - seq_len if seq_len else 0

@@ -35,7 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 REL_TOL = 1e-4
-CLIP = make_clip("mp4_h264", frames=7, width=128, height=96, fps=2)  # 3.5 s at 2 fps: 4 groups
+# 7 frames at 8 fps: 4 groups 0.25 s apart; Qwen2.5-VL's time steps (tokens_per_second 4 in the tiny config)
+# are 1 apart, within the spatial positions (mrope.py: where transformers 5.x and Qwen's own rule agree).
+CLIP = make_clip("mp4_h264", frames=7, width=128, height=96, fps=8)
 OPTIONS = {"sample_frames": False}  # every frame (7, odd), for both families
 IMAGE = image_bytes(90, 60, 11)
 
@@ -184,10 +186,8 @@ def test_video_positions_and_template_expansion(setup):
     merge = setup.model.config.vision_config.spatial_merge_size
     tokens_per_second = getattr(setup.model.config.vision_config, "tokens_per_second", None)
     qwen3 = setup.family == "qwen3_vl"
-    videos = [{"id": f"v:u:{k}", "video_grid_thw": grid, "tokens_per_group": grid[1] * grid[2] // merge**2,
-               "second_per_grid_t": None if qwen3 else second,
-               "group_timestamps": [0.25 + g for g in range(grid[0])] if qwen3 else None}
-              for k, (grid, second) in enumerate((((3, 4, 6), 0.5), ((5, 2, 2), 1 / 12), ((1, 6, 4), 2.0)))]
+    videos = [video_answer(k, grid, second, merge, qwen3)
+              for k, (grid, second) in enumerate((((3, 4, 6), 0.125), ((5, 4, 4), 1 / 12), ((1, 6, 4), 2.0)))]
     image = {"id": "im", "num_tokens": 4, "grid_thw": (1, 4, 4)}
     prompt = build_prompt([[1, 2], videos[0], [3], image, videos[1], [4] * 3, videos[2]], t,
                           timestamp_tokens=timestamp_tokens)
@@ -201,3 +201,29 @@ def test_video_positions_and_template_expansion(setup):
     templated = [1, 2, *pad, 3, t.vision_start_token_id, t.image_token_id, t.vision_end_token_id, *pad, 4, 4, 4, *pad]
     expanded = expand_image_pads(templated, [image], t, videos=videos, timestamp_tokens=timestamp_tokens)
     assert torch.equal(expanded.input_ids, prompt.input_ids) and expanded.slots == prompt.slots
+
+
+def video_answer(k: int, grid, second: float, merge: int, qwen3: bool) -> dict:
+    """An encode answer's fields for a video of `grid` (its id and times made up)."""
+    return {"id": f"v:u:{k}", "video_grid_thw": grid, "tokens_per_group": grid[1] * grid[2] // merge**2,
+            "second_per_grid_t": None if qwen3 else second,
+            "group_timestamps": [0.25 + g for g in range(grid[0])] if qwen3 else None}
+
+
+def test_text_after_a_long_video_continues_past_its_time_range(setup):
+    """Qwen2/2.5-VL: after a video whose temporal ids pass its spatial ones, our positions continue after the
+    largest (Qwen's own rule, vLLM's and SGLang's); transformers 5.x continues at the spatial extent, inside
+    the video's time range. Pinned here: when transformers changes, this test says so."""
+    if setup.family == "qwen3_vl":
+        pytest.skip("Qwen3-VL positions each frame group like an image: no temporal ids to pass")
+    merge = setup.model.config.vision_config.spatial_merge_size
+    video = video_answer(0, (4, 4, 4), 1.0, merge, False)  # time steps 4 apart (tokens_per_second 4)
+    prompt = build_prompt([[1, 2], video, [3, 4]], setup.token_ids)
+    ours, _ = mrope_position_ids(prompt, merge, tokens_per_second=4)
+    theirs, _ = setup.model.model.get_rope_index(prompt.input_ids[None], prompt.mm_token_type_ids[None],
+                                                 video_grid_thw=torch.tensor([video["video_grid_thw"]]),
+                                                 second_per_grid_ts=torch.tensor([1.0]))
+    slot = prompt.slots[0]
+    assert torch.equal(ours[:, :slot.end], theirs[:, 0, :slot.end])  # the video itself: the same ids
+    assert int(ours[0, slot.end - 1]) == 3 + 12 and int(ours[0, slot.end]) == 3 + 12 + 1  # after its largest
+    assert int(theirs[0, 0, slot.end]) == 3 + 2  # transformers: p + max(h, w) / merge
