@@ -16,6 +16,9 @@ encoding once they land: handoff.py); the store reads only those (waiting for im
 `timeout_s` covers the waits and the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
 client's shared-memory file instead of the result (shm_writer.py).
 release: drop the encode pins of ids the caller is done with (leases end early).
+videos: `encode(videos=...)` goes to video_encode.py (the same steps per frame group: each group its own
+flight and entry); fetch and release take frame group ids (`<video id>#<g>`: `key_of`), and a group of a
+video whose driver has not reached it yet is sized from the video's plan and waited for (video_flights.py).
 """
 
 from __future__ import annotations
