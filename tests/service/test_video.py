@@ -256,20 +256,27 @@ def test_shm_fetch_of_video_groups(shm_service_qwen3):
     assert_close(got, expected)
 
 
-def test_fetch_on_another_replica_waits_for_the_groups(tiny_checkpoint, redis_server):
+def test_replicas_share_the_groups_through_redis(tiny_checkpoint, redis_server):
     """Replica A encodes (its groups marked pending in Redis before it answers); replica B, which never saw
-    the video, answers a fetch of its last group once A's rows land."""
+    the video, answers a fetch of its last group once A's rows land; B encoding the video reads A's groups
+    (no encode of its own); a caller id A gave one video is a 409 on B for another."""
     checkpoint = tiny_checkpoint("qwen2_5_vl")
     a = RunningService(make_settings(checkpoint, "--redis-url", redis_server.url, "--video-window", "1"), checkpoint)
     b = RunningService(make_settings(checkpoint, "--redis-url", redis_server.url), checkpoint)
     try:
         expected = reference_video_rows(checkpoint, CLIP, ALL_FRAMES)
         with sync_client(a, "http") as on_a, sync_client(b, "grpc") as on_b:
-            (info,) = on_a.encode_videos([CLIP], sample_frames=False)
+            (info,) = on_a.encode_videos([VideoSource(data=CLIP, caller_id="shared-clip", sample_frames=False)])
             fetched = on_b.fetch(info.fetch_items(offset=0)[::-1], 0, info.num_tokens)  # the last group first
             assert_close(fetched.rows, expected)
+            (again,) = on_b.encode_videos([VideoSource(data=CLIP, caller_id="shared-clip", sample_frames=False)],
+                                          return_embeddings=True)
+            assert again.id == info.id and b.sample("encoder_images_encoded_total") == 0  # A's groups, from Redis
+            assert_close(again.embedding, expected)
+            with pytest.raises(errors.Conflict, match="shared-clip"):
+                on_b.encode_videos([VideoSource(data=WEBM, caller_id="shared-clip")])
             with pytest.raises(errors.NotFound):
-                on_b.fetch([(info.id.replace("v:", "v:u:") + "#0", 0)], 0, 4)
+                on_b.fetch([("v:u:never-encoded#0", 0)], 0, 4)
     finally:
         a.close()
         b.close()
