@@ -47,8 +47,8 @@ from encoder_service.core.video_flights import VideoFlights
 from encoder_service.core.videos import GroupJob, ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Job, Permit
 from encoder_service.protocol.dtypes import dtype_name
-from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.protocol.shm import ShmTarget, placements
+from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment, plan_chunk
 from encoder_service.settings import Settings
 
@@ -176,7 +176,16 @@ class EncoderCore:
                        "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
                        "url_images": bool(s.limits.allow_url_hosts)},
             "shm_fetch": self.shm is not None,
+            "video": self._video_metadata(),
         }
+
+    def _video_metadata(self) -> dict:
+        cfg, lim, v = self.videos.reader.cfg, self.videos.reader.limits, self.settings.video
+        return {"processor": cfg.processor, "sample_frames": cfg.do_sample_frames, "fps": cfg.fps,
+                "min_pixels": cfg.pixels.min_pixels, "max_pixels": cfg.pixels.max_pixels,
+                "window": v.video_window, "max_videos": v.max_videos, "max_bytes": lim.max_bytes,
+                "max_duration_s": lim.max_duration_s, "max_frames": lim.max_frames,
+                "containers": list(lim.containers), "codecs": list(lim.codecs)}
 
     def _check_serving(self) -> None:
         if not self._ready:

@@ -93,8 +93,9 @@ class VideoFlights:
 
     def join(self, video: ProbedVideo, todo: tuple[int, ...], reservation: Reservation | None, *,
              after: Awaitable | None = None) -> VideoFlight:
-        """The video's flight with one more waiter, or a new one (with `reservation`, made for it) that encodes
-        the groups `todo` once `after` is done (their pending markers written). Forgets a remembered failure."""
+        """The video's flight with one more waiter, or a new one (with `reservation`, made for it: None only
+        joins one in flight) that encodes the groups `todo` once `after` is done (their pending markers
+        written). Forgets a remembered failure."""
         name = video.key.name
         self._failures.pop(name, None)
         vf = self._videos.get(name)
@@ -103,6 +104,8 @@ class VideoFlights:
             if reservation is not None:
                 reservation.close()
             return vf
+        if reservation is None:
+            raise RuntimeError(f"video {video.key.id} is not in flight: a new flight needs its engine reservation")
         decoder = VideoDecoder(video.video, video.plan, self._limits, todo=todo, keep=self.window)
         vf = self._videos[name] = VideoFlight(video, todo, reservation, decoder)
         loop = asyncio.get_running_loop()

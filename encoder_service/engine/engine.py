@@ -116,7 +116,7 @@ class Engine:
         self._prepare, self._encode = prepare, encode
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
-        self._permits = 0  # admitted images not submitted yet (Permit objects not used or released), and reservations
+        self._permits = 0  # admitted images not submitted yet (Permits not used or released), and reservations
         self._cpu_threads = cpu_threads or min(8, os.cpu_count() or 2)
         self.cpu_pool = ThreadPoolExecutor(max_workers=self._cpu_threads, thread_name_prefix="encoder-cpu")
         self._preparing = 0  # submitted images whose prepare (decode, resize, patchify) has not finished

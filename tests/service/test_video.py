@@ -126,6 +126,10 @@ def test_clients_encode_and_fetch_videos(svc, transport):
         (again,) = client.encode_videos([VideoSource(data=WEBM, sample_frames=False)], return_embeddings=True)
         assert again.id == info.id and again.cached
         assert_close(again.embedding, expected)
+        with pytest.raises(errors.InvalidInput, match="video 0: not a video file"):
+            client.encode_videos([b"\0" * 64])
+        with pytest.raises(errors.InvalidInput, match="fetch names its frame groups"):
+            client.fetch([(info.id, 0)], 0, 4)
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
@@ -280,3 +284,10 @@ def test_replicas_share_the_groups_through_redis(tiny_checkpoint, redis_server):
     finally:
         a.close()
         b.close()
+
+
+def test_metadata_says_how_videos_are_taken(service_qwen3):
+    with http(service_qwen3) as c:
+        video = c.get("/v1/metadata").json()["video"]
+    assert video["processor"] == "Qwen3VLVideoProcessor" and video["fps"] == 2 and video["sample_frames"] is True
+    assert video["window"] == 8 and video["containers"] == ["mov", "matroska"] and "h264" in video["codecs"]
