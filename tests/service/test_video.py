@@ -222,17 +222,17 @@ def test_decode_failure_mid_video_answers_the_fetch(service):
 
 
 def test_caller_id_names_one_video(service):
-    with http(service) as c:
-        first = c.post("/v1/encode", json={"videos": [{"data": b64(CLIP), "id": "clip-1", **ALL_FRAMES}]})
-        assert first.status_code == 200 and first.json()["videos"][0]["id"] == "v:u:clip-1"
-        same = c.post("/v1/encode", json={"videos": [{"data": b64(CLIP), "id": "clip-1", **ALL_FRAMES}]})
+    with http(service) as c:  # (an id of its own: the session's service is shared, the README's uses clip-1)
+        first = c.post("/v1/encode", json={"videos": [{"data": b64(CLIP), "id": "one-video-id", **ALL_FRAMES}]})
+        assert first.status_code == 200 and first.json()["videos"][0]["id"] == "v:u:one-video-id"
+        same = c.post("/v1/encode", json={"videos": [{"data": b64(CLIP), "id": "one-video-id", **ALL_FRAMES}]})
         assert same.status_code == 200
         for other in ({"data": b64(WEBM), **ALL_FRAMES}, {"data": b64(CLIP), "num_frames": 4}):
-            r = c.post("/v1/encode", json={"videos": [other | {"id": "clip-1"}]})
-            assert r.status_code == 409 and "clip-1" in r.json()["error"]["message"], r.text
+            r = c.post("/v1/encode", json={"videos": [other | {"id": "one-video-id"}]})
+            assert r.status_code == 409 and "one-video-id" in r.json()["error"]["message"], r.text
         # An image may use the same caller id: ids of videos are their own namespace (v:u:...).
-        r = c.post("/v1/encode", json={"images": [{"data": b64(image_bytes(32, 32, 5)), "id": "clip-1"}]})
-        assert r.status_code == 200 and r.json()["images"][0]["id"] == "u:clip-1"
+        r = c.post("/v1/encode", json={"images": [{"data": b64(image_bytes(32, 32, 5)), "id": "one-video-id"}]})
+        assert r.status_code == 200 and r.json()["images"][0]["id"] == "u:one-video-id"
 
 
 def test_release_ends_every_groups_pin(service):
