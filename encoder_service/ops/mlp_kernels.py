@@ -87,26 +87,16 @@ class Backend:
     probe: Callable[[torch.device, int, int], str]  # (device, E, I) -> '' if usable, else why not
 
 
-def _aligned(e: int, i: int) -> str:
-    return "" if e % 8 == 0 and i % 8 == 0 else f"E={e} and I={i} must be multiples of 8 (16-byte rows)"
-
-
-def _probe_triton_fused(device, e, i) -> str:
-    if swiglu_gemm_triton.TensorDescriptor is None:
-        return "needs Triton with host-side tensor descriptors (>= 3.3)"
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return "needs TMA (sm90+)"
-    return _aligned(e, i)
-
-
 def _probe_quack(device, e, i) -> str:
     ok, why = swiglu_gemm_quack.available(device)
-    return _aligned(e, i) if ok else why
+    if not ok:
+        return why
+    return "" if e % 8 == 0 and i % 8 == 0 else f"E={e} and I={i} must be multiples of 8 (16-byte rows)"
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("split", _split, lambda device, e, i: ""),
-    Backend("triton_fused", _triton_fused, _probe_triton_fused),
+    Backend("triton_fused", _triton_fused, swiglu_gemm_triton.serves),
     Backend("quack", _quack, _probe_quack),
 )}
 FALLBACK = "split"  # present wherever the fast path runs (Triton on CUDA); needs no check

@@ -10,7 +10,7 @@ Bias, SiLU and the product run in float32 on the accumulators; one rounding to t
 (the split path rounds the GEMM output, then the SiLU, then the product).
 
 Operands move by TMA (host-side tensor descriptors: 16-byte aligned rows, so E and I multiples of 8 in
-half precision, which `serves` checks). A gate tile that runs past I reads up rows into columns the store
+half precision, which `serves` checks with the device). A gate tile that runs past I reads up rows into columns the store
 clips; an up tile past 2 * I reads TMA's zero fill. No host sync, no allocation but the output: capturable.
 Tile configs: CONFIGS (the benchmark, benchmarks/kernels_issue23.py, times them on the H100; DEFAULT_CONFIG
 is the one the service runs).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encoder_service.ops.fast_path import HALF_PRECISION, tl, triton
+from encoder_service.ops.fast_path import tl, triton
 
 try:  # Triton >= 3.3 (host-side TMA descriptors)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -61,23 +61,21 @@ CONFIGS = (
 )
 
 
-def serves(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """'' if this kernel can run on these operands, else why not."""
+def serves(device: torch.device, e: int, i: int) -> str:
+    """'' if this kernel runs on `device` for widths E and I (bfloat16 / float16 operands), else why not."""
     if triton is None or TensorDescriptor is None:
         return "needs Triton with host-side tensor descriptors (>= 3.3)"
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return "needs TMA (CUDA sm90+)"
-    if x.dtype not in HALF_PRECISION or weight.dtype != x.dtype:
-        return "needs bfloat16 / float16 operands of one dtype"
-    e, i = x.shape[-1], weight.shape[0] // 2
     if e % 8 or i % 8:
         return f"E={e} and I={i} must be multiples of 8 (16-byte rows for TMA)"
     return ""
 
 
 def swiglu_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
-                       config: TileConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, E] x [2 * I, E] (+ bias [2 * I]) -> silu(gate) * up [N, I]; `out` [N, I] if given (else new)."""
+                       config: TileConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, E] x [2 * I, E] (+ bias [2 * I]) -> silu(gate) * up [N, I]; `config` None: DEFAULT_CONFIG (read at
+    the call); `out` [N, I] if given (else new)."""
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
     n, e = x.shape
     i = weight.shape[0] // 2
@@ -85,7 +83,7 @@ def swiglu_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         out = torch.empty(n, i, device=x.device, dtype=x.dtype)
     if n == 0:
         return out
-    c = config
+    c = config or DEFAULT_CONFIG
     x_desc = TensorDescriptor.from_tensor(x, [c.block_m, c.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
