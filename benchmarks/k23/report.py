@@ -136,12 +136,14 @@ def service_tables(final: dict) -> list[str]:
     hc = final.get("service/host_copy")
     if hc and hc.get("status") == "ok":
         lines += ["Completion thread's copy per batch (runtime/transfer.py), ms:", "",
-                  "| batch | MB | start (host) | D2H (GPU) | D2H GB/s | clone to new tensors | GB/s | clone, 1 thread "
-                  "| copy into reused buffers | GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| batch | MB | start (host; first) | D2H (GPU) | D2H GB/s | clone to fresh memory | GB/s "
+                  "| clone, previous freed | free a batch | clone, 1 thread | copy into touched buffers | GB/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in ("qwen3_4x720p", "qwen2_5_3x720p"):
             h = hc[name]
-            lines.append(f"| {name} | {h['mb']} | {_f(h['start_ms'], 2)} | {_f(h['d2h_gpu_ms'], 2)} "
-                         f"| {_f(h['d2h_gb_s'], 1)} | {_f(h['clone_ms'], 2)} | {_f(h['clone_gb_s'], 1)} "
+            lines.append(f"| {name} | {h['mb']} | {_f(h['start_ms'], 2)}; {_f(h['start_first_ms'], 1)} "
+                         f"| {_f(h['d2h_gpu_ms'], 2)} | {_f(h['d2h_gb_s'], 1)} | {_f(h['clone_ms'], 2)} "
+                         f"| {_f(h['clone_gb_s'], 1)} | {_f(h['clone_steady_ms'], 2)} | {_f(h['free_ms'], 2)} "
                          f"| {_f(h['clone_1thread_ms'], 2)} | {_f(h['copy_reused_ms'], 2)} | {_f(h['copy_reused_gb_s'], 1)} |")
         lines.append("")
     else:

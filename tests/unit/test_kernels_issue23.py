@@ -83,7 +83,8 @@ def test_driver_survives_a_worker_crash_and_writes_the_report(tmp_path):
 
 def test_service_tables_render():
     copy = dict(images=4, mb=115.3, torch_threads=16, start_ms=0.1, start_first_ms=30.0, d2h_gpu_ms=2.4, d2h_gb_s=48.0,
-                clone_ms=20.0, clone_gb_s=5.8, clone_1thread_ms=40.0, copy_reused_ms=8.0, copy_reused_gb_s=14.4)
+                clone_ms=20.0, clone_gb_s=5.8, clone_steady_ms=12.0, free_ms=3.0, clone_1thread_ms=40.0,
+                copy_reused_ms=8.0, copy_reused_gb_s=14.4)
     recs = [dict(kind="item", item="service/host_copy", status="ok", qwen3_4x720p=copy, qwen2_5_3x720p=copy),
             dict(kind="item", item="service/runner_alone", status="ok",
                  batch_1=dict(images_per_s=90.0, graphs=["3520/exact"]), batch_4=dict(images_per_s=95.0, graphs=["14400/multi"])),
@@ -91,7 +92,7 @@ def test_service_tables_render():
                  mean_images_per_batch=3.9, gpu_thread_host_ms_per_batch=1.0, completion_wait_ms_per_batch=30.0),
             dict(kind="item", item="service/engine[pil,16]", status="crashed", error="worker exit -9")]
     md, _, short = report.render(recs, 1.0)
-    assert "| qwen3_4x720p | 115.3 | 0.10 | 2.40 | 48.0 | 20.00 | 5.8 | 40.00 | 8.00 | 14.4 |" in md
+    assert "| qwen3_4x720p | 115.3 | 0.10; 30.0 | 2.40 | 48.0 | 20.00 | 5.8 | 12.00 | 3.00 | 40.00 | 8.00 | 14.4 |" in md
     assert "4: 95.0 images/s (14400/multi)" in md and "| pil,8 | 70.0 | 3.90 | 1.00 | 30.00 | ok |" in md
     assert "crashed: worker exit -9" in md and short.splitlines()[-1] == "engine pil,8: 70.0 images/s"
 
