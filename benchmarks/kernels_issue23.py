@@ -197,7 +197,7 @@ def run_section(section: str, args, deadline: float, variants: str = "") -> None
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=470.0, help="whole run (default %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=460.0, help="whole run (default %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--list", action="store_true", help="print the items and exit (no GPU)")
     parser.add_argument("--resume", action="store_true",

@@ -75,6 +75,8 @@ def test_mlp_backend_against_float32(name, widths):
     why = mlp_kernels.BACKENDS[name].probe(torch.device(DEV), e, i)
     if why:
         pytest.skip(f"{name}: {why}")
+    if name == "quack" and i % 128:  # the towers' widths are padded to 128 (models/configs.py); the startup
+        pytest.skip("quack is only asked for multiples of 128")  # check covers any other width it meets
     assert mlp_kernels.check_backend(mlp_kernels.BACKENDS[name].run, torch.device(DEV), DT, e, i) == ""
 
 
