@@ -203,7 +203,7 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep $OUT/kernels_issue23.jsonl of an earlier run: its recorded items are not run again")
     parser.add_argument("--small", action="store_true",
-                        help="CPU smoke test: tiny towers in float32, e2e and service sections only (kernels need CUDA)")
+                        help="CPU smoke test: tiny towers in float32 (the kernels section needs CUDA)")
     parser.add_argument("--worker", choices=SECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)

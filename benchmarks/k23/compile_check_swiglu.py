@@ -26,7 +26,8 @@ SMEM_LIMIT = 227 * 1024
 def source(c: G.TileConfig) -> ASTSource:
     kernel = G._swiglu_gemm_kernel
     signature = {
-        "x_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>", "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
+        "x_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>",
+        "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
         "bias_ptr": "*bf16", "out_desc": f"tensordesc<bf16[{c.block_m}, {c.block_n}]>", "M": "i32", "I": "i32",
         "K": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
         "NUM_STAGES": "constexpr",

@@ -144,7 +144,8 @@ def service_tables(final: dict) -> list[str]:
             lines.append(f"| {name} | {h['mb']} | {_f(h['start_ms'], 2)}; {_f(h['start_first_ms'], 1)} "
                          f"| {_f(h['d2h_gpu_ms'], 2)} | {_f(h['d2h_gb_s'], 1)} | {_f(h['clone_ms'], 2)} "
                          f"| {_f(h['clone_gb_s'], 1)} | {_f(h['clone_steady_ms'], 2)} | {_f(h['free_ms'], 2)} "
-                         f"| {_f(h['clone_1thread_ms'], 2)} | {_f(h['copy_reused_ms'], 2)} | {_f(h['copy_reused_gb_s'], 1)} |")
+                         f"| {_f(h['clone_1thread_ms'], 2)} | {_f(h['copy_reused_ms'], 2)} "
+                         f"| {_f(h['copy_reused_gb_s'], 1)} |")
         lines.append("")
     else:
         lines += [f"host_copy: {_status(hc)}", ""]
@@ -160,7 +161,8 @@ def service_tables(final: dict) -> list[str]:
         if item.startswith("service/engine"):
             if r.get("status") == "ok":
                 lines.append(f"| {r['variant']} | {r['images_per_s']:.1f} | {r['mean_images_per_batch']:.2f} "
-                             f"| {r['gpu_thread_host_ms_per_batch']:.2f} | {r['completion_wait_ms_per_batch']:.2f} | ok |")
+                             f"| {r['gpu_thread_host_ms_per_batch']:.2f} "
+                             f"| {r['completion_wait_ms_per_batch']:.2f} | ok |")
             else:
                 lines.append(f"| {item} | | | | | {_status(r)} |")
     return lines

@@ -208,10 +208,10 @@ def check_backend(run, device, dtype, e: int, i: int, rows: int = CHECK_ROWS) ->
         return f"in a CUDA graph: {why}" if why else ""
     except torch.cuda.OutOfMemoryError:
         raise
-    except Exception as e:  # noqa: BLE001 - any failure (import, JIT compile, launch) demotes the backend
+    except Exception as exc:  # noqa: BLE001 - any failure (import, JIT compile, launch) demotes the backend
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(device)
-        return f"{type(e).__name__}: {str(e)[:300]}"
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 def _compare(out: torch.Tensor, ref: torch.Tensor) -> str:

@@ -10,8 +10,9 @@ Bias, SiLU and the product run in float32 on the accumulators; one rounding to t
 (the split path rounds the GEMM output, then the SiLU, then the product).
 
 Operands move by TMA (host-side tensor descriptors: 16-byte aligned rows, so E and I multiples of 8 in
-half precision, which `serves` checks with the device). A gate tile that runs past I reads up rows into columns the store
+half precision, which `serves` checks). A gate tile that runs past I reads up rows into columns the store
 clips; an up tile past 2 * I reads TMA's zero fill. No host sync, no allocation but the output: capturable.
+benchmarks/k23/compile_check_swiglu.py compiles every config for sm_90a without a GPU (TMA + wgmma, no spills).
 Tile configs: CONFIGS (the benchmark, benchmarks/kernels_issue23.py, times them on the H100; DEFAULT_CONFIG
 is the one the service runs).
 """

@@ -2,10 +2,10 @@
 run only the references). Differences are rounding only: the kernels keep float32 inside and round once.
 The gated MLP: every kernel of ops/mlp_kernels.py this machine has (split, our fused Triton GEMM per tile
 config, quack when installed) against float32, eagerly and replayed in a captured graph, and every choice
-through the towers' op. Attention: every backend this machine has (FA4 when installed, our Triton window kernel, torch's) against
-float32 attention on the towers' real layouts (head dims 72 and 80, padded by the graphs' own rule: dummy
-segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and replayed in a captured
-graph; every --attention choice through its startup check."""
+through the towers' op. Attention: every backend this machine has (FA4 when installed, our Triton window
+kernel, torch's) against float32 attention on the towers' real layouts (head dims 72 and 80, padded by the
+graphs' own rule: dummy segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and
+replayed in a captured graph; every --attention choice through its startup check."""
 
 from __future__ import annotations
 
