@@ -1,7 +1,8 @@
 """Load benchmark of the running service (issue 5, item 7): uvicorn + grpc.aio on 127.0.0.1, this process.
 
-Model: the Qwen2.5-VL-7B vision tower at its real size, random weights, bfloat16, CUDA graphs on (the
-service's default buckets), saved to a temp dir and loaded by our loader (the service's own build_core).
+Model: the Qwen2.5-VL-7B vision tower (--family qwen3_vl: Qwen3-VL-8B's) at its real size, random weights,
+bfloat16, CUDA graphs on (the service's default buckets), saved to a temp dir and loaded by our loader (the
+service's own build_core).
 
   1. model only: the service's runner (`runner.encode`, synchronized) on 720p images preprocessed exactly as
      the engine does (`preprocess` with the core's config), in batches of 1, 2 and as many as one engine
@@ -26,6 +27,7 @@ share the service's GIL; the service, the model-only runs and the child are all 
     python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
     python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
     python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
+    python benchmarks/load_bench.py --family qwen3_vl --levels 64  # Qwen3-VL-8B's tower instead (4x wider rows)
 
 Prints a markdown table; writes benchmarks/results/load_bench-<date>-<commit>.json and $OUT/load_bench.md
 (benchmarks/common/report.py: where, with and without OUT).
@@ -56,7 +58,7 @@ from benchmarks.common.report import setup_info, write_result  # noqa: E402
 from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
 from benchmarks.common.stats import percentile  # noqa: E402
 
-FAMILY = "qwen2_5_vl"
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 LEVELS = (1, 4, 16, 64)
 ENCODE_SIZE, FETCH_SIZE = (1280, 720), (1920, 1080)
 SERVICE_TARGET = 0.90  # service images/s >= 90% of model-only
@@ -337,6 +339,7 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
+    parser.add_argument("--family", choices=FAMILIES, default=FAMILIES[0], help="the tower (default %(default)s)")
     from encoder_service.settings import ATTENTION, PREPROCESS_BACKENDS
 
     parser.add_argument("--attention", default="auto", choices=ATTENTION,
@@ -362,9 +365,9 @@ def main() -> int:
         if args.small:
             from encoder_service.testing.tiny import build_tiny_checkpoint
 
-            build_tiny_checkpoint(FAMILY, checkpoint)
+            build_tiny_checkpoint(args.family, checkpoint)
         else:
-            build_checkpoint(FAMILY, False, device, dtype, checkpoint)
+            build_checkpoint(args.family, False, device, dtype, checkpoint)
         t_ckpt = time.perf_counter()
         http_sock = bind_socket("127.0.0.1", 0)
         settings = service_settings(
@@ -377,7 +380,8 @@ def main() -> int:
         print(f"checkpoint {t_ckpt - t_start:.1f} s, load + capture {t_core - t_ckpt:.1f} s, runner "
               f"{json.dumps({k: runner.get(k) for k in ('runner', 'graphs', 'capture_s', 'graph_mib')})}", flush=True)
         setup = setup_info(device, dtype, args.small) | dict(
-            model="tiny qwen2_5_vl (encoder_service/testing/tiny.py)" if args.small else "Qwen2.5-VL-7B vision tower",
+            model=f"tiny {args.family} (encoder_service/testing/tiny.py)" if args.small
+            else {"qwen2_5_vl": "Qwen2.5-VL-7B", "qwen3_vl": "Qwen3-VL-8B"}[args.family] + " vision tower",
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
             attention=f"{args.attention}: {runner.get('attention', {}).get('selected', {})}",
@@ -385,7 +389,7 @@ def main() -> int:
             # asyncio sets TCP_NODELAY on accepted connections only when the listening socket says IPPROTO_TCP
             http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
         if not args.small:
-            setup["vision"] = json.dumps(REAL[FAMILY])
+            setup["vision"] = json.dumps(REAL[args.family])
         model = model_only(core, cfg, device)
         t_model = time.perf_counter()
 

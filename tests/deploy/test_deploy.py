@@ -237,14 +237,16 @@ def test_dockerfile_contract():
 
 
 def test_dockerfile_matches_extras():
-    """The image's optional FlashAttention-4 layer installs the pyproject extra's versions, and the package with
-    the sglang extra (pyzmq: --sglang-protocol)."""
+    """The image's optional FlashAttention-4 layer installs the pyproject extra's versions (quack-kernels too:
+    ops/swiglu_gemm_quack.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
     extras = (ROOT / "pyproject.toml").read_text()
     ins = dockerfile_instructions()
     args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
-    fa4 = re.search(r'^fa4 = \["flash-attn-4==([^"]+)", "nvidia-cutlass-dsl>=([^"]+)"\]', extras, re.M)
+    fa4 = re.search(r'^fa4 = \["flash-attn-4==([^"]+)", "nvidia-cutlass-dsl>=([^"]+)", "quack-kernels==([^"]+)"\]',
+                    extras, re.M)
     assert fa4, "pyproject's fa4 extra changed shape: update this test"
     assert args["FA4_VERSION"] == fa4.group(1) and args["CUTLASS_DSL_VERSION"] == fa4.group(2)
+    assert any(k == "RUN" and f'"quack-kernels=={fa4.group(3)}"' in v for k, v in ins)
     assert args["WITH_FA4"] == "1"  # the README and deploy/README say the image has it by default
     assert any(k == "RUN" and '"/src[sglang]"' in v for k, v in ins)
 
