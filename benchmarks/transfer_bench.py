@@ -57,6 +57,8 @@ CONFIGS = {  # rounds per variant; rounds of 16 at once and of aggregates; fetch
                   aggregate_fetches=4, encodes=4, processes=(2,)),
 }
 CONCURRENT = 16
+AGGREGATE_CLIENTS = {"http": "http client", "grpc": "grpc client (rows picked up over http)",
+                     "grpc-stream": "grpc client, rows on the stream"}
 GOALS = dict(single_gb_s=3.0, vs_curl=0.8, concurrent_gb_s=8.0)  # issue 20, GPU host
 
 
@@ -253,7 +255,7 @@ def fetcher_main(job_path: str, kind: str, count: int) -> int:
     job = json.loads(Path(job_path).read_text())
     entry, ref = job["entries"][job["first"]], _reference(job, job["first"])
     client = EncoderClient.http(job["http"], fetch_streams=1) if kind == "http" else \
-        EncoderClient.grpc(job["grpc"], fetch_streams=1)
+        EncoderClient.grpc(job["grpc"], fetch_streams=1, pickup=kind == "grpc")
     out = torch.empty_like(ref)
     client.fetch([(entry["id"], 0)], 0, entry["rows"], out=out)  # connected, buffers touched
     lines: queue.Queue[str] = queue.Queue()
@@ -333,8 +335,8 @@ def aggregate(job_path: Path, job: dict, cfg: dict, checks: list[str]) -> list[d
     curl_args = ["curl", "-s", "--fail", "-H", "content-type: application/json", "--data-binary",
                  f"@{entry['body_file']}", *(["-o", "/dev/null", job["http"] + "/v1/fetch"] * count)]
     for p in cfg["processes"]:
-        fetchers = {kind: _fetchers(job_path, kind, p, count) for kind in ("http", "grpc")}
-        runs = {f"{kind} client": [] for kind in fetchers} | {"curl": []}
+        fetchers = {kind: _fetchers(job_path, kind, p, count) for kind in AGGREGATE_CLIENTS}
+        runs = {AGGREGATE_CLIENTS[kind]: [] for kind in fetchers} | {"curl": []}
         for _ in range(cfg["concurrent_rounds"]):
             for kind, procs in fetchers.items():
                 cpu0 = time.process_time()
@@ -342,7 +344,7 @@ def aggregate(job_path: Path, job: dict, cfg: dict, checks: list[str]) -> list[d
                 reports = _reports(procs)
                 total = sum(r["bytes"] for r in reports)
                 wall = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)
-                runs[f"{kind} client"].append((total / wall / 1e9, (time.process_time() - cpu0) / (total / 1e9)))
+                runs[AGGREGATE_CLIENTS[kind]].append((total / wall / 1e9, (time.process_time() - cpu0) / (total / 1e9)))
                 if not all(r["ok"] for r in reports):
                     checks.append(f"aggregate {kind} x{p}: rows differ from the encode's")
             t0, cpu0 = time.time(), time.process_time()

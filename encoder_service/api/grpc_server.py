@@ -4,7 +4,7 @@ Thin on purpose: convert messages (protocol/grpc_messages.py), call the core, ma
 (api/errors.py). Fetch streams a header message, then the rows' bytes in messages of at most 1 MiB (under
 every peer's default 4 MiB receive limit; streaming measured 3x faster than one big unary reply), or up to
 the client's FetchRequest.max_message_bytes (capped at MAX_FETCH_MESSAGE_BYTES). Data messages are framed
-by protocol/wire.py from views of the rows (protobuf's serializer copied them at ~1 GB/s). A Fetch with a
+by protocol/wire.py from views of the rows (one copy, not protobuf's three). A Fetch with a
 ShmTarget answers the header alone (the rows are in the client's file, protocol/shm.py); one asking for a
 pickup answers the header with a ticket when the HTTP port can serve the rows (api/pickup.py).
 """
@@ -110,13 +110,14 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             context.set_trailing_metadata(timing_headers(result.timings))
-            header = msgs.header_to_proto(wire.WireHeader.of_fetch(result))
+            wire_header = wire.WireHeader.of_fetch(result)
+            header = msgs.header_to_proto(wire_header)
             if shm is not None:  # the rows are in the client's file: the header alone answers
                 header.shm_bytes = result.shm_bytes
                 await context.write(pb.FetchChunk(header=header))
                 return
             if request.pickup and self._pickups is not None and result.rows.numel():
-                token = self._pickups.put(wire.WireHeader.of_fetch(result), result.rows)
+                token = self._pickups.put(wire_header, result.rows)
                 if token is not None:  # else too many rows wait already: they go on the stream
                     header.pickup_token, header.pickup_port = token, self._http_port
                     await context.write(pb.FetchChunk(header=header))

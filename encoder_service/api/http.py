@@ -221,7 +221,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         return RowsResponse(prefix, rows, OCTET, {})
 
     async def _json_body(request: Request, model: type[_Strict]):
-        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch and release)."""
+        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch, pickup and release)."""
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
         if ctype != "application/json":

@@ -220,7 +220,7 @@ def grpc_data_chunks(rows: torch.Tensor, max_bytes: int = GRPC_DATA_BYTES) -> It
 
 def grpc_data_message(piece: memoryview) -> bytes:
     """The serialized FetchChunk{data: piece}, framed here (field 2, length-delimited): one copy of the bytes,
-    where protobuf's own serializer copied them three times at ~1 GB/s (benchmarks/RESULTS.md, issue 20)."""
+    where bytes(piece), the message and its serialization made three."""
     return b"".join((_FETCH_CHUNK_DATA_TAG, _varint(len(piece)), piece))
 
 
