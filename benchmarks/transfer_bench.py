@@ -12,8 +12,9 @@ is measured. Clients run in other processes (this script with --client / --fetch
      (rows picked up over HTTP; on the stream in 1 and 4 MiB messages), httpx (the clients' path before
      issue 20), shared memory (alloc_rows); with CUDA also into a CUDA tensor (pinned staging, one copy).
      Median ms, GB/s, x curl, the client process's CPU ms per fetch.
-  2. 16 fetches of the smaller entry at once from one client process (async clients; the blocking client
-     from 16 threads).
+  2. 16 fetches of the smaller entry at once from one client process (async clients, which read on
+     threads; the blocking client from 16 threads; and, for reference, the other asyncio design: reads on the
+     event loop with loop.sock_recv_into).
   3. aggregate: P client processes (and P curls) fetching the smaller entry at once; GB/s in all, and the
      server process's CPU seconds per GB sent.
   4. encode under fetch load: encodes of the smaller size (wait=true) one at a time, alone and while P
@@ -212,6 +213,70 @@ def _concurrent_threads(client, entry: dict, ref, rounds: int, checks: list[str]
     return gb_s
 
 
+class LoopReader:
+    """The other asyncio design, kept as a reference: one fetch per keep-alive socket read on the event loop
+    itself (loop.sock_recv_into, no threads) into a RowWriter. Not the client's path: measured against it."""
+
+    def __init__(self, url: str):
+        from urllib.parse import urlsplit
+
+        self._address = (urlsplit(url).hostname, urlsplit(url).port)
+        self._idle = []
+
+    async def fetch(self, body: bytes, out):
+        import socket
+
+        from encoder_service.protocol import wire
+
+        loop = asyncio.get_running_loop()
+        if self._idle:
+            sock = self._idle.pop()
+        else:
+            sock = socket.create_connection(self._address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+        await loop.sock_sendall(sock, b"POST /v1/fetch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                                      b"content-length: %d\r\n\r\n" % len(body) + body)
+        buf = bytearray()
+        while b"\r\n\r\n" not in buf:  # the head and whatever came with it (small reads: bounded by the head)
+            buf += await loop.sock_recv(sock, 65536)
+        head, rest = bytes(buf).split(b"\r\n\r\n", 1)
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(rest) < 4 or len(rest) < 4 + int.from_bytes(rest[:4], "little"):
+            rest += await loop.sock_recv(sock, 65536)
+        pos = 0
+
+        def read(n):
+            nonlocal pos
+            pos += n
+            return rest[pos - n:pos]
+
+        writer = wire.RowWriter(wire.read_http_header(read, length), out)
+        writer.write(rest[pos:])
+        while writer.remaining:
+            writer.advance(await loop.sock_recv_into(sock, writer.next_view()))
+        self._idle.append(sock)
+        return writer.finish()
+
+
+async def _loop_reader(job: dict, entry: dict, ref, rounds: int, checks: list[str]) -> list[float]:
+    import torch
+
+    reader, body = LoopReader(job["http"]), Path(entry["body_file"]).read_bytes()
+    outs = [torch.empty_like(ref) for _ in range(CONCURRENT)]
+    gb_s = []
+    for k in range(rounds + 1):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(reader.fetch(body, o) for o in outs))
+        if k:
+            gb_s.append(CONCURRENT * entry["bytes"] / (time.perf_counter() - t0) / 1e9)
+    if not all(torch.equal(o, ref) for o in outs):
+        checks.append("loop reader: rows differ from the encode's")
+    for sock in reader._idle:
+        sock.close()
+    return gb_s
+
+
 def concurrent(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
     from encoder_service.client import AsyncEncoderClient, EncoderClient
 
@@ -230,6 +295,9 @@ def concurrent(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
     with EncoderClient.http(url, fetch_streams=1) as client:
         gb_s = _concurrent_threads(client, entry, ref, rounds, checks)
     rows.append(dict(variant=f"http, {CONCURRENT} threads", gb_s=percentile(gb_s, 50), best_gb_s=max(gb_s)))
+    gb_s = asyncio.run(_loop_reader(job, entry, ref, rounds, checks))
+    rows.append(dict(variant="reference: asyncio loop.sock_recv_into, no threads", gb_s=percentile(gb_s, 50),
+                     best_gb_s=max(gb_s)))
     return rows
 
 

@@ -293,30 +293,36 @@ class RowWriter:
 
     def write(self, piece: bytes | memoryview) -> None:
         piece = memoryview(piece).cast("B")
-        if self._received + len(piece) > self.header.payload_bytes:
+        if len(piece) > self.remaining:
             raise WireError(f"fetch payload has more than the {self.header.payload_bytes} row bytes its header "
                             f"announces ({self.header.num_rows} rows x {self.header.row_bytes} bytes)")
         while len(piece):
-            view = self._next_view()
+            view = self.next_view()
             n = min(len(piece), len(view))
             view[:n] = piece[:n]
             piece = piece[n:]
-            self._advance(n)
+            self.advance(n)
 
     def readinto(self, recv_into: Callable[[memoryview], int]) -> None:
         """Reads the rest of the rows with `recv_into(view) -> bytes read` straight into their places (one
         call per socket read, views of the destination: nothing else is allocated); WireError when it
         returns 0 (the sender stopped short)."""
-        while self._received < self.header.payload_bytes:
-            n = recv_into(self._next_view())
-            if not n:
-                raise WireError(f"fetch payload is short: {self._received} of {self.header.payload_bytes} row bytes")
-            self._advance(n)
+        while self.remaining:
+            self.advance(recv_into(self.next_view()))
 
-    def _next_view(self) -> memoryview:
+    @property
+    def remaining(self) -> int:
+        """Row bytes still to come."""
+        return self.header.payload_bytes - self._received
+
+    def next_view(self) -> memoryview:
+        """Where the next row bytes go (the rest of the current span; call only while `remaining`)."""
         return self._spans[self._span][self._span_done:]
 
-    def _advance(self, n: int) -> None:
+    def advance(self, n: int) -> None:
+        """`n` bytes were put into next_view() (0: the sender stopped short, a WireError)."""
+        if not n:
+            raise WireError(f"fetch payload is short: {self._received} of {self.header.payload_bytes} row bytes")
         self._received += n
         self._span_done += n
         if self._span_done == len(self._spans[self._span]):
