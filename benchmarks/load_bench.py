@@ -429,7 +429,8 @@ def main() -> int:
                         help="the service's --preprocess (default: the service's own default for the device)")
     parser.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=LEVELS,
                         help=f"concurrency levels of the encode load (default {','.join(map(str, LEVELS))})")
-    parser.add_argument("--family", default=FAMILIES[0], choices=FAMILIES, help="the vision tower (default %(default)s)")
+    parser.add_argument("--family", default=FAMILIES[0], choices=FAMILIES,
+                        help="the vision tower (default %(default)s)")
     parser.add_argument("--flow", default="encode", choices=FLOWS,
                         help="per request: encode wait=true (default), or e2e: that, a fetch of all the image's rows "
                              "and release")

@@ -3,8 +3,9 @@
 The service runs in this process (core + HTTP + gRPC on 127.0.0.1, --shm-fetch) on a Qwen3-VL-8B-shaped
 checkpoint whose tower is tiny but whose rows are real: 4096 x (1 + 3 deepstack levels) = 16384 bf16 values,
 32 KiB a row, so a 720p JPEG's entry is 880 rows = 28.8 MB and a 1080p one 2040 rows = 66.8 MB (--small:
-rows a quarter as wide, images half as tall and wide). The tower runs on the CPU: the rows come from the host cache, the model is not what
-is measured. Clients run in other processes (this script with --client / --fetcher / --encoder).
+rows a quarter as wide, images half as tall and wide). The tower runs on the CPU: the rows come from the host
+cache, the model is not what is measured. Clients run in other processes (this script with --client /
+--fetcher / --encoder).
 
   1. one fetch at a time of each entry into a preallocated tensor, per transport and client, rounds with the
      variants interleaved: curl (one keep-alive connection, body to /dev/null, its own time_total), the HTTP

@@ -59,8 +59,8 @@ class Destination:
 
     def writer(self, header: WireHeader) -> RowWriter:
         """The writer for a payload with `header` (again after a failed attempt: a new writer, same buffers)."""
-        cuda = self._out is not None and self._out.device.type == "cuda"
-        if cuda and header.payload_bytes and (self._staging is None or self._staging.numel() < header.payload_bytes):
+        cuda = self._out is not None and self._out.device.type == "cuda" and header.payload_bytes > 0
+        if cuda and (self._staging is None or self._staging.numel() < header.payload_bytes):
             self.close()
             self._staging = self._pinned.take(header.payload_bytes)
         self._writer = RowWriter(header, self._out, self._start, self._staging)
