@@ -20,20 +20,19 @@ import grpc
 
 from encoder_service.client.destination import Destination
 from encoder_service.client.errors import remote_error
-from encoder_service.client.raw_http import Cancel, NotRaw, RawHttp, in_thread, read_fetch
+from encoder_service.client.raw_http import READ_THREADS, Cancel, NotRaw, RawHttp, in_thread, read_fetch
 from encoder_service.client.types import ImageInfo, ImageSource
 from encoder_service.errors import DeadlineExceeded, EncoderServiceError, InvalidInput
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
-from encoder_service.protocol.wire import WireError, WireHeader
+from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
 
 log = logging.getLogger(__name__)
 # Fetch messages are <= FETCH_MESSAGE_BYTES, but Encode with return_embeddings answers in one message.
 DEFAULT_MAX_RECEIVE_BYTES = 1 << 30
 # Data messages asked for: the server's default 1 MiB (4 and 16 MiB measured slower: benchmarks/RESULTS.md).
 FETCH_MESSAGE_BYTES = 1 << 20
-FETCH_THREADS = 32  # the async transport's pickup reads (each blocks in recv_into with the GIL released)
 _FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Encoder'].full_name}/Fetch"
 
 
@@ -94,9 +93,8 @@ class _Pickups:
     def enabled(self) -> bool:
         return self._host is not None
 
-    def take(self, ticket: tuple[str, int], header: WireHeader, dest: Destination, timeout,
-             cancel: Cancel | None = None) -> bool:
-        """Reads the rows of `ticket` into `dest`: True, or False when the pickup failed (ask on the stream)."""
+    def take(self, ticket: tuple[str, int], writer: RowWriter, timeout, cancel: Cancel | None = None) -> bool:
+        """Reads the rows of `ticket` with `writer`: True, or False when the pickup failed (ask on the stream)."""
         token, port = ticket
         with self._lock:
             if self._host is None:  # turned off by another thread meanwhile
@@ -105,10 +103,10 @@ class _Pickups:
             if raw is None:
                 raw = self._raw[port] = RawHttp(self._host, port, "", self._headers)
 
-        def writer_for(got: WireHeader):
-            if got != header:
-                raise WireError(f"pickup answered rows of another fetch: {got} for {header}")
-            return dest.writer(got)
+        def writer_for(got: WireHeader) -> RowWriter:
+            if got != writer.header:
+                raise WireError(f"pickup answered rows of another fetch: {got} for {writer.header}")
+            return writer
 
         body = json.dumps({"token": token}).encode()
         try:
@@ -161,7 +159,7 @@ class GrpcTransport:
         stream = msgs.FetchAssembler(dest.writer)
         request = _fetch_request(items, start, end, pickup=self._pickups.enabled, message_bytes=self._message_bytes)
         header = self._stream(request, stream, timeout)
-        if stream.pickup is not None and not self._pickups.take(stream.pickup, header, dest, timeout):
+        if stream.pickup is not None and not self._pickups.take(stream.pickup, stream.writer, timeout):
             return self.fetch(items, start, end, dest, timeout)  # pickups are off now: on the stream
         return header, dest.finish()
 
@@ -202,7 +200,7 @@ class AsyncGrpcTransport:
 
     def __init__(self, target: str, *, token: str | None = None,
                  max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES, pickup: bool = True,
-                 message_bytes: int = FETCH_MESSAGE_BYTES, fetch_threads: int = FETCH_THREADS):
+                 message_bytes: int = FETCH_MESSAGE_BYTES, fetch_threads: int = READ_THREADS):
         self._channel = grpc.aio.insecure_channel(target, options=_channel_options(max_receive_bytes))
         self._message_bytes = min(message_bytes, max_receive_bytes)
         self._stub, self._md = pb_grpc.EncoderStub(self._channel), _metadata(token)
@@ -223,7 +221,7 @@ class AsyncGrpcTransport:
         request = _fetch_request(items, start, end, pickup=self._pickups.enabled, message_bytes=self._message_bytes)
         header = await self._stream(request, stream, timeout)
         if stream.pickup is not None:
-            take = partial(self._pickups.take, stream.pickup, header, dest, timeout)  # take(..., cancel)
+            take = partial(self._pickups.take, stream.pickup, stream.writer, timeout)  # take(..., cancel)
             if not await in_thread(self._threads, take, dest):
                 return await self.fetch(items, start, end, dest, timeout)  # pickups are off now: on the stream
         return header, dest.finish()

@@ -19,14 +19,13 @@ from functools import partial
 import httpx
 
 from encoder_service.client.destination import Destination
-from encoder_service.client.raw_http import OCTET, Cancel, NotRaw, RawHttp, http_error, in_thread, read_fetch
+from encoder_service.client.raw_http import (OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error, in_thread,
+                                             read_fetch)
 from encoder_service.client.types import ImageInfo, ImageSource
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
 
 log = logging.getLogger(__name__)
-# Threads of the async transport's fetches: each blocks in recv_into with the GIL released.
-FETCH_THREADS = 32
 # httpx options that route requests somewhere the raw reader would not go.
 _ROUTING_OPTIONS = ("transport", "mounts", "proxy", "app")
 
@@ -175,7 +174,7 @@ class HttpTransport:
 
 
 class AsyncHttpTransport:
-    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = FETCH_THREADS, **httpx_kw):
+    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS, **httpx_kw):
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")

@@ -30,6 +30,7 @@ T = TypeVar("T")
 MAX_HEAD_BYTES = 64 << 10  # status line + headers of our answers are a few hundred bytes
 MAX_ERROR_BODY_BYTES = 1 << 20  # an error answer's JSON; larger is not ours
 MAX_IDLE = 64  # keep-alive sockets kept for reuse (one per fetch in flight is open at a time)
+READ_THREADS = 32  # an async transport's threads for these reads (each blocks in recv_into, GIL released)
 OCTET = "application/octet-stream"
 
 

@@ -54,11 +54,11 @@ class FetchAssembler:
     """Rebuilds a fetch payload from a Fetch stream's serialized messages (the client reads them raw): one
     header, then data messages, whose bytes go from the message straight into `writer_for(header)`'s
     buffer (wire.grpc_data_view: no protobuf copy). A header with a pickup ticket ends the stream: the rows
-    wait on the HTTP port (`pickup` then holds (token, port))."""
+    wait on the HTTP port (`pickup` then holds (token, port)) and go into `writer` from there."""
 
     def __init__(self, writer_for: Callable[[WireHeader], RowWriter]):
-        self._writer_for, self._writer = writer_for, None
-        self.header: WireHeader | None = None
+        self._writer_for = writer_for
+        self.writer: RowWriter | None = None
         self.pickup: tuple[str, int] | None = None
 
     def add(self, message: bytes) -> None:
@@ -72,25 +72,24 @@ class FetchAssembler:
             if part != "data":
                 raise WireError("Fetch stream sent an empty message")
             data = msg.data
-        if self._writer is None:
-            raise WireError("Fetch stream sent row data before its header" if self.pickup is None
-                            else "Fetch stream sent row data after a pickup ticket")
-        self._writer.write(data)
+        if self.writer is None:
+            raise WireError("Fetch stream sent row data before its header")
+        if self.pickup is not None:
+            raise WireError("Fetch stream sent row data after a pickup ticket")
+        self.writer.write(data)
 
     def _header(self, msg: pb.FetchHeader) -> None:
-        if self.header is not None:
+        if self.writer is not None:
             raise WireError("Fetch stream carried a second header")
-        self.header = header_from_proto(msg)
+        self.writer = self._writer_for(header_from_proto(msg))  # checks the caller's buffer before any row
         if msg.pickup_token:
             self.pickup = (msg.pickup_token, msg.pickup_port)
-        else:
-            self._writer = self._writer_for(self.header)
 
     def finish(self) -> WireHeader:
         """The header, once the stream ended (the caller finishes the writer: rows in place, checked)."""
-        if self.header is None:
+        if self.writer is None:
             raise WireError("Fetch stream ended without a header")
-        return self.header
+        return self.writer.header
 
 
 class ShmReply:

@@ -20,7 +20,6 @@ device) into `out`.
 
 from __future__ import annotations
 
-import itertools
 import json
 import struct
 import sys

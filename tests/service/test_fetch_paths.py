@@ -223,3 +223,16 @@ def test_data_messages_follow_the_clients_limit(service_qwen3, monkeypatch):
             pieces = [wire.grpc_data_view(m) for m in data]
             assert max(map(len, pieces)) == largest and len(pieces[0]) == largest
             assert b"".join(pieces) == bytes(wire.row_bytes(info.embedding))
+
+
+@pytest.mark.parametrize("path", ["http raw", "grpc pickup"])
+def test_a_wrong_out_is_the_callers_error_and_the_fast_path_stays(service_qwen3, path):
+    from encoder_service.protocol.wire import WireError
+
+    with _client(service_qwen3, path, False, None) as c:
+        (info,) = c.encode([png(64, 64, 53)], wait=True, return_embeddings=True)
+        with pytest.raises(WireError, match="out must be"):
+            c.fetch([(info.id, 0)], 0, info.num_tokens, out=torch.zeros(info.num_tokens, info.row_width + 1))
+        before = _pickups(service_qwen3)
+        assert torch.equal(c.fetch([(info.id, 0)], 0, info.num_tokens).rows, info.embedding)
+        _check_path(c, service_qwen3, path, before)
