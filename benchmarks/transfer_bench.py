@@ -153,13 +153,21 @@ def single(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
         for vname, client, is_async, kind in variants:
             outs[vname] = (client.alloc_rows(n, ref.shape[1], torch.bfloat16) if kind == "alloc" else
                            torch.empty(n, ref.shape[1], dtype=torch.bfloat16, device=kind))
+        failed = set()  # a variant that raised is reported in the checks and measured no further
         for k in range(cfg["rounds"] + 1):  # round 0 warms connections and buffers
             for vname, client, is_async, _ in variants:
+                if vname in failed:
+                    continue
                 t0, c0 = time.perf_counter(), time.process_time()
-                call = client.fetch([(entry["id"], 0)], 0, n, out=outs[vname])
-                got = loop.run_until_complete(call) if is_async else call
-                if outs[vname].is_cuda:
-                    torch.cuda.synchronize()
+                try:
+                    call = client.fetch([(entry["id"], 0)], 0, n, out=outs[vname])
+                    got = loop.run_until_complete(call) if is_async else call
+                    if outs[vname].is_cuda:
+                        torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - the other variants still run
+                    checks.append(f"{name} {vname}: {type(exc).__name__}: {exc}"[:300])
+                    failed.add(vname)
+                    continue
                 t1, c1 = time.perf_counter(), time.process_time()
                 if k:
                     ms[vname].append((t1 - t0) * 1e3)
@@ -169,6 +177,8 @@ def single(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
         base = _stats(curl, nbytes)
         rows.append(dict(entry=name, variant="curl", streams=1, **base, vs_curl=1.0))
         for vname, client, _, kind in variants:
+            if vname in failed:
+                continue
             out = outs[vname] if kind != "alloc" else None
             streams = len(split_points(0, n, out, client.fetch_streams)) if not vname.endswith("shm, alloc_rows out") \
                 else 0
@@ -284,21 +294,30 @@ def concurrent(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
     url, grpc, rounds = job["http"], job["grpc"], cfg["concurrent_rounds"]
     entry = job["entries"][job["first"]]
     ref = _reference(job, job["first"])
-    runs = {
+    clients = {
         "http async": lambda: AsyncEncoderClient.http(url, fetch_streams=1),
         "grpc async (rows picked up over http)": lambda: AsyncEncoderClient.grpc(grpc, fetch_streams=1),
         "grpc async, stream": lambda: AsyncEncoderClient.grpc(grpc, fetch_streams=1, pickup=False),
     }
+    runs = {label: (lambda label=label, make=make: asyncio.run(_concurrent_async(make, entry, ref, rounds, checks,
+                                                                               label)))
+            for label, make in clients.items()}
     rows = []
-    for label, make in runs.items():
-        gb_s = asyncio.run(_concurrent_async(make, entry, ref, rounds, checks, label))
+
+    def threads():
+        with EncoderClient.http(url, fetch_streams=1) as client:
+            return _concurrent_threads(client, entry, ref, rounds, checks)
+
+    runs[f"http, {CONCURRENT} threads"] = threads
+    runs["reference: asyncio loop.sock_recv_into, no threads"] = \
+        lambda: asyncio.run(_loop_reader(job, entry, ref, rounds, checks))
+    for label, run in runs.items():
+        try:
+            gb_s = run()
+        except Exception as exc:  # noqa: BLE001 - the other variants still run
+            checks.append(f"{CONCURRENT} at once, {label}: {type(exc).__name__}: {exc}"[:300])
+            continue
         rows.append(dict(variant=label, gb_s=percentile(gb_s, 50), best_gb_s=max(gb_s)))
-    with EncoderClient.http(url, fetch_streams=1) as client:
-        gb_s = _concurrent_threads(client, entry, ref, rounds, checks)
-    rows.append(dict(variant=f"http, {CONCURRENT} threads", gb_s=percentile(gb_s, 50), best_gb_s=max(gb_s)))
-    gb_s = asyncio.run(_loop_reader(job, entry, ref, rounds, checks))
-    rows.append(dict(variant="reference: asyncio loop.sock_recv_into, no threads", gb_s=percentile(gb_s, 50),
-                     best_gb_s=max(gb_s)))
     return rows
 
 
@@ -431,7 +450,7 @@ def aggregate(job_path: Path, job: dict, cfg: dict, checks: list[str]) -> list[d
     return rows
 
 
-def encode_under_load(job_path: Path, cfg: dict, checks: list[str]) -> list[dict]:
+def encode_under_load(job_path: Path, job: dict, cfg: dict, checks: list[str]) -> list[dict]:
     """Encode latency alone, then while max(P) HTTP clients fetch without pause."""
     rows, p = [], max(cfg["processes"])
     fetchers = _fetchers(job_path, "http", p, 0)
@@ -544,8 +563,12 @@ def main() -> int:
                 checks.append(f"the client process failed (exit {proc.returncode})")
                 result = dict(single=[], concurrent=[], checks=[])
             checks += result.pop("checks")
-            result["aggregate"] = aggregate(job_path, job, cfg, checks)
-            result["encode"] = encode_under_load(job_path, cfg, checks)
+            for phase, run in (("aggregate", aggregate), ("encode", encode_under_load)):
+                try:
+                    result[phase] = run(job_path, job, cfg, checks)
+                except Exception as exc:  # noqa: BLE001 - keep what was measured, report the failure
+                    checks.append(f"phase {phase}: {type(exc).__name__}: {exc}"[:300])
+                    result[phase] = []
         finally:
             svc.close()
     setup = stamp() | dict(
