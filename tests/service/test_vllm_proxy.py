@@ -139,7 +139,7 @@ async def test_proxy_api_key(service):
     image = png(112, 84, 505)
 
     def encodes() -> float:
-        return service.sample("encoder_requests_total", {"method": "encode", "outcome": "ok"})
+        return service.sample("encoder_requests_total", {"transport": "http", "method": "encode", "outcome": "ok"})
 
     before = encodes()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
