@@ -40,7 +40,8 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch and torchvision first and on their own (their own layer, cached across code changes), from the
 # PyTorch index, so the package's loose `torch>=` requirement is already met and never pulls another build.
-# An empty TORCHVISION_VERSION leaves torchvision out (the CPU test build: scripts/tiers/image.sh).
+# An empty TORCHVISION_VERSION leaves torchvision out: for a CPU image only, whose default preprocessing is pil
+# (the CPU test build: scripts/tiers/image.sh).
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" ${TORCHVISION_VERSION:+"torchvision==${TORCHVISION_VERSION}"} \
       --index-url "${TORCH_INDEX_URL}"
 # Optional: FlashAttention-4 (pyproject extra [fa4]; ops/attention_fa4.py), its own layer after that. Its CuTe

@@ -13,7 +13,8 @@
 #   TORCH_INDEX_URL    file:///mnt/simple: a PEP 503 index of CPU torch 2.13.0 and its dependencies (pip
 #                      download, on this host: the local wheel), bind-mounted at /mnt for RUN steps only
 #                      (/mnt exists in the base, so nothing of it is left in the image)
-#   TORCHVISION_VERSION  empty: PyPI only has CUDA builds of torchvision; on the CPU images go through Pillow
+#   TORCHVISION_VERSION  empty: PyPI only has CUDA builds of torchvision; on the CPU the service preprocesses
+#                      with pil
 #   WITH_FA4=0         FlashAttention-4 is CUDA only
 #   VERSION, VCS_REF   pyproject's version and the commit (+"-dirty" when the image's inputs differ from it)
 # and --format docker (what `docker build` writes; the OCI format drops HEALTHCHECK).
