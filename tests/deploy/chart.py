@@ -88,5 +88,3 @@ def pod_specs(docs) -> list[tuple[str, dict]]:
     specs = [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in find(docs, "Deployment")]
     specs += [(d["metadata"]["name"], d["spec"]) for d in find(docs, "Pod")]
     return specs
-
-
