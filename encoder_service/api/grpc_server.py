@@ -24,6 +24,7 @@ from encoder_service.api.auth import BearerAuth
 from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import FetchItem, ImageInput
+from encoder_service.core.types import VideoInput
 from encoder_service.errors import EncoderServiceError, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol import wire
@@ -93,10 +94,12 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         async with self._rpc(context, "encode") as call:
             images = [_image_input(img) for img in request.images]
+            videos = [_video_input(v) for v in request.videos]
             result = await self._core.encode(images, wait=request.wait, return_embeddings=request.return_embeddings,
-                                             timeout_s=_time_left(context))  # the core waits for embeddings
+                                             timeout_s=_time_left(context), videos=videos)  # waits for embeddings
             call.trailing(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
+                                     videos=[msgs.video_info_to_proto(v) for v in result.videos],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
 
     async def Fetch(self, request: pb.FetchRequest, context) -> None:
@@ -186,6 +189,16 @@ def _image_input(img: pb.Image) -> ImageInput:
     source = img.WhichOneof("source")
     return ImageInput(data=img.data if source == "data" else None, url=img.url if source == "url" else None,
                       caller_id=img.caller_id or None)
+
+
+def _video_input(video: pb.Video) -> VideoInput:
+    """Unset options are None (the checkpoint's); no source: the core's InvalidInput, as for HTTP."""
+    source = video.WhichOneof("source")
+    options = {name: getattr(video, name) if video.HasField(name) else None
+               for name in ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")}
+    return VideoInput(data=video.data if source == "data" else None,
+                      frames=tuple(video.frames.images) if source == "frames" else None,
+                      url=video.url if source == "url" else None, caller_id=video.caller_id or None, **options)
 
 
 async def _abort(context, exc: Exception, metadata: tuple[tuple[str, str], ...] = ()):

@@ -2,7 +2,9 @@
 
 POST /v1/encode   multipart (field `image`, repeated), a binary body (application/octet-stream or image/*,
                   one image; options in the query), or JSON {"images": [{"data": b64} | {"url": ...}, "id"?],
-                  "wait", "return_embeddings", "timeout_s"}.
+                  "wait", "return_embeddings", "timeout_s"}. Videos the same ways (api/video_bodies.py):
+                  multipart `video` / `frame` fields, a video/* body, JSON {"videos": [...]}; answered as
+                  {"videos": [VideoInfo], "timings"}.
 POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> protocol/wire.py payload
                   (application/octet-stream; application/safetensors when Accept asks for it).
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
@@ -30,13 +32,14 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from encoder_service.api import bodies
+from encoder_service.api import bodies, video_bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.api.rows_response import RowsResponse
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
+from encoder_service.core.types import VideoInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, NotFound, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
@@ -61,8 +64,22 @@ class ImageJson(_Strict):
     id: str | None = None  # optional caller-supplied id
 
 
+class VideoJson(_Strict):
+    data: str | None = None  # base64 of the container file
+    frames: list[str] | None = None  # base64 of each frame's image file, in order
+    url: str | None = None
+    id: str | None = None
+    fps: float | None = None
+    num_frames: int | None = None
+    sample_frames: bool | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    frames_fps: float | None = None
+
+
 class EncodeJson(_Strict):
-    images: list[ImageJson]
+    images: list[ImageJson] = []
+    videos: list[VideoJson] = []
     wait: bool = False
     return_embeddings: bool = False
     timeout_s: float | None = None
@@ -178,26 +195,33 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         q = request.query_params
         wait, embeds = _qbool(q, "wait"), _qbool(q, "return_embeddings")
         timeout_s = _qfloat(q, "timeout_s")
+        videos = []
         if ctype == "application/json":
             body = bodies.parse(EncodeJson, await bounded.body())
             images = [_json_image(i, img) for i, img in enumerate(body.images)]
+            videos = [video_bodies.json_video(i, v) for i, v in enumerate(body.videos)]
             wait, embeds, timeout_s = body.wait, body.return_embeddings, body.timeout_s
         elif ctype == "multipart/form-data":
-            images = await _multipart_images(bounded, settings.limits.max_images)
+            images, videos = await _multipart_media(bounded, settings, q)
+        elif ctype.startswith("video/") or (ctype == OCTET and _qbool(q, "video")):
+            images, videos = [], [VideoInput(data=await bounded.body(), caller_id=q.get("id"),
+                                             **video_bodies.query_options(q))]
         elif ctype == OCTET or ctype.startswith("image/"):
             images = [ImageInput(data=await bounded.body(), caller_id=q.get("id"))]
         else:
-            raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream or image/*")
-        result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s)
+            raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream, image/* "
+                                      "or video/*")
+        result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s, videos=videos)
+        kind, infos = ("videos", result.videos) if videos else ("images", result.images)
         out = []
-        for i, info in enumerate(result.images):
+        for i, info in enumerate(infos):
             d = info.to_json()
             if result.embeddings is not None:
                 rows = result.embeddings[i]
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
                                   "dtype": dtype_name(rows.dtype), "shape": list(rows.shape)}
             out.append(d)
-        return JSONResponse({"images": out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
+        return JSONResponse({kind: out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 
     async def _fetch(request: Request) -> Response:
         body = await _json_body(request, FetchJson)
@@ -261,20 +285,30 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
     return ImageInput(data=data, url=img.url, caller_id=img.id)
 
 
-async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:
+async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInput], list[VideoInput]]:
+    """`image` fields (one image each), `video` fields (one video file each) and `frame` fields (together, in
+    order, one video given as its frames, at most --max-images of them here: JSON takes more; options in the
+    query: api/video_bodies.py)."""
     # One more file than allowed so the core's count check names the limit (instead of the parser's).
+    files = max(settings.limits.max_images, settings.video.max_videos) + 1
     try:
-        form = await request.form(max_files=max_images + 1, max_fields=max_images + 16)
+        form = await request.form(max_files=files, max_fields=files + 16)
     except HTTPException as exc:  # the parser's own 400: no boundary, no boundary lines, too many parts
         raise InvalidInput(f"multipart body: {exc.detail}") from None
     try:
-        images = []
-        for part in form.getlist("image"):
-            data = await part.read() if hasattr(part, "read") else str(part).encode()
-            images.append(ImageInput(data=data))
-        if not images and len(form) > 0:
-            raise InvalidInput(f"multipart body has no 'image' field (got fields {sorted(set(form.keys()))})")
-        return images
+        async def read(field: str) -> list[bytes]:
+            return [await part.read() if hasattr(part, "read") else str(part).encode() for part in form.getlist(field)]
+
+        images = [ImageInput(data=data) for data in await read("image")]
+        options = video_bodies.query_options(q) if "video" in form or "frame" in form else {}
+        videos = [VideoInput(data=data, **options) for data in await read("video")]
+        frames = await read("frame")
+        if frames:
+            videos.append(VideoInput(frames=tuple(frames), **options))
+        if not images and not videos and len(form) > 0:
+            raise InvalidInput(f"multipart body has no 'image', 'video' or 'frame' field (got fields "
+                               f"{sorted(set(form.keys()))})")
+        return images, videos
     finally:
         await form.close()  # its spooled files
 

@@ -9,6 +9,9 @@
 
         client.release([i.id for i in infos])                            # done: end the pins early
 
+        video = client.encode_videos(["clip.mp4"], fps=2)[0]             # a video: rows per frame group
+        items = video.fetch_items(offset=5)                              # (group id, offset, rows) each
+
 Same host as a server started with --shm-fetch: `EncoderClient.grpc(..., shm=True)` fetches through
 shared-memory files (client/shm.py); `client.alloc_rows(n, row_width, dtype)` gives a buffer the server
 writes into directly (pass it, or row slices of it, as `out`).
@@ -17,8 +20,8 @@ Server errors arrive as encoder_service.errors types (InvalidInput, NotFound, Ov
 """
 
 from encoder_service.client.base import AsyncEncoderClient, EncoderClient
-from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.ranges import PromptLayout, Segment
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "FetchedRows", "ImageInfo", "ImageSource", "PromptLayout",
-           "Segment"]
+           "Segment", "VideoInfo", "VideoSource"]

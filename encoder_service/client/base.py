@@ -2,6 +2,7 @@
 
 A transport (client/http.py, client/grpc_transport.py) implements, sync or async:
   encode(images: list[ImageSource], wait, return_embeddings, timeout) -> list[ImageInfo]
+  encode_videos(videos: list[VideoSource], wait, return_embeddings, timeout) -> list[VideoInfo]
   fetch(items: list[(id, offset)], start, end, dest: Destination, timeout) -> (WireHeader, rows)
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
   release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
@@ -28,7 +29,7 @@ from encoder_service.client.destination import Destination, PinnedBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
 from encoder_service.client.shm import ShmBuffers, ShmFile
-from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
@@ -56,6 +57,27 @@ def image_source(image) -> ImageSource:
         return ImageSource(data=buf.getvalue())
     raise InvalidInput(f"can't send an image of type {type(image).__name__} "
                        "(give bytes, a path, an http(s) URL, or a PIL image)")
+
+
+def video_source(video, **options) -> VideoSource:
+    """bytes (a container file), a path, an http(s) URL string, a list of frames (each bytes, a path or a PIL
+    image), or a VideoSource (sent as it is). `options` (fps, num_frames, ...: VideoSource's) go with the rest."""
+    if isinstance(video, VideoSource):
+        return video
+    if isinstance(video, (list, tuple)):
+        frames = tuple(image_source(frame).data for frame in video)
+        if any(frame is None for frame in frames):
+            raise InvalidInput("a video's frames are images given inline (bytes, paths or PIL images), not URLs")
+        return VideoSource(frames=frames, **options)
+    if isinstance(video, (bytes, bytearray, memoryview)):
+        return VideoSource(data=bytes(video), **options)
+    if isinstance(video, str) and video.startswith(("http://", "https://")):
+        return VideoSource(url=video, **options)
+    if isinstance(video, (str, os.PathLike)):
+        with open(video, "rb") as f:
+            return VideoSource(data=f.read(), **options)
+    raise InvalidInput(f"can't send a video of type {type(video).__name__} "
+                       "(give bytes, a path, an http(s) URL, or a list of frames)")
 
 
 def fetch_items(items) -> list[tuple[str, int]]:
@@ -203,6 +225,14 @@ class EncoderClient:
     def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False) -> list[ImageInfo]:
         return self._transport.encode([image_source(i) for i in images], wait, return_embeddings, self.timeout)
 
+    def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
+                      **options) -> list[VideoInfo]:
+        """Videos (see `video_source`; `options`: fps, num_frames, sample_frames, min_pixels, max_pixels,
+        frames_fps for those not given as VideoSource). Fetch a video's rows by its frame groups:
+        `info.fetch_items(offset)` (one run, Qwen2/2.5-VL) or `info.fetch_items(offsets=...)` (Qwen3-VL)."""
+        return self._transport.encode_videos([video_source(v, **options) for v in videos], wait, return_embeddings,
+                                             self.timeout)
+
     def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """The rows of `items` ((id, offset) pairs) in chunk [start, end). `out` ([>= end - start, row_width],
         any dtype, CPU or CUDA) gets each segment's rows at row position - start, and is the answer's rows.
@@ -307,6 +337,12 @@ class AsyncEncoderClient:
                      ) -> list[ImageInfo]:
         return await self._transport.encode([image_source(i) for i in images], wait, return_embeddings,
                                             self.timeout)
+
+    async def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
+                            **options) -> list[VideoInfo]:
+        """See EncoderClient.encode_videos."""
+        return await self._transport.encode_videos([video_source(v, **options) for v in videos], wait,
+                                                   return_embeddings, self.timeout)
 
     async def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """See EncoderClient.fetch."""

@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Entry, other_content
@@ -66,6 +67,7 @@ class Flight:
     permit: Permit | None  # None: nothing admitted (a cached id: its fill finds the entry at once)
     waiters: int = 1
     task: asyncio.Task | None = None
+    urgent: bool = False  # a fetch waits for it: queued ahead of other work (a video's frame group)
 
     def wanted(self) -> bool:
         return self.waiters > 0
@@ -111,7 +113,7 @@ class Flights:
         the image if it has not batched it yet."""
         flight.waiters -= 1
 
-    async def _fly(self, flight: Flight, data: bytes, after: Awaitable | None) -> Landed:
+    async def _fly(self, flight: Flight, data: Any, after: Awaitable | None) -> Landed:
         name = flight.key.name
         try:
             if after is not None:
@@ -128,7 +130,7 @@ class Flights:
             if self._flights.get(name) is flight:
                 del self._flights[name]
 
-    async def _fill(self, flight: Flight, data: bytes) -> Landed:
+    async def _fill(self, flight: Flight, data: Any) -> Landed:
         entry = await self._store.get(flight.key)
         if entry is not None:
             if other_content(flight.content_tag, entry.header.content_tag):  # another replica's, in Redis
@@ -138,7 +140,7 @@ class Flights:
             return Landed(entry, encoded=False)
         self._metrics.cache_misses.inc()
         try:
-            (item,) = self._engine.submit([Job(data, flight.grid_thw, wanted=flight.wanted)],
+            (item,) = self._engine.submit([Job(data, flight.grid_thw, wanted=flight.wanted, urgent=flight.urgent)],
                                           deadline=time.monotonic() + self._lease_s,
                                           permits=None if flight.permit is None else [flight.permit])
             encoded = await item.future

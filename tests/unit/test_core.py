@@ -14,7 +14,6 @@ cannot), a fetch elsewhere waits for them within its one timeout, and stops wait
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -22,10 +21,9 @@ import redis
 import torch
 
 from encoder_service import errors
-from encoder_service.api.service import build_core
 from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, make_key
 from encoder_service.cache.handoff import marker_name
-from encoder_service.core import EncoderCore, FetchItem, ImageInput, timeouts
+from encoder_service.core import FetchItem, ImageInput, timeouts
 from encoder_service.core.flight import Flights
 from encoder_service.core.images import Probed
 from encoder_service.core.metrics import Metrics
@@ -33,51 +31,10 @@ from encoder_service.engine.engine import Engine
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
-from tests.support.service import make_settings
 
 pytestmark = pytest.mark.timeout(120)
 
 WAIT_S = 20  # bound on every wait in this file
-
-
-class GatedRunner:
-    """The core's runner behind a gate: while `gate` is clear, the GPU thread holds its batch (`entered`
-    says it got there), so a test can build a queue behind it."""
-
-    def __init__(self, runner):
-        self._runner, self.buckets = runner, runner.buckets
-        self.gate, self.entered = threading.Event(), threading.Semaphore(0)
-        self.gate.set()
-
-    def encode(self, pixel_values, grid_thw):
-        self.entered.release()
-        assert self.gate.wait(WAIT_S)
-        return self._runner.encode(pixel_values, grid_thw)
-
-    def describe(self) -> dict:
-        return self._runner.describe()
-
-
-@pytest.fixture
-async def make_core(tiny_checkpoint):
-    """`await make_core(family="qwen2_5_vl", *flags, gated=False) -> EncoderCore`, started (stopped after the
-    test); `gated`: its runner is a GatedRunner (`core.runner`)."""
-    cores = []
-
-    async def make(family: str = "qwen2_5_vl", *flags: str, gated: bool = False) -> EncoderCore:
-        core = build_core(make_settings(tiny_checkpoint(family), *flags, grpc=False))
-        if gated:
-            core = EncoderCore(core.settings, loaded=core.loaded, runner=GatedRunner(core.runner),
-                               preprocess_cfg=core.preprocess_cfg, store=core.store)
-        cores.append(core)
-        await core.start()
-        return core
-
-    yield make
-    for core in cores:
-        if isinstance(core.runner, GatedRunner):
-            core.runner.gate.set()
-        await core.stop()
 
 
 def inputs(*datas: bytes) -> list[ImageInput]:
