@@ -238,7 +238,7 @@ def test_dockerfile_contract():
 
 def test_dockerfile_matches_extras():
     """The image's optional FlashAttention-4 layer installs the pyproject extra's versions (quack-kernels too:
-    ops/swiglu_gemm_quack.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
+    ops/quack_gemm.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
     extras = (ROOT / "pyproject.toml").read_text()
     ins = dockerfile_instructions()
     args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
