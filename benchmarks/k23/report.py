@@ -125,8 +125,8 @@ def service_tables(final: dict) -> list[str]:
         lines += ["Completion thread's copy per batch (runtime/transfer.py), ms (page faults):", "",
                   "| batch | MB | start (host; first) | D2H (GPU) | D2H GB/s | clone to fresh memory | GB/s "
                   "| clone, previous freed | free a batch | clone, 1 thread | copy into touched buffers | GB/s "
-                  "| pool, fresh mappings | pool, previous batch freed |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| pool, fresh mappings | the same, huge pages advised | pool, previous batch freed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in ("qwen3_4x720p", "qwen2_5_3x720p"):
             h = hc[name]
             lines.append(f"| {name} | {h['mb']} | {_f(h['start_ms'], 2)}; {_f(h['start_first_ms'], 1)} "
@@ -135,6 +135,7 @@ def service_tables(final: dict) -> list[str]:
                          f"| {_f(h['clone_steady_ms'], 2)} | {_f(h['free_ms'], 2)} | {_f(h['clone_1thread_ms'], 2)} "
                          f"| {_f(h['copy_reused_ms'], 2)} | {_f(h['copy_reused_gb_s'], 1)} "
                          f"| {_f(h['pool_fresh_ms'], 2)} ({h['pool_fresh_faults']:.0f}) "
+                         f"| {_f(h['thp_fresh_ms'], 2)} ({h['thp_fresh_faults']:.0f}) "
                          f"| {_f(h['pool_reused_ms'], 2)} ({h['pool_reused_faults']:.0f}) |")
         lines.append("")
     else:

@@ -16,6 +16,7 @@ without HTTP, on Qwen3-VL-8B 720p (3520 patches, rows 880 x 16384 bf16 = 28.8 MB
                   preprocess   torchvision (resize on the GPU on the pool threads' streams), pil (on the CPU),
                                predecoded (every job returns a ready device tensor: no preprocessing at all)
                   rows         pool: the engine's rows out of staging into its HostRowPool (the service now);
+                               pool_thp: the same with transparent huge pages advised on its new mappings;
                                clone: into torch's allocator (before issue 23: HostRowPool(min_bytes=inf));
                                pinned: the pinned staging views handed out and dropped (no copy, nothing kept:
                                an upper bound, not a service, which must own its rows)
@@ -47,7 +48,8 @@ ROWS_Q25 = (1196, 3584)  # Qwen2.5 720p: 4784 / 4 tokens x 3584
 # >= 8192 patches that its bucket pads by > 5% runs eagerly (three 720p images: 10560 in the 14400 graph); the
 # batch budget is --batch-tokens 16384 capped at the largest bucket (16384): four 720p images per batch.
 SERVICE_EAGER_MIN_PATCHES, SERVICE_BATCH_TOKENS, SERVICE_LARGEST_BUCKET = 8192, 16384, 16384
-ENGINE_VARIANTS = ("torchvision,8,clone,all", "torchvision,8,pool,all", "torchvision,8,clone,window",
+ENGINE_VARIANTS = ("torchvision,8,clone,all", "torchvision,8,pool,all", "torchvision,8,pool_thp,all",
+                   "torchvision,8,clone,window",
                    "torchvision,8,pool,window", "predecoded,8,clone,window", "predecoded,8,pool,window",
                    "predecoded,8,pinned,window", "pil,8,pool,window")
 CONCURRENCY, WARMUP, IMAGES, WINDOW = 64, 48, 256, 32
@@ -73,8 +75,9 @@ def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
     GPU time; then the copy out of staging: wait() into torch's allocator with the rows kept (fresh memory,
     as load_bench's 24 GiB cache keeps every entry) and in a steady state where the previous batch's rows are
     freed first (an LRU at capacity; glibc may hand the freed blocks back), the free itself, the same copy in
-    one CPU thread, into buffers already touched, into the pool's fresh mappings (rows kept) and into the
-    pool after the previous batch was freed (its mappings reused); minor page faults per batch beside."""
+    one CPU thread, into buffers already touched, into the pool's fresh mappings (rows kept; with and without
+    transparent huge pages advised) and into the pool after the previous batch was freed (its mappings
+    reused); minor page faults per batch beside."""
     from encoder_service.runtime.host_pool import HostRowPool
     from encoder_service.runtime.transfer import HostCopier
 
@@ -133,24 +136,29 @@ def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
     reused_ms = [timed(lambda: [r.copy_(v) for r, v in zip(reused, views)])[0] for _ in range(iters)]
     del reused
 
-    pool = HostRowPool()
-
-    def into_pool():
+    def into(pool):
         return [pool.take(v.numel() * v.element_size()).view(v.dtype).view(v.shape).copy_(v) for v in views]
 
-    pool_fresh_ms, pool_fresh_faults, kept = [], [], []
-    for _ in range(iters):
-        f0 = _faults()
-        ms, rows = timed(into_pool)
-        pool_fresh_ms.append(ms)
-        pool_fresh_faults.append(_faults() - f0)
-        kept.append(rows)
+    def fresh_pool(pool) -> tuple[list, list, list]:  # (ms, faults, rows kept) per batch
+        out = ([], [], [])
+        for _ in range(iters):
+            f0 = _faults()
+            ms, rows = timed(lambda: into(pool))
+            out[0].append(ms)
+            out[1].append(_faults() - f0)
+            out[2].append(rows)
+        return out
+
+    thp_ms, thp_faults, kept = fresh_pool(HostRowPool(huge_pages=True))
+    del kept
+    pool = HostRowPool()
+    pool_fresh_ms, pool_fresh_faults, kept = fresh_pool(pool)
     kept.clear()  # every mapping back in the pool (up to its idle bound)
     pool_reused_ms, pool_reused_faults, previous = [], [], []
     for _ in range(iters):
         previous.clear()
         f0 = _faults()
-        ms, previous = timed(into_pool)
+        ms, previous = timed(lambda: into(pool))
         pool_reused_ms.append(ms)
         pool_reused_faults.append(_faults() - f0)
     return dict(images=len(outputs), mb=round(nbytes / 1e6, 1), torch_threads=threads,
@@ -159,7 +167,8 @@ def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
                 clone_faults=med(fresh_faults), clone_steady_ms=med(steady_ms), free_ms=med(free_ms),
                 clone_1thread_ms=med(one_thread_ms), copy_reused_ms=med(reused_ms),
                 copy_reused_gb_s=nbytes / med(reused_ms) / 1e6, pool_fresh_ms=med(pool_fresh_ms),
-                pool_fresh_faults=med(pool_fresh_faults), pool_reused_ms=med(pool_reused_ms),
+                pool_fresh_faults=med(pool_fresh_faults), thp_fresh_ms=med(thp_ms), thp_fresh_faults=med(thp_faults),
+                pool_reused_ms=med(pool_reused_ms),
                 pool_reused_faults=med(pool_reused_faults), pool=pool.stats())
 
 
@@ -208,7 +217,7 @@ class _TimedCopier:
         from encoder_service.runtime.host_pool import HostRowPool
         from encoder_service.runtime.transfer import HostCopier
 
-        pool = HostRowPool(min_bytes=float("inf")) if rows == "clone" else None
+        pool = {"clone": HostRowPool(min_bytes=float("inf")), "pool_thp": HostRowPool(huge_pages=True)}.get(rows)
         self._copier, self._pinned, self._wait_ms = HostCopier(pool), rows == "pinned", wait_ms
         self.pool = self._copier.pool
 

@@ -146,3 +146,12 @@ def test_give_backs_from_other_threads():
     del kept
     stats = pool.stats()
     assert stats["fresh"] + stats["reused"] == 250 and stats["idle_mappings"] == stats["fresh"]
+
+
+def test_huge_pages_only_advise():
+    pool = HostRowPool(min_bytes=MB, huge_pages=True)
+    t = pool.take(4 * MB + 3)
+    t.fill_(3)
+    assert int(t.sum()) == 3 * (4 * MB + 3)
+    del t
+    assert pool.take(4 * MB).numel() == 4 * MB and pool.stats()["reused"] == 1

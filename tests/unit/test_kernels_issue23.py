@@ -97,7 +97,7 @@ def test_service_and_readme_tables_render():
     copy = dict(images=4, mb=115.3, torch_threads=16, start_ms=0.1, start_first_ms=30.0, d2h_gpu_ms=2.4, d2h_gb_s=48.0,
                 clone_ms=20.0, clone_gb_s=5.8, clone_faults=28160, clone_steady_ms=12.0, free_ms=3.0,
                 clone_1thread_ms=40.0, copy_reused_ms=8.0, copy_reused_gb_s=14.4, pool_fresh_ms=19.0,
-                pool_fresh_faults=28164, pool_reused_ms=3.5, pool_reused_faults=0)
+                pool_fresh_faults=28164, thp_fresh_ms=6.0, thp_fresh_faults=60, pool_reused_ms=3.5, pool_reused_faults=0)
     recs = [dict(kind="item", item="service/host_copy", status="ok", qwen3_4x720p=copy, qwen2_5_3x720p=copy),
             dict(kind="item", item="service/runner_alone", status="ok",
                  batch_1=dict(images_per_s=90.0, graphs=["3520/exact"]),
@@ -110,7 +110,7 @@ def test_service_and_readme_tables_render():
             dict(kind="item", item="readme/qwen3_vl", status="ok", folder="o/readme_qwen3_vl", markdown="| a | b |")]
     md, _, short = report.render(recs, 1.0)
     row = ("| qwen3_4x720p | 115.3 | 0.10; 30.0 | 2.40 | 48.0 | 20.00 (28160) | 5.8 | 12.00 | 3.00 | 40.00 | 8.00 "
-           "| 14.4 | 19.00 (28164) | 3.50 (0) |")
+           "| 14.4 | 19.00 (28164) | 6.00 (60) | 3.50 (0) |")
     assert row in md
     assert "4: 95.0 images/s (14400/multi)" in md
     assert "| pil,8,pool,window | 70.0 | 3.90 | 1.00 | 30.00 | 12 | 50 / 9 | ok |" in md
@@ -150,4 +150,4 @@ def test_e2e_variant_on_tiny_towers_on_the_cpu():
 def test_engine_variants_parse(variant):
     source, threads, rows, kept = variant.split(",")
     assert source in ("torchvision", "pil", "predecoded") and int(threads) > 0
-    assert rows in ("pool", "clone", "pinned") and kept in ("all", "window")
+    assert rows in ("pool", "pool_thp", "clone", "pinned") and kept in ("all", "window")
