@@ -53,7 +53,7 @@ class HostRowPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An owned, contiguous uint8 CPU tensor of `nbytes` (contents undefined)."""
-        if nbytes < self.min_bytes:
+        if nbytes < self.min_bytes or nbytes == 0:  # (a mapping cannot be empty)
             self.taken["small"] += 1
             return torch.empty(nbytes, dtype=torch.uint8)
         size = -(-nbytes // PAGE) * PAGE
