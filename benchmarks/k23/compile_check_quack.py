@@ -1,7 +1,8 @@
 """Trace and compile ops/quack_gemm.py's kernels (quack gemm_act: swiglu with the concatenated [gate; up]
 weight and bias, per config of benchmarks/k23/kernels.py's QUACK_CONFIGS; Qwen3's gelu_tanh_approx fc1 and
-Qwen2's quick_gelu fc1 at quack's default tile, as ops/mlp_kernels.py calls them) for sm_90a WITHOUT a GPU, and report what ptxas made of them: registers, spills, HGMMA (warpgroup MMA), TMA loads
-and stores in the SASS. Nothing runs: the device queries quack makes before compiling are answered with the
+Qwen2's quick_gelu fc1 at quack's default tile, as ops/mlp_kernels.py calls them) for sm_90a WITHOUT a GPU,
+and report what ptxas made of them: registers, spills, HGMMA (warpgroup MMA), TMA loads and stores in the
+SASS. Nothing runs: the device queries quack makes before compiling are answered with the
 H100's (capability 9.0, 132 SMs) and the launch is skipped; the CuTe DSL compiles on the CPU (CUTE_DSL_ARCH),
 as quack's own async-compile workers do.
 

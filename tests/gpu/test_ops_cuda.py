@@ -2,10 +2,11 @@
 run only the references). Differences are rounding only: the kernels keep float32 inside and round once.
 The MLPs: every kernel of ops/mlp_kernels.py this machine has, per form (SiLU-gated: split, our fused Triton
 GEMM per tile config, quack; tanh GELU: cuBLASLt, quack; quick_gelu: torch, quack; quack when installed)
-against float32, eagerly and replayed in a captured graph, and every choice through the towers' ops. Attention: every backend this machine has (FA4 when installed, our Triton window
-kernel, torch's) against float32 attention on the towers' real layouts (head dims 72 and 80, padded by the
-graphs' own rule: dummy segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and
-replayed in a captured graph; every --attention choice through its startup check."""
+against float32, eagerly and replayed in a captured graph, and every choice through the towers' ops.
+Attention: every backend this machine has (FA4 when installed, our Triton window kernel, torch's) against
+float32 attention on the towers' real layouts (head dims 72 and 80, padded by the graphs' own rule: dummy
+segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and replayed in a captured
+graph; every --attention choice through its startup check."""
 
 from __future__ import annotations
 

@@ -95,8 +95,8 @@ def test_idle_memory_is_bounded_oldest_first():
 
 def test_never_hands_out_memory_a_live_tensor_uses():
     """A seeded random walk of takes (sizes that shrink and grow idle mappings) and drops, each live tensor
-    (or another tensor on its storage, the one take gave dropped) filled with its own byte: after every step the live ones are
-    disjoint and still hold their byte."""
+    (or another tensor on its storage, the one take gave dropped) filled with its own byte: after every step
+    the live ones are disjoint and still hold their byte."""
     rng = random.Random(0)
     pool = HostRowPool(min_bytes=PAGE, max_idle_bytes=24 * PAGE)
     live: dict[int, torch.Tensor] = {}

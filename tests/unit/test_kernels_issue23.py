@@ -97,7 +97,8 @@ def test_service_and_readme_tables_render():
     copy = dict(images=4, mb=115.3, torch_threads=16, start_ms=0.1, start_first_ms=30.0, d2h_gpu_ms=2.4, d2h_gb_s=48.0,
                 clone_ms=20.0, clone_gb_s=5.8, clone_faults=28160, clone_steady_ms=12.0, free_ms=3.0,
                 clone_1thread_ms=40.0, copy_reused_ms=8.0, copy_reused_gb_s=14.4, pool_fresh_ms=19.0,
-                pool_fresh_faults=28164, thp_fresh_ms=6.0, thp_fresh_faults=60, pool_reused_ms=3.5, pool_reused_faults=0)
+                pool_fresh_faults=28164, thp_fresh_ms=6.0, thp_fresh_faults=60, pool_reused_ms=3.5,
+                pool_reused_faults=0)
     recs = [dict(kind="item", item="service/host_copy", status="ok", qwen3_4x720p=copy, qwen2_5_3x720p=copy),
             dict(kind="item", item="service/runner_alone", status="ok",
                  batch_1=dict(images_per_s=90.0, graphs=["3520/exact"]),
