@@ -6,6 +6,8 @@ A transport (client/http.py, client/grpc_transport.py) implements, sync or async
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
   release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
 With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket.
+Calls that fail with 503 / UNAVAILABLE or an unreachable server are tried again within the client's timeout
+(`retry`: client/retry.py; None: never).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
+from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource
 from encoder_service.errors import InvalidInput
@@ -136,19 +139,21 @@ class EncoderClient:
     FailedPrecondition (no silent fallback). `alloc_rows` gives buffers the server writes into directly.
     """
 
-    def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None):
-        self._transport, self.timeout, self._shm = transport, timeout, shm
+    def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
+                 retry: RetryPolicy | None = DEFAULT_RETRY):
+        self._transport = transport if retry is None else Retrying(transport, retry)
+        self.timeout, self._shm = timeout, shm
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, **kw):
-        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir))
+             shm_dir: str = DEFAULT_DIR, retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, **kw):
-        return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir))
+             shm_dir: str = DEFAULT_DIR, retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), retry)
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
         """[num_rows, row_width] zeros in shared memory: as fetch `out` (or a row slice of it, as in
@@ -211,19 +216,21 @@ class EncoderClient:
 class AsyncEncoderClient:
     """asyncio client, same methods as EncoderClient (shm too). Build with AsyncEncoderClient.http / .grpc."""
 
-    def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None):
-        self._transport, self.timeout, self._shm = transport, timeout, shm
+    def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
+                 retry: RetryPolicy | None = DEFAULT_RETRY):
+        self._transport = transport if retry is None else AsyncRetrying(transport, retry)
+        self.timeout, self._shm = timeout, shm
         self._geometry: tuple[str, int] | None = None
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, **kw):
-        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir))
+             shm_dir: str = DEFAULT_DIR, retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, **kw):
-        return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir))
+             shm_dir: str = DEFAULT_DIR, retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), retry)
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
         """See EncoderClient.alloc_rows (no I/O: not a coroutine)."""
