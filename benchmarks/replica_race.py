@@ -34,16 +34,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
 from tests.support.encoder_process import Replica  # noqa: E402
-from tests.support.images import image_bytes, png_chunk  # noqa: E402
+from tests.support.images import image_bytes, png_with_text  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 COUNTERS = ("encoder_images_encoded_total", "encoder_cache_redis_claimed_elsewhere_total",
             "encoder_cache_redis_pending_waits_total", "encoder_requests_total")
-
-
-def new_image(base: bytes, n: int) -> bytes:
-    """`base`'s pixels under new bytes (a tEXt chunk naming `n`): a new id."""
-    return base[:33] + png_chunk(b"tEXt", b"race\x00" + str(n).encode()) + base[33:]
 
 
 async def race(replicas: list[Replica], images: int, concurrency: int) -> dict:
@@ -55,7 +50,7 @@ async def race(replicas: list[Replica], images: int, concurrency: int) -> dict:
 
     async def one(n: int) -> None:
         nonlocal wrong, errors
-        data = new_image(base, n)
+        data = png_with_text(base, n)
         async with slots:
             try:
                 (on_a,), (on_b,) = await asyncio.gather(a.encode([data]), b.encode([data]))

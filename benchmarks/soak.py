@@ -49,11 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.report import stamp, write_result  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
+from benchmarks.common.stats import percentile, rss_mib  # noqa: E402
 from encoder_service import errors  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
 from tests.support.encoder_process import Replica  # noqa: E402
-from tests.support.images import image_bytes, png_chunk  # noqa: E402
+from tests.support.images import image_bytes, png_with_text  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 BASE_SIZES = [(64, 64), (96, 72), (112, 112), (160, 120), (224, 168), (200, 300), (320, 240), (128, 256)]
@@ -69,20 +69,7 @@ def base_pngs(seed: int = 0) -> list[bytes]:
     return [image_bytes(w, h, seed * 100 + k) for k, (w, h) in enumerate(BASE_SIZES)]
 
 
-def with_text(png: bytes, n: int) -> bytes:
-    chunk = png_chunk(b"tEXt", b"soak\x00" + str(n).encode())
-    return png[:33] + chunk + png[33:]  # after the signature (8) and IHDR (25)
-
-
 # ---- processes ---------------------------------------------------------------------------------------------
-def rss_mib(pid: int | str = "self") -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 class SoakReplica(Replica):
     def __init__(self, name: str, checkpoint: Path, redis_url: str | None, args, log_dir: Path):
         super().__init__(name, checkpoint, redis_url, log_dir, "--cache-bytes", args.cache_bytes,
@@ -114,7 +101,7 @@ class Load:
     def image(self) -> bytes:
         if not self.recent or self.rng.random() < self.args.new:
             self.counter += 1
-            data = with_text(self.bases[self.counter % len(self.bases)], self.counter)
+            data = png_with_text(self.bases[self.counter % len(self.bases)], self.counter)
             self.recent.append(data)
             return data
         return self.rng.choice(self.recent)

@@ -23,7 +23,7 @@ import pytest
 
 from encoder_service.api import grpc_server
 from encoder_service.client import AsyncEncoderClient, EncoderClient
-from tests.support.images import image_bytes, png_chunk
+from tests.support.images import image_bytes, png_with_text
 from tests.support.service import RunningService, running
 
 pytestmark = pytest.mark.timeout(300)
@@ -64,11 +64,6 @@ def leftovers(svc: RunningService) -> dict[str, int]:
     return svc.call(read)
 
 
-def new_png(base: bytes, n: int) -> bytes:
-    """`base`'s pixels under new bytes (a tEXt chunk naming `n`): a new id, never cached."""
-    return base[:33] + png_chunk(b"tEXt", b"n\x00" + str(n).encode()) + base[33:]
-
-
 def test_1000_http_disconnects_give_back_their_queue_slots(request, tiny_checkpoint):
     svc = running(request, tiny_checkpoint("qwen2_5_vl"), "--max-queue", str(MAX_QUEUE))
     base = image_bytes(64, 48, seed=11)
@@ -78,7 +73,7 @@ def test_1000_http_disconnects_give_back_their_queue_slots(request, tiny_checkpo
     statuses: dict[int, int] = {}
 
     async def round_(k: int, client: httpx.AsyncClient) -> None:
-        calls = [asyncio.create_task(client.post("/v1/encode", params={"wait": "true"}, content=new_png(base, n),
+        calls = [asyncio.create_task(client.post("/v1/encode", params={"wait": "true"}, content=png_with_text(base, n),
                                                  headers={"content-type": "image/png"}))
                  for n in range(k * PER_ROUND, (k + 1) * PER_ROUND)]
         # Every request is admitted and waits (some images may sit with the held GPU stage, off the queue).
@@ -109,7 +104,7 @@ def test_1000_http_disconnects_give_back_their_queue_slots(request, tiny_checkpo
     assert svc.sample("encoder_requests_total", {"transport": "http", "method": "encode",
                                                  "outcome": "cancelled"}) == ROUNDS * PER_ROUND
     with EncoderClient.http(svc.url, timeout=WAIT_S) as client:  # the service serves on as before
-        (info,) = client.encode([new_png(base, 10**6)], wait=True)
+        (info,) = client.encode([png_with_text(base, 10**6)], wait=True)
         assert info.num_tokens > 0 and not info.cached
     # Only what reached the held GPU stage before its callers left was encoded: the rest never ran.
     assert svc.sample("encoder_images_encoded_total") - encoded <= 2 * PER_ROUND + 1
@@ -124,7 +119,7 @@ def test_cancelled_grpc_encodes_give_back_their_queue_slots(request, tiny_checkp
     async def rounds() -> None:
         async with AsyncEncoderClient.grpc(svc.grpc_address, timeout=WAIT_S) as client:
             for k in range(4):
-                calls = [asyncio.create_task(client.encode([new_png(base, n)], wait=True))
+                calls = [asyncio.create_task(client.encode([png_with_text(base, n)], wait=True))
                          for n in range(k * PER_ROUND, (k + 1) * PER_ROUND)]
                 deadline = time.monotonic() + WAIT_S
                 while len(svc.core.flights._flights) < PER_ROUND:

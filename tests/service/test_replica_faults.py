@@ -38,7 +38,7 @@ from encoder_service.cache.handoff import is_pending, marker_name
 from encoder_service.cache.redis_tier import RedisTier
 from encoder_service.client import AsyncEncoderClient, EncoderClient
 from tests.support.encoder_process import Replica
-from tests.support.images import image_bytes, png_chunk
+from tests.support.images import image_bytes, png_with_text
 from tests.support.redis_server import RedisServer
 from tests.support.reference import assert_close, reference_rows
 from tests.support.service import RunningService, running
@@ -156,11 +156,6 @@ def test_a_redis_outage_under_load_is_invisible_to_callers(request, tiny_checkpo
 
 
 # ---- a replica killed mid-encode -------------------------------------------------------------------------
-def with_text(png: bytes, n: int) -> bytes:
-    """The same pixels, other bytes (a tEXt chunk naming `n`): a new id without encoding another PNG."""
-    return png[:33] + png_chunk(b"tEXt", b"n\x00" + str(n).encode()) + png[33:]
-
-
 def entry_state(url: str, fingerprint: str, id_: str) -> tuple[bool, bytes | None]:
     """(whether the id's rows are in Redis, its marker's value)."""
     name = key_from_id(id_, fingerprint).name
@@ -197,8 +192,8 @@ def test_a_replica_killed_mid_encode_leaves_no_fetch_hanging(tmp_path, tiny_chec
         fingerprint = on_a.metadata()["fingerprint"]
         big = image_bytes(1600, 1200, seed=7)  # tens of ms to decode: A has a backlog of them ahead of the target
         for k in range(0, 32, 16):
-            on_a.encode([with_text(big, n) for n in range(k, k + 16)])
-        target = with_text(big, 1000)
+            on_a.encode([png_with_text(big, n) for n in range(k, k + 16)])
+        target = png_with_text(big, 1000)
         (info,) = on_a.encode([target])
         os.kill(a.proc.pid, signal.SIGSTOP)  # frozen mid-encode: nothing of the target lands from here on
         try:
