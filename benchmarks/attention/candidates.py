@@ -45,7 +45,7 @@ then, back to back:
     run(kind="nvidia-h100-x1", carry=[".gpuwhl_stage1"], timeout_s=180,
         command="bash scripts/gpu/install_wheels.sh")
     run(carry=[".gpuwhl_stage2"], timeout_s=540, command="set -o pipefail; bash scripts/gpu/install_wheels.sh
-        && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 benchmarks/attention/candidates.py 2>&1
+        && PYTHONPATH=/tmp/site-packages:. PYTHONUNBUFFERED=1 python3 benchmarks/attention/candidates.py 2>&1
         | tee $OUT/bench.log")
 
 If the machine went cold between the calls, the second call installs what it has (no CuTe DSL: FA4 and

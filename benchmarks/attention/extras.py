@@ -24,7 +24,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from encoder_service.ops import attention_fa4
+from encoder_service.ops import attention_fa4, cutlass_dsl
 
 
 def equal_lengths(n: int, slots: int, max_seqlen: int) -> tuple[int, int] | None:
@@ -110,7 +110,7 @@ class CudnnFrontend(Candidate):
         if not torch.cuda.is_available():
             return "no CUDA"
         try:
-            attention_fa4._ensure_cutlass_dsl_path()  # its python engines are CuTe DSL kernels too
+            cutlass_dsl.ensure_dsl_path()  # its python engines are CuTe DSL kernels too
             import cudnn  # after torch: libcudnn from site-packages/nvidia/cudnn/lib or already loaded
 
             self._cudnn = cudnn

@@ -92,8 +92,8 @@ class Retrying:
     def encode(self, images, wait, return_embeddings, timeout):
         return self._call(self._transport.encode, images, wait, return_embeddings, timeout=timeout)
 
-    def fetch(self, items, start, end, out, timeout):
-        return self._call(self._transport.fetch, items, start, end, out, timeout=timeout)
+    def fetch(self, items, start, end, dest, timeout):
+        return self._call(self._transport.fetch, items, start, end, dest, timeout=timeout)
 
     def fetch_shm(self, items, start, end, target, timeout):
         return self._call(self._transport.fetch_shm, items, start, end, target, timeout=timeout)

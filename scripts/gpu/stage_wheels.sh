@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# HERE (no GPU), from the repo root, before the device calls that need FlashAttention-4 / cudnn-frontend
-# (benchmarks/attention/candidates.py, and bench_vit.py --attention fa4 after it on the same warm machine).
+# HERE (no GPU), from the repo root, before the device calls that need FlashAttention-4 / quack / cudnn-frontend
+# (benchmarks/kernels_issue23.py, benchmarks/attention/candidates.py, bench_vit.py --attention fa4).
 #
-# The wheels live in .gpuwhl/ (ignored; NOT .whl/, which holds the service's own wheels for env.sh), one
-# version each, cp312 / manylinux x86_64 for the GPU image (torch 2.11+cu130, so the CuTe DSL's cu13 libs):
-#   flash_attn_4  nvidia_cutlass_dsl  nvidia_cutlass_dsl_libs_base  nvidia_cutlass_dsl_libs_core
-#   nvidia_cutlass_dsl_libs_cu13  quack_kernels  apache_tvm_ffi  torch_c_dlpack_ext  nvidia_cudnn_frontend
-# (fetch: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-#  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
-#  -d .gpuwhl flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 ... ; the others are on the GPU image).
+# The wheels live in a folder outside the tree or in .gpuwhl/ (ignored; NOT .whl/, which holds the service's own
+# wheels for scripts/gpu/env.sh), exactly these versions, cp312 / manylinux x86_64 for the GPU image (torch 2.11+cu130,
+# so the CuTe DSL's cu13 libs):
+#   flash_attn_4 4.0.0b36, nvidia_cutlass_dsl{,_libs_base,_libs_core,_libs_cu13} 4.8.1, quack_kernels 0.6.5,
+#   apache_tvm_ffi 0.1.15.post2, torch_c_dlpack_ext 0.1.5, nvidia_cudnn_frontend 1.32.0
+# flash-attn-4 4.0.0b36 needs nvidia-cutlass-dsl >= 4.6.2 and quack-kernels >= 0.5.3; quack-kernels 0.6.5 needs
+# nvidia-cutlass-dsl >= 4.7 (0.6.4 pins 4.6.2): 4.8.1 + 0.6.5 is the newest pair both accept, and the one the
+# Dockerfile installs. (fetch: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+#  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform
+#  manylinux_2_24_x86_64 -d DIR flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 ... ; the others -
+#  torch, cuda-bindings, cuda-pathfinder, einops, cloudpickle, protobuf, nvidia-cudnn-cu13 - are the image's).
 #
-# One device call carries at most 64 MiB (the working tree included, ~1.3 MiB) and these come to 111 MB:
+# One device call carries at most 64 MiB (the working tree included, ~1.5 MiB) and these come to 114 MB:
 # nvidia_cutlass_dsl_libs_cu13 alone is 92 MB. So they travel in two ignored folders, one per call:
 #   .gpuwhl_stage1/  the first 56 MiB of the cu13 wheel
 #   .gpuwhl_stage2/  the rest of it + the 8 other wheels + SHA256SUMS + CU13_NAME      (~53 MiB)
@@ -22,10 +26,16 @@ set -euo pipefail
 src="${1:-.gpuwhl}"
 [ -d "$src" ] || { echo "no wheel folder $src (see the comment at the top of $0)" >&2; exit 1; }
 missing=0
-for name in flash_attn_4 nvidia_cutlass_dsl nvidia_cutlass_dsl_libs_base nvidia_cutlass_dsl_libs_core \
-            nvidia_cutlass_dsl_libs_cu13 quack_kernels apache_tvm_ffi torch_c_dlpack_ext nvidia_cudnn_frontend; do
+for pinned in flash_attn_4-4.0.0b36 nvidia_cutlass_dsl-4.8.1 nvidia_cutlass_dsl_libs_base-4.8.1 \
+              nvidia_cutlass_dsl_libs_core-4.8.1 nvidia_cutlass_dsl_libs_cu13-4.8.1 quack_kernels-0.6.5 \
+              apache_tvm_ffi-0.1.15.post2 torch_c_dlpack_ext-0.1.5 nvidia_cudnn_frontend-1.32.0; do
+  name=${pinned%-*}
   count=$(find "$src" -maxdepth 1 -name "${name}-[0-9]*.whl" | wc -l)
-  if [ "$count" -ne 1 ]; then echo "need exactly one ${name}-*.whl in $src, found $count" >&2; missing=1; fi
+  exact=$(find "$src" -maxdepth 1 -name "${pinned}-*.whl" | wc -l)
+  if [ "$count" -ne 1 ] || [ "$exact" -ne 1 ]; then
+    echo "need exactly one ${name}-*.whl in $src, and it must be ${pinned} (found $count, $exact of that version)" >&2
+    missing=1
+  fi
 done
 [ "$missing" -eq 0 ] || exit 1
 cu13=$(find "$src" -maxdepth 1 -name 'nvidia_cutlass_dsl_libs_cu13-[0-9]*.whl')

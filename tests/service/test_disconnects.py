@@ -155,7 +155,9 @@ def test_grpc_fetches_cancelled_by_their_clients_are_cancelled_not_internal(serv
     rng = random.Random(0)
 
     async def cancelled_fetches() -> None:
-        async with AsyncEncoderClient.grpc(service.grpc_address, timeout=WAIT_S) as client:
+        # On the stream (no pickup over HTTP), in messages as small as the server's: many writes per fetch.
+        async with AsyncEncoderClient.grpc(service.grpc_address, timeout=WAIT_S, pickup=False,
+                                           message_bytes=64) as client:
             async def one(k: int) -> None:
                 info = infos[k % 2]
                 call = asyncio.create_task(client.fetch([(info.id, 0)], 0, info.num_tokens))
