@@ -79,7 +79,8 @@ class SoakReplica(Replica):
         return self.metrics(("encoder_cache_misses_total", "encoder_cache_local_evictions_total",
                              "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
                              "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
-                             "encoder_cache_redis_pending_timeouts_total", "encoder_cache_redis_claimed_elsewhere_total",
+                             "encoder_cache_redis_pending_timeouts_total",
+                             "encoder_cache_redis_claimed_elsewhere_total",
                              "encoder_cache_redis_pending_orphaned_total", "encoder_pending_unmarked_total",
                              "encoder_cache_reshared_total", "encoder_cache_pinned_bytes",
                              "encoder_cache_local_used_bytes"))

@@ -1,6 +1,6 @@
 """Per-image embedding cache: keys (keys.py), the stored format (entry.py), the host LRU with leases
 (local.py), the shared Redis tier (redis_tier.py) with its handoff of ids between replicas (handoff.py,
-subscriber.py), and the store that ties them together (store.py)."""
+claims.py, subscriber.py), and the store that ties them together (store.py)."""
 
 from encoder_service.cache.entry import CorruptEntry, Entry, EntryHeader
 from encoder_service.cache.handoff import EncodeFailed, Marked, Settled

@@ -97,6 +97,9 @@ class Flights:
     def __contains__(self, name: str) -> bool:
         return name in self._flights
 
+    def __len__(self) -> int:
+        return len(self._flights)
+
     def get(self, name: str) -> Flight | None:
         return self._flights.get(name)
 

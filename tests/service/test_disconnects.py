@@ -58,8 +58,8 @@ def leftovers(svc: RunningService) -> dict[str, int]:
 
     async def read() -> dict[str, int]:
         core = svc.core
-        return {"queued": core.engine.queue_depth, "permits": core.engine.permits, "flights": len(core.flights._flights),
-                "pinned": core.store.local.stats()["pinned_keys"]}
+        return {"queued": core.engine.queue_depth, "permits": core.engine.permits,
+                "flights": len(core.flights), "pinned": core.store.local.stats()["pinned_keys"]}
 
     return svc.call(read)
 
@@ -78,7 +78,7 @@ def test_1000_http_disconnects_give_back_their_queue_slots(request, tiny_checkpo
                  for n in range(k * PER_ROUND, (k + 1) * PER_ROUND)]
         # Every request is admitted and waits (some images may sit with the held GPU stage, off the queue).
         deadline = time.monotonic() + WAIT_S
-        while len(svc.core.flights._flights) < PER_ROUND and not any(c.done() for c in calls):
+        while len(svc.core.flights) < PER_ROUND and not any(c.done() for c in calls):
             assert time.monotonic() < deadline, "the round's requests were not all admitted in time"
             await asyncio.sleep(0.01)
         for call in calls:  # the clients leave: their connections close
@@ -122,7 +122,7 @@ def test_cancelled_grpc_encodes_give_back_their_queue_slots(request, tiny_checkp
                 calls = [asyncio.create_task(client.encode([png_with_text(base, n)], wait=True))
                          for n in range(k * PER_ROUND, (k + 1) * PER_ROUND)]
                 deadline = time.monotonic() + WAIT_S
-                while len(svc.core.flights._flights) < PER_ROUND:
+                while len(svc.core.flights) < PER_ROUND:
                     assert time.monotonic() < deadline and not any(c.done() for c in calls)
                     await asyncio.sleep(0.01)
                 for call in calls:
