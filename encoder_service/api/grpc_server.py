@@ -34,6 +34,8 @@ from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
 
 log = logging.getLogger(__name__)
+# What grpc.aio raises from a write to a call its client has ended (not exported by grpc itself).
+_ExecuteBatchError = grpc._cython.cygrpc.ExecuteBatchError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Encoder"].full_name  # "encoder.v1.Encoder"
 # Methods reachable without a token: probes must work when the token is unknown to the prober.
@@ -154,6 +156,12 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 log.debug("gRPC %s cancelled by the client", method or "call")
                 raise
             except Exception as exc:
+                if _client_gone(context, exc):  # a write or abort raced the client's cancel or deadline
+                    if serving is not None:
+                        serving.observed.cancelled()
+                    log.debug("gRPC %s: the client left before its answer (%s)", method or "call",
+                              type(exc).__name__)
+                    return
                 if serving is not None:
                     serving.observed.failed(exc)
                 await _abort(context, exc, call.metadata)
@@ -168,6 +176,16 @@ class _Call:
 
     def trailing(self, pairs: tuple[tuple[str, str], ...] = ()) -> None:
         self._context.set_trailing_metadata((*pairs, *self.metadata))
+
+
+def _client_gone(context, exc: Exception) -> bool:
+    """Whether `exc` only says that the call is over on the client's side: it cancelled, or its deadline
+    passed, while the handler was writing (grpc.aio then fails the write with its ExecuteBatchError rather
+    than cancelling the handler). Our own errors are answers, never this."""
+    if isinstance(exc, EncoderServiceError):
+        return False
+    remaining = context.time_remaining()
+    return context.cancelled() or (remaining is not None and remaining <= 0) or isinstance(exc, _ExecuteBatchError)
 
 
 def _data_bytes(max_message_bytes: int) -> int:

@@ -18,13 +18,19 @@ JSON bodies are strict: unknown fields, and values of another JSON type ("5" or 
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
-A client that goes away mid-upload is counted as the outcome `cancelled` and logged at debug.
+A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), is
+counted as the outcome `cancelled` and logged at debug; in the second case the core's call is cancelled, so
+the images and rows it waited for lose a waiter at once (core/flight.py: nobody left, the work is dropped).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -49,6 +55,7 @@ from encoder_service.protocol.timing import timing_headers
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SAFETENSORS = "application/safetensors"
 OCTET = "application/octet-stream"
 
@@ -177,9 +184,9 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
             except EncoderServiceError as exc:
                 serving.observed.failed(exc)
                 response = _error_response(exc)
-            except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
+            except ClientDisconnect:  # gone mid-upload or mid-call: nobody reads an answer, not our failure
                 serving.observed.cancelled()
-                log.debug("HTTP %s: the client disconnected before its body arrived", method)
+                log.debug("HTTP %s: the client disconnected before its answer", method)
                 response = Response(status_code=499)  # "client closed request" (nginx's code), for access logs
             except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
                 serving.observed.failed(exc)
@@ -211,7 +218,8 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         else:
             raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream, image/* "
                                       "or video/*")
-        result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s, videos=videos)
+        result = await _unless_disconnected(request, core.encode(images, wait=wait, return_embeddings=embeds,
+                                                                 timeout_s=timeout_s, videos=videos))
         kind, infos = ("videos", result.videos) if videos else ("images", result.images)
         out = []
         for i, info in enumerate(infos):
@@ -226,8 +234,9 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
     async def _fetch(request: Request) -> Response:
         body = await _json_body(request, FetchJson)
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
-        result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
-                                  timeout_s=body.timeout_s, shm=shm)
+        result = await _unless_disconnected(request, core.fetch(
+            [FetchItem(it.id, it.offset) for it in body.items], body.start, body.end, timeout_s=body.timeout_s,
+            shm=shm))
         header = wire.WireHeader.of_fetch(result)
         if shm is not None:  # the rows are in the client's file: the header alone answers
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
@@ -263,6 +272,29 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
+async def _unless_disconnected(request: Request, call: Awaitable[T]) -> T:
+    """`await call` (the core's, once the body is read), cancelled when the client disconnects meanwhile:
+    then ClientDisconnect. With the body read, the server's ASGI receive() only answers http.disconnect."""
+    work = asyncio.ensure_future(call)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work  # unwound: its flights left, its waits ended
+    raise ClientDisconnect()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error_response(exc: Exception) -> JSONResponse:
     headers = {}
     retry = api_errors.retry_after_header(exc)

@@ -7,6 +7,8 @@ A transport (client/http.py, client/grpc_transport.py) implements, sync or async
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
   release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
 With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket.
+Calls that fail with 503 / UNAVAILABLE or an unreachable server are tried again within the client's timeout
+(`retry`: client/retry.py; None: never).
 
 A socket fetch into a large `out` is split by prompt position into up to `fetch_streams` fetches of at
 least SPLIT_BYTES each, run at once on their own connections (one TCP stream tops out near 3 GB/s on
@@ -28,6 +30,7 @@ import torch
 from encoder_service.client.destination import Destination, PinnedBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
+from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
@@ -198,8 +201,9 @@ class EncoderClient:
     """
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
-                 fetch_streams: int = FETCH_STREAMS):
-        self._transport, self.timeout, self._shm = transport, timeout, shm
+                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY):
+        self._transport = transport if retry is None else Retrying(transport, retry)
+        self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
         self._pinned = PinnedBuffers()
@@ -208,13 +212,17 @@ class EncoderClient:
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
         """[num_rows, row_width] zeros in shared memory: as fetch `out` (or a row slice of it, as in
@@ -313,21 +321,26 @@ class AsyncEncoderClient:
     """asyncio client, same methods as EncoderClient (shm too). Build with AsyncEncoderClient.http / .grpc."""
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
-                 fetch_streams: int = FETCH_STREAMS):
-        self._transport, self.timeout, self._shm = transport, timeout, shm
+                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY):
+        self._transport = transport if retry is None else AsyncRetrying(transport, retry)
+        self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None
         self._pinned = PinnedBuffers()
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
         """See EncoderClient.alloc_rows (no I/O: not a coroutine)."""

@@ -5,8 +5,9 @@ alone). A caller id sent with other bytes than it names is a Conflict (409). Ids
 flight are admitted to the engine queue, all or none (429 when full);
 every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
-With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
-another replica waits for them, and local hits that Redis evicted are written there again.
+With Redis, the admitted ids are claimed there, with their bytes, before the answer (handoff.py), so that a
+fetch on another replica waits for them (or encodes them itself should this replica die), and local hits
+that Redis evicted are written there again; an image another replica claimed first is not encoded here too.
 Each id rides one flight (flight.py, the one single flight), whose fill reads the store and, on a miss,
 submits the image to the engine (decoded on a CPU thread, encoded on the GPU thread) and puts its rows in
 the store. `wait=True` waits for the rows (and can return them).
@@ -81,8 +82,9 @@ class EncoderCore:
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
         self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
                                lease_s=settings.cache.lease_s)
-        self.handoff = Handoff(store, self.metrics)
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
+        self.handoff = Handoff(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
+                               row_bytes=self._row_bytes)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
@@ -236,9 +238,8 @@ class EncoderCore:
         for entry in hits.values():
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
-        marking = self.handoff.mark([unique[name].key for name in permits],  # None without Redis
-                                    [unique[name].key for name, entry in hits.items() if entry is not None],
-                                    {name: unique[name].content_tag for name in permits})
+        marking = self.handoff.mark([unique[name] for name in permits],  # None without Redis
+                                    [unique[name].key for name, entry in hits.items() if entry is not None])
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
         # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
@@ -460,8 +461,8 @@ class EncoderCore:
         if group_tokens is not None:
             return group_tokens
         header = await self.store.header(key)
-        if header is None:
-            header = await self.handoff.header_from_elsewhere(key, deadline)
+        if header is None:  # another replica's encode: its rows once they land, or taken over here
+            return await self.handoff.num_tokens_elsewhere(key, deadline)
         return header.num_rows
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:

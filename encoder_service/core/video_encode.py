@@ -30,7 +30,7 @@ from encoder_service import errors
 from encoder_service.cache import EmbeddingStore, Entry, other_content
 from encoder_service.core import timeouts
 from encoder_service.core.flight import Flights, conflict
-from encoder_service.core.handoff import Handoff
+from encoder_service.core.handoff import GroupClaim, Handoff
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, VideoInput
 from encoder_service.core.video_flights import VideoFlight, VideoFlights
@@ -76,9 +76,9 @@ class VideoEncoder:
         reservations = self._admit_and_pin(unique, hits, todo, first_index)
         self.metrics.cache_hits.labels(tier="local").inc(sum(e is not None for h in hits.values() for e in h))
         marking = self.handoff.mark(
-            [unique[name].group_keys()[g] for name in reservations for g in todo[name]],
-            [k for name, p in unique.items() for k, e in zip(p.group_keys(), hits[name]) if e is not None],
-            {unique[name].group_keys()[g].name: unique[name].content_tag for name in reservations for g in todo[name]})
+            [GroupClaim(unique[name].group_keys()[g], unique[name].content_tag) for name in reservations
+             for g in todo[name]],
+            [k for name, p in unique.items() for k, e in zip(p.group_keys(), hits[name]) if e is not None])
         # Nothing is awaited between the admission and the joins (a concurrent request must find the flight).
         joined = {name: self.video_flights.join(p, todo[name], reservations.get(name), after=marking)
                   for name, p in unique.items() if name in reservations or name in self.video_flights}

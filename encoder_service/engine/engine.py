@@ -32,6 +32,7 @@ fetch waits for) goes to the front of the queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import queue
@@ -204,7 +205,8 @@ class Engine:
 
         Raises Unavailable when the engine is down, Overloaded when admitting here finds the queue full. Each
         item's `future` resolves to an EncodedImage or raises; it is cancelled when the job's `wanted()` turns
-        false while it waits. `warmup`: the readiness encode, left out of the metrics.
+        false while it waits; cancelling it takes the item out of the queue at once. `warmup`: the readiness
+        encode, left out of the metrics.
         """
         try:
             if not self.alive:
@@ -219,6 +221,7 @@ class Engine:
                 prepared.add_done_callback(self._prepared)
                 items.append(WorkItem(grid_thw=job.grid_thw, prepared=prepared, future=loop.create_future(),
                                       deadline=deadline, wanted=job.wanted, warmup=warmup, urgent=job.urgent))
+                items[-1].future.add_done_callback(functools.partial(self._cancelled, items[-1]))
             for item, permit in zip(items, permits):
                 item.reserved = permit.reservation is not None
             self._scheduler.push(items)
@@ -228,6 +231,16 @@ class Engine:
         self._gauge()
         self._wakeup.set()
         return items
+
+    def _cancelled(self, item: WorkItem, future: asyncio.Future) -> None:
+        """An item whose future was cancelled (its caller gave it up) leaves the queue now, not when the next
+        batch is built: its queue slot returns at once, and its prepare is cancelled if it has not started."""
+        if not future.cancelled():
+            return
+        if not item.prepared.done():
+            item.prepared.cancel()
+        if self._scheduler.discard(item):
+            self._gauge()
 
     def retry_after_s(self) -> float:
         """Seconds until the work ahead of a new image is done (1 to 60), for Retry-After. The stages overlap

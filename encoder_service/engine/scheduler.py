@@ -127,6 +127,15 @@ class Scheduler:
         self._reserved -= sum(item.reserved for item in batch)
         return batch
 
+    def discard(self, item: WorkItem) -> bool:
+        """Take `item` out of the queue (its caller gave it up); False if it is not queued (batched already)."""
+        try:
+            self._queue.remove(item)
+        except ValueError:
+            return False
+        self._patches -= item.num_patches
+        return True
+
     def drain(self) -> list[WorkItem]:
         items = list(self._queue)
         self._queue.clear()

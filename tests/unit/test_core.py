@@ -22,7 +22,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, make_key
-from encoder_service.cache.handoff import marker_name
+from encoder_service.cache.handoff import is_pending, marker_name
 from encoder_service.core import FetchItem, ImageInput, timeouts
 from encoder_service.core.flight import Flights
 from encoder_service.core.images import Probed
@@ -200,11 +200,13 @@ async def test_waiters_leaving_drop_the_queued_image(make_core):
     for task in requests:  # both callers leave; a fetch still waits for the kept image
         task.cancel()
     await asyncio.gather(*requests, return_exceptions=True)
-    assert core.flights.get(gone_key.name).waiters == 0 and kept_flight.waiters == 1
+    # Nobody wants the dropped image: its flight ends and its queue slot returns at once (issue 22 item 3),
+    # not when the next batch is built.
+    assert gone_key.name not in core.flights and kept_flight.waiters == 1
+    await until(lambda: core.engine.queue_depth == 1, "the dropped image to leave the queue")
     core.runner.gate.set()
     rows = (await asyncio.wait_for(reading, WAIT_S)).rows
     assert rows.shape == (kept_flight.num_tokens, 48)
-    await until(lambda: gone_key.name not in core.flights, "the dropped image's flight to end")
     assert images_encoded(core) - encoded == 3  # the two holding the GPU, and the kept one: not the dropped one
     with pytest.raises(errors.NotFound, match="unknown id"):
         await core.fetch([FetchItem(gone_key.id, 0)], 0, 4)
@@ -415,7 +417,7 @@ async def test_encode_marks_its_misses_pending_before_answering(make_core, redis
     core.runner.gate.clear()  # the ViT holds the image: the encode is still running when it answers
     data = image_bytes(64, 64, 40)
     await core.encode(inputs(data))
-    assert marker_of(redis_server, key_of(core, data)) == b"pending"
+    assert is_pending(marker_of(redis_server, key_of(core, data)))
     core.runner.gate.set()
     await core.encode(inputs(data), wait=True)
     await core.store.redis.flush()
