@@ -43,19 +43,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common.replicas import Replica  # noqa: E402
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from benchmarks.common.stats import percentile  # noqa: E402
 from encoder_service import errors  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
-from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes, png_chunk  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 BASE_SIZES = [(64, 64), (96, 72), (112, 112), (160, 120), (224, 168), (200, 300), (320, 240), (128, 256)]
@@ -85,29 +83,16 @@ def rss_mib(pid: int | str = "self") -> float:
     return float("nan")
 
 
-class Replica(ServiceProcess):
-    def __init__(self, name: str, checkpoint: Path, redis_url: str | None, args, log_dir: Path):
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
-        cmd = ["serve", "--model", str(checkpoint), "--device", "cpu", "--host", "127.0.0.1",
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--log-level", "warning",
-               "--cache-bytes", args.cache_bytes, "--lease-s", str(args.lease_s), "--max-queue", "256"]
-        if redis_url:
-            cmd += ["--redis-url", redis_url]
-        super().__init__(encoder_service_argv(*cmd, python=sys.executable), f"{self.url}/health/ready",
-                         log_dir / f"{name}.log", name=f"replica {name}")
+COUNTERS = ("encoder_cache_misses_total", "encoder_cache_local_evictions_total", "encoder_cache_redis_writes_total",
+            "encoder_cache_redis_dropped_writes_total", "encoder_cache_redis_pending_waits_total",
+            "encoder_cache_redis_pending_wakeups_total", "encoder_cache_redis_pending_timeouts_total",
+            "encoder_pending_unmarked_total", "encoder_cache_reshared_total", "encoder_cache_pinned_bytes",
+            "encoder_cache_local_used_bytes")  # the replicas' own counters in the report
 
-    def counters(self) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
 
-        wanted = ("encoder_cache_misses_total", "encoder_cache_local_evictions_total",
-                  "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
-                  "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
-                  "encoder_cache_redis_pending_timeouts_total", "encoder_pending_unmarked_total",
-                  "encoder_cache_reshared_total",
-                  "encoder_cache_pinned_bytes", "encoder_cache_local_used_bytes")
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
+def replica(name: str, checkpoint: Path, redis_url: str | None, args, log_dir: Path) -> Replica:
+    return Replica(name, checkpoint, log_dir, "--device", "cpu", "--cache-bytes", args.cache_bytes,
+                   "--lease-s", str(args.lease_s), "--max-queue", "256", redis_url=redis_url)
 
 
 # ---- load --------------------------------------------------------------------------------------------------
@@ -260,7 +245,7 @@ def main() -> int:
         rss["load generator (this)"][at] = rss_mib()
 
     try:
-        replicas = [Replica(chr(ord("a") + i), checkpoint, redis and redis.url, args, work)
+        replicas = [replica(chr(ord("a") + i), checkpoint, redis and redis.url, args, work)
                     for i in range(args.replicas)]
         for r in replicas:
             r.wait_ready(READY_TIMEOUT_S)
@@ -268,7 +253,7 @@ def main() -> int:
         sample("start")
         elapsed = asyncio.run(asyncio.wait_for(load.run(args.seconds, lambda: sample("middle")), args.seconds + 120))
         sample("end")
-        counters = {r.name: r.counters() for r in replicas}
+        counters = {r.name: {k: v for k, v in r.metrics().items() if k in COUNTERS} for r in replicas}
     finally:
         for r in replicas:
             r.stop()
