@@ -7,10 +7,10 @@ httpx) and benchmarks/soak.py.
     .venv/bin/python (scripts/setup.sh).
   - `encoder_service_argv(*args, python=None)`: `encoder-service ARGS` run by that python (or `python`).
   - `ServiceProcess(argv, ready_url, log_path, env=None, name="encoder-service")`: starts `argv` (stdout and
-    stderr into `log_path`) on this checkout's code (PYTHONPATH), with no ENCODER_* variables of ours (only its
-    command line configures it) plus `env`; `wait_ready(timeout_s)` returns it once `ready_url` answers (if
-    it exits or is not ready in time: stopped, RuntimeError with the log's tail), `stop()` (idempotent),
-    `log_tail()`; a context manager.
+    stderr into `log_path`) on this checkout's code (first on PYTHONPATH), with no ENCODER_* variables of
+    ours (only its command line configures it) plus `env`; `wait_ready(timeout_s)` returns it once
+    `ready_url` answers (if it exits or is not ready in time: stopped, RuntimeError with the log's tail),
+    `stop()` (idempotent), `log_tail()`; a context manager.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ class ServiceProcess:
                  name: str = "encoder-service"):
         self.argv, self.ready_url, self.log_path, self.name = list(argv), ready_url, Path(log_path), name
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
-        child_env.update(PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+        # This checkout first; what the caller's PYTHONPATH held after it (on the GPU machine, the carried
+        # wheels that scripts/gpu/env.sh installs there).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        child_env.update(PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1", **(env or {}))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT)
 
