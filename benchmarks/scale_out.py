@@ -349,6 +349,7 @@ class Run:
         self.scale, self.latency, self.kill, self.transfer, self.checks, self.families = [], [], [], [], [], []
         self.loadgens: list[subprocess.Popen] = []
         self.cursor: dict[str, int] = {}
+        self.pools: bool | None = None  # the load generators' JPEGs: not asked yet, made, or failed
         self.redis = None
         self.plan = self._plan()
 
@@ -372,9 +373,19 @@ class Run:
         job.write_text(json.dumps(dict(sizes=self.cfg["sizes"], pool=self.pool_sizes(), parts=self.args.clients)))
         self.loadgens = [children.start(SCRIPT, "--loadgen", str(job), str(k)) for k in range(self.args.clients)]
 
-    def loadgens_ready(self) -> dict:
-        ready = [children.answer(p, self.budget.bound(300)) for p in self.loadgens]
-        return dict(seconds=max(r["seconds"] for r in ready), jpeg_kb=ready[0]["jpeg_kb"])
+    def loadgens_ready(self) -> bool:
+        """Whether the load generators made their JPEG pools (waited for once, when first needed: they make
+        them while the checkpoint builds and the replicas start)."""
+        if self.pools is None:
+            ready = self.budget.run("load generators: JPEG pools", 5,
+                                    lambda: [children.answer(p, self.budget.bound(300)) for p in self.loadgens])
+            self.pools = ready is not None
+            if ready is None:
+                self.checks.append("the load generators did not start")
+            else:
+                self.setup.update(jpeg_kb={k: round(v) for k, v in ready[0]["jpeg_kb"].items()},
+                                  jpeg_pool_s=round(max(r["seconds"] for r in ready), 1))
+        return self.pools
 
     # -- one family --
     def family(self, family: str, gpus: list[int], consumer_device: str) -> None:
@@ -412,12 +423,12 @@ class Run:
         try:
             if not self.budget.run(f"{name}: start {n} replica(s)", self.est["start"], start):
                 return
-            if n == 2:
+            if n == 2 and self.loadgens_ready():
                 self._scale_out(name, replicas)
             if family == "qwen3_vl":
                 self.budget.run(f"{name}: rows to the consumer's device", self.est["transfer"],
                                 lambda: self._transfer(replicas[0], consumer_device))
-            if n == 2:
+            if n == 2 and self.pools:
                 self.budget.run(f"{name}: SIGKILL of replica A", self.est["kill"], lambda: self._kill(name, replicas))
         finally:
             for r in replicas:
@@ -774,18 +785,13 @@ def main() -> int:
     if binary is None:
         run.checks.append("part 1 not run: no redis-server")
     budget.on_phase = run.save
-    run.start_loadgens()  # they make their JPEGs while the checkpoints build
     try:
         if binary is not None:
+            run.start_loadgens()  # they make their JPEGs while the checkpoints build
             run.redis = budget.run("redis-server", 10, lambda: RedisServer(
                 maxmemory=cfg["redis_maxmemory"], policy="allkeys-lru", binary=binary).start())
-        pools = budget.run("load generators: JPEG pools", 5, run.loadgens_ready)
-        if pools is None:
-            run.checks.append("the load generators did not start")
-        else:
-            setup["jpeg_kb"] = {k: round(v) for k, v in pools["jpeg_kb"].items()}
-            for family in families:
-                run.family(family, replica_gpus, consumer)
+        for family in families:
+            run.family(family, replica_gpus, consumer)
     finally:
         children.finish(run.loadgens)
         if run.redis is not None:

@@ -1,7 +1,7 @@
 """Our service as deployed: an `encoder-service ...` command line (serve, vllm-proxy) in a subprocess, ready
 once an HTTP URL answers 200, stopped with SIGTERM (SIGKILL if it does not exit). Used by the engine tiers
 (tests/engines/: their venvs have our package without its dependencies, so this imports only the stdlib and
-httpx) and benchmarks/soak.py.
+httpx) and the benchmarks' replicas (benchmarks/common/replicas.py: soak.py, scale_out.py).
 
   - `main_python()`: the python of the venv that has the service's dependencies: $ENCODER_MAIN_PYTHON, default
     .venv/bin/python (scripts/setup.sh).
