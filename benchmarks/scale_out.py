@@ -415,8 +415,8 @@ class Run:
             seconds = time.monotonic() - t0
             self.est["start"] = max(self.est["start"], 1.2 * seconds)  # the next family's estimate
             meta = _metadata(replicas[0].url)
-            fam.update(start_s=seconds, row_width=meta["row_width"], dtype=meta["dtype"],
-                       runner=meta["runner"].get("runner"), graphs=meta["runner"].get("graphs", 0),
+            fam.update(start_s=round(seconds, 1), runner=meta["runner"].get("runner"),
+                       graphs=meta["runner"].get("graphs", 0),
                        attention=meta["runner"].get("attention", {}).get("selected"), preprocess=meta["preprocess"])
             return True
 
