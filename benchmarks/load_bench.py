@@ -47,7 +47,6 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +55,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import children  # noqa: E402
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import make_jpegs  # noqa: E402
+from benchmarks.common.load import closed_loop, scrape  # noqa: E402
 from benchmarks.common.models import NAMES, REAL, build_checkpoint  # noqa: E402
 from benchmarks.common.report import setup_info, write_result  # noqa: E402
 from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
@@ -82,15 +83,6 @@ MODEL_ONLY_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_0
 
 
 # ---- load generator (child process) -----------------------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
-    """Unlabelled samples of the service's /metrics (counters, histogram sums and counts)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
-
-
 def server_side(before: dict, after: dict, wall_s: float) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     batches = d.get("encoder_encode_seconds_count", 0.0)
@@ -104,54 +96,6 @@ def server_side(before: dict, after: dict, wall_s: float) -> dict:
                 images_per_batch=images / batches if batches else None,
                 patches_per_batch=mean("encoder_batch_patches"), vit_ms_per_batch=mean("encoder_encode_seconds", 1e3),
                 preprocess_ms=mean("encoder_preprocess_seconds", 1e3), queue_ms=mean("encoder_queue_seconds", 1e3))
-
-
-async def run_level(url: str, images: list[bytes], workers: int, level_s: float, timeout_s: float, flow: str,
-                    transport: str, grpc_target: str) -> dict:
-    """Closed loop: `workers` workers, each sends its next image once its previous answer is back, until
-    the images run out or level_s has passed (requests in flight then finish, each bounded by timeout_s).
-    flow "e2e": each request is encode (wait) + a fetch of all the image's rows into the worker's
-    preallocated tensor + release. Raw results; the parent merges its children's (merged_level)."""
-    import httpx
-    import torch
-
-    from encoder_service.client import AsyncEncoderClient
-
-    limits = httpx.Limits(max_connections=workers + 4, max_keepalive_connections=workers + 4)
-    latencies, errors, hits, tokens = [], [], 0, set()
-    queue = iter(images)
-    make = (lambda: AsyncEncoderClient.http(url, timeout=timeout_s, limits=limits)) if transport == "http" else \
-        (lambda: AsyncEncoderClient.grpc(grpc_target, timeout=timeout_s))
-    async with make() as client:
-        await client.metadata()  # one connection up before the clock starts
-        start = time.time()
-        deadline = time.perf_counter() + level_s
-
-        async def worker():
-            nonlocal hits
-            out = None  # the rows' destination, as an LLM server's input-embeddings buffer: reused
-            while time.perf_counter() < deadline:
-                data = next(queue, None)
-                if data is None:
-                    return
-                t0 = time.perf_counter()
-                try:
-                    (info,) = await client.encode([data], wait=True)
-                    if flow == "e2e":
-                        if out is None or out.shape[0] < info.num_tokens:
-                            out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype))
-                        await client.fetch([(info.id, 0)], 0, info.num_tokens, out=out[:info.num_tokens])
-                        await client.release([info.id])
-                except Exception as exc:  # noqa: BLE001 - counted and reported
-                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                    continue
-                latencies.append((time.perf_counter() - t0) * 1e3)
-                hits += bool(info.cached)
-                tokens.add(info.num_tokens)
-
-        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(workers))), level_s + timeout_s + 30)
-    return dict(latencies=latencies, errors=errors, hits=hits, tokens=sorted(tokens), t0=start, t1=time.time(),
-                images=len(images))
 
 
 def merged_level(concurrency: int, parts: list[dict], before: dict, after: dict) -> dict:
@@ -221,11 +165,6 @@ def fetch_bench(url: str, grpc_target: str, cfg: dict) -> tuple[list[dict], list
     return rows, checks
 
 
-def level_share(n: int, part: int, parts: int) -> int:
-    """This load generator's share of `n` (workers or images), `part` of `parts`."""
-    return n // parts + (part < n % parts)
-
-
 def client_main(config_path: str, part: int) -> int:
     """Load generator `part` of the job's `clients`: makes its share of every level's images, says "ready",
     then per line on stdin: "level <c>" runs its share of that level and prints the raw result (JSON),
@@ -244,8 +183,8 @@ def client_main(config_path: str, part: int) -> int:
           f"(mean {np.mean(sizes) / 1e3:.0f} kB) made in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def level(imgs, workers):
-        return asyncio.run(run_level(job["http"], imgs, workers, cfg["level_s"], cfg["request_timeout_s"],
-                                     job["flow"], job["transport"], job["grpc"]))
+        return asyncio.run(closed_loop([dict(http=job["http"], grpc=job["grpc"])], imgs, workers, cfg["level_s"],
+                                       cfg["request_timeout_s"], job["flow"], job["transport"]))
 
     if warm:
         level(warm, min(4, len(warm)))
@@ -254,7 +193,7 @@ def client_main(config_path: str, part: int) -> int:
         command = line.split()
         if command[0] == "level":
             c = int(command[1])
-            result = level(images[c], max(1, level_share(c, part, parts)))
+            result = level(images[c], max(1, children.share(c, part, parts)))
         else:
             try:
                 fetch_rows, checks = fetch_bench(job["http"], job["grpc"], cfg)
@@ -268,51 +207,28 @@ def client_main(config_path: str, part: int) -> int:
 def drive(job_path: Path, job: dict, limit_s: float) -> dict:
     """The load generators: started together, one level at a time (each level's row merged from all of
     them, the service's /metrics scraped around it), then the cached-entry fetch from the first one."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--client", str(job_path)]
-    procs = [subprocess.Popen(cmd + ["--part", str(k)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs = [children.start(str(Path(__file__).resolve()), "--client", str(job_path), "--part", str(k))
              for k in range(job["clients"])]
     deadline = time.monotonic() + limit_s
     try:
-        ready = [_answer(proc, deadline) for proc in procs]
+        ready = [children.answer(proc, deadline) for proc in procs]
         levels = []
         for c in job["cfg"]["levels"]:
             before = scrape(job["http"])
             for proc in procs:
-                _tell(proc, f"level {c}")
-            row = merged_level(c, [_answer(proc, deadline) for proc in procs], before, scrape(job["http"]))
+                children.tell(proc, f"level {c}")
+            row = merged_level(c, [children.answer(proc, deadline) for proc in procs], before, scrape(job["http"]))
             levels.append(row)
             print("level", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                   flush=True)
-        _tell(procs[0], "fetch")
-        fetched = _answer(procs[0], deadline)
+        children.tell(procs[0], "fetch")
+        fetched = children.answer(procs[0], deadline)
         for r in fetched["fetch"]:
             print("fetch", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
                   flush=True)
         return dict(levels=levels, jpeg_kb=float(np.mean([r["jpeg_kb"] for r in ready])), **fetched)
     finally:
-        for proc in procs:
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _tell(proc: subprocess.Popen, line: str) -> None:
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-
-
-def _answer(proc: subprocess.Popen, deadline: float) -> dict:
-    """The child's next line (JSON), within the run's time limit (else the child is killed: a hung level)."""
-    import select
-
-    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"load generator {proc.args[-1]} gave no answer (exit {proc.poll()})")
-    return json.loads(line)
+        children.finish(procs, max(1.0, deadline - time.monotonic()))
 
 
 # ---- model only (this process) ----------------------------------------------------------------------------

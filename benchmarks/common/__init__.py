@@ -1,3 +1,4 @@
 """What the benchmarks share: the towers they build (models.py), where they run (device.py), the in-process
-service (service.py), test images (images.py), one percentile (stats.py), and the setup stamp and result
-files every run writes (report.py)."""
+service (service.py), replicas as `encoder-service serve` processes (replicas.py), the closed-loop load and the
+/metrics scrape (load.py), helper processes driven over pipes (children.py), test images (images.py), one
+percentile (stats.py), and the setup stamp and result files every run writes (report.py)."""

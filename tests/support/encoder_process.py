@@ -1,19 +1,21 @@
 """Our service as deployed: an `encoder-service ...` command line (serve, vllm-proxy) in a subprocess, ready
 once an HTTP URL answers 200, stopped with SIGTERM (SIGKILL if it does not exit). Used by the engine tiers
 (tests/engines/: their venvs have our package without its dependencies, so this imports only the stdlib and
-httpx) and benchmarks/soak.py.
+httpx), the replica tests and the benchmarks' replicas (soak.py, scale_out.py, replica_race.py, ...).
 
   - `main_python()`: the python of the venv that has the service's dependencies: $ENCODER_MAIN_PYTHON, default
     .venv/bin/python (scripts/setup.sh).
   - `encoder_service_argv(*args, python=None)`: `encoder-service ARGS` run by that python (or `python`).
   - `ServiceProcess(argv, ready_url, log_path, env=None, name="encoder-service")`: starts `argv` (stdout and
-    stderr into `log_path`) on this checkout's code (PYTHONPATH), with no ENCODER_* variables of ours (only its
-    command line configures it) plus `env`; `wait_ready(timeout_s)` returns it once `ready_url` answers (if
-    it exits or is not ready in time: stopped, RuntimeError with the log's tail), `stop()` (idempotent),
-    `log_tail()`; a context manager.
-  - `Replica(name, checkpoint, redis_url, log_dir, *args)`: `encoder-service serve` of `checkpoint` on the CPU
-    on free loopback ports (`.url`, `.grpc_address`), sharing `redis_url` (None: no Redis), plus `args`;
-    `metrics(names)` reads those samples from its /metrics (needs prometheus_client).
+    stderr into `log_path`) on this checkout's code (first on PYTHONPATH), with no ENCODER_* variables of
+    ours (only its command line configures it) plus `env`; `wait_ready(timeout_s)` returns it once
+    `ready_url` answers (if it exits or is not ready in time: stopped, RuntimeError with the log's tail),
+    `stop()` (idempotent), `log_tail()`; a context manager.
+  - `Replica(name, checkpoint, redis_url, log_dir, *args, device="cpu")`: `encoder-service serve` of
+    `checkpoint` on free loopback ports (`.url`, `.grpc_address`, `.target`), sharing `redis_url` (None: no
+    Redis), on `device` (None: the service's own default), plus `args`; `wait_ready` starts it again on other
+    ports should another process take its port first; `metrics(names=None)` reads its /metrics (needs
+    prometheus_client).
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class ServiceProcess:
                  name: str = "encoder-service"):
         self.argv, self.ready_url, self.log_path, self.name = list(argv), ready_url, Path(log_path), name
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
-        child_env.update(PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+        # This checkout first; what the caller's PYTHONPATH held after it (on the GPU machine, the carried
+        # wheels that scripts/gpu/env.sh installs there).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        child_env.update(PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1", **(env or {}))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT)
 
@@ -87,25 +92,49 @@ class ServiceProcess:
         self.stop()
 
 
+PORT_TRIES = 3  # starts of a replica whose port another process took between free_port() and its bind
+
+
 class Replica(ServiceProcess):
     def __init__(self, name: str, checkpoint: Path, redis_url: str | None, log_dir: Path, *args: str,
-                 python: str | None = None):
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
-        cmd = ["serve", "--model", str(checkpoint), "--device", "cpu", "--host", "127.0.0.1",
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--log-level", "warning",
-               *(["--redis-url", redis_url] if redis_url else []), *args]
-        super().__init__(encoder_service_argv(*cmd, python=python), f"{self.url}/health/ready",
-                         Path(log_dir) / f"{name}.log", name=f"replica {name}")
+                 device: str | None = "cpu", python: str | None = None, env: dict[str, str] | None = None):
+        self._spec = (name, checkpoint, redis_url, Path(log_dir), args, device, python, env)
+        self._spawn()
 
-    def metrics(self, names) -> dict[str, float]:
-        """The samples of its /metrics whose name is in `names` (summed over their labels)."""
+    def _spawn(self) -> None:
+        name, checkpoint, redis_url, log_dir, args, device, python, env = self._spec
+        self.http_port = free_port()
+        self.grpc_port = next(p for p in iter(free_port, None) if p != self.http_port)
+        self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
+        cmd = ["serve", "--model", str(checkpoint), *(["--device", device] if device else []),
+               "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+               "--log-level", "warning", *(["--redis-url", redis_url] if redis_url else []), *args]
+        super().__init__(encoder_service_argv(*cmd, python=python), f"{self.url}/health/ready",
+                         log_dir / f"{name}.log", env=env, name=f"replica {name}")
+
+    def wait_ready(self, timeout_s: float = 240.0) -> Replica:
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return super().wait_ready(timeout_s)
+            except RuntimeError:
+                if "Address already in use" not in self.log_tail():
+                    raise
+            self._spawn()
+        return super().wait_ready(timeout_s)
+
+    @property
+    def target(self) -> dict[str, str]:
+        return {"http": self.url, "grpc": self.grpc_address}
+
+    def metrics(self, names=None) -> dict[str, float]:
+        """The samples of its /metrics whose name is in `names`, summed over their labels; without `names`,
+        every sample that has no labels."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         found: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in names:
+                if sample.name in names if names is not None else not sample.labels:
                     found[sample.name] = found.get(sample.name, 0.0) + sample.value
         return found

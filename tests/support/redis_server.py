@@ -35,10 +35,12 @@ def find_redis_server() -> str:
 class RedisServer:
     """`start()`, `kill()` (SIGKILL), `restart()` (SIGKILL, then a new empty server on the same port),
     `pause()`/`resume()` (SIGSTOP/SIGCONT: a server that stops answering), `stop()`. Restarting keeps the
-    port, so clients configured with `url` reconnect to it."""
+    port, so clients configured with `url` reconnect to it. `binary`: the redis-server to run (default:
+    find_redis_server())."""
 
-    def __init__(self, maxmemory: str = "8mb", policy: str = "allkeys-lru", port: int | None = None):
-        self.binary = find_redis_server()
+    def __init__(self, maxmemory: str = "8mb", policy: str = "allkeys-lru", port: int | None = None,
+                 binary: str | None = None):
+        self.binary = binary or find_redis_server()
         self.port = port or free_port()
         self.maxmemory, self.policy = maxmemory, policy
         self.dir = tempfile.mkdtemp(prefix="redis-test-")

@@ -1,0 +1,52 @@
+"""A benchmark's helper processes (load generators, consumers): the script itself with a hidden flag, driven
+over pipes: one command line in, one JSON line out, every answer awaited within a deadline."""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+import time
+
+
+def start(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python script ARGS` with pipes to talk to it (stderr stays the parent's: its logs show up there)."""
+    return subprocess.Popen([sys.executable, script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def tell(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def answer(proc: subprocess.Popen, deadline: float) -> dict:
+    """The child's next line (JSON), by `deadline` (time.monotonic()); else the child is killed (it hung) and
+    RuntimeError says so."""
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"{' '.join(proc.args[1:3])} gave no answer (exit {proc.poll()})")
+    return json.loads(line)
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """End of input for each child; one that does not exit in time is killed."""
+    for proc in procs:
+        try:
+            proc.stdin.close()
+        except OSError:  # already gone
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def share(n: int, part: int, parts: int) -> int:
+    """Child `part`'s share of `n` (workers or images) split over `parts` children."""
+    return n // parts + (part < n % parts)

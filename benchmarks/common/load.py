@@ -1,0 +1,93 @@
+"""The load a benchmark puts on the service, and what the service says about it.
+
+`closed_loop`: a load generator's workers, each sending its next image once its previous one is done (encode
+`wait=true`; with flow "e2e" also a fetch of all the image's rows into the worker's reused buffer and a release),
+over one or more replicas: worker w encodes on replica w % R, and with `cross` every second fetch of a worker
+goes to the next replica (one sharing the same Redis), so half of them cross. Raw results; the caller merges those
+of its load-generator processes. `scrape`: the unlabelled samples of a service's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of the service's /metrics (counters, gauges, histogram sums and counts)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+async def closed_loop(targets: list[dict], images: list[bytes], workers: int, level_s: float, timeout_s: float,
+                      flow: str = "e2e", transport: str = "http", cross: bool = False, verify_every: int = 0,
+                      worker_offset: int = 0) -> dict:
+    """`targets`: [{"http": url, "grpc": host:port}] per replica. Runs until the images run out or `level_s`
+    has passed (requests in flight then finish, each bounded by `timeout_s`). `verify_every` n > 0: every
+    n-th crossing fetch is fetched again on the encoding replica and compared bit for bit (the same encode's
+    rows through Redis and from the encoder's own tier: a difference is a wrong row). `worker_offset`: this
+    process's first worker number (so that processes spread their workers' encodes over the replicas)."""
+    import httpx
+    import torch
+
+    from encoder_service.client import AsyncEncoderClient
+
+    limits = httpx.Limits(max_connections=workers + 4, max_keepalive_connections=workers + 4)
+    clients = [AsyncEncoderClient.http(t["http"], timeout=timeout_s, limits=limits) if transport == "http" else
+               AsyncEncoderClient.grpc(t["grpc"], timeout=timeout_s) for t in targets]
+    rec = dict(latencies=[], encode_ms=[], fetch_ms={"same": [], "other": []}, errors=[], hits=0, wrong_rows=0,
+               verified=0)
+    tokens, crossed = set(), 0
+    queue = iter(images)
+    try:
+        for client in clients:
+            await client.metadata()  # connections up before the clock starts
+        start, cpu0, loop_cpu0 = time.time(), time.process_time(), time.thread_time()
+        deadline = time.perf_counter() + level_s
+
+        async def worker(w: int) -> None:
+            nonlocal crossed
+            home = (worker_offset + w) % len(clients)
+            out, n = None, 0  # the rows' destination, as an LLM server's input-embeddings buffer: reused
+            while time.perf_counter() < deadline:
+                data = next(queue, None)
+                if data is None:
+                    return
+                n += 1
+                other = cross and len(clients) > 1 and n % 2 == 0
+                encoder, fetcher = clients[home], clients[(home + other) % len(clients)]
+                t0 = time.perf_counter()
+                try:
+                    (info,) = await encoder.encode([data], wait=True)
+                    t1 = time.perf_counter()
+                    if flow == "e2e":
+                        if out is None or out.shape[0] < info.num_tokens:
+                            out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype))
+                        rows = out[:info.num_tokens]
+                        await fetcher.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
+                        rec["fetch_ms"]["other" if other else "same"].append((time.perf_counter() - t1) * 1e3)
+                        crossed += other
+                        if other and verify_every and crossed % verify_every == 0:
+                            own = await encoder.fetch([(info.id, 0)], 0, info.num_tokens)
+                            rec["verified"] += 1
+                            rec["wrong_rows"] += not torch.equal(own.rows, rows)
+                        await encoder.release([info.id])
+                except Exception as exc:  # noqa: BLE001 - counted and reported
+                    rec["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                rec["latencies"].append((time.perf_counter() - t0) * 1e3)
+                rec["encode_ms"].append((t1 - t0) * 1e3)
+                rec["hits"] += bool(info.cached)
+                tokens.add(info.num_tokens)
+
+        await asyncio.wait_for(asyncio.gather(*(worker(w) for w in range(workers))), level_s + timeout_s + 30)
+        # The loop thread's own CPU: near 1 s per second means this process's event loop was saturated.
+        cpu_s, loop_cpu_s = time.process_time() - cpu0, time.thread_time() - loop_cpu0
+    finally:
+        for client in clients:
+            await client.close()
+    return rec | dict(tokens=sorted(tokens), t0=start, t1=time.time(), images=len(images), cpu_s=cpu_s,
+                      loop_cpu_s=loop_cpu_s)
