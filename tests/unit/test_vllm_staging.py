@@ -1,5 +1,5 @@
-"""The vLLM connector's scheduler-side books and host arenas (integrations/vllm/transfer.py) on their own: a
-fake fetcher stands in for the encoder (tests/service/test_vllm_transfer.py has the real one)."""
+"""The vLLM connector's scheduler-side books and host arenas (integrations/vllm/staging.py, arenas.py) on their
+own: a fake fetcher stands in for the encoder (tests/service/test_vllm_transfer.py has the real one)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import pytest
 import torch
 
 from encoder_service.client.shm import ShmBuffers
-from encoder_service.integrations.vllm.transfer import (
-    ConnectorOptions,
-    ItemUnavailable,
-    Need,
-    RowArenas,
-    ShmRows,
-    StagedRows,
-    StagingTable,
-)
+from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
+from encoder_service.integrations.vllm.fetch import ItemUnavailable
+from encoder_service.integrations.vllm.options import ConnectorOptions
+from encoder_service.integrations.vllm.staging import Need, StagingTable
+from encoder_service.integrations.vllm.worker import ShmRows
 
 
 class FakeFetcher:
