@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from encoder_service import errors
 from encoder_service.integrations.vllm import ec_transfer_config, proxy
-from encoder_service.settings import Settings
+from encoder_service import settings as settings_module
+from encoder_service.settings import ProxySettings, Settings
 from tests.support.images import image_bytes as png
 from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
 
@@ -46,8 +47,8 @@ def test_documented_commands():
     argv = documented("proxy").argv
     assert argv[:2] == ["encoder-service", "vllm-proxy"]
     parser = argparse.ArgumentParser()
-    proxy.add_proxy_arguments(parser)
-    s = proxy.resolve_proxy(parser.parse_args(argv[2:]), env={})
+    settings_module.add_proxy_arguments(parser)
+    s = settings_module.resolve_proxy(parser.parse_args(argv[2:]), env={})
     assert (s.encoder_url, s.auth_token) == (DOC_URL, DOC_TOKEN)
     assert s.host == "0.0.0.0" and s.api_key  # listening beyond loopback: callers must bring a key
     assert s.vllm_url == f"http://127.0.0.1:{vllm.value('--port')}"
@@ -55,15 +56,15 @@ def test_documented_commands():
 
 def test_settings():
     parser = argparse.ArgumentParser()
-    proxy.add_proxy_arguments(parser)
-    s = proxy.resolve_proxy(parser.parse_args(["--vllm-url", "http://v:1/"]),
+    settings_module.add_proxy_arguments(parser)
+    s = settings_module.resolve_proxy(parser.parse_args(["--vllm-url", "http://v:1/"]),
                             env={"ENCODER_PROXY_ENCODER_URL": "grpc://e:2", "ENCODER_PROXY_PORT": "9"})
     assert (s.encoder_url, s.vllm_url, s.port, s.host) == ("grpc://e:2", "http://v:1", 9, "127.0.0.1")
     for argv, env, match in [([], {}, "--encoder-url"), (["--encoder-url", "e:1", "--vllm-url", "http://v"], {}, "http"),
                              (["--encoder-url", "http://e", "--vllm-url", "grpc://v"], {}, "HTTP"),
                              (["--encoder-url", "http://e", "--vllm-url", "http://v", "--port", "0"], {}, "port")]:
         with pytest.raises(ValueError, match=match):
-            proxy.resolve_proxy(parser.parse_args(argv), env)
+            settings_module.resolve_proxy(parser.parse_args(argv), env)
 
 
 def test_rewrite():
@@ -107,7 +108,7 @@ def stand_in_vllm(seen: list) -> FastAPI:
 @pytest.fixture
 def proxied(service):
     seen = []
-    settings = proxy.ProxySettings(encoder_url=service.url, vllm_url="http://vllm", vllm_api_key="k")
+    settings = ProxySettings(encoder_url=service.url, vllm_url="http://vllm", vllm_api_key="k")
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
     app = proxy.make_app(settings, upstream=upstream)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy"), seen
@@ -133,7 +134,7 @@ async def test_proxy_forwards_rewritten(proxied, service):
 async def test_proxy_api_key(service):
     """With --api-key, a caller without the key is refused before its images reach the encoder."""
     seen, key = [], "client-key"
-    settings = proxy.ProxySettings(encoder_url=service.url, vllm_url="http://vllm", api_key=key)
+    settings = ProxySettings(encoder_url=service.url, vllm_url="http://vllm", api_key=key)
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
     app = proxy.make_app(settings, upstream=upstream)
     image = png(112, 84, 505)
@@ -167,7 +168,8 @@ async def test_proxy_errors(proxied, service):
     r = await client.post("/v1/chat/completions", json=body_with(data_url(image), text="refuse"))
     assert r.status_code == 400 and r.json() == {"error": {"message": "refused"}}
     assert not service.pinned(seen[-1][0]["messages"][1]["content"][0]["uuid"])  # the proxy released it
-    down = proxy.make_app(proxy.ProxySettings(encoder_url=service.url, vllm_url="http://127.0.0.1:9"))
+    down = proxy.make_app(ProxySettings(encoder_url=service.url, vllm_url="http://127.0.0.1:9"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(down), base_url="http://proxy") as c:
         r = await c.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 504))))
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+
