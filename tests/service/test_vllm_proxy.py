@@ -19,6 +19,8 @@ from encoder_service.integrations.vllm import ec_transfer_config, proxy
 from encoder_service import settings as settings_module
 from encoder_service.settings import ProxySettings, Settings
 from tests.support.images import image_bytes as png
+from tests.support.images import truncated_jpeg
+from tests.support.ports import free_port
 from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,3 +175,26 @@ async def test_proxy_errors(proxied, service):
         r = await c.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 504))))
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
 
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+async def test_failed_encode_is_answered_before_vllm(service, transport):
+    """An image whose header reads fine but whose decode fails (on the encoder's CPU thread, after encode has
+    sized it) is the caller's 400 with our kind and message, and vLLM never sees the request; so is a
+    malformed image. An encoder that is down is a 503 of kind unavailable."""
+    seen = []
+    url = service.url if transport == "http" else "grpc://" + service.grpc_address
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
+    app = proxy.make_app(ProxySettings(encoder_url=url, vllm_url="http://vllm"), upstream=upstream)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
+        for image, why in [(truncated_jpeg(511), "decode"), (b"not an image", "not an image")]:
+            r = await client.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 510)), data_url(image)))
+            error = r.json()["error"]
+            assert (r.status_code, error["type"], error["code"]) == (400, "invalid_input", 400), error
+            assert error["message"].startswith("encoder service: image 1: ") and why in error["message"], error
+        assert seen == []
+    down_url = f"http://127.0.0.1:{free_port()}" if transport == "http" else f"grpc://127.0.0.1:{free_port()}"
+    down = proxy.make_app(ProxySettings(encoder_url=down_url, vllm_url="http://vllm", timeout_s=10), upstream=upstream)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(down), base_url="http://proxy") as client:
+        r = await client.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 512))))
+        assert (r.status_code, r.json()["error"]["type"]) == (503, "unavailable"), r.json()
+    assert seen == []

@@ -9,7 +9,9 @@ the encode).
 
 POST /v1/chat/completions: every `{"type": "image_url", "image_url": {"url": ...}}` part (a data: URL, or an
 http(s) URL the encoder fetches itself: its --allow-url-hosts) goes to our `encode` (one call per chat
-request; it answers before the ViT runs), and is replaced by the metadata-only part vLLM's consumer takes
+request, answered once the ViT has run: an image that fails to decode or encode is the caller's error
+answer here, with our error's kind, message and status, before vLLM is called), and is replaced by the
+metadata-only part vLLM's consumer takes
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [t, h, w]}, "uuid": "<our id>"}
 
@@ -107,6 +109,13 @@ def _error(status: int, message: str, kind: str):
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+def _encoder_error(exc: errors.EncoderServiceError):
+    """A failed encode as the caller's answer, in OpenAI's error shape: the status the encoder answered
+    (over HTTP; else the status of the error's kind), our message, and the kind as the error's type."""
+    status = exc.status if isinstance(getattr(exc, "status", None), int) else http_status(exc)
+    return _error(status, f"encoder service: {exc.message}", exc.kind)
+
+
 def _caller_refused(authorization: str | None, api_key: bytes | None) -> str | None:
     """Why a caller is refused (None: it is served): without `Authorization: Bearer <the proxy's --api-key>`."""
     if api_key is None:
@@ -197,12 +206,15 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
         try:
             parts = image_parts(body)
             if parts:
-                infos = await encoder.encode([image_source(p) for p in parts])
+                # wait=True: the answer comes once the ViT has run, so an image that fails to decode or encode
+                # fails here, with our reason, and never reaches vLLM (whose front end would answer a failed
+                # item with a bare 500: docs/vllm.md). What it costs: vLLM's own request handling no longer
+                # overlaps the ViT; the connector's fetch waited for the ViT anyway.
+                infos = await encoder.encode([image_source(p) for p in parts], wait=True)
                 ids = sorted({i.id for i in infos})
                 body = rewrite(body, infos)
         except errors.EncoderServiceError as exc:
-            status = http_status(exc)
-            return _error(status, f"encoder service: {exc}", "invalid_request_error" if status < 500 else exc.kind)
+            return _encoder_error(exc)
         upstream_request = upstream.build_request("POST", "/v1/chat/completions", json=body,
                                                   headers=_upstream_headers(request, settings))
         try:
