@@ -1,10 +1,21 @@
 """Host staging, scheduler side: items' rows in ranges of a few large shared-memory files (arenas) that the
-encoder writes into (shm) or our client fills from the socket, and that every worker maps (worker.py)."""
+encoder writes into (shm) or our client fills from the socket, and that every worker maps (worker.py).
+
+An arena is 128 MiB of a memory-backed tmpfs, so none may outlive the connector. `close` (vLLM's connector
+`shutdown`) unlinks them, but vLLM runs it only when its engine core exits on its own: with vLLM's default
+`--shutdown-timeout 0` the API server SIGKILLs the engine core at once. Two nets catch that: in /dev/shm each
+arena is left to multiprocessing's resource tracker (the process Python runs to unlink the shared memory of
+processes that died; vLLM's API server runs one, which its engine core shares), which unlinks it when vLLM's
+processes have exited; in any directory, the next `ShmBuffers` there removes the files of ended processes
+(client/shm.py: `sweep`).
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from multiprocessing import resource_tracker
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +83,8 @@ class RowArenas:
 
     def __init__(self, buffers, arena_bytes: int, quarantine_s: float, clock: Callable[[], float] = time.monotonic):
         self._buffers, self.arena_bytes, self.quarantine_s, self._clock = buffers, arena_bytes, quarantine_s, clock
+        # POSIX shared memory names are files of /dev/shm: only there can the resource tracker unlink ours.
+        self._tracked = os.path.realpath(buffers.directory) == "/dev/shm"
         self._lock = threading.Lock()
         self._arenas: list[_Arena] = []
         self._quarantine: list[tuple[float, _Arena, int, int]] = []
@@ -88,6 +101,8 @@ class RowArenas:
             rows = self._buffers.alloc_rows(capacity, width, dtype)
             arena = _Arena(rows, self._buffers.locate(rows)[0], [[0, capacity]])
             self._arenas.append(arena)
+            if self._tracked:
+                resource_tracker.register("/" + arena.name, "shared_memory")
             return arena, arena.take(num_rows)
 
     def give(self, arena: _Arena, start: int, n: int, quarantine: bool = False) -> None:
@@ -97,11 +112,23 @@ class RowArenas:
                 return
             arena.give(start, n)
             if arena.used == 0 and len(self._arenas) > 1 and not any(q[1] is arena for q in self._quarantine):
-                self._arenas.remove(arena)  # the last view: the file is unlinked once its mapping goes
+                self._forget(arena)  # the last view: the file is unlinked once its mapping goes
 
     def names(self) -> list[str]:
         with self._lock:
             return [a.name for a in self._arenas]
+
+    def close(self) -> None:
+        """Drop every arena (the caller closes the ShmBuffers, which unlinks the files)."""
+        with self._lock:
+            for arena in list(self._arenas):
+                self._forget(arena)
+            self._quarantine = []
+
+    def _forget(self, arena: _Arena) -> None:  # under _lock
+        self._arenas.remove(arena)
+        if self._tracked:
+            resource_tracker.unregister("/" + arena.name, "shared_memory")
 
     def _thaw(self) -> None:  # under _lock
         now = self._clock()

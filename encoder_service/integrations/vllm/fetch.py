@@ -153,6 +153,7 @@ class RowFetcher:
                 c.close()
             except Exception:  # noqa: BLE001
                 pass
+        self.arenas.close()
         self._buffers.close()  # unlinks every file (tensors still viewing them keep their mappings)
 
 
