@@ -20,8 +20,10 @@ from encoder_service import settings as settings_module
 from encoder_service.settings import ProxySettings, Settings
 from tests.support.images import image_bytes as png
 from tests.support.images import truncated_jpeg
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.ports import free_port
 from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
+from tests.support.vllm_engine import StandInVllm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -198,3 +200,23 @@ async def test_failed_encode_is_answered_before_vllm(service, transport):
         r = await client.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 512))))
         assert (r.status_code, r.json()["error"]["type"]) == (503, "unavailable"), r.json()
     assert seen == []
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_served_proxy_encodes_over_either_transport(service, tmp_path, transport):
+    """`encoder-service vllm-proxy` as run (its own process, uvicorn's loop) with an HTTP or a gRPC encoder URL
+    forwards the rewritten request (a gRPC client made before uvicorn's loop starts fails every encode)."""
+    vllm = StandInVllm()
+    port = free_port()
+    url = service.url if transport == "http" else "grpc://" + service.grpc_address
+    argv = encoder_service_argv("vllm-proxy", "--encoder-url", url, "--vllm-url", vllm.url, "--port", str(port),
+                                "--log-level", "warning")
+    try:
+        with ServiceProcess(argv, f"http://127.0.0.1:{port}/health", tmp_path / "proxy.log", name="vllm-proxy") as p:
+            p.wait_ready(60)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body_with(data_url(png(56, 84, 520))),
+                           timeout=60)
+            assert r.status_code == 200, (r.text, p.log_tail())
+        assert vllm.bodies[-1]["messages"][1]["content"][0]["type"] == "image_embeds"
+    finally:
+        vllm.shutdown()

@@ -141,6 +141,13 @@ def _passed_headers(response) -> dict:
     return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
+def _encoder_client(settings: ProxySettings) -> AsyncEncoderClient:
+    if settings.encoder_url.startswith("grpc://"):
+        return AsyncEncoderClient.grpc(settings.encoder_url.removeprefix("grpc://"), token=settings.auth_token,
+                                       timeout=settings.timeout_s)
+    return AsyncEncoderClient.http(settings.encoder_url, token=settings.auth_token, timeout=settings.timeout_s)
+
+
 def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
     """The proxy's FastAPI app. `encoder` (an AsyncEncoderClient) and `upstream` (an httpx.AsyncClient for
     vLLM) are built from `settings` when not given; the app closes what it built."""
@@ -152,6 +159,15 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
     from starlette.background import BackgroundTask
 
     own = []
+    clients = {"encoder": encoder}
+
+    def the_encoder() -> AsyncEncoderClient:
+        """The encoder's client, built on first use when not given: on the server's loop, which uvicorn starts
+        after make_app (a gRPC channel works only on the loop it was made on)."""
+        if clients["encoder"] is None:
+            clients["encoder"] = _encoder_client(settings)
+            own.append(clients["encoder"].close)
+        return clients["encoder"]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -162,19 +178,10 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
                 await closer()
 
     app = FastAPI(title="encoder-service vllm-proxy", lifespan=lifespan)
-    if encoder is None:
-        if settings.encoder_url.startswith("grpc://"):
-            encoder = AsyncEncoderClient.grpc(settings.encoder_url.removeprefix("grpc://"), token=settings.auth_token,
-                                              timeout=settings.timeout_s)
-        else:
-            encoder = AsyncEncoderClient.http(settings.encoder_url, token=settings.auth_token,
-                                              timeout=settings.timeout_s)
-        own.append(encoder.close)
     if upstream is None:
         upstream = httpx.AsyncClient(base_url=settings.vllm_url, timeout=httpx.Timeout(settings.timeout_s,
                                                                                       connect=10.0))
         own.append(upstream.aclose)
-    app.state.encoder, app.state.upstream = encoder, upstream
     api_key = settings.api_key.encode() if settings.api_key else None
 
     def refused(request: Request):
@@ -188,7 +195,7 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
 
     async def release(ids: list[str]) -> None:
         try:
-            await encoder.release(ids)
+            await the_encoder().release(ids)
         except Exception as exc:  # noqa: BLE001 - pins end at their lease anyway
             log.warning("release of %d ids failed: %s", len(ids), exc)
 
@@ -210,7 +217,7 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
                 # fails here, with our reason, and never reaches vLLM (whose front end would answer a failed
                 # item with a bare 500: docs/vllm.md). What it costs: vLLM's own request handling no longer
                 # overlaps the ViT; the connector's fetch waited for the ViT anyway.
-                infos = await encoder.encode([image_source(p) for p in parts], wait=True)
+                infos = await the_encoder().encode([image_source(p) for p in parts], wait=True)
                 ids = sorted({i.id for i in infos})
                 body = rewrite(body, infos)
         except errors.EncoderServiceError as exc:

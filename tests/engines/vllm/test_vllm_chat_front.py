@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import blake3
 import pytest
@@ -25,57 +23,11 @@ import torch  # noqa: E402
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
-from tests.support.vllm_engine import TOKEN, ec_config  # noqa: E402
+from tests.support.vllm_engine import CHUNKS, GAP_S, TOKEN, StandInVllm, ec_config  # noqa: E402
 from tests.support.vllm_docs import documented  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-CHUNKS, GAP_S = 4, 0.4  # the stand-in's streamed answer: CHUNKS events, GAP_S apart
 CALLER = {"authorization": "Bearer caller-key"}  # the proxy's --api-key, as its callers send it
-
-
-class StandInVllm(ThreadingHTTPServer):
-    """Answers like vLLM's OpenAI server and records each chat body it is sent. A body whose last text is
-    "refuse" gets a 400, as vLLM answers a request it rejects before its engine."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._send(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        self.server.bodies.append(body)
-        if body["messages"][-1]["content"][-1].get("text") == "refuse":
-            return self._send(400, {"error": {"message": "refused", "code": 400}})
-        if not body.get("stream"):
-            return self._send(200, {"id": "c", "object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}]})
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.end_headers()  # HTTP/1.0: the body runs until the connection closes
-        for k in range(CHUNKS):
-            event = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": str(k)}}]}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
-            time.sleep(GAP_S)
-        self.wfile.write(b"data: [DONE]\n\n")
 
 
 @pytest.fixture(scope="module")
