@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 .venv/bin/python -m pytest -q -ra "$@"
-for tier in ${TEST_TIERS-torchvision sglang vllm}; do
+for tier in ${TEST_TIERS-torchvision sglang vllm vllm-e2e}; do
   bash "scripts/tiers/$tier.sh"
 done

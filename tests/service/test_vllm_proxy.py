@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 
 import httpx
 import pytest
@@ -56,6 +57,11 @@ def test_documented_commands():
     assert (s.encoder_url, s.auth_token) == (DOC_URL, DOC_TOKEN)
     assert s.host == "0.0.0.0" and s.api_key  # listening beyond loopback: callers must bring a key
     assert s.vllm_url == f"http://127.0.0.1:{vllm.value('--port')}"
+    for name in ("cpu-aggregated", "cpu-consumer"):  # the vllm-e2e tier's servers
+        cpu = documented(name)
+        assert cpu.argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"], cpu.argv
+    assert json.loads(documented("cpu-consumer").value("--ec-transfer-config")) == \
+        ec_transfer_config(DOC_URL, auth_token=DOC_TOKEN)
 
 
 def test_settings():
