@@ -11,10 +11,10 @@
 # $TIER_WHEELS (default ~/.cache/encoder-service/wheels, shared with the vllm tier). The encoder service and the
 # proxy run from the main venv ($ENCODER_MAIN_PYTHON, default .venv/bin/python, made by scripts/setup.sh).
 #
-# Cost on the 2-core CPU machine (measured; the tier prints its own times): the venv from nothing, wheels
-# downloaded, FRESH_S s; reused, 0 s. The tests WARM_S s: three vLLM servers (one aggregated, two
-# language-only), each started once for the run (about 50 s to /health each on an idle machine), two encoders,
-# two proxies, and about 40 requests.
+# Cost on the 2-core CPU machine, measured while other work kept it busy (load 8-10; the tier prints its own
+# times): from nothing (the venv built, its 2.5 GB of wheels downloaded) 7.0 min, of which the venv 3.3 min;
+# with the venv reused 2.4 min. Most of the tests' time is starting the three vLLM servers at once (1.5-3 min:
+# each imports vLLM and torch in two or three processes); the 30-odd requests after that take seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
