@@ -22,7 +22,7 @@ RUN apt-get update \
 # ---- build: create /opt/venv with torch and torchvision (CUDA) and the package -------------------------------
 FROM base AS build
 ARG TORCH_VERSION=2.13.0
-# torchvision gives the default `--preprocess torchvision` on CUDA its nvJPEG decoder (without it, JPEGs are
+# torchvision gives the opt-in `--preprocess torchvision-nvjpeg` its nvJPEG decoder (without it, JPEGs are
 # decoded by Pillow on the CPU). It must be the release built for TORCH_VERSION: 0.28.x for torch 2.13.
 ARG TORCHVISION_VERSION=0.28.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -41,7 +41,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVI
 # (for a cu13 torch: --build-arg CUTLASS_DSL="nvidia-cutlass-dsl[cu13]" --build-arg CUDA_BINDINGS="13.0.3").
 # --build-arg WITH_FA4=0 leaves it out. Either way the service starts: without it (or if its import, JIT or
 # startup check fails) ops/attention.py runs our Triton and torch's kernels, and logs which.
-# The versions are those benchmarks/attention_candidates.py measures (there with the cu13 libraries of the
+# The versions are those benchmarks/attention/candidates.py measures (there with the cu13 libraries of the
 # GPU machine's CUDA 13 torch; benchmarks/RESULTS.md).
 ARG WITH_FA4=1
 ARG FA4_VERSION=4.0.0b36

@@ -5,7 +5,7 @@ ops/attention.py; the `attention` column says which backend served which layout 
 The graphs are the service's: settings' default bucket ladder (`--graph-buckets`) plus the exact buckets of
 the common resolutions under its largest bucket, as make_runner builds them.
 
-For Qwen2.5-VL-7B and Qwen3-VL-8B (random weights at the real sizes, built by gpu_parity.py's
+For Qwen2.5-VL-7B and Qwen3-VL-8B (random weights at the real sizes, built by benchmarks/common/models.py's
 `build_reference`: transformers' vision model, saved and loaded by our loader), per case (448x448, 720p,
 1080p, 2560x1440, 8 x 448x448, 32 mixed sizes): median ms of `runner.encode` (bf16 pixel values already on
 the GPU; wall clock around a synchronized call, so host overhead counts), patch tokens/s, model FLOP/s and
@@ -20,16 +20,16 @@ A choice whose backend is not installed (fa4 without flash-attn-4) is skipped.
         --no-transformers-timing            # before/after rows; each choice captures its own graphs (~20 s)
     python benchmarks/bench_vit.py --small    # CPU: tiny towers, float32 (smoke test of the script)
 
-Writes $OUT/bench_vit.json and $OUT/bench_vit.md (OUT defaults to ./gpu_out, rewritten after each choice);
-$OUT/profile_<family>_<choice>.txt holds a kernel-time breakdown of one eager 1080p forward with that
-choice's backends (attention labelled by backend through profiler ranges) and of one replay of its graph.
+Writes benchmarks/results/bench_vit-<date>-<commit>.json and $OUT/bench_vit.md (benchmarks/common/report.py:
+where, with and without OUT), rewritten after each choice; $OUT/profile_<family>_<choice>.txt holds a
+kernel-time breakdown of one eager 1080p forward with that choice's backends (attention labelled by backend
+through profiler ranges) and of one replay of its graph.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -40,17 +40,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _service_setup import bench_device, sync  # noqa: E402
-from gpu_parity import REAL, SMALL, build_reference, patch_grid, reference_rows, setup_info  # noqa: E402
-
+from benchmarks.common.device import bench_device, sync  # noqa: E402
+from benchmarks.common.models import NAMES, REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
+from benchmarks.common.report import out_dir, setup_info, write_result  # noqa: E402
 from encoder_service.models.loader import load_model  # noqa: E402
 from encoder_service.ops import attention  # noqa: E402
 from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
-from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets  # noqa: E402
+from encoder_service.runtime.eager import EagerRunner  # noqa: E402
+from encoder_service.runtime.runner import exact_resolution_buckets  # noqa: E402
 from encoder_service.settings import DEFAULT_BUCKETS, parse_buckets  # noqa: E402
 
-NAMES = {"qwen2_5_vl": "Qwen2.5-VL-7B", "qwen3_vl": "Qwen3-VL-8B"}
 MIXED_SIZES = [(224, 224), (336, 336), (448, 448), (512, 384), (640, 480), (800, 600), (1024, 768), (1280, 720)]
 CASES = {
     "448x448": [(448, 448)],
@@ -224,7 +223,7 @@ def short_backends(policy) -> str:
 
 
 @torch.no_grad()
-def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir, rows: list, save) -> None:
+def bench_family(family, vision, cases, device, dtype, ceiling, args, out: Path, rows: list, save) -> None:
     import copy
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,7 +265,7 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir, r
         # (big batches that a bucket would pad by more than 5% run eagerly).
         graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
                              exact_buckets=exact, attention=policy)
-        (out_dir / f"capture_{family}_{choice}.json").write_text(json.dumps(graphs.capture_log))
+        (out / f"capture_{family}_{choice}.json").write_text(json.dumps(graphs.capture_log))
         print(f"{family} attention={choice}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; "
               f"graphs {graphs.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
         for case, inp in inputs.items():
@@ -277,7 +276,7 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out_dir, r
         if device.type == "cuda":
             grids = [patch_grid(w, h, vision["patch_size"]) for w, h in CASES["1080p"]]
             pvs = [torch.randn(t * h * w, loaded.spec.patch_dim, device=device, dtype=dtype) for t, h, w in grids]
-            profile_forward(eager, graphs, pvs, grids, out_dir / f"profile_{family}_{choice}.txt")
+            profile_forward(eager, graphs, pvs, grids, out / f"profile_{family}_{choice}.txt")
         save()
         del eager, graphs
         if device.type == "cuda":
@@ -386,20 +385,18 @@ def main() -> int:
         if unknown:
             parser.error(f"unknown cases {sorted(unknown)}; known: {list(cases)}")
         cases = {k: v for k, v in cases.items() if k in args.case}
-    out_dir = Path(os.environ.get("OUT", "gpu_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir()
     setup = setup_info(device, dtype, args.small)
     ceiling = matmul_ceiling(device, dtype)
     print(json.dumps(setup), f"ceiling {ceiling:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
 
     def save():
-        result = dict(setup=setup, ceiling_tflops=ceiling, rows=rows, skipped=SKIPPED)
-        (out_dir / "bench_vit.json").write_text(json.dumps(result, indent=2))
-        (out_dir / "bench_vit.md").write_text(markdown(setup, ceiling, rows))
+        write_result("bench_vit", setup, dict(ceiling_tflops=ceiling, rows=rows, skipped=SKIPPED),
+                     markdown(setup, ceiling, rows))
 
     for family in args.family or list(configs):
-        bench_family(family, configs[family], cases, device, dtype, ceiling, args, out_dir, rows, save)
+        bench_family(family, configs[family], cases, device, dtype, ceiling, args, out, rows, save)
     save()
     print(markdown(setup, ceiling, rows))
     return 0

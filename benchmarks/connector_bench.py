@@ -24,8 +24,8 @@ child process (this script with --side), as vLLM's EngineCore is another process
     python benchmarks/connector_bench.py --small    # CPU smoke test
     N=50 python benchmarks/connector_bench.py       # iterations per mode (default 30; --small 5)
 
-Writes $OUT/connector_bench.md and $OUT/connector_bench.json (OUT defaults to ./bench_out). Exits 1 when a
-check fails.
+Writes benchmarks/results/connector_bench-<date>-<commit>.json and $OUT/connector_bench.md
+(benchmarks/common/report.py: where, with and without OUT). Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common.device import bench_device, sync  # noqa: E402
+from benchmarks.common.images import make_jpegs  # noqa: E402
+from benchmarks.common.models import NAMES, build_checkpoint  # noqa: E402
+from benchmarks.common.report import setup_info, write_result  # noqa: E402
+from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
+from benchmarks.common.stats import percentile  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL-7B vision tower", "qwen3_vl": "Qwen3-VL-8B vision tower"}
 SIZE = (1920, 1080)
 MODES = ("shm", "http", "grpc")
 POLL_S = 0.0002  # how often the side asks ensure() while an item is in flight (vLLM: once per engine step)
@@ -74,8 +75,6 @@ def _staged(table, need, request_id: str) -> None:
 
 
 def _to_device(table, loader, need, request_id: str, width: int, device):
-    from _service_setup import sync
-
     table.allocated(request_id, need.identifier, need.num_rows)
     (load,) = table.end_step()
     rows = loader.load(load, width)
@@ -91,19 +90,17 @@ def _forget(table, need, request_id: str, release: bool) -> None:
 
 
 def _stats(samples: list[float]) -> dict:
-    a = np.asarray(samples, dtype=np.float64)
-    return dict(median_ms=float(np.median(a)), p90_ms=float(np.percentile(a, 90)), min_ms=float(a.min()), n=len(a))
+    return dict(median_ms=percentile(samples, 50), p90_ms=percentile(samples, 90), min_ms=min(samples),
+                n=len(samples))
 
 
 def side_main(job_path: str) -> int:
     import torch
 
-    from _service_setup import sync
     from encoder_service.client import EncoderClient
     from encoder_service.integrations.vllm.staging import Need
     from encoder_service.integrations.vllm.worker import RowLoader
     from encoder_service.models.configs import row_width
-    from load_bench import make_jpegs
 
     job = json.loads(Path(job_path).read_text())
     device = torch.device(job["device"])
@@ -189,7 +186,6 @@ def side_main(job_path: str) -> int:
 def run_family(family: str, small: bool, device, dtype, n: int, tmp: Path, index: int) -> tuple[dict, list[str]]:
     import torch
 
-    from _service_setup import build_checkpoint, in_process_service, service_settings
     from encoder_service.api.service import bind_socket, build_core
 
     checkpoint = tmp / family
@@ -252,33 +248,26 @@ def markdown(setup: dict, families: list[dict], checks: list[str]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoints, float32, CPU")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: both)")
+    parser.add_argument("--families", default=",".join(NAMES), help="comma-separated (default: both)")
     parser.add_argument("--side", metavar="JOB_JSON", help=argparse.SUPPRESS)  # the vLLM side (child)
     args = parser.parse_args()
     if args.side:
         return side_main(args.side)
 
-    from _service_setup import bench_device
-    from gpu_parity import setup_info
-
     device, dtype = bench_device(args.small, parser)
     n = int(os.environ.get("N", "5" if args.small else "30"))
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     families, checks = [], []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for index, family in enumerate(args.families.split(",")):
             fam, fam_checks = run_family(family, args.small, device, dtype, n, Path(tmp), index)
-            fam["name"] = f"tiny {family}" if args.small else FAMILIES[family]
+            fam["name"] = f"tiny {family}" if args.small else f"{NAMES[family]} vision tower"
             families.append(fam)
             checks += fam_checks
     setup = setup_info(device, dtype, args.small) | dict(iterations=n, image=f"{SIZE[0]}x{SIZE[1]} JPEG",
                                                          cpu_count=os.cpu_count())
     report = markdown(setup, families, checks)
-    (out_dir / "connector_bench.json").write_text(json.dumps(dict(setup=setup, families=families, checks=checks),
-                                                             indent=2))
-    (out_dir / "connector_bench.md").write_text(report)
+    write_result("connector_bench", setup, dict(families=families, checks=checks), report)
     print(report)
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 1 if checks else 0

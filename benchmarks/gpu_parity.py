@@ -8,8 +8,8 @@ mixed sizes. Qwen3 compares the main rows and each deepstack level.
 
 Relative errors: max|d| / max|ref|, mean|d| / mean|ref| and ||d|| / ||ref|| (d = ours - ref). In bf16 the
 script also runs transformers in float32 on the same weights and checks that ours is no further from it
-than transformers' own bf16 run is (see `passes`). Writes $OUT/gpu_parity.json and $OUT/gpu_parity.md (OUT
-defaults to ./gpu_out); exits 1 on a failure.
+than transformers' own bf16 run is (see `passes`). Writes benchmarks/results/gpu_parity-<date>-<commit>.json
+and $OUT/gpu_parity.md (benchmarks/common/report.py: where, with and without OUT); exits 1 on a failure.
 
     python benchmarks/gpu_parity.py            # GPU: real sizes, bfloat16 (torch 2.11+, transformers 5.x)
     python benchmarks/gpu_parity.py --small    # CPU: tiny towers, float32, small images (a smoke test)
@@ -20,58 +20,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import transformers
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _service_setup import bench_device  # noqa: E402
-
+from benchmarks.common.device import bench_device  # noqa: E402
+from benchmarks.common.models import REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
+from benchmarks.common.report import setup_info, write_result  # noqa: E402
 from encoder_service.models.loader import load_model  # noqa: E402
 
 MAX_REL_ERR = 1e-2
 
-# Real vision configs: the vision_config of Qwen/Qwen2.5-VL-7B-Instruct and Qwen/Qwen3-VL-8B-Instruct.
-REAL = {
-    "qwen2_5_vl": dict(
-        depth=32,
-        hidden_size=1280,
-        intermediate_size=3420,
-        num_heads=16,
-        out_hidden_size=3584,
-        patch_size=14,
-        window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
-        hidden_act="silu",
-    ),
-    "qwen3_vl": dict(
-        depth=27,
-        hidden_size=1152,
-        intermediate_size=4304,
-        num_heads=16,
-        out_hidden_size=4096,
-        patch_size=16,
-        deepstack_visual_indexes=[8, 16, 24],
-        num_position_embeddings=2304,
-        hidden_act="gelu_pytorch_tanh",
-    ),
-}
-# --small: the same structure, tiny (window of 2x2 merged tokens, 4x4 position table).
-SMALL = {
-    "qwen2_5_vl": REAL["qwen2_5_vl"]
-    | dict(depth=4, hidden_size=64, intermediate_size=72, num_heads=4, out_hidden_size=96)
-    | dict(window_size=56, fullatt_block_indexes=[1, 3]),
-    "qwen3_vl": REAL["qwen3_vl"]
-    | dict(depth=4, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=96)
-    | dict(deepstack_visual_indexes=[0, 2], num_position_embeddings=16),
-}
 IMAGES = {
     "448x448": [(448, 448)],
     "720p": [(1280, 720)],
@@ -79,66 +42,6 @@ IMAGES = {
     "batch of 3": [(448, 448), (1280, 720), (640, 480)],
 }
 SMALL_IMAGES = {"112x112": [(112, 112)], "224x160": [(224, 160)], "batch of 3": [(112, 112), (224, 160), (96, 200)]}
-
-FAMILY_CLASSES = {
-    # family: (model_type, architecture, vision config class, vision model class, checkpoint prefix)
-    "qwen2_5_vl": (
-        "qwen2_5_vl",
-        "Qwen2_5_VLForConditionalGeneration",
-        "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig",
-        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
-        "visual.",
-    ),
-    "qwen3_vl": (
-        "qwen3_vl",
-        "Qwen3VLForConditionalGeneration",
-        "transformers.models.qwen3_vl.configuration_qwen3_vl.Qwen3VLVisionConfig",
-        "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel",
-        "model.visual.",
-    ),
-}
-
-
-def _import(dotted: str):
-    module, name = dotted.rsplit(".", 1)
-    return getattr(__import__(module, fromlist=[name]), name)
-
-
-def patch_grid(width: int, height: int, patch: int) -> tuple[int, int, int]:
-    """(t, h, w) of one image resized to the nearest multiples of patch * 2 (smart_resize within bounds)."""
-    factor = patch * 2
-    resized_height, resized_width = (max(factor, round(x / factor) * factor) for x in (height, width))
-    return (1, resized_height // patch, resized_width // patch)
-
-
-def build_reference(family: str, vision: dict, device: torch.device, dtype: torch.dtype, directory: Path):
-    """transformers' vision model with random weights, saved as a vision-only checkpoint in `directory`."""
-    model_type, architecture, config_cls, model_cls, prefix = FAMILY_CLASSES[family]
-    config = _import(config_cls)(**vision, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = _import(model_cls)._from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
-    save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors")
-    full_config = {
-        "model_type": model_type,
-        "architectures": [architecture],
-        "vision_config": config.to_dict(),
-        "text_config": {"hidden_size": vision["out_hidden_size"]},
-    }
-    (directory / "config.json").write_text(json.dumps(full_config, indent=2))
-    preprocessor = {"patch_size": vision["patch_size"], "merge_size": 2, "temporal_patch_size": 2}
-    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor))
-    return model
-
-
-def reference_rows(output) -> torch.Tensor:
-    """[num_tokens, row_width] from the vision model's output, whatever the transformers version returns."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, tuple):  # older Qwen3: (merged, deepstack list)
-        return torch.cat([output[0], *output[1]], dim=1)
-    deepstack = getattr(output, "deepstack_features", None) or []
-    return torch.cat([output.pooler_output, *deepstack], dim=1)
 
 
 def rel_errors(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -188,25 +91,6 @@ def compare_family(family: str, vision: dict, images: dict, device, dtype) -> li
     return rows
 
 
-def setup_info(device: torch.device, dtype: torch.dtype, small: bool) -> dict:
-    # BENCH_COMMIT: for copies of the tree without their own git history (the device machine's copy)
-    commit = os.environ.get("BENCH_COMMIT")
-    if not commit:
-        try:
-            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-            commit = git.stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        dtype=str(dtype).removeprefix("torch."),
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        sizes="small" if small else "real",
-        commit=commit,
-    )
-
-
 def markdown(setup: dict, rows: list[dict]) -> str:
     lines = [
         "# Tower parity with transformers (sdpa)",
@@ -239,11 +123,7 @@ def main() -> int:
     rows = [row for family in configs for row in compare_family(family, configs[family], images, device, dtype)]
     print(f"done in {time.perf_counter() - start:.1f} s")
 
-    out_dir = Path(os.environ.get("OUT", "gpu_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = dict(setup=setup, max_allowed=MAX_REL_ERR, results=rows)
-    (out_dir / "gpu_parity.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "gpu_parity.md").write_text(markdown(setup, rows))
+    write_result("gpu_parity", setup, dict(max_allowed=MAX_REL_ERR, results=rows), markdown(setup, rows))
     failures = [r for r in rows if not passes(r)]
     for r in failures:
         print(f"FAIL: {r['family']} {r['case']} {r['level']}: {json.dumps({k: v for k, v in r.items() if k != 'grids'})}")

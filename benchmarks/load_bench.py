@@ -1,7 +1,8 @@
 """Load benchmark of the running service (issue 5, item 7): uvicorn + grpc.aio on 127.0.0.1, this process.
 
-Model: the Qwen2.5-VL-7B vision tower at its real size, random weights, bfloat16, CUDA graphs on (the
-service's default buckets), saved to a temp dir and loaded by our loader (the service's own build_core).
+Model: the Qwen2.5-VL-7B vision tower (--family qwen3_vl: Qwen3-VL-8B's) at its real size, random weights,
+bfloat16, CUDA graphs on (the service's default buckets), saved to a temp dir and loaded by our loader (the
+service's own build_core).
 
   1. model only: the service's runner (`runner.encode`, synchronized) on 720p images preprocessed exactly as
      the engine does (`preprocess` with the core's config), in batches of 1, 2 and as many as one engine
@@ -26,8 +27,10 @@ share the service's GIL; the service, the model-only runs and the child are all 
     python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
     python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
     python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
+    python benchmarks/load_bench.py --family qwen3_vl --levels 64  # Qwen3-VL-8B's tower instead (4x wider rows)
 
-Prints a markdown table; writes $OUT/load_bench.json and $OUT/load_bench.md (OUT defaults to ./bench_out).
+Prints a markdown table; writes benchmarks/results/load_bench-<date>-<commit>.json and $OUT/load_bench.md
+(benchmarks/common/report.py: where, with and without OUT).
 Exits 1 when a correctness check fails (request errors, cache hits on distinct images, fetched rows wrong
 or HTTP/gRPC disagreeing); targets are reported (met / MISSED), not enforced.
 """
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import socket
@@ -44,16 +46,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common.device import bench_device, sync  # noqa: E402
+from benchmarks.common.images import make_jpegs  # noqa: E402
+from benchmarks.common.models import REAL, build_checkpoint  # noqa: E402
+from benchmarks.common.report import setup_info, write_result  # noqa: E402
+from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
+from benchmarks.common.stats import percentile  # noqa: E402
 
-FAMILY = "qwen2_5_vl"
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 LEVELS = (1, 4, 16, 64)
 ENCODE_SIZE, FETCH_SIZE = (1280, 720), (1920, 1080)
 SERVICE_TARGET = 0.90  # service images/s >= 90% of model-only
@@ -70,33 +75,6 @@ CONFIGS = {
 MODEL_ONLY_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_000_000, 4_000_000
 
 
-# ---- images -----------------------------------------------------------------------------------------------
-def distinct_jpeg(base: np.ndarray, index: int) -> bytes:
-    """`base` shifted by an index-dependent offset with the index stamped in as 32 8x8 blocks: distinct pixels
-    (and bytes) per index, the same size and photo-like statistics for all."""
-    from PIL import Image
-
-    h, w = base.shape[:2]
-    img = np.roll(base, shift=((17 * (index // w)) % h, index % w), axis=(0, 1))
-    for bit in range(32):
-        img[:8, 8 * bit:8 * bit + 8] = 255 if (index >> bit) & 1 else 0
-    buf = io.BytesIO()
-    Image.fromarray(img, "RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def make_jpegs(size: tuple[int, int], indices, seed: int = 0) -> list[bytes]:
-    from _service_setup import photo
-
-    base = photo(*size, seed=seed)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2)) as pool:
-        return list(pool.map(lambda i: distinct_jpeg(base, i), indices))
-
-
-def percentile(samples: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(samples, dtype=np.float64), q)) if samples else float("nan")
-
-
 # ---- load generator (child process) -----------------------------------------------------------------------
 def scrape(url: str) -> dict[str, float]:
     """Unlabelled samples of the service's /metrics (counters, histogram sums and counts)."""
@@ -109,17 +87,17 @@ def scrape(url: str) -> dict[str, float]:
 
 def server_side(before: dict, after: dict, wall_s: float) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    batches = d.get("encoder_encode_ms_count", 0.0)
+    batches = d.get("encoder_encode_seconds_count", 0.0)
     images = d.get("encoder_images_encoded_total", 0.0)
 
-    def mean(name):
+    def mean(name, scale=1.0):
         n = d.get(f"{name}_count", 0.0)
-        return d.get(f"{name}_sum", 0.0) / n if n else None
+        return scale * d.get(f"{name}_sum", 0.0) / n if n else None
 
     return dict(vit_batches=int(batches), vit_images=int(images),
                 images_per_batch=images / batches if batches else None,
-                patches_per_batch=mean("encoder_batch_patches"), vit_ms_per_batch=mean("encoder_encode_ms"),
-                preprocess_ms=mean("encoder_preprocess_ms"), queue_ms=mean("encoder_queue_ms"))
+                patches_per_batch=mean("encoder_batch_patches"), vit_ms_per_batch=mean("encoder_encode_seconds", 1e3),
+                preprocess_ms=mean("encoder_preprocess_seconds", 1e3), queue_ms=mean("encoder_queue_seconds", 1e3))
 
 
 async def run_level(url: str, images: list[bytes], concurrency: int, level_s: float, timeout_s: float) -> dict:
@@ -264,7 +242,6 @@ def model_only(core, cfg: dict, device) -> list[dict]:
     reference of the target."""
     import torch
 
-    from _service_setup import sync
     from encoder_service.engine.scheduler import batch_budget
     from encoder_service.preprocessing import preprocess
 
@@ -362,6 +339,7 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
+    parser.add_argument("--family", choices=FAMILIES, default=FAMILIES[0], help="the tower (default %(default)s)")
     from encoder_service.settings import ATTENTION, PREPROCESS_BACKENDS
 
     parser.add_argument("--attention", default="auto", choices=ATTENTION,
@@ -375,14 +353,10 @@ def main() -> int:
     if args.client:
         return client_main(args.client)
 
-    from _service_setup import bench_device, build_checkpoint, in_process_service, service_settings
     from encoder_service.api.service import bind_socket, build_core
-    from gpu_parity import REAL, setup_info
 
     device, dtype = bench_device(args.small, parser)
     cfg = CONFIGS["small" if args.small else "full"] | dict(levels=args.levels)
-    out_dir = Path(os.environ.get("OUT", "bench_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -391,9 +365,9 @@ def main() -> int:
         if args.small:
             from encoder_service.testing.tiny import build_tiny_checkpoint
 
-            build_tiny_checkpoint(FAMILY, checkpoint)
+            build_tiny_checkpoint(args.family, checkpoint)
         else:
-            build_checkpoint(FAMILY, False, device, dtype, checkpoint)
+            build_checkpoint(args.family, False, device, dtype, checkpoint)
         t_ckpt = time.perf_counter()
         http_sock = bind_socket("127.0.0.1", 0)
         settings = service_settings(
@@ -406,7 +380,8 @@ def main() -> int:
         print(f"checkpoint {t_ckpt - t_start:.1f} s, load + capture {t_core - t_ckpt:.1f} s, runner "
               f"{json.dumps({k: runner.get(k) for k in ('runner', 'graphs', 'capture_s', 'graph_mib')})}", flush=True)
         setup = setup_info(device, dtype, args.small) | dict(
-            model="tiny qwen2_5_vl (encoder_service/testing/tiny.py)" if args.small else "Qwen2.5-VL-7B vision tower",
+            model=f"tiny {args.family} (encoder_service/testing/tiny.py)" if args.small
+            else {"qwen2_5_vl": "Qwen2.5-VL-7B", "qwen3_vl": "Qwen3-VL-8B"}[args.family] + " vision tower",
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
             attention=f"{args.attention}: {runner.get('attention', {}).get('selected', {})}",
@@ -414,7 +389,7 @@ def main() -> int:
             # asyncio sets TCP_NODELAY on accepted connections only when the listening socket says IPPROTO_TCP
             http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
         if not args.small:
-            setup["vision"] = json.dumps(REAL[FAMILY])
+            setup["vision"] = json.dumps(REAL[args.family])
         model = model_only(core, cfg, device)
         t_model = time.perf_counter()
 
@@ -470,10 +445,9 @@ def main() -> int:
                      "written in two parts waits for the client's delayed ACK (~40 ms on Linux loopback). HTTP "
                      "latencies above include that stall.")
     report = markdown(setup, model, levels, fetch, summary, checks, notes)
-    (out_dir / "load_bench.json").write_text(json.dumps(
-        dict(setup=setup, summary=summary, model_only=model, levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
-             targets=dict(service_fraction=SERVICE_TARGET, fetch_p50_ms=FETCH_TARGET_MS)), indent=2))
-    (out_dir / "load_bench.md").write_text(report)
+    write_result("load_bench", setup, dict(
+        summary=summary, model_only=model, levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
+        targets=dict(service_fraction=SERVICE_TARGET, fetch_p50_ms=FETCH_TARGET_MS)), report)
     print(report)
     print(f"total {t_end - t_start:.1f} s")
     return 1 if checks else 0

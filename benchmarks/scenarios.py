@@ -16,16 +16,15 @@ many-images: one request with 64 images of 2560x1440 completes (encode wait=True
     python benchmarks/scenarios.py --small                 # CPU: tiny tower, small images (smoke test)
     python benchmarks/scenarios.py --shm                   # fetches through shared memory, not the socket
 
-Prints one markdown table per scenario and writes $OUT/scenarios.json and $OUT/scenarios.md
-(OUT defaults to ./gpu_out). Exits 1 if a check fails (row counts, or the many-images peak growing with
-the image count).
+Prints one markdown table per scenario and writes benchmarks/results/scenarios-<date>-<commit>.json and
+$OUT/scenarios.md (benchmarks/common/report.py: where, with and without OUT). Exits 1 if a check fails (row
+counts, or the many-images peak growing with the image count).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -35,17 +34,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _service_setup import (  # noqa: E402
-    bench_device,
-    build_checkpoint,
-    in_process_service,
-    jpeg,
-    service_settings,
-    sync,
-)
-from gpu_parity import REAL, SMALL, setup_info  # noqa: E402
-
+from benchmarks.common.device import bench_device, sync  # noqa: E402
+from benchmarks.common.images import jpeg  # noqa: E402
+from benchmarks.common.models import REAL, SMALL, build_checkpoint  # noqa: E402
+from benchmarks.common.report import setup_info, write_result  # noqa: E402
+from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
 from encoder_service.api.service import bind_socket  # noqa: E402
 from encoder_service.client import EncoderClient  # noqa: E402
 
@@ -188,12 +181,8 @@ def main() -> int:
         later = turns[1:] or turns  # round 1 has nothing cached
         setup["median_speedup_rounds_2_plus"] = round(statistics.median(t["speedup"] for t in later), 2)
 
-    out_dir = Path(os.environ.get("OUT", "gpu_out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = markdown(setup, turns, many, checks)
-    (out_dir / "scenarios.json").write_text(json.dumps(dict(setup=setup, multi_turn=turns, many_images=many,
-                                                            failed_checks=checks), indent=2))
-    (out_dir / "scenarios.md").write_text(report)
+    write_result("scenarios", setup, dict(multi_turn=turns, many_images=many, failed_checks=checks), report)
     print(report)
     return 1 if checks else 0
 

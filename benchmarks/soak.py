@@ -21,8 +21,9 @@ Load: --concurrency workers, each running "sessions" (one prompt of an LLM serve
 Every request has a timeout (--request-timeout-s); the whole run a hard limit (--seconds + 120 s).
 
 Prints the setup, requests and errors by status per op, p50 / p99 latency per op, RSS per process, and a
-few of the replicas' own counters; writes the same as JSON with --json. Exit status 1 on any error status
-or wrong row.
+few of the replicas' own counters; writes the same to benchmarks/results/soak-<date>-<commit>.json and
+$OUT/soak.md (benchmarks/common/report.py: where, with and without OUT), or the JSON alone to --json. Exit
+status 1 on any error status or wrong row.
 
     python benchmarks/soak.py --seconds 240                  # 2 replicas + Redis, tiny model, CPU
     python benchmarks/soak.py --replicas 1 --no-redis --seconds 60
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime
 import json
 import os
 import random
@@ -49,9 +49,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common.report import stamp, write_result  # noqa: E402
+from benchmarks.common.stats import percentile  # noqa: E402
 from encoder_service import errors  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
-from load_bench import percentile  # noqa: E402 - this script's folder is on sys.path
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes, png_chunk  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
@@ -99,7 +100,7 @@ class Replica(ServiceProcess):
     def counters(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        wanted = ("encoder_cache_creates_total", "encoder_cache_local_evictions_total",
+        wanted = ("encoder_cache_misses_total", "encoder_cache_local_evictions_total",
                   "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
                   "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
                   "encoder_cache_redis_pending_timeouts_total", "encoder_pending_unmarked_total",
@@ -238,7 +239,7 @@ def main() -> int:
     p.add_argument("--lease-s", type=float, default=60.0)
     p.add_argument("--request-timeout-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="where the JSON goes (default: benchmarks/results/)")
     args = p.parse_args()
     if args.replicas < 1 or args.concurrency < 1 or args.seconds <= 0:
         p.error("--replicas, --concurrency and --seconds must be positive")
@@ -274,8 +275,7 @@ def main() -> int:
         if redis is not None:
             redis.stop()
         print(f"checkpoint and replica logs: {work} (removed when the run passes)", file=sys.stderr)
-    setup = {
-        "date": datetime.date.today().isoformat(),
+    setup = stamp() | {
         "machine": f"{os.cpu_count()} CPU cores, {torch.__version__}, Python {sys.version.split()[0]}",
         "model": f"tiny random {args.family} (encoder_service/testing/tiny.py), CPU, float32",
         "replicas": f"{args.replicas} (subprocesses), " + ("no Redis" if redis is None else
@@ -287,14 +287,17 @@ def main() -> int:
     text = report(setup, load, elapsed, rss, counters)
     print(text)
     errors_seen = sum(n for c in load.statuses.values() for s, n in c.items() if s != "ok")
-    if args.json is not None:
-        args.json.write_text(json.dumps({
-            "setup": setup, "sessions": load.sessions, "elapsed_s": elapsed, "wrong_rows": load.wrong_rows,
-            "other_encodes": load.other_encodes,
-            "statuses": {op: dict(c) for op, c in load.statuses.items()}, "first_errors": load.first_errors,
-            "p50_ms": {op: percentile(v, 50) for op, v in load.latency_ms.items()},
-            "p99_ms": {op: percentile(v, 99) for op, v in load.latency_ms.items()},
-            "rss_mib": rss, "counters": counters}, indent=2))
+    result = {
+        "sessions": load.sessions, "elapsed_s": elapsed, "wrong_rows": load.wrong_rows,
+        "other_encodes": load.other_encodes,
+        "statuses": {op: dict(c) for op, c in load.statuses.items()}, "first_errors": load.first_errors,
+        "p50_ms": {op: percentile(v, 50) for op, v in load.latency_ms.items()},
+        "p99_ms": {op: percentile(v, 99) for op, v in load.latency_ms.items()},
+        "rss_mib": rss, "counters": counters}
+    if args.json is None:
+        write_result("soak", setup, result, text + "\n")
+    else:
+        args.json.write_text(json.dumps({"setup": setup, **result}, indent=2))
     if errors_seen or load.wrong_rows:
         return 1
     shutil.rmtree(work, ignore_errors=True)

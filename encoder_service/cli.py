@@ -95,9 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve(ns, os.environ)
     except SettingsError as exc:
         parser.error(str(exc))
+    from encoder_service.api.requests import install_log_ids
+
+    install_log_ids()  # every line names the request it was written for ("-" outside requests)
     level = settings.server.log_level.upper()
     logging.basicConfig(level=logging.DEBUG if level == "TRACE" else level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
     try:
         settings = resolve_demo_model(settings)
         asyncio.run(serve(settings))

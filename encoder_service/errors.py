@@ -1,4 +1,5 @@
-"""One error type for the whole service, mapped once per transport (HTTP status / gRPC code).
+"""One error type for the whole service, mapped once per transport (HTTP status / gRPC code) by its `kind`
+(protocol/errors.py has the table).
 
 Raise a subclass with a message that names what was wrong, the limit and the value.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 
 class EncoderServiceError(Exception):
-    """Base class. `kind` selects the transport mapping (see `api/errors.py`)."""
+    """Base class. `kind` selects the transport mapping (protocol/errors.py: KINDS)."""
 
     kind = "internal"
 
@@ -35,11 +36,19 @@ class ImageDecodeError(InvalidInput):
     """Bytes that are not a decodable image (corrupt, truncated, unknown format)."""
 
 
-class LimitExceeded(InvalidInput):
-    """A configured limit was exceeded (bytes, pixels, aspect ratio, image count).
+class VideoDecodeError(InvalidInput):
+    """Bytes that are not a decodable video (corrupt, truncated, unsupported container or codec, no video
+    stream, no frames)."""
 
-    HTTP 413 for body size, else 400 / INVALID_ARGUMENT.
-    """
+
+class UnsupportedMediaType(InvalidInput):
+    """A body of a content type the endpoint does not take. HTTP 415 / INVALID_ARGUMENT."""
+
+    kind = "unsupported_media_type"
+
+
+class LimitExceeded(InvalidInput):
+    """A configured limit was exceeded (bytes, pixels, aspect ratio, image count). HTTP 400 / INVALID_ARGUMENT."""
 
     kind = "limit"
 
@@ -48,10 +57,23 @@ class LimitExceeded(InvalidInput):
         self.what, self.value, self.limit = what, value, limit
 
 
+class PayloadTooLarge(LimitExceeded):
+    """The request body is over --max-body-bytes. HTTP 413 / INVALID_ARGUMENT."""
+
+    kind = "payload_too_large"
+
+
 class NotFound(EncoderServiceError):
     """Unknown or evicted id. HTTP 404 / NOT_FOUND."""
 
     kind = "not_found"
+
+
+class Conflict(EncoderServiceError):
+    """An id sent with other content than it already names (a caller id reused for another image): an id
+    never names two contents. HTTP 409 / ALREADY_EXISTS."""
+
+    kind = "conflict"
 
 
 class Overloaded(EncoderServiceError):

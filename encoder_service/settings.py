@@ -8,6 +8,7 @@ value. Sizes accept plain integers and units ("64MiB", "4GiB", "1.5GB").
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,12 +16,16 @@ from typing import Callable, Mapping, Sequence
 
 from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 
+log = logging.getLogger(__name__)
+
 HASHES = ("blake3", "xxh3_128", "sha256")
 DTYPES = ("bfloat16", "float16", "float32")
 # Preprocessing backends (preprocessing/backends.py): the Pillow pipeline on CPU threads; transformers'
-# torchvision pipeline on the model's device, JPEGs decoded with nvJPEG on CUDA; the same with every image
-# decoded by Pillow (pixels exactly those transformers gets from a PIL image).
-PREPROCESS_BACKENDS = ("pil", "torchvision", "torchvision-pil-decode")
+# torchvision pipeline on the model's device, every image decoded by Pillow (pixels exactly those transformers
+# gets from a PIL image); the same with JPEGs decoded by nvJPEG on CUDA (faster, not exact: opt-in).
+PREPROCESS_BACKENDS = ("pil", "torchvision", "torchvision-nvjpeg")
+# Old names, accepted with a warning for one release: old -> what it is now.
+PREPROCESS_ALIASES = {"torchvision-pil-decode": "torchvision"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --attention: ops/attention.py's CHOICES (kept here so that settings import no torch).
 ATTENTION = ("auto", "fa4", "torch")
@@ -95,6 +100,7 @@ class ServerSettings:
     grpc_port: int  # 0: gRPC off
     auth_token: str | None = field(repr=False)
     log_level: str
+    access_log: bool = False  # one INFO line per request (api/requests.py), on every transport
     shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
@@ -184,6 +190,16 @@ def _choice(options: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
+def _preprocess(text: str) -> str:
+    t = str(text).strip().lower()
+    if t in PREPROCESS_ALIASES:
+        log.warning("--preprocess / ENCODER_PREPROCESS %s is deprecated and goes in the next release: use %s, "
+                    "which now decodes every image with Pillow as %s did (nvJPEG is torchvision-nvjpeg)",
+                    t, PREPROCESS_ALIASES[t], t)
+        return PREPROCESS_ALIASES[t]
+    return _choice(PREPROCESS_BACKENDS)(t)
+
+
 def _device(text: str) -> str:
     t = str(text).strip().lower()
     if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", t):
@@ -197,8 +213,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "revision": (str, None, "hub revision"),
     "device": (_device, None, "cuda if available else cpu"),
     "dtype": (_choice(DTYPES), None, "bfloat16 on GPU, float32 on CPU"),
-    "preprocess": (_choice(PREPROCESS_BACKENDS), None,
-                   "image preprocessing backend: torchvision on CUDA, pil elsewhere"),
+    "preprocess": (_preprocess, None, "image preprocessing backend: torchvision on CUDA, pil elsewhere; "
+                                      "torchvision-nvjpeg decodes JPEGs with nvJPEG (faster, not bit-exact)"),
     "host": (str, "127.0.0.1", "bind address of both servers"),
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
@@ -221,6 +237,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images may name (none: URLs off)"),
     "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
+    "access_log": (parse_bool, "false", "log one line per request (transport, method, outcome, seconds, request id)"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
     "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
@@ -228,7 +245,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "sglang_port": (_port, "8100", "port of the SGLang protocol (its /encode, /scheduler_receive_url, /health)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
-_SWITCHES = ("cuda_graphs", "shm_fetch", "sglang_protocol")
+_SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol")
 
 
 def _url(text: str) -> str:
@@ -382,6 +399,7 @@ def _build(v: dict) -> Settings:
                             preprocess=preprocess),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
+                              access_log=v["access_log"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"],
                               sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],

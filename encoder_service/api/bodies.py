@@ -10,14 +10,14 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.types import Message, Receive
 
-from encoder_service.errors import InvalidInput, LimitExceeded
+from encoder_service.errors import InvalidInput, PayloadTooLarge
 
 
 def bounded(request: Request, limit: int) -> Request:
-    """A view of `request` whose body reads raise LimitExceeded past `limit` bytes (never buffered beyond)."""
+    """A view of `request` whose body reads raise PayloadTooLarge past `limit` bytes (never buffered beyond)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise LimitExceeded("request body bytes (Content-Length)", int(declared), limit)
+        raise PayloadTooLarge("request body bytes (Content-Length)", int(declared), limit)
     received = 0
     receive: Receive = request.receive
 
@@ -27,7 +27,7 @@ def bounded(request: Request, limit: int) -> Request:
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
             if received > limit:
-                raise LimitExceeded("request body bytes", f"over {limit}", limit)
+                raise PayloadTooLarge("request body bytes", f"over {limit}", limit)
         return message
 
     return Request(request.scope, bounded_receive)

@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
+from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import FetchItem, ImageInput
 from encoder_service.errors import EncoderServiceError, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
@@ -67,25 +67,25 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self._core = core
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
-        async with self._rpc(context, "encode"):
+        async with self._rpc(context, "encode") as call:
             images = [_image_input(img) for img in request.images]
             result = await self._core.encode(images, wait=request.wait, return_embeddings=request.return_embeddings,
                                              timeout_s=_time_left(context))  # the core waits for embeddings
-            context.set_trailing_metadata(timing_headers(result.timings))
+            call.trailing(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
 
     async def Fetch(self, request: pb.FetchRequest, context) -> None:
         # context.write rather than an async generator: a client that goes away cancels this coroutine at
         # its pending write, so the rows are released at once (a dropped generator waits for the GC).
-        async with self._rpc(context, "fetch"):
+        async with self._rpc(context, "fetch") as call:
             items = [FetchItem(id=i.id, offset=i.offset) for i in request.items]
             shm = (ShmTarget(request.shm.name, request.shm.offset, request.shm.by_position)
                    if request.HasField("shm") else None)
             result = await self._core.fetch(items, request.start, request.end, timeout_s=_time_left(context),
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
-            context.set_trailing_metadata(timing_headers(result.timings))
+            call.trailing(timing_headers(result.timings))
             header = msgs.header_to_proto(wire.WireHeader.of_fetch(result))
             if shm is not None:  # the rows are in the client's file: the header alone answers
                 header.shm_bytes = result.shm_bytes
@@ -106,25 +106,34 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     @contextlib.asynccontextmanager
     async def _rpc(self, context, method: str | None = None):
-        """The one place errors become gRPC statuses; request metrics (as HTTP counts them) for `method`."""
-        t0, outcome = time.perf_counter(), "ok"
-        metrics = self._core.metrics if method else None
-        if metrics:
-            metrics.in_flight.inc()
-        try:
-            yield
-        except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
-            outcome = "cancelled"
-            log.debug("gRPC %s cancelled by the client", method or "call")
-            raise
-        except Exception as exc:
-            outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
-            await _abort(context, exc)
-        finally:
-            if metrics:
-                metrics.in_flight.dec()
-                metrics.requests.labels(method=method, outcome=outcome).inc()
-                metrics.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
+        """The one place errors become gRPC statuses. A `method` is served as HTTP serves its requests
+        (api/requests.py: request id in the trailing metadata, metrics, access line)."""
+        core = self._core
+        given = dict(context.invocation_metadata() or ()).get(REQUEST_ID)
+        with (served(core.metrics, "grpc", method, given, access_log=core.settings.server.access_log) if method
+              else contextlib.nullcontext()) as serving:
+            call = _Call(context, serving.request_id if serving is not None else None)
+            call.trailing()
+            try:
+                yield call
+            except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
+                log.debug("gRPC %s cancelled by the client", method or "call")
+                raise
+            except Exception as exc:
+                if serving is not None:
+                    serving.observed.failed(exc)
+                await _abort(context, exc, call.metadata)
+
+
+class _Call:
+    """One call's trailing metadata: what its handler adds (the timings) and its request id."""
+
+    def __init__(self, context, request_id: str | None):
+        self._context = context
+        self.metadata: tuple[tuple[str, str], ...] = () if request_id is None else ((REQUEST_ID, request_id),)
+
+    def trailing(self, pairs: tuple[tuple[str, str], ...] = ()) -> None:
+        self._context.set_trailing_metadata((*pairs, *self.metadata))
 
 
 def _time_left(context) -> float | None:
@@ -141,14 +150,15 @@ def _image_input(img: pb.Image) -> ImageInput:
                       caller_id=img.caller_id or None)
 
 
-async def _abort(context, exc: Exception):
-    """Ends the RPC with the status api/errors.py gives `exc` (raises grpc's AbortError)."""
+async def _abort(context, exc: Exception, metadata: tuple[tuple[str, str], ...] = ()):
+    """Ends the RPC with the status api/errors.py gives `exc`, `metadata` in its trailing metadata (raises
+    grpc's AbortError)."""
     if isinstance(exc, EncoderServiceError):
         kind, message = exc.kind, exc.message
     else:  # a bug, not a request problem: keep the traceback in the log, not in the answer
         log.exception("gRPC %s failed", type(exc).__name__)
         kind, message = "internal", "internal error"
-    trailing = [(msgs.ERROR_KIND, kind)]
+    trailing = [(msgs.ERROR_KIND, kind), *metadata]
     if isinstance(exc, Overloaded):
         trailing.append((msgs.RETRY_AFTER_S, f"{exc.retry_after_s:g}"))
     await context.abort(api_errors.grpc_code(exc), message, trailing_metadata=tuple(trailing))

@@ -11,29 +11,33 @@ POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode
 GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
      /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
-JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400.
+JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400;
+so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
+Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
+the three POSTs carries its request id (x-request-id: api/requests.py).
 A client that goes away mid-upload is counted as the outcome `cancelled` and logged at debug.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
+from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
-from encoder_service.errors import EncoderServiceError, InvalidInput
+from encoder_service.errors import EncoderServiceError, InvalidInput, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
+from encoder_service.protocol.errors import kind_from_status
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
 
@@ -89,12 +93,19 @@ def create_app(core: EncoderCore) -> FastAPI:
     settings = core.settings
     auth = BearerAuth(settings.server.auth_token)
     max_body = settings.limits.max_body_bytes
-    metrics = core.metrics
+    metrics, access_log = core.metrics, settings.server.access_log
     app = FastAPI(title="encoder_service", version="1", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(EncoderServiceError)
     async def _service_error(request: Request, exc: EncoderServiceError):
         return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _framework_error(request: Request, exc: HTTPException):
+        """Starlette's own answers (an unknown path, a method a path does not take) in our error shape."""
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        body = {"error": {"kind": kind_from_status(exc.status_code) or "invalid_input", "message": message}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health/live")
     async def live():
@@ -118,41 +129,35 @@ def create_app(core: EncoderCore) -> FastAPI:
 
     @app.post("/v1/encode")
     async def encode(request: Request):
-        return await _observed("encode", lambda: _encode(request))
+        return await _served(request, "encode", _encode)
 
     @app.post("/v1/fetch")
     async def fetch(request: Request):
-        return await _observed("fetch", lambda: _fetch(request))
+        return await _served(request, "fetch", _fetch)
 
     @app.post("/v1/release")
     async def release(request: Request):
-        return await _observed("release", lambda: _release(request))
+        return await _served(request, "release", _release)
 
-    async def _observed(method: str, handler):
-        """Request metrics around one handler; errors are answered here so they are counted too."""
-        t0 = time.perf_counter()
-        metrics.in_flight.inc()
-        outcome = "ok"
-        try:
-            return await handler()
-        except EncoderServiceError as exc:
-            outcome = exc.kind
-            return _error_response(exc)
-        except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
-            outcome = "cancelled"
-            log.debug("HTTP %s: the client disconnected before its body arrived", method)
-            return Response(status_code=499)  # "client closed request" (nginx's code), for access logs only
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
-            outcome = "internal"
-            log.exception("HTTP %s failed", method)
-            return _error_response(exc)
-        finally:
-            metrics.in_flight.dec()
-            metrics.requests.labels(method=method, outcome=outcome).inc()
-            metrics.request_ms.labels(method=method).observe((time.perf_counter() - t0) * 1e3)
+    async def _served(request: Request, method: str, handler) -> Response:
+        """One request (api/requests.py: its id, metrics, access line) around its handler; errors are answered
+        here so they are counted too. Every answer carries the request id."""
+        with served(metrics, "http", method, request.headers.get(REQUEST_ID), access_log=access_log) as serving:
+            try:
+                response = await handler(request)
+            except EncoderServiceError as exc:
+                serving.observed.failed(exc)
+                response = _error_response(exc)
+            except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
+                serving.observed.cancelled()
+                log.debug("HTTP %s: the client disconnected before its body arrived", method)
+                response = Response(status_code=499)  # "client closed request" (nginx's code), for access logs
+            except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
+                serving.observed.failed(exc)
+                log.exception("HTTP %s failed", method)
+                response = _error_response(exc)
+            response.headers[REQUEST_ID] = serving.request_id
+            return response
 
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
@@ -174,9 +179,7 @@ def create_app(core: EncoderCore) -> FastAPI:
         result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s)
         out = []
         for i, info in enumerate(result.images):
-            d = {"id": info.id, "grid_thw": list(info.grid_thw), "num_tokens": info.num_tokens,
-                 "row_width": info.row_width, "hidden_size": info.hidden_size, "layout": info.layout,
-                 "dtype": info.dtype, "cached": info.cached}
+            d = info.to_json()
             if result.embeddings is not None:
                 rows = result.embeddings[i]
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
@@ -223,8 +226,8 @@ def _error_response(exc: Exception) -> JSONResponse:
     return JSONResponse(api_errors.error_body(exc), status_code=api_errors.http_status(exc), headers=headers)
 
 
-def _unsupported(ctype: str, expected: str) -> InvalidInput:
-    return api_errors.UnsupportedMediaType(f"content type {ctype or '(none)'!r} is not accepted here; send {expected}")
+def _unsupported(ctype: str, expected: str) -> UnsupportedMediaType:
+    return UnsupportedMediaType(f"content type {ctype or '(none)'!r} is not accepted here; send {expected}")
 
 
 def _content_type(request: Request) -> str:
@@ -239,7 +242,11 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
 
 async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:
     # One more file than allowed so the core's count check names the limit (instead of the parser's).
-    async with request.form(max_files=max_images + 1, max_fields=max_images + 16) as form:
+    try:
+        form = await request.form(max_files=max_images + 1, max_fields=max_images + 16)
+    except HTTPException as exc:  # the parser's own 400: no boundary, no boundary lines, too many parts
+        raise InvalidInput(f"multipart body: {exc.detail}") from None
+    try:
         images = []
         for part in form.getlist("image"):
             data = await part.read() if hasattr(part, "read") else str(part).encode()
@@ -247,6 +254,8 @@ async def _multipart_images(request: Request, max_images: int) -> list[ImageInpu
         if not images and len(form) > 0:
             raise InvalidInput(f"multipart body has no 'image' field (got fields {sorted(set(form.keys()))})")
         return images
+    finally:
+        await form.close()  # its spooled files
 
 
 def _qbool(q, name: str) -> bool:

@@ -16,6 +16,7 @@ import time
 
 import uvicorn
 
+from encoder_service.api.requests import install_log_ids
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
 from encoder_service.settings import Settings, format_size
@@ -78,6 +79,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class Service:
     def __init__(self, settings: Settings, *, core: EncoderCore | None = None, http_sock: socket.socket | None = None,
                  sglang_sock: socket.socket | None = None):
+        install_log_ids()  # log records name the request they were written for (api/requests.py)
         self.settings = settings
         self.core = core
         self._http_sock = http_sock

@@ -4,10 +4,12 @@ subscriber.py), and the store that ties them together (store.py)."""
 
 from encoder_service.cache.entry import CorruptEntry, Entry, EntryHeader
 from encoder_service.cache.handoff import EncodeFailed, Settled
-from encoder_service.cache.keys import CacheKey, caller_key, key_from_id, make_key, model_fingerprint
+from encoder_service.cache.keys import (
+    CacheKey, caller_key, content_tag, key_from_id, make_key, model_fingerprint, other_content,
+)  # fmt: skip
 from encoder_service.cache.store import EmbeddingStore
 
 __all__ = [
     "CacheKey", "CorruptEntry", "EmbeddingStore", "EncodeFailed", "Entry", "EntryHeader", "Settled",
-    "caller_key", "key_from_id", "make_key", "model_fingerprint",
+    "caller_key", "content_tag", "key_from_id", "make_key", "model_fingerprint", "other_content",
 ]  # fmt: skip

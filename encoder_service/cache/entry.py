@@ -8,8 +8,10 @@ Serialized value (all integers little-endian, no pickle):
     [main | ds1 | ds2 | ds3], so rows [a, b) are the bytes HEADER_LEN + a*row_bytes .. HEADER_LEN + b*row_bytes - 1
     and Redis GETRANGE can read a chunk's rows without the rest.
   - trailer: xxh3_64 of each block of `block_rows` rows (about BLOCK_TARGET_BYTES each).
-  - header: magic, version, dtype, num_rows, row_width, block_rows, grid_thw, layout, `key_tag` (xxh3_64 of
-    the key the value was written under, so a valid entry stored under the wrong key reads as foreign),
+  - header: magic, version, dtype, num_rows, row_width, block_rows, grid_thw, layout, `content_tag` (of the
+    image bytes a caller id was encoded from, keys.py: content_tag; 0 for content-hash keys, which are their
+    content: so that every replica reading the entry can tell when an id is sent with other bytes), `key_tag`
+    (xxh3_64 of the key the value was written under, so a valid entry stored under the wrong key reads as foreign),
     `payload_digest` (xxh3_64 of the trailer: a checksum of the payload through its block checksums) and
     `header_digest` (xxh3_64 of the header bytes before it).
 
@@ -43,18 +45,21 @@ warnings.filterwarnings(
 )
 
 MAGIC = b"ESEM"
-VERSION = 1
+VERSION = 2  # 1: no content_tag, a 32-byte layout (read still, as content_tag 0)
 CHECKSUM_XXH3_64 = 1
 BLOCK_TARGET_BYTES = 64 * 1024
-LAYOUT_BYTES = 32
+LAYOUT_BYTES = 24
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
-# magic, version, dtype, checksum algo, num_rows, row_width, block_rows, t, h, w, layout, key_tag, payload_digest
-_FIELDS = struct.Struct("<4sHBBIIIIII32sQQ")
+# magic, version, dtype, checksum algo, num_rows, row_width, block_rows, t, h, w, layout, content_tag, key_tag,
+# payload_digest
+_FIELDS = struct.Struct("<4sHBBIIIIII24sQQQ")
+_FIELDS_V1 = struct.Struct("<4sHBBIIIIII32sQQ")  # the same 80 bytes: version 2 took 8 of the layout's 32
 _DIGEST = struct.Struct("<Q")
 HEADER_LEN = _FIELDS.size + _DIGEST.size  # 88
+assert _FIELDS_V1.size == _FIELDS.size
 
 
 class CorruptEntry(EncoderServiceError):
@@ -80,6 +85,7 @@ class EntryHeader:
     layout: str
     key_tag: int = 0
     payload_digest: int = 0
+    content_tag: int = 0  # of a caller id's image bytes; 0: not recorded (a content-hash key is its content)
 
     @property
     def row_bytes(self) -> int:
@@ -119,7 +125,7 @@ class EntryHeader:
         layout = self.layout.encode("ascii")
         fields = _FIELDS.pack(
             MAGIC, VERSION, DTYPE_CODES[self.dtype], CHECKSUM_XXH3_64, self.num_rows, self.row_width,
-            self.block_rows, *self.grid_thw, layout, self.key_tag, self.payload_digest,
+            self.block_rows, *self.grid_thw, layout, self.content_tag, self.key_tag, self.payload_digest,
         )  # fmt: skip
         return fields + _DIGEST.pack(xxhash.xxh3_64_intdigest(fields))
 
@@ -129,14 +135,20 @@ class EntryHeader:
         if len(buf) < HEADER_LEN:
             raise CorruptEntry(f"value is {len(buf)} bytes, shorter than the {HEADER_LEN}-byte header")
         fields = bytes(buf[: _FIELDS.size])
-        (magic, version, dtype_code, algo, num_rows, row_width, block_rows, t, h, w, layout, tag,
-         payload_digest) = _FIELDS.unpack(fields)  # fmt: skip
+        magic, version = struct.unpack_from("<4sH", fields)
         if magic != MAGIC:
             raise CorruptEntry(f"foreign value: magic {magic!r}, expected {MAGIC!r}")
         (stored,) = _DIGEST.unpack(bytes(buf[_FIELDS.size : HEADER_LEN]))
         if stored != xxhash.xxh3_64_intdigest(fields):
             raise CorruptEntry("header checksum mismatch")
-        if version != VERSION or algo != CHECKSUM_XXH3_64 or dtype_code not in CODE_DTYPES:
+        if version == 1:
+            (_, _, dtype_code, algo, num_rows, row_width, block_rows, t, h, w, layout, tag,
+             payload_digest) = _FIELDS_V1.unpack(fields)  # fmt: skip
+            content = 0
+        else:
+            (_, _, dtype_code, algo, num_rows, row_width, block_rows, t, h, w, layout, content, tag,
+             payload_digest) = _FIELDS.unpack(fields)  # fmt: skip
+        if version not in (1, VERSION) or algo != CHECKSUM_XXH3_64 or dtype_code not in CODE_DTYPES:
             raise CorruptEntry(f"unsupported entry: version {version}, checksum {algo}, dtype {dtype_code}")
         if num_rows == 0 or row_width == 0 or block_rows == 0:
             raise CorruptEntry("entry header has zero rows, width or block size")
@@ -144,7 +156,7 @@ class EntryHeader:
             raise CorruptEntry(f"foreign value: written under another key than {key}")
         return cls(
             CODE_DTYPES[dtype_code], num_rows, row_width, block_rows, (t, h, w),
-            layout.rstrip(b"\0").decode("ascii"), tag, payload_digest,
+            layout.rstrip(b"\0").decode("ascii"), tag, payload_digest, content,
         )  # fmt: skip
 
 
@@ -189,10 +201,11 @@ class Entry:
 
     @classmethod
     def from_rows(
-        cls, rows: torch.Tensor, grid_thw, layout: str, *, block_bytes: int = BLOCK_TARGET_BYTES, copy: bool = True
+        cls, rows: torch.Tensor, grid_thw, layout: str, *, block_bytes: int = BLOCK_TARGET_BYTES, copy: bool = True,
+        content_tag: int = 0,
     ) -> Entry:
         """The entry of `rows` [num_tokens, row_width]. `block_bytes`: size of a checksummed block (rounded
-        to whole rows; one row at least).
+        to whole rows; one row at least). `content_tag`: of the image bytes, for an entry under a caller id.
 
         Copies by default: a view into a batch output (or a CUDA-graph static buffer) would pin the whole
         batch in memory or change under us. A device tensor is copied to the host here (synchronizing).
@@ -210,7 +223,7 @@ class Entry:
         row_bytes = row_width * tensor.dtype.itemsize
         header = EntryHeader(
             tensor.dtype, num_rows, row_width, max(1, block_bytes // row_bytes),
-            tuple(int(x) for x in grid_thw), layout,
+            tuple(int(x) for x in grid_thw), layout, content_tag=content_tag,
         )  # fmt: skip
         return cls(header, tensor)
 

@@ -6,7 +6,10 @@ no-wait encode reach Redis only after the ViT ran and the write-behind queue got
 
   - A, when it accepts an id (before it answers `encode`), SETs a small *pending marker* next to the entry
     (`RedisTier.mark_pending`), with a TTL of the encode's lease: an encode not done within its lease is
-    abandoned (the engine drops it), and a crashed A cannot make others wait longer than that.
+    abandoned (the engine drops it), and a crashed A cannot make others wait longer than that. A caller id's
+    marker carries the content tag of its bytes (`pending <16 hex>`; keys.py: content_tag), as its entry's
+    header will: a replica asked to encode the id with other bytes meanwhile sees the conflict
+    (`RedisTier.content_tags`).
   - A settles the marker and then PUBLISHes the outcome on a channel of the marker's name, always in that
     order (state first, message second):
       landed  the rows' SET succeeded: DEL marker, PUBLISH "landed";
@@ -76,6 +79,25 @@ def marker_name(name: str) -> str:
     if prefix == KEY_PREFIX and sep and sep2:
         return f"{KEY_PREFIX}:{fp}:pending:{tail}"
     return f"{name}:pending"
+
+
+def pending_value(content_tag: int = 0) -> bytes:
+    """A pending marker's value: `pending`, with the content tag of a caller id's bytes when recorded."""
+    return PENDING + b" %016x" % content_tag if content_tag else PENDING
+
+
+def is_pending(value: bytes | None) -> bool:
+    return value is not None and (value == PENDING or value.startswith(PENDING + b" "))
+
+
+def pending_tag(value: bytes | None) -> int:
+    """The content tag a pending marker carries; 0 when none (or not a pending marker)."""
+    if not is_pending(value) or value == PENDING:
+        return 0
+    try:
+        return int(value[len(PENDING) + 1:], 16)
+    except ValueError:
+        return 0
 
 
 def failure_value(kind: str, message: str) -> bytes:

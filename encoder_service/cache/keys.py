@@ -10,6 +10,10 @@ A key has two parts:
 
 Full key (Redis and local tier): `encsvc:<model_fp>:c:<algo>:<hex>` or `encsvc:<model_fp>:u:<caller id>`.
 Key names never contain braces (Redis Cluster would treat `{...}` as a hash tag).
+
+A caller id must never name two contents: the `content_tag` of the bytes it was first encoded from goes
+with its entry (entry.py's header, so every replica reading it knows), its flight and its pending marker;
+an encode of the same id with other bytes is a Conflict.
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ def content_hash(data: bytes | memoryview, algo: str = "blake3") -> str:
     if algo == "sha256":
         return hashlib.sha256(data).hexdigest()[:32]
     raise InvalidInput(f"hash algorithm is {algo!r}, expected one of {', '.join(HASH_ALGOS)}")
+
+
+def content_tag(data: bytes | memoryview) -> int:
+    """64-bit tag of an image's encoded bytes (xxh3_64, never 0: 0 means "not recorded")."""
+    return xxhash.xxh3_64_intdigest(data) or 1
+
+
+def other_content(tag: int, recorded: int) -> bool:
+    """Whether `tag` and a `recorded` one say two different contents (0, not recorded, conflicts with none)."""
+    return tag != 0 and recorded != 0 and tag != recorded
 
 
 def _canonical(value: Any) -> Any:

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -41,7 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from encoder_service.cache import handoff
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
-from encoder_service.cache.handoff import LANDED, PENDING, EncodeFailed, Settled, marker_name
+from encoder_service.cache.handoff import LANDED, EncodeFailed, Settled, is_pending, marker_name, pending_value
 from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout_at
 from encoder_service.cache.subscriber import Subscriber, SubscriberLost
 
@@ -287,16 +287,18 @@ class RedisTier:
 
     # ---- handoff between replicas (handoff.py) --------------------------------------------------
 
-    async def mark_pending(self, keys: Sequence[str], ttl_s: float) -> bool:
+    async def mark_pending(self, keys: Sequence[str], ttl_s: float, tags: Mapping[str, int] | None = None) -> bool:
         """Mark `keys` pending (accepted here, being encoded), for `ttl_s` (the encode's lease), so a fetch on
-        another replica waits for them instead of answering 404. Awaited before `encode` answers: one round
-        trip for all keys. False (nothing marked) while down or paused by OOM (the rows could not be stored
-        either: a fetch elsewhere then answers 404, as without markers), or on an error."""
+        another replica waits for them instead of answering 404; a key's marker carries its content tag from
+        `tags`, if any (a caller id's bytes). Awaited before `encode` answers: one round trip for all keys.
+        False (nothing marked) while down or paused by OOM (the rows could not be stored either: a fetch
+        elsewhere then answers 404, as without markers), or on an error."""
         if not keys or self._not_writing() is not None:
             return False
         px = max(1, int(ttl_s * 1000))
+        tags = tags or {}
         try:
-            await self._conns.pipelined(*(("set", marker_name(k), PENDING, px) for k in keys))
+            await self._conns.pipelined(*(("set", marker_name(k), pending_value(tags.get(k, 0)), px) for k in keys))
         except PoolTimeout:
             return False
         except RedisError as exc:
@@ -309,6 +311,33 @@ class RedisTier:
             self._marked.popitem(last=False)
         self.counters["pending_marked"] += len(keys)
         return True
+
+    async def content_tags(self, keys: Sequence[str]) -> dict[str, int]:
+        """The content tag recorded in Redis for each of `keys` (caller ids): its entry's header, else its pending
+        marker (another replica encoding it now); keys with neither, or none recorded, are left out. One round
+        trip; {} while down or on an error (then nobody here can tell: the encode goes on)."""
+        if not keys or not self._available():
+            return {}
+        try:
+            replies = await self._conns.pipelined(*(cmd for k in keys for cmd in (
+                ("getrange", k, 0, HEADER_LEN - 1), ("get", marker_name(k)))))
+        except PoolTimeout:
+            return {}
+        except RedisError as exc:
+            self._on_error(exc)
+            return {}
+        tags = {}
+        for key, raw, marker in zip(keys, replies[::2], replies[1::2]):
+            tag = 0
+            if raw:
+                try:
+                    tag = EntryHeader.parse(raw, key).content_tag
+                except CorruptEntry as exc:
+                    self._on_corrupt(key, exc)
+            tag = tag or handoff.pending_tag(marker)
+            if tag:
+                tags[key] = tag
+        return tags
 
     async def touch(self, keys: Sequence[str]) -> list[str]:
         """Of `keys` (entries this replica has in its local tier and was asked for again), those Redis no longer
@@ -405,7 +434,7 @@ class RedisTier:
         exists, value, pttl = await self._conns.pipelined(("exists", key), ("get", marker), ("pttl", marker))
         if exists:
             return Settled.LANDED, None
-        if value == PENDING:
+        if is_pending(value):
             # Wake 20 ms past the expiry, so that the next check finds it gone; -1: no TTL (not one of ours).
             return None, asyncio.get_running_loop().time() + (pttl + 20) / 1000 if pttl >= 0 else None
         handoff.raise_if_failed(value, label)

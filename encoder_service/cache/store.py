@@ -1,14 +1,17 @@
-"""EmbeddingStore: the cache the core talks to (tiers + single flight + leases).
+"""EmbeddingStore: the cache the core talks to (tiers + leases). It calls nothing back: the core's flights
+(core/flight.py, the one single flight) read it, encode on a miss and put what the engine answered.
 
     store = EmbeddingStore(local_bytes, redis_url=None, redis_ttl_s=86400, lease_s=300,
                            max_pinned_bytes=local_bytes // 2)
     await store.start() ... await store.close()
     await store.get(key)                          -> Entry | None       local, then Redis (promoted)
+    store.put(key, entry)                                               local, and written behind to Redis
+    store.failed(key, exc)                                              an encode of `key` failed (Redis: published)
     store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
     await store.header(key)                       -> EntryHeader | None local, else Redis header only
-    await store.get_or_create(key, create)        -> (Entry, was_cached) single flight
-    await store.read_rows(key, start, end)        -> Tensor | None      local slice, in-flight fill, Redis GETRANGE
-    await store.mark_pending(keys)                -> bool               other replicas' fetches wait for them
+    await store.read_rows(key, start, end)        -> Tensor | None      local slice, else Redis GETRANGE
+    await store.mark_pending(keys, tags=None)     -> bool               other replicas' fetches wait for them
+    await store.content_tags(keys)                -> {name: tag}        caller ids' content tags other replicas recorded
     await store.wait_for(key, timeout_s)          -> Settled            a fetch's wait for another replica's encode
     await store.share(keys)                       -> int                local hits other replicas can read again
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
@@ -17,21 +20,17 @@
 `key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; Redis when
 `redis_url` is set.
 
-Single flight: the first miss of a key starts one fill task (Redis read, else `create()`); every
-concurrent caller awaits that task through `asyncio.shield`, so a caller that is cancelled (a client went
-away) does not cancel the encode the others wait for. A failure reaches every waiter and nothing is cached;
-the next call tries again. `was_cached` is False only for the call whose fill ran `create()`.
-
 Across replicas (Redis only; cache/handoff.py): `mark_pending` the ids an `encode` will create before
-answering it; a fill settles them by itself (rows written behind, found in Redis, or `create()` failed).
+answering it; what follows settles each marker: `get` finding the rows in Redis (another replica wrote
+them), `put` (the rows land through the write-behind, or cannot be stored), or `failed`.
 A fetch that misses everywhere calls `wait_for`: LANDED -> read again, NOT_PENDING -> 404, a failure is
 raised as `EncodeFailed`. An `encode` answered from the local tier calls `share` for those ids: Redis may
 have evicted them (its LRU never sees a replica's local hits), and another replica's fetch must find them.
 
 Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
-     full), then `get_or_create` in the background. The pin reserves the bytes until the entry lands.
-  2. `fetch` chunks: `read_rows` (waits for an in-flight fill). Fetching does NOT unpin: a chunked prefill
+     full), then the id's flight fills it in the background. The pin reserves the bytes until the entry lands.
+  2. `fetch` chunks: `read_rows` (an id still in flight is read from its flight). Fetching does NOT unpin: a chunked prefill
      reads an image over several chunks, and only the caller knows which chunk is its last.
   3. The pin ends at `release(key)` (the client's "done" for that id, optional) or when the lease expires,
      whichever comes first. Pins are counted per holder: two requests encoding the same image each
@@ -40,10 +39,8 @@ Leases, the flow the core follows (core/encoder.py):
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -52,8 +49,6 @@ from encoder_service.cache.handoff import Settled
 from encoder_service.cache.keys import CacheKey
 from encoder_service.cache.local import LocalTier
 from encoder_service.cache.redis_tier import RedisTier
-
-log = logging.getLogger("encoder_service.cache")
 
 Key = CacheKey | str
 
@@ -84,8 +79,7 @@ class EmbeddingStore:
             local_bytes, local_bytes // 2 if max_pinned_bytes is None else max_pinned_bytes, clock=clock
         )
         self.redis = RedisTier(redis_url, ttl_s=redis_ttl_s, **(redis_options or {})) if redis_url else None
-        self._inflight: dict[str, asyncio.Task] = {}
-        self.counters = dict(fills=0, creates=0, joins=0, fill_failures=0, reshared=0)
+        self.counters = dict(reshared=0)
 
     async def start(self) -> None:
         if self.redis is not None:
@@ -98,12 +92,14 @@ class EmbeddingStore:
     # ---- reads ----------------------------------------------------------------------------------
 
     async def get(self, key: Key) -> Entry | None:
-        """Whole entry from the local tier, else Redis (a Redis hit is promoted to the local tier)."""
+        """Whole entry from the local tier, else Redis: a Redis hit (another replica's rows) is promoted to the
+        local tier and settles the id's pending marker if this replica set one."""
         name = _name(key)
         entry = self.local.get(name)
         if entry is None and self.redis is not None:
             entry = await self.redis.get(name)
             if entry is not None:
+                self.redis.mark_landed(name)
                 self.local.put(name, entry)
         return entry
 
@@ -122,76 +118,49 @@ class EmbeddingStore:
 
     async def read_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
         """Rows [start, end) as a CPU tensor [end - start, row_width] (a read-only view), or None when no
-        tier has the key. Waits for a fill in flight. InvalidInput when the range is outside the entry."""
+        tier has the key. InvalidInput when the range is outside the entry."""
         name = _name(key)
         entry = self.local.get(name)
-        if entry is None and name in self._inflight:
-            entry, _ = await asyncio.shield(self._inflight[name])
         if entry is not None:
             return entry.rows(start, end)
         if self.redis is not None:
             return await self.redis.read_rows(name, start, end)
         return None
 
-    # ---- fill -----------------------------------------------------------------------------------
+    # ---- writes ---------------------------------------------------------------------------------
 
-    async def get_or_create(self, key: Key, create: Callable[[], Awaitable[Entry]]) -> tuple[Entry, bool]:
-        """The entry for `key`, running `create()` at most once across concurrent callers."""
+    def put(self, key: Key, entry: Entry) -> None:
+        """An encode's rows: into the local tier, and written behind to Redis (once they land there, or
+        cannot be stored, the id's pending marker settles)."""
         name = _name(key)
-        entry = self.local.get(name)
-        if entry is not None:
-            return entry, True
-        task = self._inflight.get(name)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._fill(name, create), name=f"fill {name}")
-            self._inflight[name] = task
-            task.add_done_callback(lambda t: self._fill_done(name, t))
-            self.counters["fills"] += 1
-            entry, created = await asyncio.shield(task)
-            return entry, not created
-        self.counters["joins"] += 1
-        entry, _ = await asyncio.shield(task)
-        return entry, True
-
-    async def _fill(self, name: str, create: Callable[[], Awaitable[Entry]]) -> tuple[Entry, bool]:
-        """(entry, created): Redis first, else create() and write it back behind."""
-        if self.redis is not None:
-            entry = await self.redis.get(name)
-            if entry is not None:
-                self.redis.mark_landed(name)
-                self.local.put(name, entry)
-                return entry, False
-        try:
-            entry = await create()
-            if not isinstance(entry, Entry):
-                raise TypeError(f"create() for {name} returned {type(entry).__name__}, expected Entry")
-        except (Exception, asyncio.CancelledError) as exc:
-            # Fetches waiting on other replicas answer this error; a cancelled encode (the engine dropped it:
-            # every caller left) too, instead of waiting on its pending marker until the lease ends.
-            if self.redis is not None:
-                self.redis.mark_failed(name, exc)
-            raise
-        self.counters["creates"] += 1
         self.local.put(name, entry)
         if self.redis is not None:
             self.redis.write_behind(name, entry)
-        return entry, True
 
-    def _fill_done(self, name: str, task: asyncio.Task) -> None:
-        if self._inflight.get(name) is task:
-            del self._inflight[name]
-        if not task.cancelled() and task.exception() is not None:  # also marks it retrieved
-            self.counters["fill_failures"] += 1
-            log.debug("fill of %s failed: %r", name, task.exception())
+    def failed(self, key: Key, exc: BaseException) -> None:
+        """The encode of `key` failed, or was dropped (cancelled: every caller left): with Redis, fetches
+        waiting on other replicas answer this error instead of waiting on the id's marker until its lease
+        ends. Nothing is cached."""
+        if self.redis is not None:
+            self.redis.mark_failed(_name(key), exc)
 
     # ---- across replicas ------------------------------------------------------------------------
 
-    async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None) -> bool:
+    async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None,
+                           tags: Mapping[str, int] | None = None) -> bool:
         """Before `encode` answers: mark the ids it will create as pending in Redis for their lease (default:
-        the store's), so a fetch on another replica waits for them. False without Redis or when not marked."""
+        the store's), so a fetch on another replica waits for them; `tags`: the content tags of caller ids'
+        bytes, by name (each marker carries its own). False without Redis or when not marked."""
         if self.redis is None:
             return False
-        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s)
+        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s, tags)
+
+    async def content_tags(self, keys: Iterable[Key]) -> dict[str, int]:
+        """By name, the content tag other replicas recorded in Redis for these caller ids (their entries, or
+        the pending markers of their encodes now); {} without Redis, or when Redis cannot tell."""
+        if self.redis is None:
+            return {}
+        return await self.redis.content_tags(_names(keys))
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
         """For a fetch that missed every tier: wait until another replica's encode of `key` lands in Redis
@@ -215,7 +184,8 @@ class EmbeddingStore:
                    if (entry := self.local.peek(name)) is not None}
         if not missing:
             return 0
-        await self.redis.mark_pending(list(missing), self.lease_s)
+        await self.redis.mark_pending(list(missing), self.lease_s,
+                                      {name: entry.header.content_tag for name, entry in missing.items()})
         for name, entry in missing.items():  # each write, once it lands, settles its marker
             self.redis.write_behind(name, entry)
         self.counters["reshared"] += len(missing)
@@ -232,8 +202,8 @@ class EmbeddingStore:
         return self.local.release(_name(key))
 
     def stats(self) -> dict:
-        """Flat dict: `local_*`, `redis_*` and single-flight counters, plus `redis_state`."""
-        out = dict(self.counters, inflight=len(self._inflight))
+        """Flat dict: `local_*`, `redis_*` and the store's own counters, plus `redis_state`."""
+        out = dict(self.counters)
         tiers = {"local": self.local.stats(), "redis": self.redis.stats() if self.redis else None}
         for tier, values in tiers.items():
             for name, value in (values or {}).items():

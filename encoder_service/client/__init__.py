@@ -16,7 +16,8 @@ writes into directly (pass it, or row slices of it, as `out`).
 Server errors arrive as encoder_service.errors types (InvalidInput, NotFound, Overloaded, ...).
 """
 
-from encoder_service.client.base import AsyncEncoderClient, EncoderClient, FetchedRows, ImageInfo, ImageSource
+from encoder_service.client.base import AsyncEncoderClient, EncoderClient
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource
 from encoder_service.ranges import PromptLayout, Segment
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "FetchedRows", "ImageInfo", "ImageSource", "PromptLayout",

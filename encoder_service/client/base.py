@@ -1,4 +1,4 @@
-"""What the clients share: argument handling, results, chunk iteration. Transports only move bytes.
+"""The clients: argument handling, chunk iteration, shared-memory fetch. Transports only move bytes.
 
 A transport (client/http.py, client/grpc_transport.py) implements, sync or async:
   encode(images: list[ImageSource], wait, return_embeddings, timeout) -> list[ImageInfo]
@@ -12,47 +12,19 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
+from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
+from encoder_service.client.http import AsyncHttpTransport, HttpTransport
 from encoder_service.client.shm import ShmBuffers, ShmFile
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource
 from encoder_service.errors import InvalidInput
-from encoder_service.protocol import image_info
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.shm import DEFAULT_DIR
-from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
-
-
-@dataclass(frozen=True)
-class ImageSource:
-    """One image as sent: exactly one of `data` (encoded file bytes) or `url`."""
-
-    data: bytes | None = None
-    url: str | None = None
-    caller_id: str | None = None
-
-
-@dataclass(frozen=True)
-class ImageInfo(image_info.ImageInfo):
-    """The server's answer for one image (protocol/image_info.py), and its rows when asked."""
-
-    embedding: torch.Tensor | None = field(default=None, repr=False)  # with return_embeddings
-
-
-@dataclass(frozen=True)
-class FetchedRows:
-    """Rows of one chunk [start, end). `rows` is the caller's `out` (rows at position - start) when one
-    was given, else the packed [sum of segment rows, row_width] tensor in segment order."""
-
-    start: int
-    end: int
-    segments: list[Segment]
-    rows: torch.Tensor | None
-    dtype: str | None = None
-    layout: str | None = None
+from encoder_service.ranges import PromptLayout, chunks, overlapping
 
 
 def image_source(image) -> ImageSource:
@@ -171,15 +143,11 @@ class EncoderClient:
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, **kw):
-        from encoder_service.client.http import HttpTransport
-
         return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir))
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, **kw):
-        from encoder_service.client.grpc_transport import GrpcTransport
-
         return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir))
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
@@ -250,15 +218,11 @@ class AsyncEncoderClient:
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, **kw):
-        from encoder_service.client.http import AsyncHttpTransport
-
         return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir))
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, **kw):
-        from encoder_service.client.grpc_transport import AsyncGrpcTransport
-
         return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir))
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:

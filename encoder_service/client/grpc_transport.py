@@ -6,7 +6,7 @@ import json
 
 import grpc
 
-from encoder_service.client.base import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import grpc_messages as msgs
@@ -42,9 +42,7 @@ def _fetch_request(items, start: int, end: int, shm: dict | None = None) -> pb.F
 
 def _infos(response: pb.EncodeResponse) -> list[ImageInfo]:
     embeddings = list(response.embeddings) or [None] * len(response.images)
-    return [ImageInfo(id=m.id, grid_thw=tuple(m.grid_thw), num_tokens=m.num_tokens, row_width=m.row_width,
-                      hidden_size=m.hidden_size, layout=m.layout, dtype=m.dtype, cached=m.cached,
-                      embedding=None if e is None else msgs.embedding_from_bytes(m, e))
+    return [msgs.info_from_proto(m, ImageInfo, embedding=None if e is None else msgs.embedding_from_bytes(m, e))
             for m, e in zip(response.images, embeddings)]
 
 

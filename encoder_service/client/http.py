@@ -11,7 +11,7 @@ import base64
 
 import httpx
 
-from encoder_service.client.base import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource
 from encoder_service.client.errors import remote_error
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
@@ -36,9 +36,7 @@ def _encode_args(images: list[ImageSource], wait: bool, return_embeddings: bool,
 
 
 def _infos(response: httpx.Response) -> list[ImageInfo]:
-    return [ImageInfo(id=d["id"], grid_thw=tuple(d["grid_thw"]), num_tokens=d["num_tokens"],
-                      row_width=d["row_width"], hidden_size=d["hidden_size"], layout=d["layout"], dtype=d["dtype"],
-                      cached=d["cached"], embedding=_embedding(d) if "embedding" in d else None)
+    return [ImageInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None)
             for d in response.json()["images"]]
 
 

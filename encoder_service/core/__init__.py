@@ -3,7 +3,7 @@
   encoder.py     EncoderCore: encode / fetch / release / metadata / readiness; the only place that knows the flow
   types.py       what it takes and answers (ImageInput, EncodeResult, FetchItem, FetchResult; ImageInfo)
   images.py      an image from request bytes to engine input: read (urls.py), probe (key + size), prepare
-  flight.py      one Flight per id in flight (plan, waiters, queue permit, fill task); failures remembered
+  flight.py      the one single flight: a Flight per id (waiters, queue permit, a fill that calls store and engine)
   handoff.py     across replicas (Redis): mark accepted ids pending; a fetch waits for another replica's encode
   timeouts.py    timeout_s (None / 0: don't wait / > 0), one Deadline over waits in turn, the bounded gather
   shm_writer.py  shared-memory fetch, server side: rows into a co-located client's file

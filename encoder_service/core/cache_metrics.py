@@ -1,5 +1,5 @@
 """The cache's own counters on /metrics: one Prometheus collector reading `store.stats()` (host LRU tier,
-leases, single flight, Redis tier) and the shared-memory writer's `stats()` when Prometheus scrapes.
+leases, Redis tier) and the shared-memory writer's `stats()` when Prometheus scrapes.
 
 Nothing is counted per request: the store and the writer keep their counters as they always do, and a
 scrape reads them. On the event loop, where the store lives (the /metrics handler runs there): a reader on
@@ -40,12 +40,7 @@ _REDIS_HITS = ("Redis tier reads that found a valid value, by what was read (ent
 
 # store.stats() key -> metric. The local tier's keys start with `local_`, Redis's with `redis_`.
 STORE: dict[str, Stat] = {
-    # single flight (cache/store.py)
-    "fills": _counter("encoder_cache_fills", "Store fills started on a local miss: a Redis read, else an encode"),
-    "creates": _counter("encoder_cache_creates", "Entries created by an encode (fills that Redis could not serve)"),
-    "joins": _counter("encoder_cache_fill_joins", "Callers that joined a store fill already in flight"),
-    "fill_failures": _counter("encoder_cache_fill_failures", "Store fills that failed (nothing cached)"),
-    "inflight": _gauge("encoder_cache_fills_in_flight", "Store fills in flight"),
+    # the store (cache/store.py)
     "reshared": _counter("encoder_cache_reshared",
                          "Entries an encode found in the host LRU tier after Redis had evicted them: written to "
                          "Redis again, so that other replicas can fetch them"),

@@ -1,14 +1,15 @@
 """EncoderCore: the one core that HTTP and gRPC adapt (api/http.py, api/grpc_server.py).
 
 encode: read each image (images.py: bytes, then on CPU threads the cache key and the size from the header
-alone). Ids neither cached nor in flight are admitted to the engine queue, all or none (429 when full);
+alone). A caller id sent with other bytes than it names is a Conflict (409). Ids neither cached nor in
+flight are admitted to the engine queue, all or none (429 when full);
 every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
 With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
 another replica waits for them, and local hits that Redis evicted are written there again.
-Each id rides one flight (flight.py): the store's single flight, whose create submits the image to the
-engine (decoded on a CPU thread, encoded on the GPU thread). `wait=True` waits for the rows (and can return
-them).
+Each id rides one flight (flight.py, the one single flight), whose fill reads the store and, on a miss,
+submits the image to the engine (decoded on a CPU thread, encoded on the GPU thread) and puts its rows in
+the store. `wait=True` waits for the rows (and can return them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image (sized by its
 flight, else by the cache entry's header, else, with Redis, by the header of the rows another replica is
 encoding once they land: handoff.py); the store reads only those (waiting for images still encoding). One
@@ -21,20 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import time
 
 import torch
 
 from encoder_service import errors, preprocessing
-from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint
+from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint, other_content
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
-from encoder_service.core.flight import Flight, Flights
+from encoder_service.core.flight import Flight, Flights, Landed, conflict
 from encoder_service.core.handoff import Handoff
 from encoder_service.core.images import ImageReader, Probed, warmup_image
-from encoder_service.core.metrics import Metrics
+from encoder_service.core.metrics import Metrics, build_labels
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
 from encoder_service.core.urls import UrlFetcher
 from encoder_service.engine.engine import Engine, Job, Permit
@@ -67,13 +67,17 @@ class EncoderCore:
             backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
-        self.engine = Engine(runner.encode, batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
+        self.engine = Engine(prepare=self.images.prepare, encode=runner.encode,
+                             batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
-        self.flights = Flights()
+        self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
+                               lease_s=settings.cache.lease_s)
         self.handoff = Handoff(store, self.metrics)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self.metrics.registry.register(CacheCollector(store, self.shm))
+        self.metrics.build_info(**build_labels(attention=settings.engine.attention,
+                                               preprocess=settings.model.preprocess))
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
         self._ready = False
         self._draining = False
@@ -87,8 +91,8 @@ class EncoderCore:
         self._started = True
         if warmup:
             t0 = time.perf_counter()
-            data = warmup_image(self.spec.factor)
-            await self.engine.run_one(Job(lambda: self.images.prepare(data, None), 0), timeout_s=600)
+            image = self.images.probe(0, warmup_image(self.spec.factor), None)
+            await self.engine.warm_up(Job(image.data, image.grid_thw), timeout_s=600)
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
         self._ready = True
 
@@ -167,10 +171,12 @@ class EncoderCore:
         unique: dict[str, Probed] = {}
         first_index: dict[str, int] = {}  # where each id first appears in the request, for error messages
         for i, p in enumerate(probed):
-            unique.setdefault(p.key.name, p)
+            if other_content(p.content_tag, unique.setdefault(p.key.name, p).content_tag):
+                raise conflict(p.key).prefixed(f"image {i}: ")  # one caller id for two images of the request
             first_index.setdefault(p.key.name, i)
+        await self._check_contents(unique, first_index)
         hits = {name: self.store.peek(name) for name in unique}
-        for name, entry in hits.items():  # a caller id may name other bytes than this time: trust the entry
+        for name, entry in hits.items():  # what the id names (an entry from before content tags: unchecked)
             if entry is not None:
                 unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
                                                    num_tokens=entry.num_rows)
@@ -179,14 +185,13 @@ class EncoderCore:
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
         marking = self.handoff.mark([unique[name].key for name in permits],  # None without Redis
-                                    [unique[name].key for name, entry in hits.items() if entry is not None])
+                                    [unique[name].key for name, entry in hits.items() if entry is not None],
+                                    {name: unique[name].content_tag for name in permits})
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
         # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
         # find the flight (or it would be admitted a second time).
-        flights = {name: self.flights.join(p.key, p.grid_thw, p.num_tokens, permits.get(name),
-                                           functools.partial(self._fill, data=p.data, timings=timings,
-                                                             marking=marking if name in permits else None))
+        flights = {name: self.flights.join(p, permits.get(name), after=marking if name in permits else None)
                    for name, p in unique.items()}
         if marking is not None:
             try:  # before answering: once the caller has the ids, a fetch elsewhere must find them pending
@@ -202,15 +207,35 @@ class EncoderCore:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {not_cached} of the request's images "
                                               "are not cached yet (their encode goes on)")
             # timeout_s=0 here: every id is a local hit, pinned above, so its flight ends without waiting.
-            done = await self._wait_for(flights, timeout_s or None, t0, first_index)  # name -> (entry, created)
+            done = await self._wait_for(flights, timeout_s or None, t0, first_index)
             # Cached for this request unless its own miss started the flight that ran the encode.
-            result.images = [dataclasses.replace(i, cached=i.cached or not (p.key.name in permits and
-                                                                            done[p.key.name][1]))
+            ran = {name for name in permits if done[name].encoded}
+            for name in ran:  # the engine's timings of the images this request had encoded
+                timings.update({k: v for k, v in done[name].timings.items() if k.endswith("_ms")})
+            result.images = [dataclasses.replace(i, cached=i.cached or p.key.name not in ran)
                              for i, p in zip(infos, probed)]
             if return_embeddings:
-                result.embeddings = [done[p.key.name][0].tensor for p in probed]
+                result.embeddings = [done[p.key.name].entry.tensor for p in probed]
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         return result
+
+    async def _check_contents(self, unique: dict[str, Probed], first_index: dict[str, int]) -> None:
+        """An id never names two contents: a caller id sent with other bytes than those its entry or its flight
+        here, or (with Redis) another replica's rows or encode, were made from is a Conflict (409), before
+        anything is admitted. Redis is asked first (one round trip, only for caller ids this replica neither
+        has nor is encoding); what is here is checked after it: nothing is awaited from there until the ids
+        have joined their flights."""
+        callers = {name: p for name, p in unique.items() if p.content_tag}
+        if not callers:
+            return
+        recorded = await self.handoff.recorded_tags([p.key for name, p in callers.items()
+                                                     if self.store.peek(name) is None and name not in self.flights])
+        for name, p in callers.items():
+            entry, flight = self.store.peek(name), self.flights.get(name)
+            tags = (recorded.get(name, 0), entry.header.content_tag if entry is not None else 0,
+                    flight.content_tag if flight is not None else 0)
+            if any(other_content(p.content_tag, tag) for tag in tags):
+                raise conflict(p.key).prefixed(f"image {first_index[name]}: ")
 
     def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None],
                        first_index: dict[str, int]) -> dict[str, Permit]:
@@ -263,42 +288,9 @@ class EncoderCore:
                          row_width=spec.row_width, hidden_size=spec.out_hidden_size, layout=spec.layout,
                          dtype=self.dtype, cached=cached)
 
-    async def _fill(self, flight: Flight, *, data: bytes, timings: dict,
-                    marking: asyncio.Task | None) -> tuple[Entry, bool]:
-        """A flight's task: its id's entry through the store's single flight, (entry, created). Only a miss
-        there (not local, not in Redis, no store fill in flight) runs `create`: the engine encodes `data`,
-        and this request's `timings` get the engine's. `marking` (the id's pending marker being written) is
-        awaited first: the fill's outcome settles that marker, so it must not be published before it."""
-        if marking is not None:
-            await asyncio.shield(marking)
-        created = False
-
-        async def create() -> Entry:
-            nonlocal created
-            created = True
-            self.metrics.cache_misses.inc()
-            t, h, w = flight.grid_thw
-            job = Job(lambda: self.images.prepare(data, flight.grid_thw), t * h * w, wanted=flight.wanted)
-            permits = None if flight.permit is None else [flight.permit]
-            (item,) = self.engine.submit([job], deadline=self._deadline(), permits=permits)
-            encoded = await item.future
-            timings.update({k: v for k, v in encoded.timings.items() if k.endswith("_ms")})
-            # The engine's rows are owned host tensors: the entry takes them without a copy.
-            return Entry.from_rows(encoded.rows, encoded.grid_thw, self.spec.layout, copy=False)
-
-        missed = flight.permit is not None
-        entry, _ = await self.store.get_or_create(flight.key, create)
-        if missed and not created:  # a local miss served by Redis or by a store fill already in flight
-            self.metrics.cache_hits.labels(tier="redis" if self.store.redis else "inflight").inc()
-        return entry, created
-
-    def _deadline(self) -> float:
-        """Background encodes stay wanted for the lease: past it nobody holds the id any more."""
-        return time.monotonic() + self.settings.cache.lease_s
-
     async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float,
-                        first_index: dict[str, int]) -> dict:
-        """name -> (entry, created) once every flight has landed; a failed image's error names its index."""
+                        first_index: dict[str, int]) -> dict[str, Landed]:
+        """name -> what its flight landed, once every one has; a failed image's error names its index."""
 
         async def landed(name: str, flight: Flight):
             try:
@@ -320,7 +312,7 @@ class EncoderCore:
     def _leave(self, flights: dict[str, Flight]) -> None:
         """The caller left before its answer: its images are not wanted by it any more, nor pinned for it."""
         for name, flight in flights.items():
-            flight.waiters -= 1
+            self.flights.leave(flight)
             self.store.release(name)
 
     # ---- fetch -----------------------------------------------------------------------------------------
@@ -364,7 +356,7 @@ class EncoderCore:
             raise
         t_read = time.perf_counter()
         num_rows = sum(p.shape[0] for p in parts)
-        self.metrics.cache_ms.labels(op="fetch").observe((t_read - t_plan) * 1e3)
+        self.metrics.cache_latency.observe(t_read - t_plan, op="fetch")
         self.metrics.fetch_rows.inc(num_rows)
         self.metrics.fetch_bytes.inc(num_rows * self._row_bytes)
         timings = {"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3}
@@ -408,20 +400,20 @@ class EncoderCore:
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
         """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
-        it waits for the id's pending marker first), else from the store (local slice, a store fill in flight,
-        Redis GETRANGE). No rows: how the id's encode failed here, if it did (its flight may have ended since
-        `_num_tokens`), else NotFound."""
+        it waits for the id's pending marker first), else how the id's encode failed here, if it did (its
+        flight may have ended since `_num_tokens`), else from the store (local slice, Redis GETRANGE); no
+        rows: NotFound."""
         with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
-                    entry, _ = await asyncio.shield(flight.task)
+                    landed = await asyncio.shield(flight.task)
                 except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
                     raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
-                rows = entry.rows(seg.row_start, seg.row_end)
-            else:
+                rows = landed.entry.rows(seg.row_start, seg.row_end)
+            else:  # its flight may have failed since the chunk was sized from it: that failure answers
+                self.flights.raise_failure(key)
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
-            self.flights.raise_failure(key)  # its flight failed after the chunk was sized from it
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         tier = "local" if self.store.peek(key) is not None else "redis"
         self.metrics.cache_hits.labels(tier=tier).inc()

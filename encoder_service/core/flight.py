@@ -1,21 +1,30 @@
-"""In-flight ids: one `Flight` per id this core is encoding, and what is remembered of failed ones.
+"""In-flight ids, the one single flight: one `Flight` per id this core is filling, and what is remembered of
+failed ones.
 
-A flight starts with the first encode request of an id that has it neither cached nor in flight, and ends
-when its fill does (the entry is in the store, or the encode failed). It holds everything the core needs
-about the id meanwhile:
+A flight starts with the first encode request of an id that has no flight here, and ends when its fill
+does. The fill only calls down, with data:
+
+    store.get(key)                      the local tier, else Redis (rows another replica wrote)
+    else engine.submit([Job(image bytes, grid_thw)])  -> rows   (decoded on a CPU thread, ViT on the GPU)
+         store.put(key, entry)          local tier, written behind to Redis
+      or store.failed(key, exc)         an encode that failed or was dropped: Redis publishes it
+
+and resolves to `Landed(entry, encoded, timings)`. A flight holds everything the core needs about its id
+meanwhile:
 
   grid_thw, num_tokens  what encode answered: a fetch sizes the id's segments from them before the rows exist
+  content_tag           of the bytes under a caller id (0 for a content key): the same id with other bytes
+                        is a Conflict, not a join; rows found in the store with another tag too
   waiters               encode requests that want the rows (those not waiting for them: until the lease
                         ends; a waiting one that is cancelled leaves) and fetches reading them; the engine
                         asks `wanted()` before it batches the image and drops it at 0
   permit                the engine queue room admitted for the image (engine.py: admit): used when the fill
-                        submits it; released when the flight ends without (a Redis hit, or a fill of the
-                        store's already in flight)
-  task                  the fill: the store's single flight (cache/store.py: get_or_create), whose create
-                        encodes the image; -> (Entry, created: whether this flight ran the encode)
+                        submits it; released when the flight ends without (the store had the rows)
+  task                  the fill -> Landed
 
-Requests for an id in flight join its flight (one more waiter, no queue room); a failure is remembered
-for the id (bounded, oldest dropped) so that a fetch after a failed encode gets the failure, not a 404.
+Requests for an id in flight join its flight (one more waiter, no queue room) and `leave()` it when they go
+before its end; a failure is remembered for the id (bounded, oldest dropped) so that a fetch after a failed
+encode gets the failure, not a 404.
 """
 
 from __future__ import annotations
@@ -23,17 +32,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass, field
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, Entry
-from encoder_service.engine.engine import Permit
+from encoder_service.cache import CacheKey, EmbeddingStore, Entry, other_content
+from encoder_service.core.images import Probed
+from encoder_service.core.metrics import Metrics
+from encoder_service.engine.engine import Engine, Job, Permit
 
 log = logging.getLogger(__name__)
 
 FAILURES_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What a flight's fill resolves to."""
+
+    entry: Entry
+    encoded: bool  # this flight ran the encode (False: the store had the rows)
+    timings: dict[str, float] = field(default_factory=dict)  # the engine's (ms) when encoded
 
 
 @dataclass(eq=False)
@@ -41,7 +62,8 @@ class Flight:
     key: CacheKey
     grid_thw: tuple[int, int, int]
     num_tokens: int
-    permit: Permit | None  # None: nothing admitted (a cached id: its flight ends at once)
+    content_tag: int  # cache/keys.py: content_tag (0: a content key, which is its content)
+    permit: Permit | None  # None: nothing admitted (a cached id: its fill finds the entry at once)
     waiters: int = 1
     task: asyncio.Task | None = None
 
@@ -49,13 +71,15 @@ class Flight:
         return self.waiters > 0
 
 
-Fill = Callable[[Flight], Awaitable[tuple[Entry, bool]]]
-
-
 class Flights:
-    """The flights of one core, by cache key name. Event loop only."""
+    """The flights of one core, by cache key name. Event loop only. Fills read and write `store` and
+    encode on `engine`; `layout` is the rows' (models/spec.py), `lease_s` how long an encode stays wanted
+    (past it nobody holds the id)."""
 
-    def __init__(self, failures_kept: int = FAILURES_KEPT):
+    def __init__(self, store: EmbeddingStore, engine: Engine, metrics: Metrics, *, layout: str, lease_s: float,
+                 failures_kept: int = FAILURES_KEPT):
+        self._store, self._engine, self._metrics = store, engine, metrics
+        self._layout, self._lease_s = layout, lease_s
         self._flights: dict[str, Flight] = {}
         self._failures: OrderedDict[str, errors.EncoderServiceError] = OrderedDict()
         self._failures_kept = failures_kept
@@ -66,24 +90,33 @@ class Flights:
     def get(self, name: str) -> Flight | None:
         return self._flights.get(name)
 
-    def join(self, key: CacheKey, grid_thw: tuple[int, int, int], num_tokens: int, permit: Permit | None,
-             fill: Fill) -> Flight:
-        """`key`'s flight, with one more waiter. Not in flight: a new flight (with `permit`, admitted for it)
-        whose task runs `fill(flight)`. Either way the id's remembered failure is forgotten."""
+    def join(self, image: Probed, permit: Permit | None, *, after: Awaitable | None = None) -> Flight:
+        """The flight of `image`'s id, with one more waiter. Not in flight: a new flight (with `permit`,
+        admitted for it) whose fill starts once `after` is done (the id's pending marker being written: the
+        fill's outcome settles it, so it must not be published first). Either way the id's remembered failure
+        is forgotten."""
+        key = image.key
         self._failures.pop(key.name, None)
         flight = self._flights.get(key.name)
         if flight is not None:
             flight.waiters += 1
             return flight
-        flight = self._flights[key.name] = Flight(key, grid_thw, num_tokens, permit)
-        flight.task = asyncio.create_task(self._fly(flight, fill), name=f"encode {key.id}")
+        flight = self._flights[key.name] = Flight(key, image.grid_thw, image.num_tokens, image.content_tag, permit)
+        flight.task = asyncio.create_task(self._fly(flight, image.data, after), name=f"encode {key.id}")
         flight.task.add_done_callback(_log_failure)
         return flight
 
-    async def _fly(self, flight: Flight, fill: Fill) -> tuple[Entry, bool]:
+    def leave(self, flight: Flight) -> None:
+        """A waiter goes before the flight ends (its request was cancelled): at 0 waiters the engine drops
+        the image if it has not batched it yet."""
+        flight.waiters -= 1
+
+    async def _fly(self, flight: Flight, data: bytes, after: Awaitable | None) -> Landed:
         name = flight.key.name
         try:
-            return await fill(flight)
+            if after is not None:
+                await asyncio.shield(after)
+            return await self._fill(flight, data)
         except errors.EncoderServiceError as exc:
             self._failures[name] = exc
             while len(self._failures) > self._failures_kept:
@@ -94,6 +127,29 @@ class Flights:
                 flight.permit.release()  # never submitted (or used up already: release is idempotent)
             if self._flights.get(name) is flight:
                 del self._flights[name]
+
+    async def _fill(self, flight: Flight, data: bytes) -> Landed:
+        entry = await self._store.get(flight.key)
+        if entry is not None:
+            if other_content(flight.content_tag, entry.header.content_tag):  # another replica's, in Redis
+                raise conflict(flight.key)
+            if flight.permit is not None:  # a local miss when admitted: another replica's rows, read from Redis
+                self._metrics.cache_hits.labels(tier="redis").inc()
+            return Landed(entry, encoded=False)
+        self._metrics.cache_misses.inc()
+        try:
+            (item,) = self._engine.submit([Job(data, flight.grid_thw, wanted=flight.wanted)],
+                                          deadline=time.monotonic() + self._lease_s,
+                                          permits=None if flight.permit is None else [flight.permit])
+            encoded = await item.future
+        except (Exception, asyncio.CancelledError) as exc:  # cancelled: the engine dropped it (nobody waits)
+            self._store.failed(flight.key, exc)
+            raise
+        # The engine's rows are owned host tensors: the entry takes them without a copy.
+        entry = Entry.from_rows(encoded.rows, encoded.grid_thw, self._layout, copy=False,
+                                content_tag=flight.content_tag)
+        self._store.put(flight.key, entry)
+        return Landed(entry, encoded=True, timings=encoded.timings)
 
     def raise_failure(self, key: CacheKey) -> None:
         """Raise how the id's last encode failed, if it did (and no encode of it started since)."""
@@ -112,7 +168,12 @@ class Flights:
             yield flight
         finally:
             if flight is not None:
-                flight.waiters -= 1
+                self.leave(flight)
+
+
+def conflict(key: CacheKey) -> errors.Conflict:
+    return errors.Conflict(f"id {key.id!r} already names other image bytes (an id names one image: send these "
+                           "under another id)")
 
 
 def _log_failure(task: asyncio.Task) -> None:
@@ -120,5 +181,5 @@ def _log_failure(task: asyncio.Task) -> None:
     if task.cancelled():
         return
     exc = task.exception()
-    if exc is not None and not isinstance(exc, errors.InvalidInput):
+    if exc is not None and not isinstance(exc, (errors.InvalidInput, errors.Conflict)):  # the request's fault
         log.warning("encode of %s failed: %s", task.get_name(), exc)

@@ -3,7 +3,10 @@ mechanism: pending markers, pub/sub outcomes).
 
 Behind one Service, an LLM server's `encode` and its `fetch` of the same id may reach different replicas.
 
-  encode (replica A)  `mark(misses, hits)`: the ids it admitted to its engine (its misses) are marked pending
+  encode (replica A)  `recorded_tags(caller ids)`: before admitting caller ids it neither has nor is encoding,
+                      the content tags other replicas recorded for them (rows in Redis, or an encode under
+                      way), so that an id sent with other bytes than it names is a Conflict on every replica.
+                      `mark(misses, hits, tags)`: the ids it admitted to its engine (its misses) are marked pending
                       in Redis before it answers, so that a fetch anywhere waits for them. A marker that
                       cannot be written (Redis down or full, an error) does not fail the encode: the id is
                       served here as before, and a fetch elsewhere answers at once as it did without markers.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, EntryHeader, Settled
@@ -47,17 +50,25 @@ class Handoff:
         return self.store.redis is not None
 
     # ---- encode ----------------------------------------------------------------------------------------
-    def mark(self, misses: Sequence[CacheKey], hits: Sequence[CacheKey]) -> asyncio.Task | None:
-        """Start marking `misses` pending and sharing the local `hits` (one Redis round trip each, together);
-        None without Redis or ids. The task never raises. The encode awaits it before answering, and each
-        miss's fill awaits it before it encodes: a marker must be set before the outcome that settles it can
-        be published."""
+    async def recorded_tags(self, keys: Sequence[CacheKey]) -> dict[str, int]:
+        """By name, the content tags other replicas recorded for these caller ids; {} without Redis, or when
+        Redis cannot tell (down: the encode goes on, as it does without Redis)."""
+        if not self.enabled or not keys:
+            return {}
+        return await self.store.content_tags(keys)
+
+    def mark(self, misses: Sequence[CacheKey], hits: Sequence[CacheKey],
+             tags: Mapping[str, int] | None = None) -> asyncio.Task | None:
+        """Start marking `misses` pending (each marker with its content tag from `tags`, by name: a caller id's
+        bytes) and sharing the local `hits` (one Redis round trip each, together); None without Redis or ids.
+        The task never raises. The encode awaits it before answering, and each miss's fill awaits it before it
+        encodes: a marker must be set before the outcome that settles it can be published."""
         if not self.enabled or not (misses or hits):
             return None
-        return asyncio.create_task(self._mark(list(misses), list(hits)), name="mark pending")
+        return asyncio.create_task(self._mark(list(misses), list(hits), tags), name="mark pending")
 
-    async def _mark(self, misses: list[CacheKey], hits: list[CacheKey]) -> None:
-        await asyncio.gather(self._pending(misses), self._share(hits))
+    async def _mark(self, misses: list[CacheKey], hits: list[CacheKey], tags: Mapping[str, int] | None) -> None:
+        await asyncio.gather(self._pending(misses, tags), self._share(hits))
 
     async def _share(self, hits: list[CacheKey]) -> None:
         try:
@@ -66,11 +77,11 @@ class Handoff:
             # The tier answers Redis faults itself (counted, logged once): what reaches here is a bug.
             log.warning("sharing %d local hits failed", len(hits), exc_info=True)
 
-    async def _pending(self, keys: list[CacheKey]) -> None:
+    async def _pending(self, keys: list[CacheKey], tags: Mapping[str, int] | None) -> None:
         if not keys:
             return
         try:
-            marked = await self.store.mark_pending(keys)
+            marked = await self.store.mark_pending(keys, tags=tags)
         except Exception:  # never fatal to the encode; Redis faults the tier answers itself: this is a bug
             log.warning("marking %d ids pending failed", len(keys), exc_info=True)
             marked = False

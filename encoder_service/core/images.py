@@ -2,7 +2,8 @@
 
   read     the bytes: inline, or GET from an allow-listed URL (urls.py)
   probe    on a CPU thread, before encode answers: the cache key (content hash of the bytes, or the
-           caller's id) and the size from the header alone (grid_thw, num_tokens), no decode
+           caller's id, then with the bytes' content tag) and the size from the header alone (grid_thw,
+           num_tokens), no decode
   prepare  on a CPU thread, when the engine takes the image: full decode + resize + patchify, by the
            preprocessing backend (pil: on that thread; torchvision: on the model's device)
 """
@@ -16,7 +17,7 @@ import torch
 from PIL import Image
 
 from encoder_service import errors, preprocessing
-from encoder_service.cache import CacheKey, caller_key, make_key
+from encoder_service.cache import CacheKey, caller_key, content_tag, make_key
 from encoder_service.core.types import ImageInput
 from encoder_service.core.urls import UrlFetcher
 from encoder_service.engine.engine import GridTHW
@@ -28,6 +29,7 @@ class Probed:
     grid_thw: GridTHW
     num_tokens: int
     data: bytes
+    content_tag: int = 0  # of `data`, under a caller id (cache/keys.py: content_tag); 0 for a content key
 
 
 class ImageReader:
@@ -58,25 +60,24 @@ class ImageReader:
             plan = preprocessing.plan(header, self.cfg)
         except errors.EncoderServiceError as exc:
             raise exc.prefixed(f"image {index}: ") from None
+        grid, num_tokens = tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens)
         if caller_id is not None:
-            key = caller_key(caller_id, self._model_fp)
-        else:
-            key = make_key(data, self._model_fp, self._hash)
-        return Probed(key, tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens), data)
+            return Probed(caller_key(caller_id, self._model_fp), grid, num_tokens, data, content_tag(data))
+        return Probed(make_key(data, self._model_fp, self._hash), grid, num_tokens, data)
 
-    def prepare(self, data: bytes, grid_thw: GridTHW | None) -> tuple[torch.Tensor, GridTHW]:
-        """CPU thread: pixel values [num_patches, patch_dim] in the tower's dtype, and the grid, which must
-        be the one encode answered (`grid_thw`; None: not answered, the warm-up)."""
+    def prepare(self, data: bytes, grid_thw: GridTHW) -> torch.Tensor:
+        """CPU thread (the engine's prepare stage): pixel values [num_patches, patch_dim] in the tower's dtype,
+        of the grid encode answered from the header (`grid_thw`)."""
         pre = self.backend.preprocess(data, self._dtype)
         grid = tuple(int(x) for x in pre.grid_thw)
-        if grid_thw is not None and grid != tuple(grid_thw):
+        if grid != tuple(grid_thw):
             raise errors.ImageDecodeError(f"decoded image has grid {grid}, its header promised {tuple(grid_thw)}")
         pixel_values = pre.pixel_values
         # Host pixel values (pil): pinned memory makes their copy to the GPU asynchronous on the GPU thread.
         # The torchvision backend on CUDA hands over a finished device tensor: nothing to copy.
         if self._pin_memory and pixel_values.device.type == "cpu":
             pixel_values = pixel_values.pin_memory()
-        return pixel_values, grid
+        return pixel_values
 
 
 def warmup_image(factor: int) -> bytes:

@@ -13,6 +13,9 @@ batch while the completion thread waits for the previous one's rows, so the GPU 
 `loop.call_soon_threadsafe`; the threads never touch the loop otherwise. A batch that raises fails only its
 own items; if a thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
 
+The engine is built with its two stages, `prepare` (CPU threads) and `encode` (the GPU thread): a `Job`
+carries data (what to prepare, and the grid its pixel values must have), never a closure.
+
 Admission is checked once, in `admit(n)`: room for n images in the queue (at most max_queue, counting the
 permits handed out and not used yet), all or none, else Overloaded (HTTP 429). A caller that admits early
 (the core, before it answers encode) submits later with those permits; `submit` without permits admits
@@ -30,20 +33,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from encoder_service.engine.scheduler import Scheduler, WorkItem, always_wanted, batch_budget, drop
+from encoder_service.engine.scheduler import GridTHW, Scheduler, WorkItem, always_wanted, batch_budget, drop
 from encoder_service.errors import Overloaded, Unavailable
 from encoder_service.runtime.transfer import HostCopier
 
 log = logging.getLogger(__name__)
 
-GridTHW = tuple[int, int, int]
+# (job.data, job.grid_thw), on a CPU thread -> pixel values [t*h*w, patch_dim], ready for `encode`
+PrepareFn = Callable[[Any, GridTHW], torch.Tensor]
 # (pixel_values list, grid_thw list) -> one [num_tokens_i, row_width] tensor per image (TowerRunner.encode)
 EncodeFn = Callable[[Sequence[torch.Tensor], Sequence[GridTHW]], list[torch.Tensor]]
-PrepareFn = Callable[[], tuple[torch.Tensor, GridTHW]]
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,12 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class Job:
-    """One image to encode: `prepare` runs on a CPU thread and returns (pixel_values, grid_thw); the image
-    is dropped from the queue once `wanted()` is false."""
+    """One unit of ViT work: `data` is what the engine's `prepare` takes (an image's encoded bytes; the
+    engine never looks inside), `grid_thw` the grid its pixel values must have (t*h*w patches). Dropped
+    from the queue once `wanted()` is false."""
 
-    prepare: PrepareFn
-    num_patches: int
+    data: Any
+    grid_thw: GridTHW
     wanted: Callable[[], bool] = always_wanted
 
 
@@ -77,9 +81,9 @@ class Permit:
 
 
 class Engine:
-    def __init__(self, encode_fn: EncodeFn, *, batch_tokens: int, buckets: Sequence[int] = (), max_queue: int = 256,
-                 cpu_threads: int | None = None, metrics=None):
-        self._encode_fn = encode_fn
+    def __init__(self, *, prepare: PrepareFn, encode: EncodeFn, batch_tokens: int, buckets: Sequence[int] = (),
+                 max_queue: int = 256, cpu_threads: int | None = None, metrics=None):
+        self._prepare, self._encode = prepare, encode
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
         self._permits = 0  # admitted images not submitted yet (Permit objects not used or released)
@@ -154,13 +158,13 @@ class Engine:
         return [Permit(self) for _ in range(n)]
 
     def submit(self, jobs: Sequence[Job], *, deadline: float | None = None,
-               permits: Sequence[Permit] | None = None) -> list[WorkItem]:
+               permits: Sequence[Permit] | None = None, warmup: bool = False) -> list[WorkItem]:
         """Queue one request's images (placeholder order). `deadline`: time.monotonic() seconds. `permits`:
         one per job from `admit` (used up here, whatever happens); without them the jobs are admitted here.
 
         Raises Unavailable when the engine is down, Overloaded when admitting here finds the queue full. Each
         item's `future` resolves to an EncodedImage or raises; it is cancelled when the job's `wanted()` turns
-        false while it waits.
+        false while it waits. `warmup`: the readiness encode, left out of the metrics.
         """
         try:
             if not self.alive:
@@ -170,11 +174,11 @@ class Engine:
             loop = self._loop
             items = []
             for job in jobs:
-                prepared = loop.run_in_executor(self.cpu_pool, _timed, job.prepare)
+                prepared = loop.run_in_executor(self.cpu_pool, _timed, self._prepare, job.data, job.grid_thw)
                 self._preparing += 1
                 prepared.add_done_callback(self._prepared)
-                items.append(WorkItem(num_patches=job.num_patches, prepared=prepared, future=loop.create_future(),
-                                      deadline=deadline, wanted=job.wanted))
+                items.append(WorkItem(grid_thw=job.grid_thw, prepared=prepared, future=loop.create_future(),
+                                      deadline=deadline, wanted=job.wanted, warmup=warmup))
             self._scheduler.push(items)
         finally:
             for permit in permits or ():  # the queued items count themselves now
@@ -204,10 +208,11 @@ class Engine:
         seconds = prepared.result()[1] / 1e3
         self._prepare_s = seconds if self._prepare_s is None else 0.8 * self._prepare_s + 0.2 * seconds
 
-    async def run_one(self, job: Job, *, timeout_s: float | None = None) -> EncodedImage:
-        """Encode one image through the whole engine (used by readiness warm-up)."""
+    async def warm_up(self, job: Job, *, timeout_s: float | None = None) -> EncodedImage:
+        """Encode one image through the whole engine, for readiness; not counted in the metrics (no request
+        asked for it)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        (item,) = self.submit([job], deadline=deadline)
+        (item,) = self.submit([job], deadline=deadline, warmup=True)
         try:
             return await asyncio.wait_for(asyncio.shield(item.future), timeout_s)
         except (asyncio.CancelledError, TimeoutError):
@@ -276,7 +281,7 @@ class Engine:
             items, inputs = work
             started = time.monotonic()
             try:
-                outputs = self._encode_fn([pg[0] for pg, _ in inputs], [tuple(pg[1]) for pg, _ in inputs])
+                outputs = self._encode([pixel_values for pixel_values, _ in inputs], [it.grid_thw for it in items])
                 if len(outputs) != len(items):
                     raise RuntimeError(f"encode returned {len(outputs)} outputs for {len(items)} images")
                 rows = self._copier.start(outputs)
@@ -327,20 +332,20 @@ class Engine:
         # of the GPU starts when the previous one finished, if that was after its launch.
         self._batch_s = 0.8 * self._batch_s + 0.2 * (ended - max(started, self._last_done))
         self._last_done = ended
-        m = self._metrics
+        m = self._metrics if not all(it.warmup for it in items) else None  # the warm-up's batch is no request's
         if m is not None:
-            m.encode_ms.observe(encode_ms)
+            m.encode_latency.observe(encode_ms / 1e3)
             m.batch_patches.observe(sum(it.num_patches for it in items))
-            m.images_encoded.inc(len(items))
-        for item, ((_, grid), prep_ms), rows in zip(items, inputs, outputs):
+            m.images_encoded.inc(sum(not it.warmup for it in items))
+        for item, (_, prep_ms), rows in zip(items, inputs, outputs):
             queue_ms = (started - item.enqueued_at) * 1e3
-            if m is not None:
-                m.queue_ms.observe(queue_ms)
-                m.preprocess_ms.observe(prep_ms)
+            if m is not None and not item.warmup:
+                m.queue_latency.observe(queue_ms / 1e3)
+                m.preprocess_latency.observe(prep_ms / 1e3)
             if not item.future.done():
                 timings = {"preprocess_ms": prep_ms, "queue_ms": queue_ms, "encode_ms": encode_ms,
                            "batch_images": float(len(items))}
-                item.future.set_result(EncodedImage(rows=rows, grid_thw=tuple(grid), timings=timings))
+                item.future.set_result(EncodedImage(rows=rows, grid_thw=item.grid_thw, timings=timings))
 
     def _fail_batch(self, items: list[WorkItem], exc: Exception) -> None:
         self._on_gpu.difference_update(items)
@@ -372,7 +377,7 @@ class Engine:
         return "the encode engine is not running"
 
 
-def _timed(prepare: PrepareFn) -> tuple[tuple[torch.Tensor, GridTHW], float]:
+def _timed(prepare: PrepareFn, data: Any, grid_thw: GridTHW) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = prepare()
-    return out, (time.perf_counter() - t0) * 1e3
+    pixel_values = prepare(data, grid_thw)
+    return pixel_values, (time.perf_counter() - t0) * 1e3

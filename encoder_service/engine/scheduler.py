@@ -19,28 +19,37 @@ from typing import Callable, Iterable, Sequence
 from encoder_service.errors import DeadlineExceeded
 
 
+GridTHW = tuple[int, int, int]
+
+
 def always_wanted() -> bool:
     return True
 
 
 @dataclass(eq=False)
 class WorkItem:
-    """One image waiting for the ViT.
+    """One image waiting for the ViT: its pixel values have the grid `grid_thw` (t*h*w patches).
 
-    `prepared` resolves to ((pixel_values [num_patches, patch_dim], grid_thw), preprocess ms) from the job's
-    `prepare` on a CPU thread; `future` resolves to the engine's `EncodedImage`. `wanted()` is asked before
+    `prepared` resolves to (pixel_values [num_patches, patch_dim], preprocess ms) from the engine's `prepare`
+    on a CPU thread; `future` resolves to the engine's `EncodedImage`. `wanted()` is asked before
     each batch is built (the core's answer: does a request or a fetch still wait for this image?). Times are
     `time.monotonic()` seconds.
     """
 
-    num_patches: int
+    grid_thw: GridTHW
     prepared: asyncio.Future
     future: asyncio.Future
     deadline: float | None = None
     wanted: Callable[[], bool] = always_wanted
+    warmup: bool = False  # the readiness encode: not counted in the metrics
     enqueued_at: float = field(default_factory=time.monotonic)
     seq: int = 0  # request arrival number (set by the scheduler)
     index: int = 0  # placeholder order inside the request
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

@@ -2,7 +2,8 @@
 
 Gated (Qwen2.5): act(x @ Wg^T + bg) * (x @ Wu^T + bu), gate and up in one [2 * I, E] weight, gate rows
 first. Reference: two GEMMs on the halves, then the activation and the product (the towers' eager order).
-Fast path (SiLU): one GEMM for both, then one Triton kernel for silu(gate) * up.
+Fast path (SiLU): ops/mlp_kernels.py's active policy picks the kernel (one GEMM for both then a Triton
+silu_mul, or a GEMM with the SwiGLU in its epilogue), each checked against float32 before it runs.
 
 Plain (Qwen2 quick_gelu, Qwen3 tanh GELU): act(x @ W^T + b). Fast path (tanh GELU): cuBLASLt's GELU
 epilogue (the tanh approximation), bias and activation in the GEMM.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from encoder_service.ops.fast_path import fast_path, tl, triton
+from encoder_service.ops import mlp_kernels
+from encoder_service.ops.fast_path import fast_path
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,7 @@ ACTIVATIONS = {"quick_gelu": quick_gelu, "silu": F.silu, "gelu_pytorch_tanh": ge
 def gated_linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act) -> torch.Tensor:
     """act(gate) * up with gate | up = x @ weight^T + bias; weight [2 * I, E] gate rows first -> [N, I]."""
     if fast_path(x) and act is F.silu:
-        return silu_mul_triton(F.linear(x, weight, bias))
+        return mlp_kernels.gated_silu(x, weight, bias)
     i = weight.shape[0] // 2
     return act(F.linear(x, weight[:i], bias[:i])) * F.linear(x, weight[i:], bias[i:])
 
@@ -42,31 +44,3 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act) -
     if fast_path(x) and act is gelu_tanh:
         return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
     return act(F.linear(x, weight, bias))
-
-
-# ---- Triton (CUDA, half precision) ----------------------------------------------------------------
-
-if triton is not None:
-
-    @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, N, I, BLOCK: tl.constexpr):
-        # gu [N, 2*I]: gate | up. out [N, I] = silu(gate) * up, silu rounded to the model dtype first (as torch).
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        g = tl.load(gu_ptr + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * I + I + cols, mask=mask, other=0.0)
-        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
-        out = (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * I + cols, out, mask=mask)
-
-
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2 * I] (gate | up) -> silu(gate) * up [N, I]."""
-    n, two_i = gate_up.shape
-    i = two_i // 2
-    out = torch.empty(n, i, device=gate_up.device, dtype=gate_up.dtype)
-    block = 1024
-    if n:
-        _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up.contiguous(), out, n, i, BLOCK=block, num_warps=4)
-    return out

@@ -8,7 +8,7 @@ Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
 
   - CPU: one SDPA call per segment (`_per_segment_attention`, the towers' eager order: bfloat16 results
     equal transformers'). In float32 it is also `reference_attention`, the numerics every CUDA backend is
-    checked against (tests/gpu/test_ops_cuda.py, benchmarks/attention_candidates.py, the startup check).
+    checked against (tests/gpu/test_ops_cuda.py, benchmarks/attention/candidates.py, the startup check).
   - CUDA, bfloat16 / float16: an `AttentionPolicy` picks a backend per LAYOUT CLASS and head dim from
     Python ints only (shapes, the number of segment slots, max_seqlen: capturable, no host sync), from
     TABLE below, the first backend that is installed, imports, serves the layout and passed its startup
@@ -23,9 +23,9 @@ Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
 
 Not used: cuDNN's ragged kernel through aten (`_cudnn_attention_forward` with cum_seq offsets): captured in
 a CUDA graph on torch 2.11 it left the CUDA RNG raising "Offset increment outside graph capture" on every
-later random op. benchmarks/attention_candidates.py measures cudnn-frontend's own ragged graph instead.
+later random op. benchmarks/attention/candidates.py measures cudnn-frontend's own ragged graph instead.
 Nor our head-dim-split Triton varlen kernel (formerly `--attention triton`): slower than FA4 on every layout
-and wrong on several on the H100; benchmarks/attn/triton_split.py keeps it as a rejected candidate.
+and wrong on several on the H100; benchmarks/attention/triton_split.py keeps it as a rejected candidate.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _masked_dense_attention(q, k, v, cu_seqlens):
 
 def _dense_sdpa(q, k, v, scale=None):
     """q, k, v [N, H, D*] -> [N, H, Dv] with SDPA over all rows as one sequence (torch's choice of kernel:
-    cuDNN on the H100; benchmarks/attention_kernels.py compares them under sdpa_kernel)."""
+    cuDNN on the H100; benchmarks/attention/kernels.py compares them under sdpa_kernel)."""
     args = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
     return F.scaled_dot_product_attention(*args, scale=scale).squeeze(0).transpose(0, 1)
 

@@ -4,7 +4,7 @@ Optional: installed by the Dockerfile (pyproject extra `[fa4]`), imported only o
 capability 9.x / 10.x when a policy of ops/attention.py asks for it (never on the CPU, never at import of
 this module). Any failure to import is recorded once and the policy falls back (ops/attention.py).
 Checked against ops/attention.py's float32 reference (`reference_attention`) by the policy's startup check,
-tests/gpu/test_ops_cuda.py and benchmarks/attention_candidates.py.
+tests/gpu/test_ops_cuda.py and benchmarks/attention/candidates.py.
 
 `fa4_attention(q, k, v, cu_seqlens, max_seqlen)` keeps the op's contract: q, k, v [N, H, D] (v may be the
 strided [:, 2] view of the fused qkv output: FA4 takes 16-byte aligned strides as they are, no copy),
@@ -17,46 +17,24 @@ From the library's sources (4.0.0b36, flash_attn/cute/interface.py):
   - JIT: `cute.compile` on the first call of each compile key (dtype, D, varlen, tile config, whether
     max_seqlen fits one M tile, > 256 segments ...: not N, not the segment count): ~3 s each, so every
     variant must be compiled before graph capture (the runners' warm-up and the policy's startup check do).
-  - `cutlass` lives in nvidia_cutlass_dsl/dsl_packages, put on sys.path by a .pth file that
-    `pip install --target` does not run: `_import` adds it when `import cutlass` fails.
+  - `cutlass` is put on sys.path by ops/cutlass_dsl.py when `pip install --target` skipped the DSL's .pth.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import torch
+
+from encoder_service.ops.cutlass_dsl import ensure_dsl_path
 
 # (function, None) after a successful import, (None, reason) after a failed one; None: not tried yet.
 _loaded: tuple | None = None
-
-
-def _ensure_cutlass_dsl_path() -> None:
-    """What nvidia_cutlass_dsl's .pth does: its dsl_packages folder on sys.path (when `import cutlass` fails)."""
-    try:
-        import cutlass  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    try:
-        import nvidia_cutlass_dsl
-    except ImportError:
-        return
-    for base in list(getattr(nvidia_cutlass_dsl, "__path__", [])):
-        path = os.path.join(base, "dsl_packages")
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.append(path)
-    importlib.invalidate_caches()
 
 
 def _import():
     global _loaded
     if _loaded is None:
         try:
-            _ensure_cutlass_dsl_path()
+            ensure_dsl_path()
             from flash_attn.cute import flash_attn_varlen_func
 
             _loaded = (flash_attn_varlen_func, None)

@@ -1,6 +1,6 @@
 """Our Triton attention kernel (CUDA, half precision), checked against ops/attention.py's reference
 (`reference_attention`: float32, per segment) by tests/gpu/test_ops_cuda.py and
-benchmarks/attention_candidates.py.
+benchmarks/attention/candidates.py.
 
   - `short_segment_attention`: segments of at most 64 rows (Qwen2.5's windows): one program per
     (segment, head), the whole segment in one tile. Head dim padded to a power of two in registers.
@@ -14,7 +14,7 @@ specialisation (dtype, D, block size, the strides' divisibility): the runners wa
 
 A head-dim-split varlen kernel for any segment lengths used to live here too (`--attention triton`); the
 H100 run found it slower than FlashAttention-4 everywhere and wrong on several layouts, so it left the
-service: benchmarks/attn/triton_split.py keeps it as a rejected benchmark candidate.
+service: benchmarks/attention/triton_split.py keeps it as a rejected benchmark candidate.
 """
 
 from __future__ import annotations

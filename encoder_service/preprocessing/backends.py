@@ -1,12 +1,14 @@
 """The preprocessing backends (`--preprocess`), behind one call: `backend.preprocess(data, dtype)`.
 
-  pil                     transformers' `Qwen2VLImageProcessorPil`, bit for bit (pipeline.py), on the calling
-                          CPU thread; pixel values on the CPU. The default off CUDA.
-  torchvision             transformers' default `Qwen2VLImageProcessor` (torchvision), bit for bit on the same
-                          kind of device given the same decoded pixels (torch_ops.py), run on the model's
-                          device. On CUDA, JPEGs are decoded there by nvJPEG (nvjpeg.py), other images by
-                          Pillow and copied up. The default on CUDA.
-  torchvision-pil-decode  the same with every image decoded by Pillow: equal to transformers given a PIL image.
+  pil                 transformers' `Qwen2VLImageProcessorPil`, bit for bit (pipeline.py), on the calling CPU
+                      thread; pixel values on the CPU. The default off CUDA.
+  torchvision         transformers' default `Qwen2VLImageProcessor` (torchvision), bit for bit on the same kind
+                      of device (torch_ops.py), run on the model's device; every image decoded by Pillow on the
+                      calling thread and copied up: equal to transformers given a PIL image. The default on CUDA.
+  torchvision-nvjpeg  the same with JPEGs decoded on the GPU by nvJPEG (nvjpeg.py), other images by Pillow:
+                      less CPU per image, but nvJPEG's pixels are not Pillow's, so equal to transformers only
+                      given the pixels nvJPEG decoded. Opt-in. (`torchvision-pil-decode`, the exact path's
+                      name while nvJPEG was the default, is settings.PREPROCESS_ALIASES' deprecated alias.)
 
 Both read the header and check the limits before any pixel is decoded (decode.py). A backend's
 `fingerprint` names what its values depend on; it is part of the cache key (cache/keys.py), so rows made by
@@ -123,13 +125,23 @@ def make_backend(name: str, cfg: PreprocessConfig, limits: ImageLimits, device: 
     device = _indexed(torch.device(device))
     if name == "pil":
         backend = PilBackend(cfg, limits)
-    elif name in ("torchvision", "torchvision-pil-decode"):
-        nvjpeg = name == "torchvision" and device.type == "cuda"
-        backend = TorchvisionBackend(cfg, limits, device, jpeg_decoder=NvJpegDecoder.load(device) if nvjpeg else None)
+    elif name == "torchvision":
+        backend = TorchvisionBackend(cfg, limits, device)
+    elif name == "torchvision-nvjpeg":
+        backend = TorchvisionBackend(cfg, limits, device, jpeg_decoder=_nvjpeg(device))
     else:
         raise ValueError(f"preprocess backend is {name!r}, expected one of {', '.join(PREPROCESS_BACKENDS)}")
     log.info("preprocessing: %s on %s", backend.fingerprint, backend.device)
     return backend
+
+
+def _nvjpeg(device: torch.device) -> NvJpegDecoder | None:
+    """nvJPEG for `device`, or None (Pillow decodes, and the fingerprint says so) off CUDA or without torchvision."""
+    if device.type != "cuda":
+        log.warning("--preprocess torchvision-nvjpeg: nvJPEG decodes on CUDA only; the model is on %s, so JPEGs "
+                    "are decoded by Pillow", device)
+        return None
+    return NvJpegDecoder.load(device)
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ModelLoadError
 from ..models.spec import VisionSpec
-from .patchify import rescale_divisor
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class PreprocessConfig:
         if settings is None:
             log.warning("%s has no image processor settings; using the published %s ones", checkpoint_dir, spec.family)
             return cls.default_for(spec)
-        return cls._from_settings(settings, spec, source=str(checkpoint_dir))
+        return cls.from_settings(settings, spec, source=str(checkpoint_dir))
 
     @classmethod
     def default_for(cls, spec: VisionSpec) -> PreprocessConfig:
@@ -80,10 +82,13 @@ class PreprocessConfig:
         if spec.family not in _PUBLISHED:
             raise ModelLoadError(f"no published preprocessing settings for family {spec.family!r}")
         settings = {"patch_size": spec.patch_size, **_PUBLISHED[spec.family]}
-        return cls._from_settings(settings, spec, source=f"defaults for {spec.family}")
+        return cls.from_settings(settings, spec, source=f"defaults for {spec.family}")
 
     @classmethod
-    def _from_settings(cls, settings: dict, spec: VisionSpec, source: str) -> PreprocessConfig:
+    def from_settings(cls, settings: dict, spec: VisionSpec, source: str,
+                       defaults: dict = _TRANSFORMERS_DEFAULTS) -> PreprocessConfig:
+        """`defaults`: the processor class's values for keys the file leaves out (video_config.py passes the
+        video processors' own)."""
         for flag in _REQUIRED_FLAGS:
             if settings.get(flag) is False:
                 raise ModelLoadError(f"{source}: {flag}=false is not supported")
@@ -92,9 +97,9 @@ class PreprocessConfig:
 
         def value(key):
             found = settings.get(key)
-            return _TRANSFORMERS_DEFAULTS[key] if found is None else found
+            return defaults[key] if found is None else found
 
-        min_pixels, max_pixels = _pixel_bounds(settings, source)
+        min_pixels, max_pixels = _pixel_bounds(settings, source, defaults)
         config = cls(
             patch_size=int(value("patch_size")),
             temporal_patch_size=int(value("temporal_patch_size")),
@@ -128,16 +133,16 @@ class PreprocessConfig:
 def _read_settings(checkpoint_dir: Path) -> dict | None:
     processor_file = checkpoint_dir / "processor_config.json"
     if processor_file.is_file():
-        nested = _load_json(processor_file).get("image_processor")
+        nested = load_json_object(processor_file).get("image_processor")
         if nested is not None:
             return nested
     image_processor_file = checkpoint_dir / "preprocessor_config.json"
     if image_processor_file.is_file():
-        return _load_json(image_processor_file)
+        return load_json_object(image_processor_file)
     return None
 
 
-def _load_json(path: Path) -> dict:
+def load_json_object(path: Path) -> dict:
     try:
         loaded = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -147,16 +152,13 @@ def _load_json(path: Path) -> dict:
     return loaded
 
 
-def _pixel_bounds(settings: dict, source: str) -> tuple[int, int]:
+def _pixel_bounds(settings: dict, source: str, defaults: dict) -> tuple[int, int]:
     """(min_pixels, max_pixels) as Qwen2VLImageProcessorPil.__init__ resolves them: top-level `min_pixels` /
     `max_pixels` override `size` = {shortest_edge, longest_edge}, which defaults to the class's `size` only
     when the file has no `size` at all (a `size` missing a key fails in transformers, so it fails here)."""
     size = settings.get("size")
     if size is None:
-        size = {
-            "shortest_edge": _TRANSFORMERS_DEFAULTS["min_pixels"],
-            "longest_edge": _TRANSFORMERS_DEFAULTS["max_pixels"],
-        }
+        size = {"shortest_edge": defaults["min_pixels"], "longest_edge": defaults["max_pixels"]}
     elif not isinstance(size, dict):
         raise ModelLoadError(f"{source}: size must be an object, got {size!r}")
     size = dict(size)
@@ -176,3 +178,18 @@ def _per_channel(value, name: str, channels: int, source: str) -> tuple[float, .
     if len(value) != channels:
         raise ModelLoadError(f"{source}: {name} has {len(value)} values for {channels} channels")
     return tuple(float(v) for v in value)
+
+
+@lru_cache(maxsize=8)
+def rescale_divisor(rescale_factor: float) -> np.float32:
+    """The float32 d with float32(v) / d == float32(float64(v) * rescale_factor) for every uint8 v.
+
+    A float32 division is one pass; transformers' float64 product and cast are three. For 1/255 the two agree
+    on all 256 values; a factor for which they do not is rejected (ValueError) when the config is built.
+    """
+    divisor = np.float32(1 / rescale_factor)
+    values = np.arange(256)
+    reference = (values.astype(np.float64) * rescale_factor).astype(np.float32)
+    if not np.array_equal(values.astype(np.float32) / divisor, reference):
+        raise ValueError(f"rescale_factor {rescale_factor} is not supported (no exact float32 divisor)")
+    return divisor

@@ -8,7 +8,8 @@ nvJPEG is NOT bit-exact with Pillow's libjpeg-turbo (another IDCT and chroma ups
 baseline JPEGs go to the hardware decoder): torchvision's own tests accept a mean absolute difference under
 2 levels, and tests/gpu/test_preprocess_cuda.py checks that bound. transformers never decodes on the GPU
 (it decodes a PIL image with Pillow), so the backend is equal to transformers given the pixels nvJPEG
-decoded, not given the file: `--preprocess torchvision-pil-decode` decodes every image with Pillow.
+decoded, not given the file. Hence opt-in, `--preprocess torchvision-nvjpeg`; the default `torchvision`
+decodes every image with Pillow.
 
 Only JPEGs that nvJPEG decodes like Pillow go to it: format "JPEG" (Pillow's "MPO", a phone's multi-picture
 file, stays with Pillow, which reads its first picture) in mode RGB or L (nvJPEG has no CMYK/YCCK). Any

@@ -2,38 +2,19 @@
 
 transformers' PIL backend, per element: rescale `float32(float64(v) * rescale_factor)` (image_transforms.rescale
 upcasts to float64, then casts down), normalize `(x - mean) / std` with float32 mean and std, then patchify
-in float32. We reach the same float32 values with fewer passes over memory (see `rescale_divisor`), subtract
-and divide in float32 as it does, and write each normalized patch straight into its row.
+in float32. We reach the same float32 values with fewer passes over memory (config.py: `rescale_divisor`),
+subtract and divide in float32 as it does, and write each normalized patch straight into its row.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:  # config imports rescale_divisor from here
-    from .config import PreprocessConfig
+from .config import PreprocessConfig, rescale_divisor
 
 # Merged rows of the image handled per step: the intermediates (about 3 MB at 1080p) stay in cache instead
 # of 25 MB ones streaming through memory. Measured about 20% faster than whole-image passes.
 _BAND_MERGED_ROWS = 4
-
-
-@lru_cache(maxsize=8)
-def rescale_divisor(rescale_factor: float) -> np.float32:
-    """The float32 d with float32(v) / d == float32(float64(v) * rescale_factor) for every uint8 v.
-
-    A float32 division is one pass; transformers' float64 product and cast are three. For 1/255 the two agree
-    on all 256 values; a factor for which they do not is rejected (ValueError) when the config is built.
-    """
-    divisor = np.float32(1 / rescale_factor)
-    values = np.arange(256)
-    reference = (values.astype(np.float64) * rescale_factor).astype(np.float32)
-    if not np.array_equal(values.astype(np.float32) / divisor, reference):
-        raise ValueError(f"rescale_factor {rescale_factor} is not supported (no exact float32 divisor)")
-    return divisor
 
 
 def to_pixel_values(rgb: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:

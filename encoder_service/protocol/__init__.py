@@ -2,8 +2,9 @@
 server's but `ranges` and `errors`):
 
   wire.py           the fetch payload: header + raw little-endian rows (HTTP octet-stream, safetensors, gRPC)
-  image_info.py     what encode answers per image
+  image_info.py     what encode answers per image, to and from its HTTP JSON
   grpc_messages.py  encoder.v1 messages <-> wire headers and encode answers; gRPC trailing-metadata keys
+  errors.py         the error-kind table: kind -> HTTP status, gRPC code, the exception a client raises
   proto/            the stubs generated from proto/encoder.proto (scripts/gen_proto.sh)
   shm.py            the shared-memory fetch target: file-name rule, where the rows go in the file
   timing.py         the x-timing-<name>-ms headers (HTTP) and trailing metadata (gRPC)

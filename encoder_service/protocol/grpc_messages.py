@@ -33,9 +33,13 @@ def header_from_proto(msg: pb.FetchHeader) -> WireHeader:
 
 def info_to_proto(info: ImageInfo) -> pb.ImageInfo:
     """`info` (image_info.py: ImageInfo) as its message."""
-    return pb.ImageInfo(id=info.id, grid_thw=list(info.grid_thw), num_tokens=info.num_tokens,
-                        row_width=info.row_width, hidden_size=info.hidden_size, layout=info.layout,
-                        dtype=info.dtype, cached=info.cached)
+    return pb.ImageInfo(**info.to_json())
+
+
+def info_from_proto(msg: pb.ImageInfo, cls: type[ImageInfo] = ImageInfo, **extra) -> ImageInfo:
+    """The message as a `cls` (ImageInfo or a subclass, whose own fields `extra` fills)."""
+    return cls(id=msg.id, grid_thw=tuple(msg.grid_thw), num_tokens=msg.num_tokens, row_width=msg.row_width,
+               hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached, **extra)
 
 
 def embedding_from_bytes(info: pb.ImageInfo, data: bytes) -> torch.Tensor:

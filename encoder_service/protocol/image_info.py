@@ -1,7 +1,9 @@
-"""What encode answers per image, on both ends: the HTTP JSON fields and the gRPC ImageInfo message."""
+"""What encode answers per image, on both ends: the HTTP JSON fields (`to_json` / `from_json`; the gRPC
+ImageInfo message: grpc_messages.py, `info_to_proto` / `info_from_proto`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -15,3 +17,14 @@ class ImageInfo:  # answered once the header is read and sized, before the ViT r
     layout: str
     dtype: str
     cached: bool
+
+    def to_json(self) -> dict:
+        """The answer's HTTP JSON object (grid_thw a list)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ImageInfo)} | {"grid_thw": list(self.grid_thw)}
+
+    @classmethod
+    def from_json(cls, d: dict, **extra):
+        """An answer from its HTTP JSON object (other keys, such as "embedding", are the caller's); `extra`
+        fills a subclass's own fields."""
+        fields = {f.name: d[f.name] for f in dataclasses.fields(ImageInfo)}
+        return cls(**fields | {"grid_thw": tuple(d["grid_thw"])}, **extra)

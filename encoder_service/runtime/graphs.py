@@ -38,11 +38,11 @@ import torch
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE, BatchMetadata, PaddedShape
 from encoder_service.ops.attention import ONE, PADDED_SINGLE, SEVERAL, use_policy
 from encoder_service.runtime.packing import PackedBatch, pack
-from encoder_service.runtime.runner import (
+from encoder_service.runtime.eager import (
     DeviceMetadataCache,
     EagerRunner,
     GridTHW,
-    _check_inputs,
+    check_inputs,
     patches_of,
     split_rows,
     tokens_of,
@@ -185,7 +185,7 @@ class GraphRunner:
 
     @torch.inference_mode()
     def encode(self, pixel_values: Sequence[torch.Tensor], grid_thw: Sequence[GridTHW]) -> list[torch.Tensor]:
-        _check_inputs(pixel_values, grid_thw, self.spec.patch_dim)
+        check_inputs(pixel_values, grid_thw, self.spec.patch_dim)
         grids = [tuple(int(x) for x in g) for g in grid_thw]
         outputs: list[torch.Tensor | None] = [None] * len(grids)
         for batch, graph in self.plan(grids):

@@ -2,7 +2,8 @@
 
 `build_tiny_checkpoint(family, path, seed=0)` saves a full VL model (transformers' own class, tiny 4-layer
 language model, special token ids inside its vocabulary) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
-transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens).
+transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens) and, for Qwen3-VL, a
+video_preprocessor_config.json as the published checkpoints have.
 
 `text_head_dim` (24) sets the language model's head size (2 heads: its width, and so the merger's output, is
 twice that): vLLM's CPU attention takes 32, 64, 80, 96, ... only, so the vllm-e2e tier builds 32. `text_std`
@@ -140,8 +141,23 @@ def build_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, *, text_
         image_std=std,
     )
     processor.save_pretrained(path)
+    if family.startswith("qwen3"):
+        _write_qwen3_video_config(path, factor)
     _check_shards(path)
     return path
+
+
+def _write_qwen3_video_config(path: Path, factor: int) -> None:
+    """What the published Qwen3-VL checkpoints have beside the image file (Qwen2/2.5-VL have none: their videos
+    use the image file): Qwen3VLVideoProcessor's settings, with a small pixel budget over all frames (24 frames
+    of 4 tokens). Written as JSON: saving transformers' video processor would need torchvision."""
+    settings = {
+        "video_processor_type": "Qwen3VLVideoProcessor", "patch_size": factor // 2, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": _HALF, "image_std": _HALF,
+        "size": {"shortest_edge": _MIN_PIXELS_TOKENS * factor**2, "longest_edge": 24 * 4 * factor**2},
+        "do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768,
+    }
+    (path / "video_preprocessor_config.json").write_text(json.dumps(settings, indent=1))
 
 
 def _check_shards(path: Path) -> None:

@@ -1,2 +1,3 @@
 """Deploy tier: the Dockerfile and the Helm chart, checked offline (hadolint, helm lint and template,
-kubernetes-validate against the Kubernetes schemas)."""
+kubernetes-validate against the Kubernetes schemas), and the scripts a clone runs first (scripts/setup.sh,
+scripts/test.sh) on stand-ins for their slow parts."""

@@ -237,14 +237,16 @@ def test_dockerfile_contract():
 
 
 def test_dockerfile_matches_extras():
-    """The image's optional FlashAttention-4 layer installs the pyproject extra's versions, and the package with
-    the sglang extra (pyzmq: --sglang-protocol)."""
+    """The image's optional FlashAttention-4 layer installs the pyproject extra's versions (quack-kernels too:
+    ops/swiglu_gemm_quack.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
     extras = (ROOT / "pyproject.toml").read_text()
     ins = dockerfile_instructions()
     args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
-    fa4 = re.search(r'^fa4 = \["flash-attn-4==([^"]+)", "nvidia-cutlass-dsl>=([^"]+)"\]', extras, re.M)
+    fa4 = re.search(r'^fa4 = \["flash-attn-4==([^"]+)", "nvidia-cutlass-dsl>=([^"]+)", "quack-kernels==([^"]+)"\]',
+                    extras, re.M)
     assert fa4, "pyproject's fa4 extra changed shape: update this test"
     assert args["FA4_VERSION"] == fa4.group(1) and args["CUTLASS_DSL_VERSION"] == fa4.group(2)
+    assert any(k == "RUN" and f'"quack-kernels=={fa4.group(3)}"' in v for k, v in ins)
     assert args["WITH_FA4"] == "1"  # the README and deploy/README say the image has it by default
     assert any(k == "RUN" and '"/src[sglang]"' in v for k, v in ins)
 
@@ -287,6 +289,17 @@ def test_chart_is_self_contained():
 def test_bad_values_are_rejected(sets, message):
     rc, _, err = helm_template("default", sets)
     assert rc != 0 and message in err, err
+
+
+def test_schema_choices_are_the_clis():
+    """The chart takes exactly the service's choices ("" leaves it to the service), deprecated names too."""
+    from encoder_service import settings
+
+    server = json.loads((CHART / "values.schema.json").read_text())["properties"]["server"]["properties"]
+    choices = {"dtype": settings.DTYPES, "preprocess": (*settings.PREPROCESS_BACKENDS, *settings.PREPROCESS_ALIASES),
+               "hash": settings.HASHES, "logLevel": settings.LOG_LEVELS, "attention": settings.ATTENTION}
+    for name, options in choices.items():
+        assert sorted(server[name]["enum"]) == sorted(["", *options]), name
 
 
 def test_gpu_limit_default_and_configurable():
@@ -376,10 +389,10 @@ def test_env_values_follow_values():
     env = env_of(encoder_container(render("auth-values")))
     expect = {
         "ENCODER_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct", "ENCODER_REVISION": "main", "ENCODER_DTYPE": "float16",
-        "ENCODER_PREPROCESS": "torchvision-pil-decode",
+        "ENCODER_PREPROCESS": "torchvision-nvjpeg",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
-        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",
+        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug", "ENCODER_ACCESS_LOG": "true",
         "ENCODER_ATTENTION": "torch",
     }
     assert {k: env[k]["value"] for k in expect} == expect

@@ -1,9 +1,11 @@
 """Each fused kernel of ops/ against its torch reference on the same CUDA bfloat16 inputs (the CPU tiers
 run only the references). Differences are rounding only: the kernels keep float32 inside and round once.
-Attention: every backend this machine has (FA4 when installed, our Triton window kernel, torch's) against
-float32 attention on the towers' real layouts (head dims 72 and 80, padded by the graphs' own rule: dummy
-segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and replayed in a captured
-graph; every --attention choice through its startup check."""
+The gated MLP: every kernel of ops/mlp_kernels.py this machine has (split, our fused Triton GEMM per tile
+config, quack when installed) against float32, eagerly and replayed in a captured graph, and every choice
+through the towers' op. Attention: every backend this machine has (FA4 when installed, our Triton window
+kernel, torch's) against float32 attention on the towers' real layouts (head dims 72 and 80, padded by the
+graphs' own rule: dummy segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and
+replayed in a captured graph; every --attention choice through its startup check."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE, PaddedShape, build_batch_metadata
-from encoder_service.ops import activation, attention, norm, pos_embed, rotary
+from encoder_service.ops import activation, attention, mlp_kernels, norm, pos_embed, rotary, swiglu_gemm_triton
 from encoder_service.ops.fast_path import fast_path
 
 DEV, DT = "cuda", torch.bfloat16
@@ -61,6 +63,46 @@ def test_activations():
     assert rel(activation.gated_linear_act(x, w, b, F.silu), ref) < 1e-2
     ref = activation.gelu_tanh(F.linear(x, w, b))
     assert rel(activation.linear_act(x, w, b, activation.gelu_tanh), ref) < 1e-2
+
+
+# ---- the gated MLP's kernels ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("widths", [(1280, 3456), (264, 200)], ids=["qwen2.5", "odd"])
+@pytest.mark.parametrize("name", list(mlp_kernels.BACKENDS))
+def test_mlp_backend_against_float32(name, widths):
+    e, i = widths
+    why = mlp_kernels.BACKENDS[name].probe(torch.device(DEV), e, i)
+    if why:
+        pytest.skip(f"{name}: {why}")
+    if name == "quack" and i % 128:  # the towers' widths are padded to 128 (models/configs.py); the startup
+        pytest.skip("quack is only asked for multiples of 128")  # check covers any other width it meets
+    assert mlp_kernels.check_backend(mlp_kernels.BACKENDS[name].run, torch.device(DEV), DT, e, i) == ""
+
+
+@pytest.mark.parametrize("config", swiglu_gemm_triton.CONFIGS, ids=lambda c: c.name)
+def test_swiglu_triton_every_tile_config(config):
+    x, w, b = torch.randn(333, 264, device=DEV, dtype=DT), torch.randn(400, 264, device=DEV, dtype=DT) * 0.06, \
+        torch.randn(400, device=DEV, dtype=DT)
+    why = swiglu_gemm_triton.serves(torch.device(DEV), 264, 200)
+    if why:
+        pytest.skip(why)
+    out = torch.full((333, 200), float("nan"), device=DEV, dtype=DT)
+    swiglu_gemm_triton.swiglu_gemm_triton(x, w, b, config=config, out=out)
+    assert not out.isnan().any() and rel(out, mlp_kernels.reference_gated_silu(x, w, b)) < 1e-2
+
+
+@pytest.mark.parametrize("choice", mlp_kernels.CHOICES)
+def test_every_mlp_choice_through_the_towers_op(choice):
+    x, w, b = torch.randn(1000, 1280, device=DEV, dtype=DT), torch.randn(6912, 1280, device=DEV, dtype=DT) * 0.03, \
+        torch.randn(6912, device=DEV, dtype=DT)
+    policy = mlp_kernels.GatedKernelPolicy(choice)
+    with mlp_kernels.use_policy(policy):
+        out = activation.gated_linear_act(x, w, b, F.silu)
+    assert rel(out, mlp_kernels.reference_gated_silu(x, w, b)) < 1e-2
+    # the first backend of the chain this machine has: a later one means it failed its numerics or capture check
+    present = [n for n in policy.chain if not mlp_kernels.BACKENDS[n].probe(torch.device(DEV), 1280, 3456)]
+    assert list(policy.describe()["selected"].values()) == present[:1], policy.describe()
 
 
 def test_pos_embed():

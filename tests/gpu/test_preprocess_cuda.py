@@ -1,12 +1,14 @@
 """The torchvision preprocessing backend on CUDA (preprocessing/backends.py, torch_ops.py, nvjpeg.py).
 
-1. Equal to transformers' `Qwen2VLImageProcessor` run with device="cuda": given the same decoded uint8
-   pixels (nvJPEG's, for the `torchvision` backend: transformers never decodes on the GPU), and given the
-   PIL image itself for `torchvision-pil-decode`. Bit for bit: the same torch ops on the same device.
+1. Equal to transformers' `Qwen2VLImageProcessor` run with device="cuda": the default `torchvision` given the
+   PIL image itself (it decodes with Pillow, as transformers does), `torchvision-nvjpeg` given the same
+   decoded uint8 pixels (nvJPEG's: transformers never decodes on the GPU). Bit for bit: the same torch ops on
+   the same device.
 2. nvJPEG against Pillow's libjpeg-turbo: not bit-exact (another IDCT and chroma upsampling); within the
-   bound torchvision's own tests use, mean |difference| < 2 levels.
-3. The device tensors it hands over work in both runners as the host ones do, from many threads at once.
-4. Time per image (printed, not asserted): the backend vs the pil one, 720p and 1080p JPEGs.
+   bound torchvision's own tests use, mean |difference| < 2 levels, on these photos.
+3. The device tensors both backends hand over work in both runners as the host ones do, from many threads
+   at once.
+Time per image: benchmarks/preprocess_decode.py.
 
 Needs torchvision (nvJPEG, and transformers' processor imports it):
     python -m pytest -q tests/gpu/test_preprocess_cuda.py
@@ -15,8 +17,6 @@ Needs torchvision (nvJPEG, and transformers' processor imports it):
 from __future__ import annotations
 
 import io
-import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,15 +34,11 @@ from encoder_service.preprocessing.nvjpeg import NvJpegDecoder  # noqa: E402
 from encoder_service.runtime.runner import make_runner  # noqa: E402
 from tests.support.preprocess_cases import (  # noqa: E402
     CASES,
-    DATA,
-    HUB_CONFIGS,
     JPEGS,
     LIMITS,
     cmyk_jpeg,
-    encode,
     family_fixture,
     multi_picture_jpeg,
-    photo_1080p_jpeg,
 )
 
 
@@ -60,17 +56,18 @@ def assert_equal(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 def test_equal_to_transformers_on_cuda(name, family):
     cfg, processor = family
     data = CASES[name]()
-    nvjpeg = make_backend("torchvision", cfg, LIMITS, "cuda")
-    assert nvjpeg.fingerprint == "torchvision:resize=float32,decode=nvjpeg"
-    _, pixels = nvjpeg.decode(data)  # [3, H, W] uint8 on the GPU: nvJPEG's for most JPEGs, else Pillow's
-    reference = processor(pixels, input_data_format="channels_first", return_tensors="pt", device="cuda")
-    ours = nvjpeg.preprocess(data)  # decodes again: nvJPEG must be deterministic too
+    exact = make_backend("torchvision", cfg, LIMITS, "cuda")  # the default on CUDA
+    assert exact.fingerprint == "torchvision:resize=float32,decode=pil"
+    reference = processor(Image.open(io.BytesIO(data)), return_tensors="pt", device="cuda")
+    ours = exact.preprocess(data)
     assert ours.grid_thw == tuple(reference["image_grid_thw"][0].tolist())
     assert_equal(ours.pixel_values, reference["pixel_values"])
 
-    pil_decode = make_backend("torchvision-pil-decode", cfg, LIMITS, "cuda")
-    reference = processor(Image.open(io.BytesIO(data)), return_tensors="pt", device="cuda")
-    assert_equal(pil_decode.preprocess(data).pixel_values, reference["pixel_values"])
+    nvjpeg = make_backend("torchvision-nvjpeg", cfg, LIMITS, "cuda")
+    assert nvjpeg.fingerprint == "torchvision:resize=float32,decode=nvjpeg"
+    _, pixels = nvjpeg.decode(data)  # [3, H, W] uint8 on the GPU: nvJPEG's for most JPEGs, else Pillow's
+    reference = processor(pixels, input_data_format="channels_first", return_tensors="pt", device="cuda")
+    assert_equal(nvjpeg.preprocess(data).pixel_values, reference["pixel_values"])  # decodes again: deterministic
 
 
 PHOTOS = ("grace_hopper", "rocket", "photo_1080p")
@@ -104,12 +101,13 @@ def test_nvjpeg_leaves_cmyk_and_multi_picture_to_pillow():
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_runners_take_the_device_tensors_from_many_threads(loaded, cuda_graphs):
+@pytest.mark.parametrize("name", ["torchvision", "torchvision-nvjpeg"])
+def test_runners_take_the_device_tensors_from_many_threads(loaded, cuda_graphs, name):
     """The engine's path: prepare on pool threads (one stream each), the GPU thread encodes on the default
     stream. Rows equal those of the same values handed over from pinned host memory."""
     lm = loaded("qwen2_5_vl", "cuda", torch.bfloat16)
     cfg = PreprocessConfig.from_checkpoint(lm.checkpoint_dir, lm.spec)
-    backend = make_backend("torchvision", cfg, LIMITS, "cuda")
+    backend = make_backend(name, cfg, LIMITS, "cuda")
     runner = make_runner(lm, cuda_graphs=cuda_graphs, buckets=[64, 256])
     datas = [make() for make in JPEGS.values()] * 3
     with ThreadPoolExecutor(max_workers=8) as pool:
@@ -125,27 +123,3 @@ def test_runners_take_the_device_tensors_from_many_threads(loaded, cuda_graphs):
         on_device = runner.encode([p.pixel_values for p in batch], grids)
         on_host = runner.encode([p.pixel_values.cpu().pin_memory() for p in batch], grids)
         assert all(torch.equal(a, b) for a, b in zip(on_device, on_host))
-
-
-def test_time_per_image(capsys):
-    """Printed: median ms per image through backend.preprocess (bf16 out, synchronized), one thread."""
-    cfg = PreprocessConfig.default_for(HUB_CONFIGS["qwen2_5"][0])
-    photo = Image.open(DATA / "rocket.jpg")
-    images = {"720p": encode(photo.resize((1280, 720), Image.Resampling.BICUBIC), "JPEG", quality=90),
-              "1080p": photo_1080p_jpeg()}
-    lines = []
-    for name in ("torchvision", "torchvision-pil-decode", "pil"):
-        backend = make_backend(name, cfg, LIMITS, "cuda")
-        for size, data in images.items():
-            for _ in range(3):
-                backend.preprocess(data, torch.bfloat16)
-            times = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                out = backend.preprocess(data, torch.bfloat16).pixel_values
-                if out.is_cuda:
-                    torch.cuda.current_stream().synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
-            lines.append(f"{name:24} {size:6} {statistics.median(times):7.2f} ms  (min {min(times):.2f})")
-    with capsys.disabled():
-        print("\npreprocess, median ms per image (bf16 out):\n" + "\n".join(lines))

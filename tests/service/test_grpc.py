@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_service import errors
 from encoder_service.api import grpc_server
 from encoder_service.cache import key_from_id
-from encoder_service.client import AsyncEncoderClient
+from encoder_service.client import AsyncEncoderClient, ImageSource
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.proto import encoder_pb2 as pb
@@ -65,7 +65,7 @@ async def test_client_disconnect_mid_stream_leaves_the_server_serving(service, m
             yield piece
 
     def cancelled_fetches() -> float:
-        labels = {"method": "fetch", "outcome": "cancelled"}
+        labels = {"transport": "grpc", "method": "fetch", "outcome": "cancelled"}
         return service.sample("encoder_requests_total", labels)
 
     monkeypatch.setattr(grpc_server.wire, "grpc_data_chunks", recorded_chunks)
@@ -132,6 +132,18 @@ async def test_bad_input_gets_a_status_and_a_message(service, call, code, words)
     await _serving(service)
 
 
+async def test_a_reused_caller_id_with_other_bytes_is_already_exists(service):
+    a, b = image_bytes(70, 50, 62), image_bytes(50, 70, 63)
+    async with client(service) as c:
+        (first,) = await c.encode([ImageSource(data=a, caller_id="reused-grpc")], wait=True)
+        with pytest.raises(errors.Conflict, match="'u:reused-grpc' already names other image bytes") as exc:
+            await c.encode([ImageSource(data=b, caller_id="reused-grpc")])
+        assert exc.value.status == grpc.StatusCode.ALREADY_EXISTS  # with error-kind "conflict" in its metadata
+        (again,) = await c.encode([ImageSource(data=a, caller_id="reused-grpc")])
+        assert again.cached and again.grid_thw == first.grid_thw
+    await _serving(service)
+
+
 async def test_an_image_without_data_or_url_is_invalid(service):
     async with grpc.aio.insecure_channel(service.grpc_address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -159,11 +171,11 @@ async def test_clients_leaving_mid_call_are_cancelled_not_errors(service, monkey
     client: outcome `cancelled`, one debug line each, and no ERROR from any logger (asyncio's "exception
     was never retrieved" included: it shows when the abandoned futures are collected)."""
     decoding = threading.Event()  # the image stays in its decode until the test lets it go
-    prepare = service.core.images.prepare
-    monkeypatch.setattr(service.core.images, "prepare",
-                        lambda data, grid: (decoding.wait(WAIT_S), prepare(data, grid))[1])
+    backend = service.core.images.backend  # what the engine's prepare stage decodes with
+    preprocess = backend.preprocess
+    monkeypatch.setattr(backend, "preprocess", lambda data, dtype: (decoding.wait(WAIT_S), preprocess(data, dtype))[1])
     def cancelled() -> tuple[float, float]:
-        labels = [{"method": m, "outcome": "cancelled"} for m in ("encode", "fetch")]
+        labels = [{"transport": "grpc", "method": m, "outcome": "cancelled"} for m in ("encode", "fetch")]
         return tuple(service.sample("encoder_requests_total", la) for la in labels)
 
     caplog.set_level(logging.DEBUG)

@@ -213,6 +213,58 @@ def test_bad_encode_is_a_4xx_naming_the_problem(service, case):
         assert_still_serving(c)
 
 
+def _multipart(*parts: tuple[str, bytes, bool], boundary: str = "xyz") -> bytes:
+    """A multipart body of (field name, content, as a file) parts."""
+    out = b""
+    for name, content, is_file in parts:
+        filename = f'; filename="{name}.png"' if is_file else ""
+        out += (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"{filename}\r\n\r\n".encode()
+                + content + b"\r\n")
+    return out + f"--{boundary}--\r\n".encode()
+
+
+# (content type, body) -> 400 naming the problem; the test service takes 8 images (9 files parse: the core
+# names the image limit; 10 are over the parser's file limit).
+BAD_MULTIPARTS = {
+    "no boundary": ("multipart/form-data", b"x", "missing boundary"),
+    "no boundary lines": ("multipart/form-data; boundary=xyz", b"x" * 64, "invalid multipart"),
+    "too many files": ("multipart/form-data; boundary=xyz",
+                       _multipart(*[("image", image_bytes(32, 32, 1), True)] * 10), "too many files"),
+    "too many fields": ("multipart/form-data; boundary=xyz", _multipart(*[("note", b"n", False)] * 30),
+                        "too many fields"),
+    "a part without a name": ("multipart/form-data; boundary=xyz",
+                              b"--xyz\r\nContent-Disposition: form-data\r\n\r\nabc\r\n--xyz--\r\n", '"name" must be'),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MULTIPARTS))
+def test_malformed_multipart_is_a_400_naming_the_problem(service, case):
+    ctype, body, needle = BAD_MULTIPARTS[case]
+
+    def internal() -> float:
+        return service.sample("encoder_requests_total", {"transport": "http", "method": "encode", "outcome": "internal"})
+
+    before = internal()
+    with client(service) as c:
+        r = c.post("/v1/encode", content=body, headers={"content-type": ctype})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["kind"] == "invalid_input" and err["message"].startswith("multipart body: "), err
+        assert needle in err["message"].lower(), err
+        assert_still_serving(c)
+    assert internal() == before
+
+
+def test_routing_errors_answer_in_the_error_shape(service):
+    with client(service) as c:
+        for method, path, status, kind in (("GET", "/v1/encode", 405, "invalid_input"),
+                                           ("POST", "/v1/metadata", 405, "invalid_input"),
+                                           ("GET", "/v2/encode", 404, "not_found")):
+            r = c.request(method, path)
+            assert r.status_code == status and r.json()["error"]["kind"] == kind, r.text
+            assert r.json()["error"]["message"].startswith(f"{method} {path}: "), r.text
+
+
 def test_truncated_jpeg_without_wait_fails_at_fetch(service):
     with client(service) as c:
         info = encode_json(c, [truncated_jpeg(6)]).json()["images"][0]  # header is fine: answered
@@ -233,6 +285,22 @@ def test_body_too_large_is_413(service):
 
         r = c.post("/v1/encode", content=stream(), headers={"content-type": "application/octet-stream"})
         assert r.status_code == 413 and "request body" in r.json()["error"]["message"]
+        assert_still_serving(c)
+
+
+def test_a_reused_caller_id_with_other_bytes_is_409(service):
+    a, b = image_bytes(70, 50, 60), image_bytes(50, 70, 61)
+    with client(service) as c:
+        r = c.post("/v1/encode?id=reused-http&wait=true", content=a, headers={"content-type": "image/png"})
+        assert r.status_code == 200, r.text
+        first = r.json()["images"][0]
+        for r in (c.post("/v1/encode?id=reused-http", content=b, headers={"content-type": "image/png"}),
+                  c.post("/v1/encode", json={"images": [{"data": base64.b64encode(b).decode(), "id": "reused-http"}]})):
+            assert r.status_code == 409, r.text
+            err = r.json()["error"]
+            assert err["kind"] == "conflict" and "id 'u:reused-http' already names other image bytes" in err["message"]
+        r = c.post("/v1/encode?id=reused-http", content=a, headers={"content-type": "image/png"})
+        assert r.status_code == 200 and r.json()["images"][0] == first | {"cached": True}
         assert_still_serving(c)
 
 
@@ -439,7 +507,7 @@ def test_timeout_s_zero_answers_with_cached_rows_at_once(service):
 
 def test_a_client_gone_mid_upload_is_cancelled_not_an_error(service, caplog):
     def cancelled() -> float:
-        labels = {"method": "encode", "outcome": "cancelled"}
+        labels = {"transport": "http", "method": "encode", "outcome": "cancelled"}
         return service.sample("encoder_requests_total", labels)
 
     caplog.set_level(logging.DEBUG)
@@ -466,7 +534,7 @@ def test_a_bug_is_500_internal_counted_and_logged_once(service, monkeypatch, cap
         raise RuntimeError("a bug")
 
     def internal() -> float:
-        labels = {"method": "encode", "outcome": "internal"}
+        labels = {"transport": "http", "method": "encode", "outcome": "internal"}
         return service.sample("encoder_requests_total", labels)
 
     monkeypatch.setattr(service.core, "encode", broken)
@@ -477,3 +545,4 @@ def test_a_bug_is_500_internal_counted_and_logged_once(service, monkeypatch, cap
     assert internal() - before == 1
     logged = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     assert [rec.name for rec in logged] == ["encoder_service.api.http"] and logged[0].exc_info
+    assert logged[0].request_id == r.headers["x-request-id"]  # the log line names the request it was for

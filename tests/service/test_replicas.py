@@ -61,18 +61,18 @@ def held_decode(svc: RunningService):
     """The replica's engine holds every image at its decode step (a CPU thread) until the yielded gate is
     set: its encodes are still running, for as long as the test needs."""
     gate = threading.Event()
-    images = svc.core.images
+    backend = svc.core.images.backend  # what the engine's prepare stage decodes with
 
-    def prepare(*args, _prepare=images.prepare):
+    def preprocess(*args, _preprocess=backend.preprocess):
         assert gate.wait(WAIT_S), "the test never opened the gate"
-        return _prepare(*args)
+        return _preprocess(*args)
 
-    images.prepare = prepare
+    backend.preprocess = preprocess
     try:
         yield gate
     finally:
         gate.set()
-        del images.prepare  # the class's method again
+        del backend.preprocess  # the class's method again
 
 
 def eventually(predicate, timeout_s: float = WAIT_S) -> None:

@@ -229,14 +229,17 @@ def test_error_reaches_registered_and_late_ranks(sglang_service, pull):
         late.close()
 
 
-def test_duplicate_encode_does_not_disturb_the_first(sglang_service, pull):
+def test_a_reused_req_id_is_409_and_does_not_disturb_the_first(sglang_service, pull):
+    """A req_id names one part: a second /encode of it while the first runs, with other images or the same,
+    is a Conflict naming the req_id (SGLang's protocol carries no per-image ids: the req_id is its id)."""
     svc = sglang_service
-    a = image_bytes(48, 48, seed=108)
+    a, b = image_bytes(48, 48, seed=108), image_bytes(64, 48, seed=109)
     rid = f"{uuid.uuid4().hex}_local_part_0"
     t, out = post_encode_in_thread(svc, encode_body(rid, [data_uri(a)]))
     time.sleep(0.3)  # the first one waits for its rank
-    r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_uri(a)]), timeout=60)
-    assert r.status_code == 400 and "duplicate" in r.json()["message"]
+    for images in ([b], [a]):
+        r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_uri(d) for d in images]), timeout=60)
+        assert r.status_code == 409 and f"req_id {rid!r} is already being encoded" in r.json()["message"], r.text
     register(svc, rid, pull.address)
     check_push(svc, pull.recv(), rid, [a])  # the rows, not an error header
     t.join(30)
@@ -301,7 +304,7 @@ def test_a_client_gone_mid_upload_is_cancelled_not_an_error(sglang_service, capl
     svc = sglang_service
 
     def cancelled() -> float:
-        return svc.sample("encoder_requests_total", {"method": "sglang_encode", "outcome": "cancelled"})
+        return svc.sample("encoder_requests_total", {"transport": "sglang", "method": "encode", "outcome": "cancelled"})
 
     caplog.set_level(logging.DEBUG)
     before = cancelled()

@@ -16,15 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from encoder_service import errors
-from encoder_service.integrations.vllm import ec_transfer_config, proxy
 from encoder_service import settings as settings_module
+from encoder_service.integrations.vllm import ec_transfer_config, proxy
 from encoder_service.settings import ProxySettings, Settings
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.images import image_bytes as png
 from tests.support.images import truncated_jpeg
-from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.ports import free_port
 from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
-from tests.support.vllm_engine import StandInVllm
+from tests.support.vllm_stand_in import StandInVllm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,7 +150,7 @@ async def test_proxy_api_key(service):
     image = png(112, 84, 505)
 
     def encodes() -> float:
-        return service.sample("encoder_requests_total", {"method": "encode", "outcome": "ok"})
+        return service.sample("encoder_requests_total", {"transport": "http", "method": "encode", "outcome": "ok"})
 
     before = encodes()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:

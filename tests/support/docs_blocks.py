@@ -1,6 +1,7 @@
-"""The commands and values that docs/sglang.md and docs/vllm.md show, read back so that the tests run exactly
-those: a fenced block right after a `<!-- sglang-tier: NAME ... -->` (`vllm-tier: NAME`) comment. Stdlib only
-(the engine tiers' venvs and the main venv all import it)."""
+"""The commands, values and examples that README.md, docs/sglang.md and docs/vllm.md show, read back so that the
+tests run exactly those: a fenced block right after a `<!-- sglang-tier: NAME ... -->` (`vllm-tier: NAME`: run by
+that engine tier; `docs-test: NAME`: by the main suite) comment. Stdlib only (the engine tiers' venvs and the
+main venv all import it)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 SGLANG_DOC = ROOT / "docs" / "sglang.md"
 VLLM_DOC = ROOT / "docs" / "vllm.md"
 
 
 def block(name: str, doc: Path = SGLANG_DOC) -> str:
-    """The fenced block following the `<!-- sglang-tier: name ... -->` (or `vllm-tier:`) marker."""
-    m = re.search(r"<!--\s*[a-z]+-tier:\s*" + re.escape(name) + r"\b[^>]*-->\s*\n```[a-z]*\n(.*?)\n```",
+    """The fenced block following the `<!-- sglang-tier: name ... -->` (or `vllm-tier:`, `docs-test:`) marker."""
+    m = re.search(r"<!--\s*[a-z]+-(?:tier|test):\s*" + re.escape(name) + r"\b[^>]*-->\s*\n```[a-z]*\n(.*?)\n```",
                   doc.read_text(), re.S)
     if m is None:
-        raise AssertionError(f"{doc}: no fenced block after <!-- ...-tier: {name} -->")
+        raise AssertionError(f"{doc}: no fenced block after <!-- ...-tier: {name} --> or <!-- docs-test: {name} -->")
     return m.group(1)
 
 

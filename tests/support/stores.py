@@ -1,4 +1,4 @@
-"""EmbeddingStores against a real redis-server, for the cache tests: entries, creators, fast fault timings."""
+"""EmbeddingStores against a real redis-server, for the cache tests: entries, fast fault timings."""
 
 from __future__ import annotations
 
@@ -19,14 +19,6 @@ LOADED = dict(socket_timeout_s=2.0, connect_timeout_s=1.0)
 def make_entry(seed: int, num_rows=300, row_width=256, layout="main", dtype=torch.bfloat16) -> Entry:
     g = torch.Generator().manual_seed(seed)
     return Entry.from_rows(torch.randn(num_rows, row_width, generator=g).to(dtype), (1, 2, 2 * num_rows), layout)
-
-
-def creator(entry: Entry, calls: list):
-    async def create():
-        calls.append(1)
-        return entry
-
-    return create
 
 
 async def open_store(url: str, local_bytes: int = 64 * MIB, **redis_options) -> EmbeddingStore:

@@ -6,8 +6,6 @@ documented command; vLLM's own objects around a stand-in model runner. Nothing h
     (encoder_process.py: run by the main venv on this checkout's code; `wait_ready()`, `stop()`), and
     `client()`.
   - `ec_config(url, **options)`: the documented --ec-transfer-config with this test's URL and token.
-  - `StandInVllm()`: an HTTP server on a free port that answers like vLLM's OpenAI server (a chat answer, or a
-    stream of CHUNKS events GAP_S apart) and records the chat bodies it is sent.
   - `VllmInstance(checkpoint, ec_config)`: what a vLLM prefill/decode instance runs around the model, on CPU,
     all vLLM's own objects: VllmConfig, the chat front end (ChatCompletionRequest -> OnlineRenderer ->
     InputProcessor -> Request), the Scheduler (it creates the scheduler-side connector through vLLM's
@@ -18,10 +16,7 @@ documented command; vLLM's own objects around a stand-in model runner. Nothing h
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv
@@ -29,7 +24,6 @@ from tests.support.ports import free_port
 
 TOKEN = "tier-token-42"
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-CHUNKS, GAP_S = 4, 0.4  # StandInVllm's streamed answer: CHUNKS events, GAP_S apart
 
 
 class EncoderProcess(ServiceProcess):
@@ -173,48 +167,3 @@ class VllmInstance:
 
         self.connector.shutdown()
         ensure_ec_transfer_shutdown()
-
-
-class StandInVllm(ThreadingHTTPServer):
-    """Answers like vLLM's OpenAI server and records each chat body it is sent. A body whose last text is
-    "refuse" gets a 400, as vLLM answers a request it rejects before its engine."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._send(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        self.server.bodies.append(body)
-        if body["messages"][-1]["content"][-1].get("text") == "refuse":
-            return self._send(400, {"error": {"message": "refused", "code": 400}})
-        if not body.get("stream"):
-            return self._send(200, {"id": "c", "object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}]})
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.end_headers()  # HTTP/1.0: the body runs until the connection closes
-        for k in range(CHUNKS):
-            event = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": str(k)}}]}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
-            time.sleep(GAP_S)
-        self.wfile.write(b"data: [DONE]\n\n")

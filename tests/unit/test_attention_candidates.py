@@ -1,4 +1,4 @@
-"""benchmarks/attention_candidates.py without a GPU: its layouts are the graphs' real ones, the work list
+"""benchmarks/attention/candidates.py without a GPU: its layouts are the graphs' real ones, the work list
 (who serves what, priority passes), the table's pass/fail marking, and the driver's crash / hang / budget
 handling with a fake worker (ATTN_BENCH_FAKE_WORKER=1), so the one H100 run cannot get stuck."""
 
@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import attention_candidates as b
-from benchmarks.attn import triton_split as S
+from benchmarks.attention import candidates as b
+from benchmarks.attention import triton_split as S
 from encoder_service.ops import attention as A
 
 SCRIPT = Path(b.__file__)
@@ -87,7 +87,7 @@ def test_render_marks_failures_and_ranks_per_class():
 
 
 def test_rejected_split_kernel_host_helpers():
-    """benchmarks/attn/triton_split.py (the rejected candidate): its host-side ints."""
+    """benchmarks/attention/triton_split.py (the rejected candidate): its host-side ints."""
     assert S.split_head_dim(80) == (64, 16) and S.split_head_dim(72) == (64, 16)
     assert S.split_head_dim(64) == (64, 0) and S.split_head_dim(96) == (64, 32) and S.split_head_dim(128) == (128, 0)
     assert [S.seg_p2(s) for s in (1, 31, 32, 33, 180, 1024)] == [32, 32, 64, 64, 256, 2048]
@@ -107,7 +107,8 @@ def run_driver(tmp_path, *args, **env):
     p = subprocess.run([sys.executable, str(SCRIPT), *args], env=environment, capture_output=True, text=True,
                        timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads((tmp_path / "attn_candidates.json").read_text())
+    (result,) = tmp_path.glob("attention_candidates-*.json")  # with OUT set, the JSON goes there
+    return json.loads(result.read_text())
 
 
 def test_driver_restarts_crashed_workers_and_skips_a_candidate_that_keeps_crashing(tmp_path):
@@ -118,7 +119,7 @@ def test_driver_restarts_crashed_workers_and_skips_a_candidate_that_keeps_crashi
     assert all(r["status"] == "ok" for r in summary["results"] if r["candidate"] != "fa4")
     assert len(summary["results"]) == len(b.work_items(b.select_layouts(type("A", (), dict(
         layouts="q3_1080p,q25_1080p,q3_720p,q25_1080p_win"))), ["auto", "fa4", "triton_split"]))
-    assert "Best per layout" in (tmp_path / "attn_candidates.md").read_text()
+    assert "Best per layout" in (tmp_path / "attention_candidates.md").read_text()
 
 
 def test_driver_kills_a_hung_worker_and_respects_the_budget(tmp_path):

@@ -13,8 +13,9 @@ import torch
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE, PaddedShape, build_batch_metadata
 from encoder_service.ops import attention as A
 from encoder_service.ops import attention_fa4
+from encoder_service.runtime.eager import EagerRunner
 from encoder_service.runtime.graphs import GraphRunner
-from encoder_service.runtime.runner import EagerRunner, make_runner
+from encoder_service.runtime.runner import make_runner
 from encoder_service.settings import ATTENTION, Settings, SettingsError
 
 BF16 = torch.bfloat16

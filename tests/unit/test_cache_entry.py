@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
+import xxhash
 
 from encoder_service.cache.entry import (
     HEADER_LEN,
@@ -135,3 +138,18 @@ def test_bad_inputs_to_from_rows():
         Entry.from_rows(torch.zeros(4, 4, dtype=torch.int32), (1, 1, 1), "main")
     with pytest.raises(InvalidInput):
         Entry.from_rows(torch.zeros(4, 4), (1, 1, 1), "x" * 40)
+
+
+def test_the_content_tag_travels_and_version_1_values_still_read():
+    rows = make_rows(40, 64, 0, torch.float32)
+    entry = Entry.from_rows(rows, (1, 8, 20), "main", content_tag=0xABCDEF0123)
+    data = entry.to_bytes("k")
+    back = Entry.from_bytes(data, "k")
+    assert back.header.content_tag == 0xABCDEF0123 and torch.equal(back.tensor, rows)
+    # A value written before the tag existed (version 1): the same 88-byte header with a 32-byte layout
+    # field and no tag. It still reads, as "not recorded" (0).
+    h = back.header
+    fields = struct.Struct("<4sHBBIIIIII32sQQ").pack(b"ESEM", 1, 3, 1, h.num_rows, h.row_width, h.block_rows,
+                                                    *h.grid_thw, b"main", h.key_tag, h.payload_digest)
+    old = Entry.from_bytes(fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields)) + data[HEADER_LEN:], "k")
+    assert old.header.content_tag == 0 and old.header.layout == "main" and torch.equal(old.tensor, rows)

@@ -15,19 +15,15 @@ import torch
 from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
 from encoder_service.cache.handoff import marker_name
 from encoder_service.errors import ImageDecodeError
-from tests.support.stores import LOADED, creator, make_entry, open_store, wait_until
+from tests.support.stores import LOADED, make_entry, open_store, wait_until
 
 LONG_S = 30.0  # a fetch's timeout far longer than any wake-up below
 
 
-def gated(entry, gate: asyncio.Event):
-    """A create() that returns `entry` once `gate` is set: the ViT still running on replica A."""
-
-    async def create():
-        await gate.wait()
-        return entry
-
-    return create
+async def encoded(store: EmbeddingStore, key: str, entry, gate: asyncio.Event) -> None:
+    """Replica A's fill of `key` (core/flight.py): the ViT runs until `gate` is set, then the rows are put."""
+    await gate.wait()
+    store.put(key, entry)
 
 
 def command_calls(url: str, command: str) -> int:
@@ -67,7 +63,7 @@ async def test_a_fetch_elsewhere_is_woken_when_the_rows_land(redis_server):
     async with replicas(redis_server.url) as (a, b):
         entry, gate = make_entry(1), asyncio.Event()
         waiting = await accepted_and_awaited(a, b, "k")
-        encode = asyncio.create_task(a.get_or_create("k", gated(entry, gate)))
+        encode = asyncio.create_task(encoded(a, "k", entry, gate))
         await asyncio.sleep(0.5)  # B waits while A encodes
         assert not waiting.done()
         gate.set()
@@ -85,17 +81,8 @@ async def test_a_fetch_elsewhere_is_woken_when_the_rows_land(redis_server):
 
 async def test_a_failed_encode_is_raised_on_the_other_replica_not_404(redis_server):
     async with replicas(redis_server.url) as (a, b):
-        gate = asyncio.Event()
-
-        async def create():
-            await gate.wait()
-            raise ImageDecodeError("image 0: truncated PNG")
-
         waiting = await accepted_and_awaited(a, b, "bad")
-        encode = asyncio.create_task(a.get_or_create("bad", create))
-        gate.set()
-        with pytest.raises(ImageDecodeError):
-            await encode
+        a.failed("bad", ImageDecodeError("image 0: truncated PNG"))
         failed = time.monotonic()
         with pytest.raises(EncodeFailed) as info:
             await waiting
@@ -107,21 +94,11 @@ async def test_a_failed_encode_is_raised_on_the_other_replica_not_404(redis_serv
 
 
 async def test_a_dropped_encode_fails_the_wait_elsewhere_at_once(redis_server):
-    """An encode the engine drops (every caller left: its create is cancelled) settles its marker too, so a
+    """An encode the engine drops (every caller left: its future is cancelled) settles its marker too, so a
     fetch on the other replica gets a clear not-found at once instead of waiting out the lease."""
     async with replicas(redis_server.url) as (a, b):
-        started = asyncio.Event()
-
-        async def create():
-            started.set()
-            await asyncio.Event().wait()  # the engine's future, cancelled when the image is dropped
-
         waiting = await accepted_and_awaited(a, b, "dropped")
-        encode = asyncio.create_task(a.get_or_create("dropped", create))
-        await started.wait()
-        a._inflight["dropped"].cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await encode
+        a.failed("dropped", asyncio.CancelledError())
         dropped = time.monotonic()
         with pytest.raises(EncodeFailed) as info:
             await waiting
@@ -133,7 +110,7 @@ async def test_an_id_nobody_accepted_is_not_pending_at_once(redis_server):
     async with replicas(redis_server.url) as (a, b):
         t0 = time.monotonic()
         assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # the caller answers 404
-        await a.get_or_create("there", creator(make_entry(2), []))
+        a.put("there", make_entry(2))
         await a.redis.flush()
         assert await b.wait_for("there", LONG_S) is Settled.LANDED  # in Redis already
         assert time.monotonic() - t0 < 1.0
@@ -151,7 +128,7 @@ async def test_a_wait_ends_at_the_callers_timeout(redis_server):
         stats = b.stats()
         assert stats["redis_pending_timeouts"] == 1 and stats["redis_pending_channels"] == 0  # unsubscribed
         # timeout 0, "don't wait": the state now, from one check, without subscribing
-        await a.get_or_create("there", creator(make_entry(2), []))
+        a.put("there", make_entry(2))
         await a.redis.flush()
         assert await b.wait_for("slow", 0) is Settled.TIMED_OUT
         assert await b.wait_for("never", 0) is Settled.NOT_PENDING
@@ -176,7 +153,7 @@ async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
         await wait_until(lambda: subscriptions() == 0)  # the UNSUBSCRIBEs reached Redis
         assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # and the connection still works
         waiting = await accepted_and_awaited(a, b, "k0")
-        await a.get_or_create("k0", creator(make_entry(7), []))
+        a.put("k0", make_entry(7))
         assert await asyncio.wait_for(waiting, 1.0) is Settled.LANDED
 
 
@@ -197,7 +174,7 @@ async def test_an_outcome_published_between_check_and_subscribe_is_not_missed(re
     async with replicas(redis_server.url) as (a, b):
         entry, gate = make_entry(3), asyncio.Event()
         assert await a.mark_pending(["k"])
-        encode = asyncio.create_task(a.get_or_create("k", gated(entry, gate)))
+        encode = asyncio.create_task(encoded(a, "k", entry, gate))
         subscriber = b.redis._subscriber
         subscribe = subscriber.subscription
 
@@ -217,7 +194,7 @@ async def test_an_outcome_published_between_check_and_subscribe_is_not_missed(re
 async def test_rows_that_could_not_be_stored_fail_the_wait(redis_server):
     async with replicas(redis_server.url, max_queued_bytes=1) as (a, b):  # A's write-behind queue is "full"
         waiting = await accepted_and_awaited(a, b, "k")
-        await a.get_or_create("k", creator(make_entry(4), []))  # A has the rows (its local tier), Redis not
+        a.put("k", make_entry(4))  # A has the rows (its local tier), Redis not
         with pytest.raises(EncodeFailed) as info:
             await asyncio.wait_for(waiting, 1.0)
         assert info.value.kind == "not_found" and "not stored" in info.value.message  # 404, saying why
@@ -230,7 +207,7 @@ async def test_rows_refused_by_a_full_redis_fail_the_wait(redis_server_noevict):
         waiting = await accepted_and_awaited(a, b, "k")
         direct = redis.Redis.from_url(url)
         direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # full now
-        await a.get_or_create("k", creator(make_entry(5, 512, 256, "main", torch.float32), []))
+        a.put("k", make_entry(5, 512, 256, "main", torch.float32))
         with pytest.raises(EncodeFailed) as info:
             await asyncio.wait_for(waiting, 1.0)
         assert info.value.kind == "not_found" and "Redis is full" in info.value.message
@@ -241,10 +218,10 @@ async def test_rows_refused_by_a_full_redis_fail_the_wait(redis_server_noevict):
 
 async def test_rows_found_in_redis_settle_the_marker(redis_server):
     async with replicas(redis_server.url) as (a, b):
-        await b.get_or_create("k", creator(make_entry(6), []))  # another replica wrote the rows already
+        b.put("k", make_entry(6))  # another replica wrote the rows already
         await b.redis.flush()
         assert await a.mark_pending(["k"])
-        await a.get_or_create("k", creator(make_entry(6), []))  # a Redis hit on A: nothing encoded
+        assert await a.get("k") is not None  # A's fill finds the rows in Redis: nothing encoded
         await a.redis.flush()
         assert redis.Redis.from_url(redis_server.url).exists(marker_name("k")) == 0
 
@@ -276,7 +253,7 @@ async def test_512_concurrent_waits_share_one_subscriber_connection(redis_server
         entries = {key: make_entry(100 + i, 16, 64) for i, key in enumerate(keys)}
         gate = asyncio.Event()
         assert await a.mark_pending(keys)
-        encodes = [asyncio.create_task(a.get_or_create(key, gated(entries[key], gate))) for key in keys]
+        encodes = [asyncio.create_task(encoded(a, key, entries[key], gate)) for key in keys]
         waits = [asyncio.create_task(b.wait_for(keys[i % 64], LONG_S)) for i in range(512)]
         await wait_until(lambda: b.stats()["redis_pending_waits"] == 512)
         with redis.Redis.from_url(redis_server.url) as direct:
@@ -295,7 +272,7 @@ async def test_a_local_hit_that_redis_evicted_is_shared_again(redis_server):
     may evict it meanwhile. `share` puts it back, marked pending until the write lands, so B finds it."""
     async with replicas(redis_server.url) as (a, b):
         entry = make_entry(8)
-        await a.get_or_create("k", creator(entry, []))
+        a.put("k", entry)
         await a.redis.flush()
         assert await a.share(["k"]) == 0  # still in Redis: only touched
         assert command_calls(redis_server.url, "touch") == 1
@@ -319,7 +296,7 @@ async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_
             await write(key, entry)
 
         a.redis._write = held_write
-        await a.get_or_create("k", creator(make_entry(9), []))
+        a.put("k", make_entry(9))
         assert await a.share(["k"]) == 0  # not in Redis, but its write is queued: nothing to do
         gate.set()
         await a.redis.flush()

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 import torch
 
 from encoder_service.cache.entry import HEADER_LEN, EntryHeader
-from tests.support.stores import LOADED, creator, make_entry, open_store, wait_until
+from tests.support.stores import LOADED, make_entry, open_store, wait_until
 
 CASES = [  # (num_rows, row_width, layout, dtype): Qwen2.5 'main' and Qwen3 [main|ds1|ds2|ds3] stand-ins
     (300, 256, "main", torch.bfloat16),
@@ -31,7 +31,7 @@ def log_count(caplog, text: str) -> int:
 async def test_range_reads_equal_slices_of_the_whole_entry(redis_server, num_rows, row_width, layout, dtype):
     writer, reader = await open_store(redis_server.url), await open_store(redis_server.url)
     entry = make_entry(7, num_rows, row_width, layout, dtype)
-    await writer.get_or_create("k", creator(entry, []))
+    writer.put("k", entry)
     await writer.redis.flush()
     whole = await reader.redis.get("k")
     assert whole is not None and torch.equal(whole.tensor, entry.tensor)
@@ -49,11 +49,11 @@ async def test_range_reads_equal_slices_of_the_whole_entry(redis_server, num_row
 
 async def test_two_stores_share_one_redis(redis_server):
     a, b = await open_store(redis_server.url), await open_store(redis_server.url)
-    entry, calls = make_entry(1), []
-    await a.get_or_create("shared", creator(entry, calls))
+    entry = make_entry(1)
+    a.put("shared", entry)
     await a.redis.flush()
-    got, cached = await b.get_or_create("shared", creator(make_entry(2), calls))
-    assert cached and len(calls) == 1 and torch.equal(got.tensor, entry.tensor)
+    got = await b.get("shared")
+    assert got is not None and torch.equal(got.tensor, entry.tensor)
     assert b.stats()["redis_hits"] == 1 and b.stats()["local_entries"] == 1  # promoted to b's local tier
     await a.close()
     await b.close()
@@ -63,7 +63,7 @@ async def test_eviction_under_pressure_is_a_miss_never_a_wrong_answer(redis_serv
     writer = await open_store(redis_server.url)
     entries = {f"k{i}": make_entry(i, 512, 256, "main", torch.float32) for i in range(48)}  # 48 x 512 KiB
     for key, entry in entries.items():
-        await writer.get_or_create(key, creator(entry, []))
+        writer.put(key, entry)
         await writer.redis.flush()
     reader = await open_store(redis_server.url)
     present = 0
@@ -75,9 +75,6 @@ async def test_eviction_under_pressure_is_a_miss_never_a_wrong_answer(redis_serv
         present += whole is not None
     assert 0 < present < len(entries)  # Redis evicted some (24 MB into 8 MB), kept some
     assert await reader.get("k0") is None  # the oldest went first
-    calls = []
-    got, cached = await reader.get_or_create("k0", creator(entries["k0"], calls))  # recomputed
-    assert not cached and calls == [1] and torch.equal(got.tensor, entries["k0"].tensor)
     assert reader.stats()["redis_corrupt"] == 0
     await writer.close()
     await reader.close()
@@ -86,7 +83,7 @@ async def test_eviction_under_pressure_is_a_miss_never_a_wrong_answer(redis_serv
 async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
     store = await open_store(redis_server.url)
     entry = make_entry(5, 300, 256, "main", torch.bfloat16)
-    await store.get_or_create("k", creator(entry, []))
+    store.put("k", entry)
     await store.redis.flush()
     direct = redis.Redis.from_url(redis_server.url)
     good = direct.get("k")
@@ -105,10 +102,8 @@ async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
         fresh = await open_store(redis_server.url)
         assert await fresh.get("k") is None, name
         assert await fresh.read_rows("k", 0, 8) is None, name  # rows 0..8 include the overwritten bytes
-        calls = []
-        got, cached = await fresh.get_or_create("k", creator(entry, calls))  # a miss: recomputed
-        assert not cached and calls == [1] and torch.equal(got.tensor, entry.tensor), name
         assert fresh.stats()["redis_corrupt"] >= 2, name
+        fresh.put("k", entry)  # encoded again
         await fresh.redis.flush()  # the recomputed entry overwrites the bad value
         assert direct.get("k") == good, name
         await fresh.close()
@@ -119,7 +114,7 @@ async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
 async def test_header_alone_is_read_and_verified(redis_server):
     writer, reader = await open_store(redis_server.url), await open_store(redis_server.url)
     entry = make_entry(3, 120, 4 * 96, "main+deepstack3", torch.bfloat16)
-    await writer.get_or_create("k", creator(entry, []))
+    writer.put("k", entry)
     await writer.redis.flush()
     direct = redis.Redis.from_url(redis_server.url)
     gets = direct.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
@@ -184,12 +179,13 @@ async def test_a_range_read_that_mixes_two_values_is_detected_and_read_again(red
 async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
     caplog.set_level(logging.INFO, logger="encoder_service.cache")
     store = await open_store(redis_server.url)
-    await store.get_or_create("a", creator(make_entry(1), []))
+    store.put("a", make_entry(1))
     await store.redis.flush()
     redis_server.kill()
     for i in range(20):  # keeps encoding and serving from the local tier
-        got, _ = await store.get_or_create(f"b{i}", creator(make_entry(100 + i), []))
-        assert torch.equal(got.tensor, make_entry(100 + i).tensor)
+        assert await store.get(f"b{i}") is None  # a miss, at once
+        store.put(f"b{i}", make_entry(100 + i))  # the encode's rows: kept locally, the write dropped
+        assert torch.equal((await store.get(f"b{i}")).tensor, make_entry(100 + i).tensor)
         assert torch.equal(await store.read_rows("a", 0, 3), make_entry(1).tensor[:3])
         assert await store.read_rows(f"never{i}", 0, 1) is None
     stats = store.stats()
@@ -198,7 +194,7 @@ async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
     redis_server.start()
     await wait_until(lambda: store.redis.up)
     assert log_count(caplog, "reachable again") == 1
-    await store.get_or_create("c", creator(make_entry(3), []))  # writes resume
+    store.put("c", make_entry(3))  # writes resume
     await store.redis.flush()
     other = await open_store(redis_server.url)
     got = await other.get("c")
@@ -210,13 +206,11 @@ async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
 async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
     caplog.set_level(logging.INFO, logger="encoder_service.cache")
     store = await open_store(redis_server.url)
-    await store.get_or_create("a", creator(make_entry(1), []))
+    store.put("a", make_entry(1))
     await store.redis.flush()
     redis_server.pause()  # accepts nothing, answers nothing: only the socket timeout ends a request
     try:
-        fresh = make_entry(2)
-        got, cached = await asyncio.wait_for(store.get_or_create("b", creator(fresh, [])), timeout=3)
-        assert not cached and torch.equal(got.tensor, fresh.tensor)
+        assert await asyncio.wait_for(store.get("b"), timeout=3) is None
         assert store.stats()["redis_state"] == "down"
         # Down: later misses skip Redis at once instead of waiting for another timeout.
         assert await asyncio.wait_for(store.read_rows("x", 0, 1), timeout=0.1) is None
@@ -234,7 +228,7 @@ async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis
     store = await open_store(url)
     entries = [make_entry(i, 512, 256, "main", torch.float32) for i in range(12)]  # 12 x 512 KiB into 2 MB
     for i, entry in enumerate(entries):
-        await store.get_or_create(f"k{i}", creator(entry, []))
+        store.put(f"k{i}", entry)
         await store.redis.flush()
     for i, entry in enumerate(entries):
         assert torch.equal((await store.get(f"k{i}")).tensor, entry.tensor)  # all served locally
@@ -245,7 +239,7 @@ async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis
     direct = redis.Redis.from_url(url)
     direct.config_set("maxmemory", "64mb")  # the operator makes room
     await asyncio.sleep(0.25)  # past the 0.2 s OOM cool-down
-    await store.get_or_create("late", creator(make_entry(99), []))
+    store.put("late", make_entry(99))
     await store.redis.flush()
     assert direct.exists("late") == 1
     assert log_count(caplog, "writes succeed again") == 1
@@ -260,11 +254,12 @@ async def test_unreachable_at_start_then_comes_up(caplog):
     server = RedisServer()
     store = await open_store(server.url)  # nothing listening yet
     try:
-        got, _ = await store.get_or_create("a", creator(make_entry(1), []))
-        assert torch.equal(got.tensor, make_entry(1).tensor) and not store.redis.up
+        assert await store.get("a") is None and not store.redis.up
+        store.put("a", make_entry(1))
+        assert torch.equal((await store.get("a")).tensor, make_entry(1).tensor)
         server.start()
         await wait_until(lambda: store.redis.up)
-        await store.get_or_create("b", creator(make_entry(2), []))
+        store.put("b", make_entry(2))
         await store.redis.flush()
         assert (await store.redis.get("b")) is not None
     finally:
@@ -281,7 +276,7 @@ async def test_more_concurrent_reads_than_connections_wait_and_all_succeed(redis
     # would evict keys to make room for bigger ones.
     entries = {f"k{i}": make_entry(i, 48, 128) for i in range(16)}
     for key, entry in entries.items():
-        await writer.get_or_create(key, creator(entry, []))
+        writer.put(key, entry)
     await writer.redis.flush()
     reader = await open_store(redis_server.url, **LOADED)  # 64 connections (the default), empty local tier
     keys = [f"k{i % 16}" for i in range(128)]
@@ -290,7 +285,7 @@ async def test_more_concurrent_reads_than_connections_wait_and_all_succeed(redis
         return await reader.header(key), await reader.read_rows(key, start, start + 30)
 
     async def write_meanwhile():
-        await reader.get_or_create("new", creator(make_entry(99), []))
+        reader.put("new", make_entry(99))
         await reader.redis.flush()
 
     ranged, whole, _ = await asyncio.gather(
@@ -317,7 +312,7 @@ async def test_full_redis_without_eviction_still_reads_and_only_writes_pause(red
     writer = await open_store(url)
     entries = {f"k{i}": make_entry(i, 300, 256) for i in range(3)}  # 3 x 150 KB: fits in 2 MB
     for key, entry in entries.items():
-        await writer.get_or_create(key, creator(entry, []))
+        writer.put(key, entry)
     await writer.redis.flush()
     direct = redis.Redis.from_url(url)
     direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # over maxmemory now
@@ -344,7 +339,7 @@ async def test_full_redis_without_eviction_still_reads_and_only_writes_pause(red
     assert await reader.redis._read("k0", refused_read) is None  # a miss...
     stats = reader.stats()
     assert stats["redis_errors"] == 1 and stats["redis_oom_events"] == 0 and not stats["redis_writes_paused"]
-    await reader.get_or_create("late", creator(make_entry(9), []))  # ...and only a refused write pauses writes
+    reader.put("late", make_entry(9))  # ...and only a refused write pauses writes
     await reader.redis.flush()
     stats = reader.stats()
     assert stats["redis_oom_events"] == 1 and stats["redis_writes_paused"] and stats["redis_writes_dropped"] == 1

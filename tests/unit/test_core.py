@@ -23,10 +23,13 @@ import torch
 
 from encoder_service import errors
 from encoder_service.api.service import build_core
-from encoder_service.cache import CacheKey, Entry, key_from_id, make_key
+from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, make_key
 from encoder_service.cache.handoff import marker_name
 from encoder_service.core import EncoderCore, FetchItem, ImageInput, timeouts
 from encoder_service.core.flight import Flights
+from encoder_service.core.images import Probed
+from encoder_service.core.metrics import Metrics
+from encoder_service.engine.engine import Engine
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
@@ -86,8 +89,13 @@ def key_of(core, data: bytes) -> CacheKey:
 
 
 def images_encoded(core) -> float:
-    """Images through the ViT so far (the warm-up's included)."""
+    """Images through the ViT so far for requests (the start-up warm-up is not counted)."""
     return core.metrics.registry.get_sample_value("encoder_images_encoded_total") or 0.0
+
+
+def cache_misses(core) -> float:
+    """Flights that found the rows in no tier and encoded them."""
+    return core.metrics.registry.get_sample_value("encoder_cache_misses_total") or 0.0
 
 
 async def until(condition, what: str) -> None:
@@ -145,16 +153,25 @@ async def test_fetch_equals_slices_of_the_whole_embedding(make_core, tiny_checkp
         assert torch.equal(got, expected), f"chunk size {chunk_size}"
 
 
+async def test_the_warm_up_encode_is_not_counted(make_core):
+    core = await make_core()  # started: the warm-up encode ran through the engine
+    sample = core.metrics.registry.get_sample_value
+    assert core.ready() and images_encoded(core) == 0
+    assert sample("encoder_encode_seconds_count") == sample("encoder_preprocess_seconds_count") == 0
+    await core.encode(inputs(image_bytes(64, 64, 4241)), wait=True)
+    assert images_encoded(core) == 1 and sample("encoder_encode_seconds_count") == 1
+
+
 async def test_same_image_from_many_requests_is_encoded_once(make_core):
     core = await make_core()
     data = image_bytes(96, 96, 4242)
-    encoded, creates = images_encoded(core), core.store.stats()["creates"]
+    encoded, misses = images_encoded(core), cache_misses(core)
     results = await asyncio.wait_for(asyncio.gather(*(core.encode(inputs(data), wait=True) for _ in range(16))),
                                      WAIT_S)
     infos = [r.images[0] for r in results]
     assert len({i.id for i in infos}) == 1
     assert sum(not i.cached for i in infos) == 1  # the request whose miss ran the encode; the rest joined it
-    assert images_encoded(core) - encoded == 1 and core.store.stats()["creates"] - creates == 1
+    assert images_encoded(core) - encoded == 1 and cache_misses(core) - misses == 1
     (again,) = (await core.encode(inputs(data))).images
     assert again.cached
     rows = await asyncio.gather(*(fetch_all(core, again) for _ in range(4)))
@@ -237,7 +254,93 @@ async def test_waiters_leaving_drop_the_queued_image(make_core):
     assert not core.store.local.is_pinned(gone_key.name) and not core.store.local.is_pinned(kept_key.name)
 
 
+# ---- an id names one content -----------------------------------------------------------------------------
+def named(data: bytes, caller_id: str) -> list[ImageInput]:
+    return [ImageInput(data=data, caller_id=caller_id)]
+
+
+async def test_a_caller_id_never_names_two_contents(make_core):
+    core = await make_core("qwen2_5_vl", gated=True)
+    a, b = image_bytes(64, 64, 50), image_bytes(96, 64, 51)  # 4 and 6 tokens
+    first = await core.encode(named(a, "shared"), return_embeddings=True)
+    with pytest.raises(errors.Conflict, match="^image 0: id 'u:shared' already names other image bytes"):
+        await core.encode(named(b, "shared"), wait=True)
+    (again,) = (await core.encode(named(a, "shared"), wait=True)).images  # the same bytes: the same id
+    assert again.cached and again.grid_thw == first.images[0].grid_thw
+    assert torch.equal(await fetch_all(core, again), first.embeddings[0])  # still a's rows
+    with pytest.raises(errors.Conflict, match="^image 1: id 'u:pair'"):  # two images of one request
+        await core.encode([ImageInput(data=a, caller_id="pair"), ImageInput(data=b, caller_id="pair")])
+    await hold_the_gpu(core)
+    await core.encode(named(a, "flying"))  # encoding now: its flight knows the bytes
+    with pytest.raises(errors.Conflict, match="'u:flying'"):
+        await core.encode(named(b, "flying"))
+    assert core.engine.permits == 0 and not core.store.local.is_pinned(key_of(core, b).name)
+    core.runner.gate.set()
+    (flown,) = (await asyncio.wait_for(core.encode(named(a, "flying"), wait=True), WAIT_S)).images
+    assert flown.num_tokens == 4
+
+
+async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_server, monkeypatch):
+    a_core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
+    b_core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    a, b = image_bytes(64, 64, 52), image_bytes(96, 64, 53)
+    # Rows another replica wrote (in Redis): a Conflict before the answer, without waiting.
+    await a_core.encode(named(a, "x"), wait=True)
+    await a_core.store.redis.flush()
+    with pytest.raises(errors.Conflict, match="'u:x' already names other image bytes"):
+        await b_core.encode(named(b, "x"))
+    (same,) = (await b_core.encode(named(a, "x"), wait=True)).images
+    assert same.cached and b_core.metrics.registry.get_sample_value("encoder_cache_hits_total", {"tier": "redis"}) == 1
+    # Another replica's encode still running: its pending marker carries the bytes' tag.
+    a_core.runner.gate.clear()
+    await a_core.encode(named(a, "y"))
+    with pytest.raises(errors.Conflict, match="'u:y'"):
+        await b_core.encode(named(b, "y"))
+    a_core.runner.gate.set()
+    # Where Redis could not tell before the answer (two encodes racing), the rows the fill finds can: the
+    # encode that answered fails with the Conflict, and so does a fetch of the id there.
+    await a_core.encode(named(a, "z"), wait=True)
+    await a_core.store.redis.flush()
+
+    async def nothing_recorded(keys):
+        return {}
+
+    monkeypatch.setattr(b_core.handoff, "recorded_tags", nothing_recorded)
+    (raced,) = (await b_core.encode(named(b, "z"))).images
+    with pytest.raises(errors.Conflict, match="encode of id 'u:z' failed: id 'u:z' already names other"):
+        await b_core.fetch([FetchItem(raced.id, 0)], 0, raced.num_tokens, timeout_s=WAIT_S)
+
+
 # ---- timeout_s -------------------------------------------------------------------------------------------
+async def test_a_cancelled_waiter_does_not_cancel_the_encode_others_wait_for(make_core):
+    core = await make_core("qwen2_5_vl", gated=True)
+    await hold_the_gpu(core)
+    encoded = images_encoded(core)
+    data = image_bytes(76, 76, 16)
+    first = asyncio.create_task(core.encode(inputs(data), wait=True))
+    await until(lambda: key_of(core, data).name in core.flights, "the first request's flight")
+    flight = core.flights.get(key_of(core, data).name)
+    second = asyncio.create_task(core.encode(inputs(data), wait=True))
+    await until(lambda: flight.waiters == 2, "the second request to join")
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    assert first.cancelled() and flight.waiters == 1
+    core.runner.gate.set()
+    result = await asyncio.wait_for(core.encode(inputs(data), wait=True, return_embeddings=True), WAIT_S)
+    (info,) = (await asyncio.wait_for(second, WAIT_S)).images
+    assert info.cached and images_encoded(core) - encoded == 3  # the two holding the GPU, and this one once
+    assert torch.equal(await fetch_all(core, info), result.embeddings[0])
+
+
+async def test_a_failure_reaches_every_waiter_and_nothing_is_cached(make_core):
+    core = await make_core()
+    truncated = truncated_jpeg(9)
+    requests = [core.encode(inputs(image_bytes(56, 56, 30 + k), truncated), wait=True) for k in range(3)]
+    results = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), WAIT_S)
+    assert all(isinstance(r, errors.ImageDecodeError) and r.message.startswith("image 1: ") for r in results)
+    assert core.store.peek(key_of(core, truncated)) is None and core.engine.permits == 0
+
+
 async def test_timeout_zero_answers_with_cached_rows_and_never_waits(make_core):
     core = await make_core("qwen2_5_vl", gated=True)
     cached = image_bytes(64, 64, 20)
@@ -304,20 +407,18 @@ async def test_a_fetch_sized_by_a_flight_that_fails_before_its_rows_are_read_get
 
 
 async def test_failures_are_remembered_up_to_a_bound():
-    flights = Flights(failures_kept=2)
-
-    async def fail(flight):
-        raise errors.ImageDecodeError(f"image {flight.key.id} is truncated")
-
+    # An engine never started: every fill's submit fails (the store has nothing, so each one submits).
+    engine = Engine(prepare=lambda data, grid: None, encode=lambda pixel_values, grids: [], batch_tokens=64)
+    flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main", lease_s=60, failures_kept=2)
     keys = [make_key(bytes([k]), "fp") for k in range(3)]
     for key in keys:
-        flight = flights.join(key, (1, 2, 2), 1, None, fail)
-        with pytest.raises(errors.ImageDecodeError):
+        flight = flights.join(Probed(key, (1, 2, 2), 1, b"image"), None)
+        with pytest.raises(errors.Unavailable):
             await flight.task
         assert key.name not in flights
     flights.raise_failure(keys[0])  # the oldest is forgotten
     for key in keys[1:]:
-        with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{key.id}' failed: image .* truncated"):
+        with pytest.raises(errors.Unavailable, match=f"encode of id '{key.id}' failed: .*engine is not running"):
             flights.raise_failure(key)
 
 
@@ -344,30 +445,6 @@ async def test_queue_permits_are_given_back(make_core, redis_server):
     assert second.id == first.id and second.cached and images_encoded(reader) == encoded
     assert reader.engine.permits == 0
     assert reader.metrics.registry.get_sample_value("encoder_cache_hits_total", {"tier": "redis"}) == 1
-
-
-async def test_a_joined_store_fill_gives_its_permit_back(make_core):
-    # A fill of the store's already in flight for the id (no flight of this core: e.g. a read through the
-    # store by another path) is joined: no encode is submitted, the permit goes back.
-    core = await make_core()
-    data = image_bytes(72, 72, 15)
-    key = key_of(core, data)
-    gate = asyncio.Event()
-
-    async def slow_create() -> Entry:
-        await gate.wait()
-        return Entry.from_rows(torch.zeros(1, 48), (1, 2, 2), "main")
-
-    other = asyncio.create_task(core.store.get_or_create(key, slow_create))
-    await asyncio.sleep(0)
-    encoded = images_encoded(core)
-    request = asyncio.create_task(core.encode(inputs(data), wait=True))
-    await until(lambda: key.name in core.flights, "the request's flight")
-    assert core.engine.permits == 1  # admitted: the core did not know of the store's fill
-    gate.set()
-    (info,) = (await asyncio.wait_for(request, WAIT_S)).images
-    await other
-    assert info.cached and core.engine.permits == 0 and images_encoded(core) == encoded
 
 
 # ---- across replicas (core/handoff.py; the two real replicas: tests/service/test_replicas.py) ------------
@@ -451,9 +528,9 @@ async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_
     core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
     gate, mark_pending = asyncio.Event(), core.store.mark_pending
 
-    async def slow_mark_pending(keys, lease_s=None):
+    async def slow_mark_pending(keys, **kw):
         await gate.wait()
-        return await mark_pending(keys, lease_s)
+        return await mark_pending(keys, **kw)
 
     core.store.mark_pending = slow_mark_pending
     data = image_bytes(64, 64, 43)

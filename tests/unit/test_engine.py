@@ -1,6 +1,7 @@
 """Engine and scheduler: packing order and budget, failure isolation, thread death, backpressure (and its
-Retry-After, which counts the CPU preprocessing backlog), deadlines and cancellation. A fake encode
-function stands in for the tower (no model needed)."""
+Retry-After, which counts the CPU preprocessing backlog), deadlines and cancellation. The engine is built
+with its stages: a fake prepare (a job's data is a number: its pixel values are filled with it) and a fake
+encode function in place of the tower (no model needed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ WAIT_S = 10  # bound on every wait in this file
 
 
 def _item(loop, n: int, deadline=None) -> WorkItem:
-    return WorkItem(num_patches=n, prepared=loop.create_future(), future=loop.create_future(), deadline=deadline)
+    return WorkItem(grid_thw=(1, 1, n), prepared=loop.create_future(), future=loop.create_future(), deadline=deadline)
 
 
 async def test_packing_keeps_order_and_budget():
@@ -62,7 +63,7 @@ async def test_dead_items_are_dropped_before_a_batch_is_built():
 
 
 class FakeTower:
-    """encode_fn for the engine: rows = pixel_values[:, :2] * 2; a batch containing a NaN raises; `gate`
+    """The engine's encode stage: rows = pixel_values[:, :2] * 2; a batch containing a NaN raises; `gate`
     holds the GPU thread so tests can build queues; `calls` records the batches (first pixel of each image)."""
 
     def __init__(self):
@@ -87,13 +88,17 @@ class _ThreadKiller(BaseException):
     pass
 
 
-def _job(tag: float, patches: int = 4) -> Job:
-    def prepare():
-        if tag < 0:
-            raise ImageDecodeError(f"image {tag} is corrupt")
-        return torch.full((patches, 3), tag), (1, 2, patches // 2)
+def prepare(tag: float, grid_thw) -> torch.Tensor:
+    """The engine's prepare stage: [t*h*w patches, 3] pixel values filled with the job's tag; a negative tag
+    is an image that does not decode."""
+    if tag < 0:
+        raise ImageDecodeError(f"image {tag} is corrupt")
+    t, h, w = grid_thw
+    return torch.full((t * h * w, 3), tag)
 
-    return Job(prepare, patches)
+
+def _job(tag: float, patches: int = 4) -> Job:
+    return Job(tag, (1, 2, patches // 2))
 
 
 async def _entered(tower: FakeTower) -> None:
@@ -103,7 +108,7 @@ async def _entered(tower: FakeTower) -> None:
 @pytest.fixture
 async def engine_and_tower():
     tower = FakeTower()
-    engine = Engine(tower, batch_tokens=8, max_queue=6, cpu_threads=2)
+    engine = Engine(prepare=prepare, encode=tower, batch_tokens=8, max_queue=6, cpu_threads=2)
     await engine.start()
     yield engine, tower
     tower.gate.set()
@@ -165,18 +170,19 @@ async def test_backpressure_overloaded_with_retry_after(engine_and_tower):
 
 async def test_retry_after_grows_with_the_preprocessing_backlog():
     """The GPU is idle and its queue short; the one CPU thread is the bottleneck: Retry-After must say so."""
-    tower = FakeTower()
-    engine = Engine(tower, batch_tokens=64, max_queue=64, cpu_threads=1)
-    await engine.start()
     cpu_free = threading.Event()
 
-    def slow(tag: float, hold: bool = False) -> Job:
-        def prepare():
-            time.sleep(0.1)  # a big image's decode and resize
-            assert not hold or cpu_free.wait(WAIT_S)
-            return torch.full((4, 3), tag), (1, 2, 2)
+    def slow_prepare(data: tuple[float, bool], grid_thw) -> torch.Tensor:
+        tag, hold = data
+        time.sleep(0.1)  # a big image's decode and resize
+        assert not hold or cpu_free.wait(WAIT_S)
+        return prepare(tag, grid_thw)
 
-        return Job(prepare, 4)
+    def slow(tag: float, hold: bool = False) -> Job:
+        return Job((tag, hold), (1, 2, 2))
+
+    engine = Engine(prepare=slow_prepare, encode=FakeTower(), batch_tokens=64, max_queue=64, cpu_threads=1)
+    await engine.start()
 
     try:
         await _results(engine.submit([slow(1.0)]))  # one prepare measured: >= 0.1 s on the one thread
@@ -240,7 +246,7 @@ async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
 
 async def test_gpu_thread_death_is_noticed():
     tower = FakeTower()
-    engine = Engine(tower, batch_tokens=8, max_queue=8, cpu_threads=1)
+    engine = Engine(prepare=prepare, encode=tower, batch_tokens=8, max_queue=8, cpu_threads=1)
     await engine.start()
     try:
         tower.die = True

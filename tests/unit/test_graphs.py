@@ -2,7 +2,8 @@
 
 CPU (CI): `GraphRunner(capture=False)` does everything but capture/replay (static buffers, padding,
 copy-in of every buffer, the tower run on the static buffers, copy-out), for every tiny family, in float64;
-each image's output must EQUAL the tower run on that image alone, unpadded. The batches include the SGLang
+each image's output must equal the tower run on that image alone, unpadded, to 1e-12 of its scale (GEMMs of
+other shapes may round differently by an ulp or so; a boundary or padding error shows at 1e-2 and above). The batches include the SGLang
 stale-boundary case (equal patch totals, different image sizes, replayed one after another on the same
 graph) and a batch for each graph of every bucket the service captures.
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from encoder_service.runtime.eager import EagerRunner
 from encoder_service.runtime.graphs import GraphRunner
-from encoder_service.runtime.runner import EagerRunner, exact_resolution_buckets, make_runner
+from encoder_service.runtime.runner import exact_resolution_buckets, make_runner
 from encoder_service.settings import DEFAULT_BUCKETS
 from encoder_service.testing.tiny import TINY_FAMILIES
 from tests.support.graph_cases import (

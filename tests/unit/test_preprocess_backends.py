@@ -32,7 +32,7 @@ from encoder_service.preprocessing import (
     torch_ops,
 )
 from encoder_service.preprocessing.nvjpeg import NvJpegDecoder
-from encoder_service.settings import PREPROCESS_BACKENDS, Settings, SettingsError
+from encoder_service.settings import PREPROCESS_ALIASES, PREPROCESS_BACKENDS, Settings, SettingsError
 from tests.support.images import png_header_only
 from tests.support.preprocess_cases import (
     BAD_INPUTS,
@@ -207,16 +207,35 @@ def test_nvjpeg_without_torchvision_decodes_with_pillow(monkeypatch, caplog):
 # ---- choosing a backend: settings, fingerprint, the core ----
 
 
-def test_make_backend_knows_every_setting():
+def test_make_backend_knows_every_setting(caplog):
     cfg = PreprocessConfig.default_for(QWEN2_5)
-    prints = {name: make_backend(name, cfg, LIMITS, "cpu").fingerprint for name in PREPROCESS_BACKENDS}
+    with caplog.at_level(logging.WARNING):
+        prints = {name: make_backend(name, cfg, LIMITS, "cpu").fingerprint for name in PREPROCESS_BACKENDS}
     assert prints == {"pil": "pil", "torchvision": "torchvision:resize=uint8,decode=pil",
-                      "torchvision-pil-decode": "torchvision:resize=uint8,decode=pil"}  # no nvJPEG on the CPU
+                      "torchvision-nvjpeg": "torchvision:resize=uint8,decode=pil"}  # no nvJPEG on the CPU
+    assert "nvJPEG decodes on CUDA only; the model is on cpu" in caplog.text  # said, for the opt-in only
     with pytest.raises(ValueError, match="expected one of pil, torchvision"):
         make_backend("opencv", cfg, LIMITS, "cpu")
 
 
-def test_preprocess_setting_defaults_to_the_device(monkeypatch):
+def test_on_cuda_only_the_opt_in_decodes_with_nvjpeg(monkeypatch):
+    """The default `torchvision` is the exact path on CUDA too (Pillow decodes); nvJPEG, not bit-exact with
+    Pillow, only for `torchvision-nvjpeg`. Built for cuda:0 without touching CUDA; the decoder a stand-in."""
+    loads = []
+
+    def load(device):
+        loads.append(device)
+        return NvJpegDecoder(device, StandInDecodeJpeg(), "RGB")
+
+    monkeypatch.setattr(NvJpegDecoder, "load", staticmethod(load))
+    cfg = PreprocessConfig.default_for(QWEN2_5)
+    assert make_backend("torchvision", cfg, LIMITS, "cuda:0").fingerprint == "torchvision:resize=float32,decode=pil"
+    assert loads == []
+    nvjpeg = make_backend("torchvision-nvjpeg", cfg, LIMITS, "cuda:0")
+    assert nvjpeg.fingerprint == "torchvision:resize=float32,decode=nvjpeg" and loads == [torch.device("cuda", 0)]
+
+
+def test_preprocess_setting_defaults_to_the_device(monkeypatch, caplog):
     def preprocess(*args, env=None):
         return Settings.from_args(["--model", "m", *args], env=env or {}).model.preprocess
 
@@ -228,10 +247,19 @@ def test_preprocess_setting_defaults_to_the_device(monkeypatch):
     monkeypatch.setattr("encoder_service.settings._cuda_available", lambda: False)
     assert preprocess() == "pil"
     assert preprocess("--device", "cpu", "--preprocess", "torchvision") == "torchvision"
-    assert preprocess("--device", "cuda", env={"ENCODER_PREPROCESS": "torchvision-pil-decode"}) == "torchvision-pil-decode"
+    assert preprocess("--device", "cuda", env={"ENCODER_PREPROCESS": "torchvision-nvjpeg"}) == "torchvision-nvjpeg"
     assert preprocess("--preprocess", "pil", env={"ENCODER_PREPROCESS": "torchvision"}) == "pil"
-    with pytest.raises(SettingsError, match="--preprocess / ENCODER_PREPROCESS .*must be one of pil, torchvision"):
+    with pytest.raises(SettingsError, match="--preprocess / ENCODER_PREPROCESS .*must be one of pil, torchvision, "
+                                            "torchvision-nvjpeg, got 'nvjpeg'"):
         preprocess("--preprocess", "nvjpeg")
+    # The exact path's old name: what `torchvision` is now, with a warning, for one release.
+    assert PREPROCESS_ALIASES == {"torchvision-pil-decode": "torchvision"}
+    for args, env in [(("--preprocess", "torchvision-pil-decode"), None),
+                      ((), {"ENCODER_PREPROCESS": "torchvision-pil-decode"})]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="encoder_service.settings"):
+            assert preprocess("--device", "cuda", *args, env=env) == "torchvision"
+        assert "torchvision-pil-decode is deprecated" in caplog.text and "use torchvision" in caplog.text
 
 
 def test_fingerprint_names_the_backend():

@@ -162,7 +162,7 @@ async def test_registration_before_and_after_encode():
     table.finish(early)
     assert table.get("a") is None and len(table) == 0
     table.open_encode("b")
-    with pytest.raises(errors.InvalidInput, match="duplicate"):
+    with pytest.raises(errors.Conflict, match="duplicate"):
         table.open_encode("b")
 
 
@@ -207,5 +207,5 @@ async def test_without_pyzmq_the_service_refuses_to_start(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq.asyncio", None)
     monkeypatch.setattr(service_mod, "build_core", lambda *a, **k: pytest.fail("the model must not load"))
     settings = Settings.from_args(["--model", "m", "--device", "cpu", "--sglang-protocol"], env={})
-    with pytest.raises(SettingsError, match=r"needs pyzmq.*encoder-service\[sglang\]"):
+    with pytest.raises(SettingsError, match=r"needs pyzmq.*pip install 'pyzmq>=25.1.2'.*pip install -e '\.\[sglang\]'"):
         await service_mod.Service(settings).start()

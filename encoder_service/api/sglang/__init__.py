@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from encoder_service.settings import SettingsError
 
-INSTALL_HINT = "pip install 'encoder-service[sglang]' (pyzmq)"
+INSTALL_HINT = "pip install 'pyzmq>=25.1.2' (in a checkout of this repository: pip install -e '.[sglang]')"
 
 
 def require_zmq() -> None:

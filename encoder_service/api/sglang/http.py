@@ -23,7 +23,6 @@ import asyncio
 import base64
 import binascii
 import logging
-import time
 
 import torch
 from fastapi import FastAPI, Request
@@ -33,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
+from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.api.sglang import header as hdr
 from encoder_service.api.sglang.push import Pusher, endpoint
 from encoder_service.api.sglang.session import Part, Sessions
@@ -71,7 +71,7 @@ class RegisterBody(_Body):
 
 def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI:
     max_body = core.settings.limits.max_body_bytes
-    metrics = core.metrics
+    metrics, access_log = core.metrics, core.settings.server.access_log
     app = FastAPI(title="encoder_service (SGLang protocol)", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
@@ -81,46 +81,42 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
 
     @app.post("/encode")
     async def encode(request: Request):
-        t0 = time.perf_counter()
-        metrics.in_flight.inc()
-        outcome, body, part = "ok", None, None
-        try:
-            body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
-            validate_encode(body)
-            part = sessions.open_encode(body.req_id)
-            await _encode(body, part)
-            return JSONResponse(None)
-        except ClientDisconnect:  # gone mid-upload, as /v1/encode counts it: no body, so nobody to tell
-            outcome = "cancelled"
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
-            outcome = exc.kind if isinstance(exc, EncoderServiceError) else "internal"
-            return await _fail(body, part, exc)
-        finally:
-            metrics.in_flight.dec()
-            metrics.requests.labels(method="sglang_encode", outcome=outcome).inc()
-            metrics.request_ms.labels(method="sglang_encode").observe((time.perf_counter() - t0) * 1e3)
+        body = part = None
+        with served(metrics, "sglang", "encode", request.headers.get(REQUEST_ID), access_log=access_log) as serving:
+            try:
+                body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
+                validate_encode(body)
+                part = sessions.open_encode(body.req_id)
+                await _encode(body, part)
+                response = JSONResponse(None)
+            except ClientDisconnect:  # gone mid-upload, as /v1/encode counts it: no body, so nobody to tell
+                serving.observed.cancelled()
+                response = Response(status_code=499)
+            except Exception as exc:  # noqa: BLE001 -- every failure must reach the language side
+                serving.observed.failed(exc)
+                response = await _fail(body, part, exc)
+            response.headers[REQUEST_ID] = serving.request_id
+            return response
 
     @app.post("/scheduler_receive_url")
     async def scheduler_receive_url(request: Request):
-        outcome, body = "ok", None
-        try:
-            body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
-            if not body.req_id:
-                raise InvalidInput("req_id must be a non-empty string")
-            endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
-            part = sessions.register(body.req_id, body.receive_url, body.receive_count)
-            if part.error is not None:  # the part failed before this rank registered: tell it now
-                await _push_quietly([body.receive_url], [part.error], persistent=True)
-            return JSONResponse(None)
-        except EncoderServiceError as exc:
-            outcome = exc.kind
-            return _error_response(exc, body.req_id if body is not None else None)
-        finally:
-            metrics.requests.labels(method="sglang_register", outcome=outcome).inc()
+        body = None
+        with served(metrics, "sglang", "register", request.headers.get(REQUEST_ID),
+                    access_log=access_log) as serving:
+            try:
+                body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
+                if not body.req_id:
+                    raise InvalidInput("req_id must be a non-empty string")
+                endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput
+                part = sessions.register(body.req_id, body.receive_url, body.receive_count)
+                if part.error is not None:  # the part failed before this rank registered: tell it now
+                    await _push_quietly([body.receive_url], [part.error], persistent=True)
+                response = JSONResponse(None)
+            except EncoderServiceError as exc:
+                serving.observed.failed(exc)
+                response = _error_response(exc, body.req_id if body is not None else None)
+            response.headers[REQUEST_ID] = serving.request_id
+            return response
 
     async def _encode(body: EncodeBody, part: Part) -> None:
         images = [image_input(i, item) for i, item in enumerate(body.mm_items)]

@@ -68,10 +68,12 @@ class Sessions:
         return part
 
     def open_encode(self, req_id: str) -> Part:
-        """The part of an /encode: a second /encode of the same req_id is refused."""
+        """The part of an /encode: a second /encode of the same req_id while the first runs is a Conflict (a
+        req_id names one part: its images may be others)."""
         part = self._get_or_create(req_id)
         if part.encoding:
-            raise errors.InvalidInput(f"req_id {req_id!r} is already being encoded (a duplicate /encode)")
+            raise errors.Conflict(f"req_id {req_id!r} is already being encoded (a duplicate /encode: a req_id "
+                                  "names one part)")
         part.encoding = True
         return part
 

@@ -1,7 +1,8 @@
 """vLLM integration: an EC connector that feeds vLLM's encoder cache from encoder_service, and a chat front end.
 
-vLLM is an optional extra (`pip install encoder-service[vllm]`): this package imports without it; vLLM is
-imported only when the connector class is used (vLLM's factory does `getattr(module, "EncoderServiceConnector")`).
+vLLM is an optional extra (`pip install -e '.[vllm]'` in a checkout of this repository): this package imports
+without it; vLLM is imported only when the connector class is used (vLLM's factory does
+`getattr(module, "EncoderServiceConnector")`).
 
   connector.py  EncoderServiceConnector (vLLM's ECConnectorBase, role ec_consumer): a thin adapter over
                 the vLLM-free machinery below (benchmarks/connector_bench.py drives that directly)
@@ -82,8 +83,8 @@ def __getattr__(name: str):
             from encoder_service.integrations.vllm import connector
         except ImportError as exc:
             if exc.name is not None and exc.name.split(".")[0] == "vllm":
-                raise ImportError(f"{MODULE}.{name} needs vLLM: pip install 'encoder-service[vllm]' "
-                                  f"({exc})") from exc
+                raise ImportError(f"{MODULE}.{name} needs vLLM: pip install -e '.[vllm]' in a checkout of "
+                                  f"encoder_service ({exc})") from exc
             raise
         return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

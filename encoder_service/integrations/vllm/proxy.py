@@ -35,9 +35,9 @@ import logging
 from typing import Sequence
 
 from encoder_service import errors
-from encoder_service.api.errors import http_status
 from encoder_service.client import AsyncEncoderClient, ImageSource
 from encoder_service.integrations.vllm import PARAMS_KEY
+from encoder_service.protocol.errors import http_status
 from encoder_service.settings import ProxySettings
 
 log = logging.getLogger("encoder_service.vllm_proxy")

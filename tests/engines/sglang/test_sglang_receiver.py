@@ -376,7 +376,7 @@ def test_two_encoder_urls_parts_reassembled(backend, encoder, model_dir):
     enc, model = encoder("qwen3_vl"), model_dir("qwen3_vl")
     images = [noise_png(i, seed=8000 + BACKENDS.index(backend)) for i in range(3)]
     urls = [enc.url, enc.url.replace("127.0.0.1", "localhost")]
-    encodes = 'encoder_requests_total{method="sglang_encode",outcome="ok"}'
+    encodes = 'encoder_requests_total{method="encode",outcome="ok",transport="sglang"}'
     before = enc.metric(encodes)
     mm_inputs, error = run_sglang(backend, model, enc, [data_uri(b) for b in images], urls=urls)
     assert error is None and mm_inputs is not None, error

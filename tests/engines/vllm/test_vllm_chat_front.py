@@ -23,17 +23,19 @@ import torch  # noqa: E402
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
-from tests.support.vllm_engine import CHUNKS, GAP_S, TOKEN, StandInVllm, ec_config  # noqa: E402
+from tests.support.vllm_engine import TOKEN, ec_config  # noqa: E402
+from tests.support.vllm_stand_in import CHUNKS, StandInVllm  # noqa: E402
 from tests.support.vllm_docs import documented  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
+GAP_S = 0.4  # between the stand-in's streamed events
 CALLER = {"authorization": "Bearer caller-key"}  # the proxy's --api-key, as its callers send it
 
 
 @pytest.fixture(scope="module")
 def front(encoders, tmp_path_factory):
     """(proxy URL, stand-in vLLM) with the proxy in front of the Qwen2.5-VL encoder."""
-    vllm = StandInVllm()
+    vllm = StandInVllm(gap_s=GAP_S)
     port = free_port()
     argv = documented("proxy").replaced({
         "--encoder-url": encoders["qwen2_5_vl"].url, "--vllm-url": vllm.url, "--host": "127.0.0.1",

@@ -137,6 +137,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_MAX_PIXELS" $srv.maxPixels)
     (list "ENCODER_ALLOW_URL_HOSTS" (join "," ($srv.allowUrlHosts | default list)))
     (list "ENCODER_LOG_LEVEL" $srv.logLevel)
+    (list "ENCODER_ACCESS_LOG" $srv.accessLog)
     (list "ENCODER_SHM_FETCH" $srv.shmFetch)
     (list "ENCODER_SHM_DIR" $srv.shmDir)
     (list "ENCODER_SGLANG_PROTOCOL" (ternary "true" "" .Values.sglang.enabled))

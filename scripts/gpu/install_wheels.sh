@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# ON THE GPU MACHINE, from the repo root: FlashAttention-4 + CuTe DSL + cudnn-frontend into /tmp/site from
-# the two wheel stages of benchmarks/device/stage_wheels.sh, carried by two device calls in a row:
-#   call 1, carry [".gpuwhl_stage1"]:  bash benchmarks/device/install_wheels.sh    # parks stage 1 in /tmp
-#   call 2, carry [".gpuwhl_stage2"]:  bash benchmarks/device/install_wheels.sh && PYTHONPATH=/tmp/site:. ...
+# ON THE GPU MACHINE, from the repo root: FlashAttention-4 + CuTe DSL + quack + cudnn-frontend into
+# /tmp/site-packages from the two wheel stages of scripts/gpu/stage_wheels.sh, carried by two device calls
+# in a row:
+#   call 1, carry [".gpuwhl_stage1"]:  bash scripts/gpu/install_wheels.sh    # parks stage 1 in /tmp
+#   call 2, carry [".gpuwhl_stage2"]:  bash scripts/gpu/install_wheels.sh && PYTHONPATH=/tmp/site-packages:. ...
 # Call 2 puts the cu13 wheel back together, checks every wheel against SHA256SUMS and installs them
 # (--no-deps: torch, cuda-bindings, einops, protobuf, nvidia-cudnn-cu13 are the image's). A later call on the
 # same warm machine finds them installed and does nothing (unless FA4 was left out: then it tries again).
 # If stage 1 is missing (the machine went cold between the calls), it installs the rest without the CuTe
 # DSL (FA4 then reports "unavailable") and says so.
-# Then run Python with PYTHONPATH=/tmp/site:. (ops/attention_fa4.py adds the DSL's dsl_packages folder,
-# which a .pth file would add in a normal install). Exit status 0 unless pip fails.
+# Then run Python with PYTHONPATH=/tmp/site-packages:. (ops/cutlass_dsl.py adds the DSL's dsl_packages folder,
+# which a .pth file would add in a normal install). The folder's name matters: quack fingerprints its epilogues'
+# code and treats what is not under a `site-packages` / `dist-packages` folder as its own, recursing into the
+# DSL's globals, where it fails (a TypeError on cutlass's _LOC_TRANSFORMS ContextVar; ops/swiglu_gemm_quack.py).
+# Not /tmp/site: scripts/gpu/env.sh installs the service's wheels there (both can be on PYTHONPATH).
+# Exit status 0 unless pip fails.
 set -uo pipefail
 park=/tmp/gpuwhl
-site=/tmp/site
+site=/tmp/site-packages
 mkdir -p "$park"
 for stage in .gpuwhl_stage1 .gpuwhl_stage2; do
   if [ -d "$stage" ]; then cp "$stage"/* "$park"/ && echo "parked $stage in $park"; fi
@@ -53,7 +58,8 @@ printf '%s\n' "${wheels[@]##*/}" | tr '\n' ' ' > "$site/.installed"
 echo "installed into $site: $(cat "$site/.installed")"
 PYTHONPATH="$site:." python3 -c "
 import torch
-from encoder_service.ops import attention_fa4
+from encoder_service.ops import attention_fa4, swiglu_gemm_quack
 print('fa4 available:', attention_fa4.available(torch.device('cuda')))
-" 2>&1 | tail -3
+print('quack available:', swiglu_gemm_quack.available(torch.device('cuda')))
+" 2>&1 | tail -4
 exit 0

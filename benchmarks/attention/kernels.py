@@ -7,29 +7,32 @@ efficient), the two-segment dense trick (ops/attention.py), batched dense for eq
 Triton short-segment kernel (ops/attention_triton.py). Also: the padded MLP GEMMs and the fused elementwise
 kernels (ops/) against the eager torch ops they replace.
 
-    python benchmarks/attention_kernels.py      # GPU only; writes $OUT/attention_kernels.{json,md}
+    python benchmarks/attention/kernels.py      # GPU only
 
-benchmarks/attention_candidates.py is issue 14's comparison of the attention backends (FlashAttention-4,
+Writes benchmarks/results/attention_kernels-<date>-<commit>.json and $OUT/attention_kernels.md
+(benchmarks/common/report.py: where, with and without OUT).
+
+benchmarks/attention/candidates.py is issue 14's comparison of the attention backends (FlashAttention-4,
 cudnn-frontend, torch's, and our rejected head-dim-split Triton kernel) on the graphs' real layouts,
 crash-isolated.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.common.report import stamp, write_result  # noqa: E402
 from encoder_service.models.layers import RMSNorm  # noqa: E402
 from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata  # noqa: E402
-from encoder_service.ops import activation, attention, attention_triton, norm, pos_embed, rotary  # noqa: E402
+from encoder_service.ops import attention, attention_triton, mlp_kernels, norm, pos_embed, rotary  # noqa: E402
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -41,7 +44,9 @@ rows: list[dict] = []
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    from triton.testing import do_bench  # GPU only: imported when measuring, not for --help
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def rel(out, ref) -> float:
@@ -220,8 +225,8 @@ def elementwise():
     gu = torch.randn(n, 2 * 3456, device=DEV, dtype=DT)
     ref = F.silu(gu[:, :3456]) * gu[:, 3456:]
     out.append(dict(op="silu(gate)*up [10764,3456]", eager_ms=bench(lambda: F.silu(gu[:, :3456]) * gu[:, 3456:]),
-                    fused_ms=bench(lambda: activation.silu_mul_triton(gu)),
-                    rel_err=rel(activation.silu_mul_triton(gu), ref)))
+                    fused_ms=bench(lambda: mlp_kernels.silu_mul_triton(gu)),
+                    rel_err=rel(mlp_kernels.silu_mul_triton(gu), ref)))
     n3, e3, i3 = 8160, 1152, 4352
     h = torch.randn(n3, e3, device=DEV, dtype=DT)
     w1 = torch.randn(i3, e3, device=DEV, dtype=DT) * 0.03
@@ -262,8 +267,10 @@ def markdown(gemm_rows, ew_rows) -> str:
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    setup = stamp() | dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    print(json.dumps(setup), flush=True)
     one_segment("Qwen2.5 1080p full (D=80)", 10764, 80, 12288)
     one_segment("Qwen3 1080p full (D=72)", 8160, 72, 8192)
     one_segment("Qwen3 720p full (D=72)", 3680, 72, 4096)
@@ -272,11 +279,8 @@ def main():
     several("Qwen2.5 8 x 448x448 full (D=80)", 8, 1024, 80, 8192)
     g = gemms()
     ew = elementwise()
-    out = Path(os.environ.get("OUT", "gpu_out"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_kernels.json").write_text(json.dumps(dict(attention=rows, gemm=g, elementwise=ew), indent=2))
     md = markdown(g, ew)
-    (out / "attention_kernels.md").write_text(md)
+    write_result("attention_kernels", setup, dict(attention=rows, gemm=g, elementwise=ew), md)
     print(md)
 
 

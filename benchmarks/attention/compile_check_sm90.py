@@ -3,11 +3,11 @@ what ptxas made of them: registers per thread, spills, shared memory, wgmma (Hop
 PTX and HGMMA in the SASS. Nothing runs; it proves the kernels lower for the H100 before device time is
 spent. Needs a Triton like the GPU machine's (3.6):
 
-    PYTHONPATH=. /tmp/triton-venv/bin/python benchmarks/attn/compile_check_sm90.py     # from the repo root
+    PYTHONPATH=. /tmp/triton-venv/bin/python benchmarks/attention/compile_check_sm90.py     # from the repo root
 
 Specialisations as the service launches them (16 heads, q/k/o contiguous, v the fused qkv's [:, 2] view,
 bf16): the production short-segment kernel (ops/attention_triton.py) per head dim; the rejected split
-kernel (benchmarks/attn/triton_split.py, kept for the candidates benchmark) per head dim (72, 80) x config x
+kernel (benchmarks/attention/triton_split.py, kept for the candidates benchmark) per head dim (72, 80) x config x
 segment slots (1, 2, 33, 272). Exit status 1 if any variant fails to compile.
 """
 
@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from benchmarks.attn import triton_split as S
+from benchmarks.attention import triton_split as S
 from encoder_service.ops import attention_triton as T
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

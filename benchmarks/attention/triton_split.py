@@ -1,8 +1,8 @@
 """REJECTED: our head-dim-split Triton varlen attention kernel, kept here (not in the service) so that
-benchmarks/attention_candidates.py can still measure it as a rejected candidate (`triton_split[<config>]`)
-and benchmarks/attn/compile_check_sm90.py can still compile it. Nothing in encoder_service imports it.
+benchmarks/attention/candidates.py can still measure it as a rejected candidate (`triton_split[<config>]`)
+and benchmarks/attention/compile_check_sm90.py can still compile it. Nothing in encoder_service imports it.
 
-Why it left production (H100, 2026-11-23: attention_candidates.py and tests/gpu/test_ops_cuda.py):
+Why it left production (H100, 2026-11-23: candidates.py and tests/gpu/test_ops_cuda.py):
   - slower than FlashAttention-4 on every layout, e.g. the Qwen3 1080p one-segment class: fa4 0.685 ms vs
     triton_split 1.969 ms in total; Qwen2.5 1080p: fa4 0.987 ms vs 2.472 ms;
   - WRONG on several layouts: relative error 5.7e-2 to 1.75e-1 against float32 on graph-padded and
@@ -29,7 +29,7 @@ slots own no block. Row offsets are int64 scalars per program (any N).
 
 The op's contract is ops/attention.py's (q, k, v [N, H, D] with a unit last-dim stride, v possibly the
 strided [:, 2] view of the fused qkv output; cu_seqlens int32 [S + 1] on the device; max_seqlen a Python int
->= every segment). Interpreter tests: benchmarks/attn/test_triton_split_interp.py.
+>= every segment). Interpreter tests: benchmarks/attention/test_triton_split_interp.py.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ reductions break on 2.4): `python3 -m venv /tmp/triton-venv && /tmp/triton-venv/
 triton==3.6.0 'numpy<2.3' pytest`; then, from the repo root, without the tiers' conftests:
 
     TRITON_INTERPRET=1 /tmp/triton-venv/bin/python -m pytest --noconftest -q -p no:cacheprovider \
-        benchmarks/attn/test_triton_short_interp.py
+        benchmarks/attention/test_triton_short_interp.py
 
-The rejected head-dim-split kernel's interpreter tests moved with it: benchmarks/attn/test_triton_split_interp.py.
+The rejected head-dim-split kernel's interpreter tests moved with it: benchmarks/attention/test_triton_split_interp.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 # triton_interp skips this module without Triton or TRITON_INTERPRET=1
-from benchmarks.attn.triton_interp import bf16_dot_in_the_interpreter, check, windows  # noqa: F401
+from benchmarks.attention.triton_interp import bf16_dot_in_the_interpreter, check, windows  # noqa: F401
 from encoder_service.ops import attention_triton as T
 
 

@@ -1,5 +1,5 @@
-"""Helpers of the Triton interpreter tests (benchmarks/attn/test_triton_short_interp.py: the production
-short-segment kernel; benchmarks/attn/test_triton_split_interp.py: the rejected split kernel). Importing it
+"""Helpers of the Triton interpreter tests (test_triton_short_interp.py: the production short-segment
+kernel; test_triton_split_interp.py: the rejected split kernel). Importing it
 skips the importing test module unless Triton is importable and TRITON_INTERPRET=1 was set at process start
 (the kernels are compiled, not interpreted, otherwise); a module that imports `bf16_dot_in_the_interpreter`
 gets it as an autouse fixture."""

@@ -11,8 +11,8 @@ CUDA device, unit last stride, v possibly strided; cu_seqlens int32 [S + 1]; non
                        lengths only: B * max_seqlen == N, provable from ints, no filler slots)
 
 Each has `available() -> str` ('' or why not); the dense-only ones serve a layout only when
-`equal_lengths(n, slots, max_seqlen)` (benchmarks/attention_candidates.py checks it). From reading the libraries' sources (cudnn-frontend 1.32.0, flash-attn-4 4.0.0b36); the benchmark checks
-numerics, capture and the RNG for real.
+`equal_lengths(n, slots, max_seqlen)` (candidates.py checks it). From reading the libraries' sources
+(cudnn-frontend 1.32.0, flash-attn-4 4.0.0b36); the benchmark checks numerics, capture and the RNG for real.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from encoder_service.ops import attention_fa4
+from encoder_service.ops import attention_fa4, cutlass_dsl
 
 
 def equal_lengths(n: int, slots: int, max_seqlen: int) -> tuple[int, int] | None:
@@ -110,7 +110,7 @@ class CudnnFrontend(Candidate):
         if not torch.cuda.is_available():
             return "no CUDA"
         try:
-            attention_fa4._ensure_cutlass_dsl_path()  # its python engines are CuTe DSL kernels too
+            cutlass_dsl.ensure_dsl_path()  # its python engines are CuTe DSL kernels too
             import cudnn  # after torch: libcudnn from site-packages/nvidia/cudnn/lib or already loaded
 
             self._cudnn = cudnn

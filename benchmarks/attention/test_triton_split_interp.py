@@ -1,14 +1,14 @@
-"""The REJECTED head-dim-split Triton kernel (benchmarks/attn/triton_split.py, out of the service: slower
+"""The REJECTED head-dim-split Triton kernel (benchmarks/attention/triton_split.py, out of the service: slower
 than FlashAttention-4 and wrong on several layouts on the H100) under the Triton interpreter, on the CPU,
 against the float32 reference. Kept with the kernel so that the candidates benchmark's measurement of it
 stays reproducible; not part of the main suite (testpaths = tests). The interpreter passes these small
 cases: the H100 failures (graph-padded and multi-segment layouts at real sizes, NaN rows, an illegal
 address) did not show here.
 
-Same requirements as benchmarks/attn/test_triton_short_interp.py (Triton 3.6, TRITON_INTERPRET=1):
+Same requirements as benchmarks/attention/test_triton_short_interp.py (Triton 3.6, TRITON_INTERPRET=1):
 
     TRITON_INTERPRET=1 /tmp/triton-venv/bin/python -m pytest --noconftest -q -p no:cacheprovider \
-        benchmarks/attn/test_triton_split_interp.py
+        benchmarks/attention/test_triton_split_interp.py
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.attn import triton_split as T
+from benchmarks.attention import triton_split as T
 
 # triton_interp skips this module without Triton or TRITON_INTERPRET=1
-from benchmarks.attn.triton_interp import H, bf16_dot_in_the_interpreter, bounds, check, qkv, windows  # noqa: F401
+from benchmarks.attention.triton_interp import H, bf16_dot_in_the_interpreter, bounds, check, qkv, windows  # noqa: F401
 
 
 @pytest.mark.parametrize("d", [72, 80])

@@ -14,10 +14,10 @@ q and k are contiguous, v is the strided [:, 2] view of a fused [N, 3, H, D] buf
 
 Candidates: the production backends exactly as the service runs them (ops/attention.py BACKENDS: fa4,
 triton_short, torch_dense, torch_two_segment, torch_varlen; and "auto" = the service's own choice on this
-machine, noted in the table), plus what the service does not run (benchmarks/attn/candidates.py: fa4_dense,
+machine, noted in the table), plus what the service does not run (benchmarks/attention/extras.py: fa4_dense,
 cudnn_fe, cudnn_fe_backend, cudnn_fe_op, torch_sdpa_*) and triton_split per block config: our head-dim-split
 Triton kernel, REJECTED on the H100 (slower than FA4 everywhere, wrong on several layouts) and out of the
-service, measured from benchmarks/attn/triton_split.py so that the result stays reproducible.
+service, measured from benchmarks/attention/triton_split.py so that the result stays reproducible.
 
 Robustness: the items run in a worker process; the driver restarts a worker that crashes (illegal address,
 abort), falls silent for --stall-s, or leaves the default RNG broken, recording the item as crashed /
@@ -25,27 +25,27 @@ hung; a candidate that crashes twice is skipped. Items run in priority passes, s
 budget (--budget-s: no item starts after it, a worker still running at it is killed) still has the
 essentials for every layout. Inputs come from explicit generators (a broken default RNG cannot touch them).
 
-    PYTHONPATH=. python3 benchmarks/attention_candidates.py --list      # layouts and items; no GPU needed
-    PYTHONPATH=. python3 benchmarks/attention_candidates.py             # GPU; about 4-5 min (budget 330 s)
+    PYTHONPATH=. python3 benchmarks/attention/candidates.py --list      # layouts and items; no GPU needed
+    PYTHONPATH=. python3 benchmarks/attention/candidates.py             # GPU; about 4-5 min (budget 330 s)
     ... --layouts q3_1080p,q25_1080p --candidates fa4,torch_dense,triton_split --budget-s 120
 
-Writes $OUT/attn_candidates.md (table, best per layout, per layout class), attn_candidates.json (env,
-layouts, every record, winners), attn_candidates.jsonl (the raw stream) and attn_worker.log (OUT defaults
-to ./gpu_out).
+Writes benchmarks/results/attention_candidates-<date>-<commit>.json (env, layouts, every record, winners) and
+in $OUT attention_candidates.md (table, best per layout, per layout class), attention_candidates.jsonl (the
+raw stream) and attention_candidates_worker.log (benchmarks/common/report.py: where, with and without OUT).
 
 On the GPU machine (H100), with FlashAttention-4 and cudnn-frontend: their wheels (111 MB; the CuTe DSL's
 cu13 library alone is 92 MB) do not fit the 64 MiB of one device call, so they travel in two calls in a
 row (the machine stays warm 30 s between calls; /tmp survives while it is warm). Here, once, from the
-repo root, with the wheels in .gpuwhl/ (benchmarks/device/stage_wheels.sh lists them):
+repo root, with the wheels in .gpuwhl/ (scripts/gpu/stage_wheels.sh lists them):
 
-    bash benchmarks/device/stage_wheels.sh          # .gpuwhl/ -> .gpuwhl_stage1/ (56 MiB) + .gpuwhl_stage2/
+    bash scripts/gpu/stage_wheels.sh          # .gpuwhl/ -> .gpuwhl_stage1/ (56 MiB) + .gpuwhl_stage2/
 
 then, back to back:
 
     run(kind="nvidia-h100-x1", carry=[".gpuwhl_stage1"], timeout_s=180,
-        command="bash benchmarks/device/install_wheels.sh")
-    run(carry=[".gpuwhl_stage2"], timeout_s=540, command="set -o pipefail; bash benchmarks/device/install_wheels.sh
-        && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 benchmarks/attention_candidates.py 2>&1
+        command="bash scripts/gpu/install_wheels.sh")
+    run(carry=[".gpuwhl_stage2"], timeout_s=540, command="set -o pipefail; bash scripts/gpu/install_wheels.sh
+        && PYTHONPATH=/tmp/site-packages:. PYTHONUNBUFFERED=1 python3 benchmarks/attention/candidates.py 2>&1
         | tee $OUT/bench.log")
 
 If the machine went cold between the calls, the second call installs what it has (no CuTe DSL: FA4 and
@@ -66,9 +66,10 @@ import traceback
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from benchmarks.common.report import out_dir, stamp, write_result  # noqa: E402
 
 HEADS = 16
 REL_TOL = 2e-2
@@ -146,7 +147,7 @@ def build_layouts() -> list[dict]:
 
 # ---- candidates -------------------------------------------------------------------------------------
 
-# Block configs of the rejected split kernel (benchmarks/attn/triton_split.py SPLIT_CONFIGS) per layout.
+# Block configs of the rejected split kernel (triton_split.py: SPLIT_CONFIGS) per layout.
 TRITON_LONG = ["m128n64w8s2", "m128n128w8s2", "m128n64w4s3"]  # max_seqlen > 64
 TRITON_SHORT = ["m64n64w4s2"]
 PRODUCTION = ["auto", "fa4", "triton_short", "torch_dense", "torch_two_segment", "torch_varlen"]
@@ -163,8 +164,8 @@ PASS3 = {"torch_sdpa_cudnn"}
 
 def _serves(lay, cand: str) -> bool:
     """Whether `cand` serves this layout, from the layout's ints (production: BACKENDS[...].serves)."""
-    from benchmarks.attn import triton_split
-    from benchmarks.attn.candidates import equal_lengths
+    from benchmarks.attention import triton_split
+    from benchmarks.attention.extras import equal_lengths
     from encoder_service.ops.attention import BACKENDS
 
     if cand == "auto":
@@ -207,8 +208,8 @@ class Runner:
     def __init__(self, name: str):
         import torch
 
-        from benchmarks.attn import triton_split
-        from benchmarks.attn.candidates import EXTRAS
+        from benchmarks.attention import triton_split
+        from benchmarks.attention.extras import EXTRAS
         from encoder_service.ops import attention as A
 
         self.name, self._note = name, ""
@@ -221,7 +222,7 @@ class Runner:
             self._needs = "torch"
         elif self._extra is not None:
             self.run = self._extra.run
-        elif base == "triton_split":  # rejected, out of the service: benchmarks/attn/triton_split.py
+        elif base == "triton_split":  # rejected, out of the service: triton_split.py
             self.run = partial(triton_split.split_head_attention, config=triton_split.SPLIT_CONFIGS[name[13:-1]])
             self._needs = "triton"
         else:
@@ -622,17 +623,16 @@ def render(layouts, items, recs, wall_s) -> tuple[str, dict, dict]:
 
 
 def driver_main(args) -> int:
-    out_dir = Path(os.environ.get("OUT") or "gpu_out")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = str(out_dir / "attn_candidates.jsonl")
+    out = out_dir()
+    results = str(out / "attention_candidates.jsonl")
     if os.path.exists(results) and not args.resume:
         os.remove(results)
-    log_path = out_dir / "attn_worker.log"
+    log_path = out / "attention_candidates_worker.log"
     t_start = time.time()
     deadline = t_start + args.budget_s
     layouts, candidates = select_layouts(args), select_candidates(args)
     items = work_items(layouts, candidates)
-    print(f"[bench] {len(items)} items over {len(layouts)} layouts; budget {args.budget_s:.0f} s; -> {out_dir}",
+    print(f"[bench] {len(items)} items over {len(layouts)} layouts; budget {args.budget_s:.0f} s; -> {out}",
           flush=True)
     restarts = 0
     while True:
@@ -692,12 +692,11 @@ def driver_main(args) -> int:
     recs = read_results(results)
     text, final, winners = render(layouts, display_items(layouts, candidates), recs, wall_s)
     print("\n" + text, flush=True)
-    (out_dir / "attn_candidates.md").write_text(text + "\n")
     summary = dict(env=next((r for r in recs if r.get("kind") == "env"), None),
                    layouts=[{k: v for k, v in lay.items() if k != "cu" or len(v) <= 64} for lay in layouts],
                    results=[final[k] for k in items if k in final], winners=winners, wall_s=round(wall_s, 1),
                    worker_restarts=restarts)
-    (out_dir / "attn_candidates.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_result("attention_candidates", stamp(), summary, text + "\n")
     return 0
 
 
@@ -728,7 +727,8 @@ def main() -> int:
     ap.add_argument("--max-restarts", type=int, default=10)
     ap.add_argument("--eager-reps", type=int, default=20)
     ap.add_argument("--graph-reps", type=int, default=30)
-    ap.add_argument("--resume", action="store_true", help="keep $OUT/attn_candidates.jsonl, skip finished items")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep $OUT/attention_candidates.jsonl, skip finished items")
     ap.add_argument("--list", action="store_true", help="print the layouts and the work items (no GPU)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", default="", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """Dependency closure of the wheels in .whl/ against the GPU image's package list (KINDS.md).
 
-    python3 benchmarks/check_wheels.py [--kinds /work/.library/device/KINDS.md]
+    python3 scripts/gpu/check_wheels.py [--kinds /work/.library/device/KINDS.md]
 
 For each wheel: its non-extra Requires-Dist for CPython 3.12 on x86_64 Linux, and where each need is met:
 another carried wheel (its version checked against the specifier) or the image's list (names only: the
@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = default_environment() | dict(python_version="3.12", python_full_version="3.12.3", implementation_name="cpython",
                                    platform_python_implementation="CPython", sys_platform="linux",
                                    platform_system="Linux", platform_machine="x86_64", os_name="posix")

@@ -1,5 +1,0 @@
-"""Helpers of benchmarks/attention_candidates.py that are NOT production code: attention candidates the
-service does not run (cudnn-frontend's ragged SDPA graph, FA4's dense entry point, torch SDPA per backend on
-equal-length batches; triton_split.py: our head-dim-split Triton kernel, rejected on the H100 and taken out of
-the service) and the sm_90a compile check of our Triton kernels. The production backends are
-ops/attention.py's BACKENDS, measured as the service runs them."""

@@ -1,0 +1,124 @@
+"""What the sections share: the JSON-lines record stream (one file per run, appended by the workers, read by
+the driver), numerics against a float32 reference, and timing of one call replayed in a CUDA graph."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+REL_TOL = 2e-2  # ||out - ref|| / ||ref|| against float32 (bf16 GEMMs land near 3e-3, attention near 5e-3)
+
+
+def emit(path: str, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: str) -> list[dict]:
+    recs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut by a kill
+    return recs
+
+
+def finished_items(path: str) -> set[str]:
+    """Items with a result (or marked crashed by the driver): a restarted worker skips them."""
+    return {r["item"] for r in read_records(path) if r.get("kind") == "item"}
+
+
+def env_info() -> dict:
+    from importlib.metadata import version
+
+    info = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}")
+    for dist in ("triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels", "apache-tvm-ffi"):
+        try:
+            info[dist] = version(dist)
+        except Exception:  # noqa: BLE001 - not installed
+            info[dist] = None
+    info["commit"] = os.environ.get("BENCH_COMMIT") or _git_commit()
+    return info
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """ok: same shape, no NaN (an element not written stays NaN: outputs are poisoned first), relative L2
+    error against the float32 reference <= REL_TOL."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return dict(ok=False, error=f"shape {tuple(out.shape)} != {tuple(ref.shape)}")
+    o = out.float()
+    nan = int(o.isnan().sum())
+    diff = (o - ref).nan_to_num(nan=float("inf"))
+    rel = float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+    return dict(ok=nan == 0 and math.isfinite(rel) and rel <= REL_TOL, rel_l2=rel, nan=nan,
+                max_abs=float(diff.abs().max()))
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median ms of `reps` replays, each between its own pair of CUDA events (GPU time, no host work)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    graph.replay()
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def bench_call(call, load, refs, reps: int = 30) -> dict:
+    """A kernel call `call() -> out` on static input buffers that `load(i)` fills with input set i (0, 1),
+    `refs[i]` its float32 reference. Eager numerics (first call: JIT included), then captured in a CUDA graph,
+    input set 1 loaded, the graph's output poisoned with NaN, replayed, numerics again (the graph reads the
+    live buffers and writes every element), then the median of replays."""
+    rec: dict = {}
+    load(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = call()
+    torch.cuda.synchronize()
+    rec["first_call_s"] = round(time.perf_counter() - t0, 3)
+    rec["eager"] = compare(out, refs[0])
+    del out
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    load(1)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    rec["graph"] = compare(out, refs[1])
+    rec["ms"] = time_replays(graph, reps)
+    rec["ok"] = bool(rec["eager"]["ok"] and rec["graph"]["ok"])
+    del graph, out
+    return rec

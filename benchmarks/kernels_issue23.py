@@ -1,0 +1,253 @@
+"""Issue 23 on one H100 in one bounded run: fused MLP epilogues, Qwen3-VL's head-dim-72 attention, and where the
+service loses Qwen3's throughput. Installs nothing: it imports what scripts/gpu/install_wheels.sh put in
+/tmp/site-packages (FA4, CuTe DSL, quack-kernels); what is missing is reported "unavailable".
+
+Three worker processes, one after the other (benchmarks/k23/: what each measures, and how):
+  kernels   per kernel against float32, CUDA graphs: Qwen2.5's gate/up + SwiGLU (cuBLAS + Triton silu_mul,
+            our fused Triton GEMM per tile config, quack gemm_act per config, torch.compile), Qwen3's fc1 +
+            GELU (cuBLASLt vs quack), RMSNorm (ours vs quack), attention at D 72 / 80 (FA4 as called, FA4 tile
+            configs, FA4 dense, zero-pad 72 -> 80, cuDNN) on the towers' layouts
+  e2e_q25   Qwen2.5-VL-7B 1080p and 8 x 448x448 through GraphRunner: MLP split (before) / the fastest passing
+            triton_fused config / the fastest passing quack config, each against transformers fp32 and bf16
+  e2e_q3    Qwen3-VL-8B 720p and 1080p: FA4 (before) / the fastest passing D-72 attention candidate if it beat
+            FA4; then the service diagnostics (host copies of the rows, runner alone, the engine in a closed
+            loop of 64 callers with GPU / CPU / no preprocessing and with / without the host copy)
+A worker that crashes (illegal address, abort) or passes its deadline is replaced and goes on after the
+item it was running (recorded "crashed"); items past the time budget are reported "not run".
+
+    PYTHONPATH=/tmp/site-packages:. python3 benchmarks/kernels_issue23.py            # GPU, ~7 min
+    python3 benchmarks/kernels_issue23.py --list                                      # the items; no GPU
+    python3 benchmarks/kernels_issue23.py --small --sections e2e_q25,e2e_q3          # CPU smoke test (~1 min)
+    ... --sections kernels --budget-s 200
+    OUT=/tmp/k23 ... --resume                # go on after a run cut short (the records under OUT are kept)
+
+Writes $OUT/kernels_issue23.{md,json,jsonl} and one log per worker (OUT defaults to ./gpu_out); prints a short
+table last. Exit status 0 unless the driver itself fails (wrong numerics are reported, not fatal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (HERE.parent, HERE):  # the repo (encoder_service, benchmarks.k23) and benchmarks/ (gpu_parity, ...)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from benchmarks.k23.common import emit, env_info, finished_items, read_records  # noqa: E402
+
+SECTIONS = ("kernels", "e2e_q25", "e2e_q3")
+SHARE = {"kernels": 0.42, "e2e_q25": 0.26, "e2e_q3": 0.32}  # of the time left when a section starts
+RESTARTS = 3
+GRACE_S = 20.0
+
+
+# ---- workers --------------------------------------------------------------------------------------------
+
+
+def worker_items(section: str, args) -> list[str]:
+    from benchmarks.k23 import kernels, service
+
+    if section == "kernels":
+        return kernels.items()
+    if section == "e2e_q25":
+        return [f"e2e/qwen2_5_vl/{v}" for v in args.variants.split(",") if v]
+    return ([f"e2e/qwen3_vl/{v}" for v in args.variants.split(",") if v]
+            + ["service/host_copy", "service/runner_alone"]
+            + [f"service/engine[{v}]" for v in service.ENGINE_VARIANTS])
+
+
+def worker_main(args) -> int:
+    if os.environ.get("K23_FAKE_WORKER") == "1":
+        return fake_worker(args)
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references stay float32
+    torch.backends.cudnn.allow_tf32 = False
+    if args.worker == "kernels":
+        emit(args.results, dict(kind="env", **env_info()))
+    done = finished_items(args.results)
+    state: dict = {}
+    for item in worker_items(args.worker, args):
+        if item in done:
+            continue
+        if time.time() > args.deadline:
+            break
+        emit(args.results, dict(kind="start", item=item, t=time.time()))
+        t0 = time.perf_counter()
+        try:
+            rec = run_worker_item(args.worker, item, state, args.small)
+        except torch.cuda.OutOfMemoryError as e:
+            rec = dict(status="error", error=f"OOM: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - recorded; the next item runs
+            rec = dict(status="error", error=f"{type(e).__name__}: {str(e)[:400]}",
+                       traceback=traceback.format_exc()[-3000:])
+        emit(args.results, dict(kind="item", item=item, wall_s=round(time.perf_counter() - t0, 2), **rec))
+        try:  # a sticky CUDA error poisons this process: the driver starts a fresh worker
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            emit(args.results, dict(kind="note", text=f"CUDA context unusable after {item}: {e}"))
+            return 3
+    return 0
+
+
+def run_worker_item(section: str, item: str, state: dict, small: bool) -> dict:
+    import torch
+
+    from benchmarks.k23 import e2e, kernels, service
+
+    if section == "kernels":
+        if small or not torch.cuda.is_available():
+            return dict(status="unavailable", why="needs CUDA")
+        with torch.no_grad():
+            return kernels.run_item(item)
+    family = "qwen2_5_vl" if section == "e2e_q25" else "qwen3_vl"
+    if "family" not in state:
+        state["family"] = e2e.Family(family, small)
+        state["build_s"] = round(state["family"].build_s, 1)
+    fam = state["family"]
+    if item.startswith("e2e/"):
+        variant = item.split("/", 2)[2]
+        keep = section == "e2e_q3" and "runner" not in state  # the first (before) runner serves the diagnostics
+        cases, runner = e2e.run_variant(fam, variant, keep=keep)
+        if runner is not None:
+            state["runner"] = runner
+        return dict(status="ok", cases=cases, build_s=state["build_s"])
+    runner = state.get("runner")
+    if runner is None:
+        return dict(status="error", error="no Qwen3 runner (its e2e item did not run)")
+    c = next(iter(fam.cases.values()))  # 720p (--small: 112x112)
+    pvs, grid = c["pvs"][0], c["grids"][0]
+    if item == "service/host_copy":
+        if runner.device.type != "cuda":
+            return dict(status="unavailable", why="needs CUDA")
+        return dict(status="ok", **service.host_copy_item(runner, pvs, grid))
+    if item == "service/runner_alone":
+        return dict(status="ok", **service.runner_alone(runner, pvs, grid))
+    variant = item[len("service/engine[") : -1]
+    base = 5_000_000 + 10_000 * service.ENGINE_VARIANTS.index(variant)
+    if small:  # small images, a short loop
+        jpegs = service.distinct_jpegs(24, base, size=(320, 240))
+        return dict(status="ok", **service.engine_run(runner, variant, jpegs, fam.loaded, concurrency=8, warmup=4))
+    jpegs = service.distinct_jpegs(service.IMAGES, base)
+    return dict(status="ok", **service.engine_run(runner, variant, jpegs, fam.loaded))
+
+
+def fake_worker(args) -> int:
+    """Harness self-test without a GPU (K23_FAKE_WORKER=1, tests/unit/test_kernels_issue23.py): synthetic
+    records in the real shapes; the third kernels item kills the worker once (the driver's restart path)."""
+    marker = args.results + ".crashed_once"
+    for n, item in enumerate(i for i in worker_items(args.worker, args) if i not in finished_items(args.results)):
+        emit(args.results, dict(kind="start", item=item, t=time.time()))
+        if args.worker == "kernels" and n == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(7)
+        ms = 1.0 + (sum(map(ord, item)) % 97) / 100
+        num = dict(ok=True, rel_l2=3e-3, nan=0, max_abs=1e-2)
+        rec = dict(status="ok", ok=True, ms=ms, eager=num, graph=num, first_call_s=0.1)
+        if item.startswith("e2e/"):
+            family, variant = item.split("/")[1:]
+            rec = dict(status="ok", cases=[dict(family=family, model=family, case="1080p", variant=variant, patches=1,
+                                               graphs=["8160/exact"], replay_ms=ms, encode_ms=ms + 0.1,
+                                               ours_vs_fp32=0.01, transformers_bf16_vs_fp32=0.011, parity_ok=True,
+                                               mlp_policy=None, attention={"selected": {"one/D72/bfloat16": "fa4"}})])
+        elif item.startswith("service/"):
+            rec = dict(status="error", error="fake worker")
+        emit(args.results, dict(kind="item", item=item, **rec))
+    return 0
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+
+def run_section(section: str, args, deadline: float, variants: str = "") -> None:
+    """Run the section's worker until its items are done, restarting it after a crash or a hang."""
+    log = open(Path(args.out) / f"k23_{section}.log", "a")
+    for attempt in range(RESTARTS + 1):
+        cmd = [sys.executable, __file__, "--worker", section, "--results", args.results, "--deadline", str(deadline),
+               "--variants", variants] + (["--small"] if args.small else [])
+        started = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - started + GRACE_S))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = "killed at the time budget"
+        recs = read_records(args.results)
+        done = {r["item"] for r in recs if r.get("kind") == "item"}
+        running = [r["item"] for r in recs if r.get("kind") == "start" and r["item"] not in done]
+        print(f"[{section}] worker attempt {attempt + 1} exit {rc}; {len(done)} items recorded", flush=True)
+        if rc == 0:
+            return
+        for item in running:  # the item the worker died in: recorded, the next worker goes on after it
+            emit(args.results, dict(kind="item", item=item, status="crashed", error=f"worker exit {rc}"))
+        if time.time() > deadline:
+            return
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=460.0, help="whole run (default %(default)s)")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--list", action="store_true", help="print the items and exit (no GPU)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep $OUT/kernels_issue23.jsonl of an earlier run: its recorded items are not run again")
+    parser.add_argument("--small", action="store_true",
+                        help="CPU smoke test: tiny towers in float32 (the kernels section needs CUDA)")
+    parser.add_argument("--worker", choices=SECTIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker_main(args)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
+    if args.list:
+        from benchmarks.k23 import kernels, service
+
+        print("\n".join(kernels.items()))
+        print("e2e/qwen2_5_vl/{split, triton_fused[<fastest>], quack[<fastest>]}; e2e/qwen3_vl/{fa4, <fastest D72>}")
+        print("\n".join(["service/host_copy", "service/runner_alone"]
+                        + [f"service/engine[{v}]" for v in service.ENGINE_VARIANTS]))
+        return 0
+    from benchmarks.k23 import report
+
+    args.out = os.environ.get("OUT", "gpu_out")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    args.results = str(Path(args.out) / "kernels_issue23.jsonl")
+    if os.path.exists(args.results) and not args.resume:
+        os.remove(args.results)
+    start = time.time()
+    end = start + args.budget_s
+    for i, section in enumerate(sections):
+        deadline = time.time() + (end - time.time()) * SHARE[section] / sum(SHARE[s] for s in sections[i:])
+        picked = report.choices(report.final_records(read_records(args.results)))
+        variants = ""
+        if section == "e2e_q25":
+            variants = ",".join(["split"] + [picked[k] for k in ("triton_fused", "quack") if picked.get(k)])
+        elif section == "e2e_q3":
+            variants = ",".join(["fa4"] + ([picked["attention_72"]] if picked.get("attention_72") else []))
+        print(f"[{section}] until +{deadline - start:.0f} s; variants: {variants or '-'}", flush=True)
+        run_section(section, args, deadline, variants)
+    md, summary, short = report.render(read_records(args.results), time.time() - start)
+    (Path(args.out) / "kernels_issue23.md").write_text(md)
+    (Path(args.out) / "kernels_issue23.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(short)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""scripts/test.sh and scripts/setup.sh, run as written on a scratch copy of the repository whose slow parts
+(the venv, pip, pytest, the tiers) are stand-ins that log what they were asked to do."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 60  # bound on any one wait; nothing here takes more than a second when it works
+
+
+def executable(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/usr/bin/env bash\n" + textwrap.dedent(body))
+    path.chmod(0o755)
+    return path
+
+
+def scratch_repo(tmp_path: Path, script: str) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / script, repo / "scripts" / script)
+    return repo
+
+
+# ---- scripts/test.sh ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def test_sh(tmp_path):
+    """test.sh with a set-up that does nothing, a main suite that exits $MAIN_RC, and tiers `good` (exit 0) and
+    `bad` (exit 3); each step appends its name and arguments to log.txt."""
+    repo = scratch_repo(tmp_path, "test.sh")
+    log = repo / "log.txt"
+    executable(repo / "scripts" / "setup.sh", f'echo "setup $*" >> {log}\n')
+    executable(repo / ".venv" / "bin" / "python", f'echo "main $*" >> {log}\nexit "${{MAIN_RC:-0}}"\n')
+    executable(repo / "scripts" / "tiers" / "good.sh", f'echo "good $*" >> {log}\n')
+    executable(repo / "scripts" / "tiers" / "bad.sh", f'echo "bad $*" >> {log}\nexit 3\n')
+
+    def run(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        environ = {k: v for k, v in os.environ.items() if k != "TEST_TIERS"} | env
+        done = subprocess.run(["bash", str(repo / "scripts" / "test.sh"), *args], env=environ,
+                              capture_output=True, text=True, timeout=WAIT_S)
+        ran = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return done, ran
+
+    return run
+
+
+def summary(stdout: str) -> dict[str, tuple[str, int]]:
+    """The summary's lines after `scripts/test.sh summary:`: {step: (outcome, seconds)}."""
+    lines = stdout.split("scripts/test.sh summary:\n", 1)[1].splitlines()
+    parsed = [re.fullmatch(r"  (\S+) +(passed|failed \(exit \d+\)) +(\d+) s", line) for line in lines]
+    assert all(parsed), lines
+    return {m[1]: (m[2], int(m[3])) for m in parsed}
+
+
+def test_every_step_runs_after_a_failure_and_the_summary_says_which_failed(test_sh):
+    done, ran = test_sh("-k", "some thing", MAIN_RC="1", TEST_TIERS="bad good")
+    assert ran == ["setup test", "main -m pytest -q -ra -k some thing", "bad ", "good "]
+    assert done.returncode == 1, done.stderr
+    assert {step: outcome for step, (outcome, _) in summary(done.stdout).items()} == {
+        "setup": "passed", "main": "failed (exit 1)", "bad": "failed (exit 3)", "good": "passed"}
+    assert list(summary(done.stdout)) == ["setup", "main", "bad", "good"]  # in the order they ran
+
+
+def test_all_passed_exits_zero(test_sh):
+    done, ran = test_sh(TEST_TIERS="good")
+    assert done.returncode == 0 and ran == ["setup test", "main -m pytest -q -ra", "good "]
+    assert set(summary(done.stdout)) == {"setup", "main", "good"}
+
+
+def test_no_tiers(test_sh):
+    done, ran = test_sh(TEST_TIERS="")
+    assert done.returncode == 0 and ran == ["setup test", "main -m pytest -q -ra"]
+
+
+def test_a_tier_is_its_script(test_sh):
+    """A name without scripts/tiers/NAME.sh fails as a step; the default list names only tiers that exist."""
+    done, _ = test_sh(TEST_TIERS="good missing")
+    assert done.returncode == 1 and summary(done.stdout)["missing"][0].startswith("failed")
+    done, _ = test_sh()  # the default list: none of its tiers exist in the scratch copy
+    defaults = [step for step in summary(done.stdout) if step not in ("setup", "main")]
+    assert defaults and all((ROOT / "scripts" / "tiers" / f"{tier}.sh").is_file() for tier in defaults)
+
+
+# ---- scripts/setup.sh -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(WAIT_S)
+def test_concurrent_setups_wait_for_each_other(tmp_path):
+    """Two set-ups of a fresh clone at once (scripts/serve.sh and scripts/test.sh): the second must wait for
+    the first's venv instead of finding its python before pip is in it ("No module named pip").
+
+    The stand-in `python3 -m venv` makes bin/python, says so, and holds until the test lets it put pip in; the
+    venv's python fails `-m pip` until then, as a half-made venv does. The second set-up starts while the first
+    is held: it must say that it waits for the lock (then both succeed), not run on and fail."""
+    repo = scratch_repo(tmp_path, "setup.sh")
+    release, installs = tmp_path / "release", tmp_path / "installs.txt"
+    os.mkfifo(release)
+    venv_python = executable(tmp_path / "venv_python", f"""\
+        if [ "$1 $2" = "-m pip" ]; then
+          [ -e "$(dirname "$0")/../pip" ] || {{ echo "$0: No module named pip" >&2; exit 1; }}
+          echo "$*" >> {installs}
+        fi
+        """)  # `-c "import torch"`: succeeds
+    fake_python3 = executable(tmp_path / "python3", f"""\
+        [ "$1 $2" = "-m venv" ] || exit 2
+        mkdir -p "$3/bin" && cp {venv_python} "$3/bin/python"
+        echo "venv: python made, pip not yet" >&2
+        read -r _ < {release}
+        touch "$3/pip"
+        """)
+    env = os.environ | {"PYTHON": str(fake_python3)}
+    setup = ["bash", str(repo / "scripts" / "setup.sh"), "test"]
+    start = lambda: subprocess.Popen(setup, env=env, stderr=subprocess.PIPE, text=True,  # noqa: E731
+                                     start_new_session=True)
+    first = start()
+    second = None
+    try:
+        said = first.stderr.readline()
+        assert said == "venv: python made, pip not yet\n", said + first.stderr.read()
+        second = start()
+        said = second.stderr.readline()  # its first line: that it waits, or how it failed
+        assert "waiting for another set-up" in said, said + second.stderr.read()
+        with open(release, "w") as fifo:  # the first set-up is reading it: lets it go on
+            fifo.write("go\n")
+        assert first.wait(WAIT_S) == 0, first.stderr.read()
+        assert second.wait(WAIT_S) == 0, second.stderr.read()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert installs.read_text().splitlines() == ["-m pip install -q -e .[test]"] * 2
+
+
+# ---- the transformers range ------------------------------------------------------------------------------
+
+
+def release(version: str) -> tuple[int, ...]:
+    """"5.23" -> (5, 23, 0): the release numbers, padded to three."""
+    parts = tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version).group(0).split("."))
+    return (parts + (0, 0, 0))[:3]
+
+
+def test_both_ends_of_the_transformers_range_are_tested():
+    """pyproject's transformers range is what the tests run against: the main suite at the newest release in it
+    (a fresh install resolves that; this run's transformers must be in the range), the torchvision tier at its
+    lower end (scripts/tiers/torchvision.sh pins it, and runs the parity tests against transformers there)."""
+    import transformers
+
+    low, high = re.search(r'"transformers>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text()).groups()
+    tier = (ROOT / "scripts" / "tiers" / "torchvision.sh").read_text()
+    assert release(re.search(r"transformers==([\d.]+)", tier).group(1)) == release(low)
+    assert "tests/unit/test_models_parity.py" in tier and "tests/unit/test_preprocessing.py" in tier
+    assert release(low) <= release(transformers.__version__) < release(high)

@@ -1,0 +1,143 @@
+"""The examples of README.md and docs/vllm.md, run as written against real servers: the README's encode requests
+(curl: multipart, binary, JSON), its client loops (HTTP, gRPC, shared memory), and docs/vllm.md's chat request
+(curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one edit: the documented addresses become
+the test servers' (tests/support/docs_blocks.py reads the `<!-- docs-test: NAME -->` blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.clients import sync_client
+from tests.support.docs_blocks import README, VLLM_DOC, block
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv
+from tests.support.images import image_bytes
+from tests.support.ports import free_port
+from tests.support.service import AUTH_TOKEN, running
+from tests.support.vllm_docs import documented
+from tests.support.vllm_stand_in import CHUNKS, StandInVllm
+
+pytestmark = pytest.mark.timeout(180)
+DOC_HTTP, DOC_GRPC, DOC_PROXY = "http://127.0.0.1:8000", "127.0.0.1:50051", "http://127.0.0.1:8100"
+ARG_MAX_ONE = 128 * 1024  # Linux's limit on one command-line argument (MAX_ARG_STRLEN)
+
+
+def example_files(directory: Path) -> dict[str, bytes]:
+    """The files the examples name, written into `directory`: photo.jpg, large enough that its base64 is over
+    the limit on one command-line argument (as a real photo's is), and diagram.png."""
+    files = {"photo.jpg": image_bytes(480, 360, seed=1801, fmt="JPEG"), "diagram.png": image_bytes(96, 64, seed=1802)}
+    assert len(files["photo.jpg"]) * 4 / 3 > ARG_MAX_ONE
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+def documented_block(name: str, doc: Path, address: str, actual: str) -> str:
+    text = block(name, doc)
+    assert address in text, f"{doc.name} {name}: the example no longer uses {address}"
+    return text.replace(address, actual)
+
+
+def run_shell(script: str, cwd: Path) -> str:
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr}"
+    return done.stdout
+
+
+def test_readme_encode_requests(service, tmp_path):
+    files = example_files(tmp_path)
+    answers = {name: json.loads(run_shell(documented_block(name, README, DOC_HTTP, service.url), tmp_path))
+               for name in ("encode-multipart", "encode-binary", "encode-json")}
+    with sync_client(service, "http") as client:
+        photo, diagram = client.encode([files["photo.jpg"], files["diagram.png"]])
+    multipart = answers["encode-multipart"]["images"]
+    assert [(i["id"], tuple(i["grid_thw"])) for i in multipart] == [(photo.id, photo.grid_thw),
+                                                                    (diagram.id, diagram.grid_thw)]
+    for name in ("encode-binary", "encode-json"):
+        (image,) = answers[name]["images"]
+        assert image["id"] == "u:photo-1" and tuple(image["grid_thw"]) == photo.grid_thw, name
+        assert image["num_tokens"] == photo.num_tokens
+    # The answer the README shows has exactly the fields the service answers.
+    shown = re.search(r'Each answers `(\{"images": \[\{.*?\}\])', README.read_text(), re.S).group(1)
+    assert set(re.findall(r'"(\w+)":', shown)) - {"images"} == set(multipart[0])
+
+
+def run_python(code: str, namespace: dict, name: str) -> dict:
+    exec(compile(code, f"README.md, docs-test {name}", "exec"), namespace)
+    return namespace
+
+
+def check_embeds(svc, namespace: dict) -> None:
+    """The example's `embeds`: the image's rows at positions 5.., zeros elsewhere (its text)."""
+    (info,), embeds, prompt_len = namespace["infos"], namespace["embeds"], namespace["prompt_len"]
+    n = info.num_tokens
+    assert embeds.shape == (prompt_len, info.row_width)
+    assert 5 + n <= 2048 < prompt_len  # chunks of 2048: the image's, then one of text only (rows None)
+    with sync_client(svc, "http") as client:
+        rows = client.fetch([(info.id, 0)], 0, n).rows
+    assert torch.equal(embeds[5:5 + n], rows.to(embeds.dtype))
+    assert not embeds[:5].any() and not embeds[5 + n:].any()
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_readme_client_loop(service, transport, tmp_path, monkeypatch):
+    example_files(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the example reads photo.jpg
+    if transport == "http":
+        code = documented_block("client", README, DOC_HTTP, service.url)
+    else:  # the example's own comment: EncoderClient.grpc("127.0.0.1:50051")
+        code = documented_block("client", README, f'EncoderClient.http("{DOC_HTTP}")',
+                                f'EncoderClient.grpc("{service.grpc_address}")')
+    check_embeds(service, run_python(code, {}, "client"))
+
+
+@pytest.fixture(scope="module")
+def shm_default_dir_service(request, tiny_checkpoint):
+    """--shm-fetch with the default --shm-dir, /dev/shm, as the README's shared-memory example assumes."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    return running(request, tiny_checkpoint("qwen2_5_vl"), "--shm-fetch")
+
+
+def test_readme_shared_memory_loop(shm_default_dir_service, tmp_path, monkeypatch):
+    svc = shm_default_dir_service
+    example_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    namespace = run_python(documented_block("client", README, DOC_HTTP, svc.url), {}, "client")
+    run_python(documented_block("client-shm", README, DOC_GRPC, svc.grpc_address), namespace, "client-shm")
+    check_embeds(svc, namespace)
+    assert not svc.pinned(namespace["infos"][0].id)  # the example released it
+
+
+def test_vllm_doc_chat_request(auth_service, tmp_path):
+    """docs/vllm.md's request, through the documented proxy command, with a photo whose base64 is too long to
+    be one command-line argument (the example inlined it once: "Argument list too long")."""
+    files = example_files(tmp_path)
+    vllm = StandInVllm()
+    port = free_port()
+    argv = documented("proxy").replaced({"--encoder-url": auth_service.url, "--vllm-url": vllm.url,
+                                         "--host": "127.0.0.1", "--port": str(port), "--auth-token": AUTH_TOKEN})
+    proxy = ServiceProcess(encoder_service_argv(*argv[1:], python=sys.executable), f"http://127.0.0.1:{port}/health",
+                           tmp_path / "proxy.log", name="vllm-proxy")
+    try:
+        proxy.wait_ready(120)
+        answer = run_shell(documented_block("chat-request", VLLM_DOC, DOC_PROXY, f"http://127.0.0.1:{port}"),
+                           tmp_path)
+    finally:
+        proxy.stop()
+        vllm.shutdown()
+    events = [e for e in answer.split("\n\n") if e]
+    assert len(events) == CHUNKS + 1 and events[-1] == "data: [DONE]", answer[:500]
+    with sync_client(auth_service, "http", token=AUTH_TOKEN) as client:
+        (photo,) = client.encode([files["photo.jpg"]])
+    (forwarded,) = vllm.bodies
+    assert forwarded["messages"][0]["content"][0] == {
+        "type": "image_embeds", "image_embeds": {"image_grid_thw": list(photo.grid_thw)}, "uuid": photo.id}
