@@ -10,6 +10,7 @@ import argparse
 import base64
 import json
 
+import grpc
 import httpx
 import pytest
 from fastapi import FastAPI, Request
@@ -17,7 +18,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from encoder_service import errors
 from encoder_service import settings as settings_module
+from encoder_service.client.errors import remote_error
 from encoder_service.integrations.vllm import ec_transfer_config, proxy
+from encoder_service.protocol.errors import KINDS
 from encoder_service.settings import ProxySettings, Settings
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.images import image_bytes as png
@@ -226,3 +229,19 @@ def test_served_proxy_encodes_over_either_transport(service, tmp_path, transport
         assert vllm.bodies[-1]["messages"][1]["content"][0]["type"] == "image_embeds"
     finally:
         vllm.shutdown()
+
+
+def test_encoder_errors_keep_their_status_and_kind():
+    """Any error kind the encoder answers reaches the proxy's caller with its status (protocol/errors.py's
+    table, e.g. 409 for an id conflict) and kind: as the encoder answered over HTTP; over gRPC by the kind the
+    client raised (which folds the HTTP body's own kinds, 413 and 415, into invalid_input)."""
+    for kind, known in KINDS.items():
+        for status in (known.http_status, getattr(grpc.StatusCode, known.grpc_code)):
+            exc = remote_error(kind, f"{kind} here", status)
+            answer = proxy._encoder_error(exc)
+            want = known.http_status if isinstance(status, int) else KINDS[exc.kind].http_status
+            assert answer.status_code == want, (kind, status)
+            body = json.loads(answer.body)["error"]
+            assert body["type"] == exc.kind and body["message"].startswith(f"encoder service: {kind} here")
+    conflict = remote_error("conflict", "id u:a names other bytes", grpc.StatusCode.ALREADY_EXISTS)
+    assert proxy._encoder_error(conflict).status_code == 409
