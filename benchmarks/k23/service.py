@@ -188,21 +188,20 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
     limits = preprocessing.ImageLimits(max_image_bytes=64 << 20, max_pixels=100_000_000)
     header = preprocessing.probe(jpegs[0], limits)
     grid = tuple(int(x) for x in preprocessing.plan(header, cfg).grid_thw)
-    patches = grid[0] * grid[1] * grid[2]
     if source == "predecoded":
         backend = preprocessing.make_backend("torchvision", cfg, limits, device)
         ready = backend.preprocess(jpegs[0], dtype).pixel_values
 
-        def prepare(data):
-            return ready, grid
+        def prepare(data, grid_thw):
+            return ready
     else:
         backend = preprocessing.make_backend(source, cfg, limits, device)
 
         pin = device.type == "cuda"
 
-        def prepare(data):  # core/images.py ImageReader.prepare: host pixels pinned for a CUDA model
+        def prepare(data, grid_thw):  # core/images.py ImageReader.prepare: host pixels pinned for a CUDA model
             pv = backend.preprocess(data, dtype).pixel_values
-            return (pv.pin_memory() if pin and pv.device.type == "cpu" else pv), grid
+            return pv.pin_memory() if pin and pv.device.type == "cpu" else pv
 
     batches, wait_ms = [], []
 
@@ -213,7 +212,7 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
         return out
 
     async def main():
-        engine = Engine(encode, batch_tokens=SERVICE_BATCH_TOKENS, buckets=(SERVICE_LARGEST_BUCKET,), max_queue=256,
+        engine = Engine(prepare=prepare, encode=encode, batch_tokens=SERVICE_BATCH_TOKENS, buckets=(SERVICE_LARGEST_BUCKET,), max_queue=256,
                         cpu_threads=threads)
         engine._copier = _TimedCopier(clone, wait_ms)
         await engine.start()
@@ -221,7 +220,7 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
 
         async def caller():
             for i in todo:
-                (item,) = engine.submit([Job(lambda i=i: prepare(jpegs[i]), patches)])
+                (item,) = engine.submit([Job(jpegs[i], grid)])
                 kept.append((await item.future).rows)  # kept, as load_bench's 24 GiB cache keeps every entry
                 done.append(time.perf_counter())
 
