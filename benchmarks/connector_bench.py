@@ -3,8 +3,9 @@ scheduler-side fetch into host shared memory -> the rows on the worker's device,
 
 No vLLM here: the connector (encoder_service/integrations/vllm/connector.py) is a thin adapter over the
 package's vLLM-free modules, and this drives them exactly as the adapter does: `StagingTable.ensure` (polled,
-as vLLM's steps poll ensure_cache_available) until the item is staged, `allocated` + `end_step` (update_state_after_alloc,
-build_connector_meta), then `RowLoader.load` on the device (start_load_caches), synchronized.
+as vLLM's steps poll ensure_cache_available) until the item is staged, `allocated` + `end_step`
+(update_state_after_alloc, build_connector_meta), then `RowLoader.load` on the device (start_load_caches),
+synchronized.
 
 Per family (Qwen2.5-VL-7B and Qwen3-VL-8B vision towers at real size, random weights, bf16, CUDA graphs: the
 service's own build_core; --small: the tiny checkpoints on the CPU) and per way the rows travel (the encoder

@@ -313,7 +313,7 @@ def env_name(name: str, prefix: str = "ENCODER_") -> str:
     return prefix + name.upper()
 
 
-def add_arguments(parser: argparse.ArgumentParser, options: Mapping = OPTIONS, env_prefix: str = "ENCODER_",
+def add_arguments(parser: argparse.ArgumentParser, options: Mapping, env_prefix: str,
                   switches: Sequence[str] = ()) -> None:
     """One flag per option, kept as a raw string (None when absent) so that env twins and validation go one
     way (`resolve_values`)."""
@@ -328,8 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser, options: Mapping = OPTIONS, e
                             help=f"{help_text}{shown} [env {env}]")
 
 
-def resolve_values(ns: argparse.Namespace, env: Mapping[str, str], options: Mapping = OPTIONS,
-                   env_prefix: str = "ENCODER_") -> dict[str, object]:
+def resolve_values(ns: argparse.Namespace, env: Mapping[str, str], options: Mapping,
+                   env_prefix: str) -> dict[str, object]:
     """Flag > env > default; each value parsed and validated once (None: unset, no default), errors naming
     the flag and its env twin."""
     values: dict[str, object] = {}
@@ -356,7 +356,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
     """`encoder-service serve`'s settings: flag > env > default (resolve_values), then the checks across options."""
-    return _build(resolve_values(ns, env))
+    return _build(resolve_values(ns, env, OPTIONS, "ENCODER_"))
 
 
 def _cuda_available() -> bool:

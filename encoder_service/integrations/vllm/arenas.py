@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from multiprocessing import resource_tracker
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Callable
 
 import torch
