@@ -18,7 +18,7 @@ require("vllm.entrypoints.openai.api_server", "scripts/tiers/vllm-e2e.sh")
 from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.vllm_e2e import ANSWER_S, CALLER, Answer, answer, chat, streamed, streamed_answer  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers (READY_S)
 
 LANES = ["http", "grpc"]
 # Measured: at most 4.6e-5 apart (the rows differ by ~1e-6; this language model's large weights amplify it);

@@ -29,7 +29,7 @@ from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.images import truncated_jpeg  # noqa: E402
 from tests.support.vllm_e2e import ANSWER_S, CALLER, answer, chat, embeds_chat, streamed  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers (READY_S)
 
 RECONNECT_S = 60.0  # a gRPC client's wait for its channel to the restarted encoder
 # vLLM 0.32's answer to a request its engine failed (finish reason "error"), as measured.

@@ -15,7 +15,7 @@ require("vllm.entrypoints.openai.api_server", "scripts/tiers/vllm-e2e.sh")
 
 from tests.support.vllm_e2e import SHM_DIR, staging_files  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers (READY_S)
 
 
 def test_no_staging_file_is_left(stack):
