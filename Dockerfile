@@ -2,8 +2,10 @@
 #
 # encoder-service image: CUDA runtime base + a virtual environment holding the CUDA builds of torch and
 # torchvision and this package. Build:
-#   docker build -t encoder-service:0.1.0 .
+#   docker build -t encoder-service:0.1.0 --build-arg VCS_REF="$(git rev-parse HEAD)" .
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 ...   # other CUDA
+# VERSION and VCS_REF become the OCI version and revision labels. CI builds and runs this file with no Docker
+# daemon, on a local Debian 12 base and CPU torch (scripts/tiers/image.sh, deploy/README.md "The image").
 # TORCH_VERSION / TORCH_INDEX_URL must name a wheel that exists on that index, and the node's driver must
 # support that CUDA (torch wheels carry their own CUDA user-space libraries; the base image gives the
 # driver-facing environment the NVIDIA container toolkit expects).
@@ -11,16 +13,21 @@
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # ---- base: the OS Python both stages share (the venv's interpreter is a symlink into /usr/bin) -------------
+# apt-get clean: the downloaded .debs stay in the image unless the base's apt config deletes them (Docker's
+# Ubuntu images do; not every base does).
 FROM ${CUDA_IMAGE} AS base
-ENV DEBIAN_FRONTEND=noninteractive \
-    PYTHONDONTWRITEBYTECODE=1 \
+# An ARG, not ENV: apt's front end is a build setting, not the runtime's environment.
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 ca-certificates \
+ && apt-get clean \
  && rm -rf /var/lib/apt/lists/*
 
 # ---- build: create /opt/venv with torch and torchvision (CUDA) and the package -------------------------------
 FROM base AS build
+ARG DEBIAN_FRONTEND=noninteractive
 ARG TORCH_VERSION=2.13.0
 # torchvision gives the opt-in `--preprocess torchvision-nvjpeg` its nvJPEG decoder (without it, JPEGs are
 # decoded by Pillow on the CPU). It must be the release built for TORCH_VERSION: 0.28.x for torch 2.13.
@@ -33,7 +40,9 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch and torchvision first and on their own (their own layer, cached across code changes), from the
 # PyTorch index, so the package's loose `torch>=` requirement is already met and never pulls another build.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
+# An empty TORCHVISION_VERSION leaves torchvision out: for a CPU image only, whose default preprocessing is pil
+# (the CPU test build: scripts/tiers/image.sh).
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" ${TORCHVISION_VERSION:+"torchvision==${TORCHVISION_VERSION}"} \
       --index-url "${TORCH_INDEX_URL}"
 # Optional: FlashAttention-4 (pyproject extra [fa4]; ops/attention_fa4.py), its own layer after that. Its CuTe
 # DSL runtime comes per CUDA major: nvidia-cutlass-dsl pulls its cu12 libraries by default (the [cu13] extra

@@ -1,6 +1,6 @@
-"""Load benchmark of the running service (issue 5, item 7): uvicorn + grpc.aio on 127.0.0.1, this process.
+"""Load benchmark of the running service (issue 5, item 7; issue 20): uvicorn + grpc.aio on 127.0.0.1, this process.
 
-Model: the Qwen2.5-VL-7B vision tower (--family qwen3_vl: Qwen3-VL-8B's) at its real size, random weights,
+Model: the Qwen2.5-VL-7B (or, --family qwen3_vl, Qwen3-VL-8B) vision tower at its real size, random weights,
 bfloat16, CUDA graphs on (the service's default buckets), saved to a temp dir and loaded by our loader (the
 service's own build_core).
 
@@ -11,7 +11,9 @@ service's own build_core).
      reference of the target.
   2. encode under load: distinct 720p JPEGs (distinct pixels and bytes per request: no cache hits), one
      image per HTTP request (`POST /v1/encode?wait=true`, AsyncEncoderClient, a keep-alive connection
-     per worker), closed loop at concurrency 1, 4, 16, 64, each level bounded in requests and seconds;
+     per worker; with --flow e2e each request also fetches all of its image's rows into a preallocated
+     tensor and releases the id, as an LLM server does), closed loop at concurrency 1, 4, 16, 64 (spread over
+     --clients load-generator processes), each level bounded in requests and seconds;
      images/s, p50/p99 latency, and from the service's /metrics over the level: mean images per ViT batch,
      mean time from a batch's launch to its rows on the host (batches overlap: the engine launches the next
      one while the previous one's rows are copied), mean preprocess and queue ms. Target: the best level reaches >= 90% of (1).
@@ -20,10 +22,13 @@ service's own build_core).
      server on one host; the server writes into the client's file: into `out` itself when it comes from
      `alloc_rows`, else into a staging file the client copies out of). Target: p50 <= 3 ms on loopback.
 
-The load generator runs in a child process (this script with --client) so that its Python work does not
-share the service's GIL; the service, the model-only runs and the child are all started and bounded here.
+The load generator runs in child processes (this script with --client; --clients of them, each with its
+share of a level's workers and images, started together per level) so that its Python work does not share
+the service's GIL and one process is not the bottleneck; the service, the model-only runs and the children
+are all started and bounded here.
 
     python benchmarks/load_bench.py            # GPU (H100: about 2-3 minutes)
+    python benchmarks/load_bench.py --family qwen3_vl --flow e2e --levels 64 --clients 4   # issue 20's end to end
     python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
     python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
     python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
@@ -53,13 +58,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import make_jpegs  # noqa: E402
-from benchmarks.common.models import REAL, build_checkpoint  # noqa: E402
+from benchmarks.common.models import NAMES, REAL, build_checkpoint  # noqa: E402
 from benchmarks.common.report import setup_info, write_result  # noqa: E402
 from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
 from benchmarks.common.stats import percentile  # noqa: E402
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 LEVELS = (1, 4, 16, 64)
+FLOWS = ("encode", "e2e")  # encode wait=true; e2e: encode wait=true, fetch all rows, release
 ENCODE_SIZE, FETCH_SIZE = (1280, 720), (1920, 1080)
 SERVICE_TARGET = 0.90  # service images/s >= 90% of model-only
 FETCH_TARGET_MS = 3.0  # p50 of a whole cached 1080p entry on loopback
@@ -100,24 +106,30 @@ def server_side(before: dict, after: dict, wall_s: float) -> dict:
                 preprocess_ms=mean("encoder_preprocess_seconds", 1e3), queue_ms=mean("encoder_queue_seconds", 1e3))
 
 
-async def run_level(url: str, images: list[bytes], concurrency: int, level_s: float, timeout_s: float) -> dict:
-    """Closed loop: `concurrency` workers, each sends its next image once its previous answer is back, until
-    the images run out or level_s has passed (requests in flight then finish, each bounded by timeout_s)."""
+async def run_level(url: str, images: list[bytes], workers: int, level_s: float, timeout_s: float, flow: str,
+                    transport: str, grpc_target: str) -> dict:
+    """Closed loop: `workers` workers, each sends its next image once its previous answer is back, until
+    the images run out or level_s has passed (requests in flight then finish, each bounded by timeout_s).
+    flow "e2e": each request is encode (wait) + a fetch of all the image's rows into the worker's
+    preallocated tensor + release. Raw results; the parent merges its children's (merged_level)."""
     import httpx
+    import torch
 
     from encoder_service.client import AsyncEncoderClient
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=workers + 4, max_keepalive_connections=workers + 4)
     latencies, errors, hits, tokens = [], [], 0, set()
     queue = iter(images)
-    async with AsyncEncoderClient.http(url, timeout=timeout_s, limits=limits) as client:
+    make = (lambda: AsyncEncoderClient.http(url, timeout=timeout_s, limits=limits)) if transport == "http" else \
+        (lambda: AsyncEncoderClient.grpc(grpc_target, timeout=timeout_s))
+    async with make() as client:
         await client.metadata()  # one connection up before the clock starts
-        before = await asyncio.to_thread(scrape, url)
-        start = time.perf_counter()
-        deadline = start + level_s
+        start = time.time()
+        deadline = time.perf_counter() + level_s
 
         async def worker():
             nonlocal hits
+            out = None  # the rows' destination, as an LLM server's input-embeddings buffer: reused
             while time.perf_counter() < deadline:
                 data = next(queue, None)
                 if data is None:
@@ -125,6 +137,11 @@ async def run_level(url: str, images: list[bytes], concurrency: int, level_s: fl
                 t0 = time.perf_counter()
                 try:
                     (info,) = await client.encode([data], wait=True)
+                    if flow == "e2e":
+                        if out is None or out.shape[0] < info.num_tokens:
+                            out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype))
+                        await client.fetch([(info.id, 0)], 0, info.num_tokens, out=out[:info.num_tokens])
+                        await client.release([info.id])
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     errors.append(f"{type(exc).__name__}: {exc}"[:300])
                     continue
@@ -132,16 +149,22 @@ async def run_level(url: str, images: list[bytes], concurrency: int, level_s: fl
                 hits += bool(info.cached)
                 tokens.add(info.num_tokens)
 
-        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))),
-                               level_s + timeout_s + 30)
-        wall = time.perf_counter() - start
-        after = await asyncio.to_thread(scrape, url)
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(workers))), level_s + timeout_s + 30)
+    return dict(latencies=latencies, errors=errors, hits=hits, tokens=sorted(tokens), t0=start, t1=time.time(),
+                images=len(images))
+
+
+def merged_level(concurrency: int, parts: list[dict], before: dict, after: dict) -> dict:
+    """One level's row from its load generators' raw results and the service's /metrics around it."""
+    latencies = [ms for p in parts for ms in p["latencies"]]
+    errors = [e for p in parts for e in p["errors"]]
+    wall = max(p["t1"] for p in parts) - min(p["t0"] for p in parts)
     done = len(latencies)
-    row = dict(concurrency=concurrency, requests=done, errors=len(errors), error_samples=errors[:3], cache_hits=hits,
-               num_tokens=sorted(tokens), wall_s=wall, images_per_s=done / wall if wall else 0.0,
-               p50_ms=percentile(latencies, 50), p99_ms=percentile(latencies, 99),
-               mean_ms=float(np.mean(latencies)) if latencies else float("nan"),
-               time_capped=done + len(errors) < len(images))
+    row = dict(concurrency=concurrency, requests=done, errors=len(errors), error_samples=errors[:3],
+               cache_hits=sum(p["hits"] for p in parts), num_tokens=sorted({t for p in parts for t in p["tokens"]}),
+               wall_s=wall, images_per_s=done / wall if wall else 0.0, p50_ms=percentile(latencies, 50),
+               p99_ms=percentile(latencies, 99), mean_ms=float(np.mean(latencies)) if latencies else float("nan"),
+               time_capped=done + len(errors) < sum(p["images"] for p in parts), clients=len(parts))
     return row | server_side(before, after, wall)
 
 
@@ -198,39 +221,98 @@ def fetch_bench(url: str, grpc_target: str, cfg: dict) -> tuple[list[dict], list
     return rows, checks
 
 
-async def drive(url: str, cfg: dict) -> dict:
-    counts = {int(c): n for c, n in cfg["requests"].items()}  # JSON keys are strings
-    total = sum(counts[c] for c in cfg["levels"])
-    t0 = time.perf_counter()
-    warm = make_jpegs(ENCODE_SIZE, range(WARMUP_BASE, WARMUP_BASE + cfg["warmup"]))
-    images = make_jpegs(ENCODE_SIZE, range(LEVEL_BASE, LEVEL_BASE + total))
-    sizes = [len(b) for b in images]
-    print(f"client: {total} + {len(warm)} distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs "
-          f"(mean {np.mean(sizes) / 1e3:.0f} kB) made in {time.perf_counter() - t0:.1f} s", flush=True)
-    await run_level(url, warm, min(4, len(warm)), cfg["level_s"], cfg["request_timeout_s"])  # warm-up
-    levels, at = [], 0
-    for c in cfg["levels"]:
-        row = await run_level(url, images[at:at + counts[c]], c, cfg["level_s"], cfg["request_timeout_s"])
-        at += counts[c]
-        levels.append(row)
-        print("client level", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
-              flush=True)
-    return dict(levels=levels, jpeg_kb=float(np.mean(sizes) / 1e3))
+def level_share(n: int, part: int, parts: int) -> int:
+    """This load generator's share of `n` (workers or images), `part` of `parts`."""
+    return n // parts + (part < n % parts)
 
 
-def client_main(config_path: str) -> int:
+def client_main(config_path: str, part: int) -> int:
+    """Load generator `part` of the job's `clients`: makes its share of every level's images, says "ready",
+    then per line on stdin: "level <c>" runs its share of that level and prints the raw result (JSON),
+    "fetch" runs the cached-entry fetch benchmark and prints it. Ends at EOF."""
     job = json.loads(Path(config_path).read_text())
-    cfg = job["cfg"]
-    result = asyncio.run(drive(job["http"], cfg))
-    try:
-        fetch_rows, checks = fetch_bench(job["http"], job["grpc"], cfg)
-    except Exception as exc:  # noqa: BLE001 - keep the load results, report the fetch failure
-        fetch_rows, checks = [], [f"fetch benchmark failed: {type(exc).__name__}: {exc}"[:500]]
-    for r in fetch_rows:
-        print("client fetch", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
-              flush=True)
-    Path(job["result"]).write_text(json.dumps(result | dict(fetch=fetch_rows, fetch_checks=checks)))
+    cfg, parts = job["cfg"], job["clients"]
+    counts = {int(c): n for c, n in cfg["requests"].items()}  # JSON keys are strings
+    t0 = time.perf_counter()
+    warm = make_jpegs(ENCODE_SIZE, range(WARMUP_BASE + part, WARMUP_BASE + cfg["warmup"], parts))
+    images, at = {}, LEVEL_BASE
+    for c in cfg["levels"]:
+        images[c] = make_jpegs(ENCODE_SIZE, range(at + part, at + counts[c], parts))
+        at += counts[c]
+    sizes = [len(b) for level in images.values() for b in level]
+    print(f"client {part}: {len(sizes)} + {len(warm)} distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs "
+          f"(mean {np.mean(sizes) / 1e3:.0f} kB) made in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def level(imgs, workers):
+        return asyncio.run(run_level(job["http"], imgs, workers, cfg["level_s"], cfg["request_timeout_s"],
+                                     job["flow"], job["transport"], job["grpc"]))
+
+    if warm:
+        level(warm, min(4, len(warm)))
+    print(json.dumps(dict(ready=True, jpeg_kb=float(np.mean(sizes) / 1e3))), flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if command[0] == "level":
+            c = int(command[1])
+            result = level(images[c], max(1, level_share(c, part, parts)))
+        else:
+            try:
+                fetch_rows, checks = fetch_bench(job["http"], job["grpc"], cfg)
+            except Exception as exc:  # noqa: BLE001 - keep the load results, report the fetch failure
+                fetch_rows, checks = [], [f"fetch benchmark failed: {type(exc).__name__}: {exc}"[:500]]
+            result = dict(fetch=fetch_rows, fetch_checks=checks)
+        print(json.dumps(result), flush=True)
     return 0
+
+
+def drive(job_path: Path, job: dict, limit_s: float) -> dict:
+    """The load generators: started together, one level at a time (each level's row merged from all of
+    them, the service's /metrics scraped around it), then the cached-entry fetch from the first one."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--client", str(job_path)]
+    procs = [subprocess.Popen(cmd + ["--part", str(k)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for k in range(job["clients"])]
+    deadline = time.monotonic() + limit_s
+    try:
+        ready = [_answer(proc, deadline) for proc in procs]
+        levels = []
+        for c in job["cfg"]["levels"]:
+            before = scrape(job["http"])
+            for proc in procs:
+                _tell(proc, f"level {c}")
+            row = merged_level(c, [_answer(proc, deadline) for proc in procs], before, scrape(job["http"]))
+            levels.append(row)
+            print("level", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+                  flush=True)
+        _tell(procs[0], "fetch")
+        fetched = _answer(procs[0], deadline)
+        for r in fetched["fetch"]:
+            print("fetch", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
+                  flush=True)
+        return dict(levels=levels, jpeg_kb=float(np.mean([r["jpeg_kb"] for r in ready])), **fetched)
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _tell(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _answer(proc: subprocess.Popen, deadline: float) -> dict:
+    """The child's next line (JSON), within the run's time limit (else the child is killed: a hung level)."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"load generator {proc.args[-1]} gave no answer (exit {proc.poll()})")
+    return json.loads(line)
 
 
 # ---- model only (this process) ----------------------------------------------------------------------------
@@ -303,8 +385,9 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
     lines = ["# Load benchmark (service on 127.0.0.1: uvicorn + grpc.aio, in process)", "",
              ", ".join(f"{k}: {v}" for k, v in setup.items()), ""]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
-    lines += [f"## Encode under load: distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs, one image per HTTP request, "
-              "wait=true", "",
+    what = ("encode wait=true, fetch of all its rows, release" if setup.get("flow") == "e2e" else "encode wait=true")
+    lines += [f"## Under load: distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs, one image per request ({what}; "
+              f"{setup.get('transport')} client, {setup.get('clients')} load-generator processes)", "",
               "| concurrency | requests | errors | images/s | % of model-only | p50 ms | p99 ms | images / ViT batch "
               "| launch to rows on host, ms / batch | preprocess ms | queue ms |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -339,7 +422,6 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny checkpoint, float32, CPU, few requests")
-    parser.add_argument("--family", choices=FAMILIES, default=FAMILIES[0], help="the tower (default %(default)s)")
     from encoder_service.settings import ATTENTION, PREPROCESS_BACKENDS
 
     parser.add_argument("--attention", default="auto", choices=ATTENTION,
@@ -348,10 +430,20 @@ def main() -> int:
                         help="the service's --preprocess (default: the service's own default for the device)")
     parser.add_argument("--levels", type=lambda t: tuple(int(x) for x in t.split(",")), default=LEVELS,
                         help=f"concurrency levels of the encode load (default {','.join(map(str, LEVELS))})")
-    parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # the load generator (child)
+    parser.add_argument("--family", default=FAMILIES[0], choices=FAMILIES,
+                        help="the vision tower (default %(default)s)")
+    parser.add_argument("--flow", default="encode", choices=FLOWS,
+                        help="per request: encode wait=true (default), or e2e: that, a fetch of all the image's rows "
+                             "and release")
+    parser.add_argument("--transport", default="http", choices=("http", "grpc"),
+                        help="the load generators' client (default http)")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="load-generator processes sharing each level's workers (default 1)")
+    parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # a load generator (child)
+    parser.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        return client_main(args.client)
+        return client_main(args.client, args.part)
 
     from encoder_service.api.service import bind_socket, build_core
 
@@ -380,8 +472,8 @@ def main() -> int:
         print(f"checkpoint {t_ckpt - t_start:.1f} s, load + capture {t_core - t_ckpt:.1f} s, runner "
               f"{json.dumps({k: runner.get(k) for k in ('runner', 'graphs', 'capture_s', 'graph_mib')})}", flush=True)
         setup = setup_info(device, dtype, args.small) | dict(
-            model=f"tiny {args.family} (encoder_service/testing/tiny.py)" if args.small
-            else {"qwen2_5_vl": "Qwen2.5-VL-7B", "qwen3_vl": "Qwen3-VL-8B"}[args.family] + " vision tower",
+            model=f"tiny {args.family} (encoder_service/testing/tiny.py)" if args.small else
+            f"{NAMES[args.family]} vision tower", flow=args.flow, transport=args.transport, clients=args.clients,
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
             attention=f"{args.attention}: {runner.get('attention', {}).get('selected', {})}",
@@ -396,16 +488,14 @@ def main() -> int:
         svc = in_process_service(settings, http_sock, core=core)
         try:
             print(f"service up: {svc.url} grpc {svc.grpc_address}", flush=True)
-            job = Path(tmp) / "job.json"
-            result_path = Path(tmp) / "result.json"
-            job.write_text(json.dumps(dict(http=svc.url, grpc=svc.grpc_address, cfg=cfg, result=str(result_path))))
+            job = dict(http=svc.url, grpc=svc.grpc_address, cfg=cfg, flow=args.flow, transport=args.transport,
+                       clients=args.clients)
+            job_path = Path(tmp) / "job.json"
+            job_path.write_text(json.dumps(job))
             try:
-                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client", str(job)],
-                                      timeout=cfg["client_limit_s"], check=False)
-                client_status = f"exit {proc.returncode}"
-            except subprocess.TimeoutExpired:  # the child is killed by subprocess.run
-                client_status = f"killed after {cfg['client_limit_s']:g} s"
-            result = json.loads(result_path.read_text()) if result_path.exists() else None
+                result = drive(job_path, job, cfg["client_limit_s"])
+            except RuntimeError as exc:  # a load generator died or hung (it was killed)
+                result, client_status = None, str(exc)
         finally:
             svc.close()
     t_end = time.perf_counter()

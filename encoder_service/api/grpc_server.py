@@ -1,9 +1,12 @@
 """gRPC (grpc.aio) adapter over EncoderCore: encoder.v1.Encoder plus the standard grpc.health.v1.Health.
 
 Thin on purpose: convert messages (protocol/grpc_messages.py), call the core, map errors once
-(api/errors.py). Fetch streams a header message, then the rows' bytes in messages of at most 1 MiB: under
-every peer's default 4 MiB receive limit, and streaming measured 3x faster than one big unary reply. A
-Fetch with a ShmTarget answers the header alone (the rows are in the client's file, protocol/shm.py).
+(api/errors.py). Fetch streams a header message, then the rows' bytes in messages of at most 1 MiB (under
+every peer's default 4 MiB receive limit; streaming measured 3x faster than one big unary reply), or up to
+the client's FetchRequest.max_message_bytes (capped at MAX_FETCH_MESSAGE_BYTES). Data messages are framed
+by protocol/wire.py from views of the rows (one copy, not protobuf's three). A Fetch with a
+ShmTarget answers the header alone (the rows are in the client's file, protocol/shm.py); one asking for a
+pickup answers the header with a ticket when the HTTP port can serve the rows (api/pickup.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
+from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import FetchItem, ImageInput
 from encoder_service.errors import EncoderServiceError, Overloaded
@@ -37,11 +41,14 @@ _OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _REQUEST_OVERHEAD_BYTES = 1 << 20
 # Row bytes per Fetch data message (read per call, so tests can shrink it to get many messages).
 FETCH_DATA_BYTES = wire.GRPC_DATA_BYTES
+MAX_FETCH_MESSAGE_BYTES = 16 << 20  # the most a client's max_message_bytes gets
 
 
-async def start(core, settings) -> tuple[grpc.aio.Server, ReadinessHealth]:
+async def start(core, settings, pickups: Pickups | None = None, http_port: int | None = None
+                ) -> tuple[grpc.aio.Server, ReadinessHealth]:
     """Serve `core` on settings.server.host:settings.server.grpc_port (started; caller stops it, after
-    `health.enter_graceful_shutdown()` so open Health.Watch streams hear NOT_SERVING during the grace)."""
+    `health.enter_graceful_shutdown()` so open Health.Watch streams hear NOT_SERVING during the grace).
+    `pickups` (shared with the HTTP app on `http_port`): where Fetch leaves rows when a client asks."""
     server = grpc.aio.server(
         interceptors=[_AuthInterceptor(BearerAuth(settings.server.auth_token))],
         options=[
@@ -52,7 +59,7 @@ async def start(core, settings) -> tuple[grpc.aio.Server, ReadinessHealth]:
             # traffic instead of failing to start.
             ("grpc.so_reuseport", 0),
         ])
-    pb_grpc.add_EncoderServicer_to_server(EncoderServicer(core), server)
+    _add_servicer(EncoderServicer(core, pickups, http_port), server)
     health_servicer = ReadinessHealth(core)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{settings.server.host}:{settings.server.grpc_port}"
@@ -62,9 +69,26 @@ async def start(core, settings) -> tuple[grpc.aio.Server, ReadinessHealth]:
     return server, health_servicer
 
 
+def _add_servicer(servicer: EncoderServicer, server) -> None:
+    """The generated registration, with Fetch's serializer passing our own framed data messages through."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    class _Collect:
+        def add_generic_rpc_handlers(self, _):
+            pass
+
+        def add_registered_method_handlers(self, _, method_handlers):
+            handlers.update(method_handlers)
+
+    pb_grpc.add_EncoderServicer_to_server(servicer, _Collect())
+    handlers["Fetch"] = handlers["Fetch"]._replace(response_serializer=msgs.serialize_fetch_chunk)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class EncoderServicer(pb_grpc.EncoderServicer):
-    def __init__(self, core):
-        self._core = core
+    def __init__(self, core, pickups: Pickups | None = None, http_port: int | None = None):
+        self._core, self._pickups, self._http_port = core, pickups, http_port
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         async with self._rpc(context, "encode") as call:
@@ -86,15 +110,22 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                                             shm=shm)
             # Trailing metadata leaves after the last message; the core's (timed) work is done now.
             call.trailing(timing_headers(result.timings))
-            header = msgs.header_to_proto(wire.WireHeader.of_fetch(result))
+            wire_header = wire.WireHeader.of_fetch(result)
+            header = msgs.header_to_proto(wire_header)
             if shm is not None:  # the rows are in the client's file: the header alone answers
                 header.shm_bytes = result.shm_bytes
                 await context.write(pb.FetchChunk(header=header))
                 return
+            if request.pickup and self._pickups is not None and result.rows.numel():
+                token = self._pickups.put(wire_header, result.rows)
+                if token is not None:  # else too many rows wait already: they go on the stream
+                    header.pickup_token, header.pickup_port = token, self._http_port
+                    await context.write(pb.FetchChunk(header=header))
+                    return
             await context.write(pb.FetchChunk(header=header))
             # Each write waits for flow control: the stream stays a few messages ahead of the reader.
-            for piece in wire.grpc_data_chunks(result.rows, FETCH_DATA_BYTES):
-                await context.write(pb.FetchChunk(data=bytes(piece)))
+            for piece in wire.grpc_data_chunks(result.rows, _data_bytes(request.max_message_bytes)):
+                await context.write(wire.grpc_data_message(piece))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         async with self._rpc(context, "release"):
@@ -134,6 +165,13 @@ class _Call:
 
     def trailing(self, pairs: tuple[tuple[str, str], ...] = ()) -> None:
         self._context.set_trailing_metadata((*pairs, *self.metadata))
+
+
+def _data_bytes(max_message_bytes: int) -> int:
+    """Row bytes per data message: FETCH_DATA_BYTES unless the client takes larger messages."""
+    if max_message_bytes <= FETCH_DATA_BYTES + wire.GRPC_FRAMING_BYTES:
+        return FETCH_DATA_BYTES
+    return min(max_message_bytes, MAX_FETCH_MESSAGE_BYTES) - wire.GRPC_FRAMING_BYTES
 
 
 def _time_left(context) -> float | None:

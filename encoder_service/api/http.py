@@ -7,6 +7,7 @@ POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"
                   (application/octet-stream; application/safetensors when Accept asks for it).
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
                   (protocol/shm.py) and the answer is JSON: the wire header's fields + "shm_bytes".
+POST /v1/fetch/pickup  JSON {"token"} -> the payload of the gRPC Fetch that left that ticket (api/pickup.py).
 POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
 GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
      /metrics.
@@ -32,9 +33,11 @@ from starlette.requests import ClientDisconnect
 from encoder_service.api import bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
+from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
+from encoder_service.api.rows_response import RowsResponse
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, UnsupportedMediaType
+from encoder_service.errors import EncoderServiceError, InvalidInput, NotFound, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
@@ -88,8 +91,13 @@ class ReleaseJson(_Strict):
     ids: list[str]
 
 
-def create_app(core: EncoderCore) -> FastAPI:
-    """The FastAPI app over `core`; the core's lifecycle belongs to the caller (api/service.py)."""
+class PickupJson(_Strict):
+    token: str
+
+
+def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
+    """The FastAPI app over `core`; the core's lifecycle belongs to the caller (api/service.py). `pickups`:
+    rows gRPC fetches left for their clients (shared with the gRPC server)."""
     settings = core.settings
     auth = BearerAuth(settings.server.auth_token)
     max_body = settings.limits.max_body_bytes
@@ -134,6 +142,10 @@ def create_app(core: EncoderCore) -> FastAPI:
     @app.post("/v1/fetch")
     async def fetch(request: Request):
         return await _served(request, "fetch", _fetch)
+
+    @app.post("/v1/fetch/pickup")
+    async def pickup(request: Request):
+        return await _served(request, "pickup", _pickup)
 
     @app.post("/v1/release")
     async def release(request: Request):
@@ -197,13 +209,22 @@ def create_app(core: EncoderCore) -> FastAPI:
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
                                 headers=dict(timing_headers(result.timings)))
         if SAFETENSORS in request.headers.get("accept", ""):
-            payload, media = wire.encode_safetensors(header, result.rows), SAFETENSORS
+            (prefix, rows), media = wire.safetensors_parts(header, result.rows), SAFETENSORS
         else:
-            payload, media = wire.encode_http(header, result.rows), OCTET
-        return Response(payload, media_type=media, headers=dict(timing_headers(result.timings)))
+            (prefix, rows), media = wire.http_parts(header, result.rows), OCTET
+        return RowsResponse(prefix, rows, media, dict(timing_headers(result.timings)))
+
+    async def _pickup(request: Request) -> Response:
+        body = await _json_body(request, PickupJson)
+        taken = pickups.take(body.token) if pickups is not None else None
+        if taken is None:
+            raise NotFound("pickup token unknown, used or expired: a token works once, for a few seconds after "
+                           "the gRPC Fetch that answered it")
+        prefix, rows = wire.http_parts(*taken)
+        return RowsResponse(prefix, rows, OCTET, {})
 
     async def _json_body(request: Request, model: type[_Strict]):
-        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch and release)."""
+        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch, pickup and release)."""
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
         if ctype != "application/json":

@@ -16,6 +16,7 @@ import time
 
 import uvicorn
 
+from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import install_log_ids
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
@@ -106,23 +107,28 @@ class Service:
             self.core = await asyncio.to_thread(build_core, s)
         load_s = time.perf_counter() - t0
         await self.core.start()
-        if s.server.http_port or self._http_sock is not None:
-            await self._start_http()
+        http = s.server.http_port or self._http_sock is not None
+        # Rows gRPC fetches leave for their clients to read over HTTP (api/pickup.py): with both ports only.
+        pickups = Pickups() if http and s.server.grpc_port else None
+        if http:
+            await self._start_http(pickups)
         if s.server.grpc_port:
             from encoder_service.api import grpc_server
 
-            self._grpc, self._grpc_health = await grpc_server.start(self.core, s)
+            http_port = int(self.http_address.rsplit(":", 1)[1]) if pickups is not None else None
+            self._grpc, self._grpc_health = await grpc_server.start(self.core, s, pickups, http_port)
             self.grpc_address = f"{s.server.host}:{s.server.grpc_port}"
         if s.server.sglang_protocol:
             await self._start_sglang()
         log.info("%s", startup_summary(self, load_s=load_s, total_s=time.perf_counter() - t0))
 
-    async def _start_http(self) -> None:
+    async def _start_http(self, pickups: Pickups | None) -> None:
         from encoder_service.api.http import create_app
 
         s = self.settings.server
         sock = self._http_sock or bind_socket(s.host, s.http_port)
-        self._http, self._http_task, self.http_address = await self._serve(create_app(self.core), sock, "HTTP")
+        self._http, self._http_task, self.http_address = await self._serve(create_app(self.core, pickups), sock,
+                                                                           "HTTP")
 
     async def _start_sglang(self) -> None:
         """SGLang's encoder protocol on its own port (unauthenticated: SGLang sends no credentials)."""

@@ -1,20 +1,33 @@
-"""HTTP transports (httpx, blocking and async) for EncoderClient / AsyncEncoderClient.
+"""HTTP transports (blocking and async) for EncoderClient / AsyncEncoderClient.
 
 Encode sends multipart (raw bytes, field `image`) unless an image is a URL or carries a caller id, which
-only the JSON form (base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py); an shm
-fetch gets a JSON header (the rows are in the client's file).
+only the JSON form (base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py) and reads it
+on a plain socket straight into its destination (client/raw_http.py; the async transport runs that blocking
+read on its own threads, which receive in parallel with the GIL released); https, a proxy, or an answer the
+raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
+(the rows are in the client's file).
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 
+from encoder_service.client.destination import Destination
+from encoder_service.client.raw_http import (OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error, in_thread,
+                                             read_fetch)
 from encoder_service.client.types import ImageInfo, ImageSource
-from encoder_service.client.errors import remote_error
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
+
+log = logging.getLogger(__name__)
+# httpx options that route requests somewhere the raw reader would not go.
+_ROUTING_OPTIONS = ("transport", "mounts", "proxy", "app")
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -62,15 +75,55 @@ def _shm_reply(response: httpx.Response) -> tuple[wire.WireHeader, int]:
 def _check(response: httpx.Response) -> httpx.Response:
     if response.is_success:
         return response
-    try:
-        err = response.json().get("error")
-    except (ValueError, AttributeError):  # not our JSON (a proxy's page): the status decides the type
-        err = None
-    err = err if isinstance(err, dict) else {}
-    retry = err.get("retry_after_s")
-    if retry is None and "retry-after" in response.headers:
-        retry = float(response.headers["retry-after"])
-    raise remote_error(err.get("kind"), err.get("message") or response.text[:500], response.status_code, retry)
+    raise http_error(response.status_code, response.headers, response.content)
+
+
+def _raw(base_url: str, token: str | None, httpx_kw: dict) -> RawHttp | None:
+    """The raw fetch path to `base_url`, unless httpx would route it elsewhere (https, proxies, a custom
+    transport)."""
+    if any(k in httpx_kw for k in _ROUTING_OPTIONS):
+        return None
+    return RawHttp.for_url(base_url, _headers(token), trust_env=httpx_kw.get("trust_env", True))
+
+
+def _fetch_body(items, start: int, end: int, timeout) -> bytes:
+    return json.dumps(_fetch_json(items, start, end, timeout), separators=(",", ":")).encode()
+
+
+def _decoded(response: httpx.Response, dest: Destination):
+    """(header, rows) of a whole octet-stream body httpx read (the fallback path)."""
+    header, data = wire.split_http(response.content)
+    dest.writer(header).write(data)
+    return header, dest.finish()
+
+
+class _RawFetch:
+    """The raw path of one transport, given up (for httpx) the first time the server answers what it does
+    not handle."""
+
+    def __init__(self, raw: RawHttp | None):
+        self.raw = raw
+
+    def fetch(self, body: bytes, dest: Destination, timeout, cancel: Cancel | None = None):
+        """(header, rows), or None when the raw path is off (or just turned off: ask httpx)."""
+        raw = self.raw
+        if raw is None:
+            return None
+        try:
+            header, _ = raw.post("/v1/fetch", body, timeout, read_fetch(dest.writer), cancel=cancel)
+        except NotRaw as exc:
+            log.warning("fetch over a plain socket got an answer it does not handle (%s); using httpx", exc)
+            self.raw = None
+            raw.close()
+            return None
+        return header, dest.finish()
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+
+
+_FETCH_HEADERS = {"content-type": "application/json", "accept": OCTET}
 
 
 def _transport_error(exc: httpx.TransportError):
@@ -83,6 +136,7 @@ def _transport_error(exc: httpx.TransportError):
 class HttpTransport:
     def __init__(self, base_url: str, *, token: str | None = None, **httpx_kw):
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
+        self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
 
     def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -93,10 +147,12 @@ class HttpTransport:
     def encode(self, images, wait, return_embeddings, timeout):
         return _infos(self._post("/v1/encode", timeout, **_encode_args(images, wait, return_embeddings, timeout)))
 
-    def fetch(self, items, start, end, out, timeout):
-        response = self._post("/v1/fetch", timeout, json=_fetch_json(items, start, end, timeout),
-                              headers={"accept": "application/octet-stream"})
-        return wire.decode_http(response.content, out, start)
+    def fetch(self, items, start, end, dest: Destination, timeout):
+        body = _fetch_body(items, start, end, timeout)
+        got = self._raw.fetch(body, dest, timeout)
+        if got is not None:
+            return got
+        return _decoded(self._post("/v1/fetch", timeout, content=body, headers=_FETCH_HEADERS), dest)
 
     def fetch_shm(self, items, start, end, target, timeout):
         return _shm_reply(self._post("/v1/fetch", timeout, json=_fetch_json(items, start, end, timeout, target)))
@@ -111,12 +167,15 @@ class HttpTransport:
             raise _transport_error(exc) from exc
 
     def close(self):
+        self._raw.close()
         self._http.close()
 
 
 class AsyncHttpTransport:
-    def __init__(self, base_url: str, *, token: str | None = None, **httpx_kw):
+    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS, **httpx_kw):
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
+        self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
+        self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
 
     async def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -128,10 +187,13 @@ class AsyncHttpTransport:
         return _infos(await self._post("/v1/encode", timeout,
                                        **_encode_args(images, wait, return_embeddings, timeout)))
 
-    async def fetch(self, items, start, end, out, timeout):
-        response = await self._post("/v1/fetch", timeout, json=_fetch_json(items, start, end, timeout),
-                                    headers={"accept": "application/octet-stream"})
-        return wire.decode_http(response.content, out, start)
+    async def fetch(self, items, start, end, dest: Destination, timeout):
+        body = _fetch_body(items, start, end, timeout)
+        if self._raw.raw is not None:
+            got = await in_thread(self._threads, partial(self._raw.fetch, body, dest, timeout), dest)
+            if got is not None:
+                return got
+        return _decoded(await self._post("/v1/fetch", timeout, content=body, headers=_FETCH_HEADERS), dest)
 
     async def fetch_shm(self, items, start, end, target, timeout):
         return _shm_reply(await self._post("/v1/fetch", timeout,
@@ -147,4 +209,6 @@ class AsyncHttpTransport:
             raise _transport_error(exc) from exc
 
     async def close(self):
+        self._raw.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
         await self._http.aclose()

@@ -3,6 +3,8 @@ client."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from encoder_service.protocol import wire
@@ -42,34 +44,56 @@ def info_from_proto(msg: pb.ImageInfo, cls: type[ImageInfo] = ImageInfo, **extra
                hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached, **extra)
 
 
+def serialize_fetch_chunk(message: pb.FetchChunk | bytes) -> bytes:
+    """Fetch's response serializer: data messages come framed already (wire.grpc_data_message)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def embedding_from_bytes(info: pb.ImageInfo, data: bytes) -> torch.Tensor:
     """One image's [num_tokens, row_width] rows from EncodeResponse.embeddings."""
     return wire.rows_from_bytes(data, info.dtype, info.row_width, info.num_tokens)
 
 
 class FetchAssembler:
-    """Rebuilds a fetch payload from a Fetch stream: one header message, then data messages."""
+    """Rebuilds a fetch payload from a Fetch stream's serialized messages (the client reads them raw): one
+    header, then data messages, whose bytes go from the message straight into `writer_for(header)`'s
+    buffer (wire.grpc_data_view: no protobuf copy). A header with a pickup ticket ends the stream: the rows
+    wait on the HTTP port (`pickup` then holds (token, port)) and go into `writer` from there."""
 
-    def __init__(self, out: torch.Tensor | None = None, start: int = 0):
-        self._out, self._start, self._writer = out, start, None
+    def __init__(self, writer_for: Callable[[WireHeader], RowWriter]):
+        self._writer_for = writer_for
+        self.writer: RowWriter | None = None
+        self.pickup: tuple[str, int] | None = None
 
-    def add(self, msg: pb.FetchChunk) -> None:
-        part = msg.WhichOneof("part")
-        if part == "header":
-            if self._writer is not None:
-                raise WireError("Fetch stream carried a second header")
-            self._writer = RowWriter(header_from_proto(msg.header), self._out, self._start)
-        elif part == "data":
-            if self._writer is None:
-                raise WireError("Fetch stream sent row data before its header")
-            self._writer.write(msg.data)
-        else:
-            raise WireError("Fetch stream sent an empty message")
+    def add(self, message: bytes) -> None:
+        data = wire.grpc_data_view(message)
+        if data is None:
+            msg = pb.FetchChunk.FromString(message)
+            part = msg.WhichOneof("part")
+            if part == "header":
+                self._header(msg.header)
+                return
+            if part != "data":
+                raise WireError("Fetch stream sent an empty message")
+            data = msg.data
+        if self.writer is None:
+            raise WireError("Fetch stream sent row data before its header")
+        if self.pickup is not None:
+            raise WireError("Fetch stream sent row data after a pickup ticket")
+        self.writer.write(data)
 
-    def finish(self) -> tuple[WireHeader, torch.Tensor]:
-        if self._writer is None:
+    def _header(self, msg: pb.FetchHeader) -> None:
+        if self.writer is not None:
+            raise WireError("Fetch stream carried a second header")
+        self.writer = self._writer_for(header_from_proto(msg))  # checks the caller's buffer before any row
+        if msg.pickup_token:
+            self.pickup = (msg.pickup_token, msg.pickup_port)
+
+    def finish(self) -> WireHeader:
+        """The header, once the stream ended (the caller finishes the writer: rows in place, checked)."""
+        if self.writer is None:
             raise WireError("Fetch stream ended without a header")
-        return self._writer.header, self._writer.finish()
+        return self.writer.header
 
 
 class ShmReply:
@@ -78,7 +102,8 @@ class ShmReply:
     def __init__(self):
         self._header: pb.FetchHeader | None = None
 
-    def add(self, msg: pb.FetchChunk) -> None:
+    def add(self, message: bytes) -> None:
+        msg = pb.FetchChunk.FromString(message)
         if msg.WhichOneof("part") != "header" or self._header is not None:
             raise WireError("an shm Fetch stream carried more than its header: the server ignored the shm "
                             "target (does it predate shared-memory fetch?)")

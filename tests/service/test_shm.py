@@ -264,9 +264,10 @@ def test_client_checks_what_the_server_answers(shm_service, shm_dir):
     from encoder_service.protocol.wire import WireError
 
     reply = msgs.ShmReply()
-    reply.add(pb.FetchChunk(header=pb.FetchHeader(version=1, dtype="float32", row_width=4, layout="main")))
+    reply.add(pb.FetchChunk(header=pb.FetchHeader(version=1, dtype="float32", row_width=4,
+                                                  layout="main")).SerializeToString())
     with pytest.raises(WireError, match="more than its header"):
-        reply.add(pb.FetchChunk(data=b"\0" * 16))
+        reply.add(pb.FetchChunk(data=b"\0" * 16).SerializeToString())
     with sync_client(shm_service, "grpc", shm=True, shm_dir=str(shm_dir)) as c:
         (info,) = c.encode([png(56, 56, 49)], wait=True)
         real = c._transport.fetch_shm

@@ -63,16 +63,20 @@ class FetchItem(_message.Message):
     def __init__(self, id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("items", "start", "end", "shm")
+    __slots__ = ("items", "start", "end", "shm", "max_message_bytes", "pickup")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PICKUP_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[FetchItem]
     start: int
     end: int
     shm: ShmTarget
-    def __init__(self, items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ...) -> None: ...
+    max_message_bytes: int
+    pickup: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., pickup: _Optional[bool] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
     __slots__ = ("name", "offset", "by_position")
@@ -97,7 +101,7 @@ class Segment(_message.Message):
     def __init__(self, id: _Optional[str] = ..., position: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("version", "dtype", "row_width", "layout", "num_rows", "segments", "shm_bytes")
+    __slots__ = ("version", "dtype", "row_width", "layout", "num_rows", "segments", "shm_bytes", "pickup_token", "pickup_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +109,8 @@ class FetchHeader(_message.Message):
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PICKUP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PICKUP_PORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     dtype: str
     row_width: int
@@ -112,7 +118,9 @@ class FetchHeader(_message.Message):
     num_rows: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     shm_bytes: int
-    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[str] = ..., row_width: _Optional[int] = ..., layout: _Optional[str] = ..., num_rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+    pickup_token: str
+    pickup_port: int
+    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[str] = ..., row_width: _Optional[int] = ..., layout: _Optional[str] = ..., num_rows: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., shm_bytes: _Optional[int] = ..., pickup_token: _Optional[str] = ..., pickup_port: _Optional[int] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -68,7 +68,9 @@ class EncoderServicer:
 
     def Fetch(self, request, context):
         """Rows of the images overlapping one prompt chunk [start, end): one FetchChunk with the header,
-        then FetchChunks with row bytes, each message at most 1 MiB (so no receive limit needs raising).
+        then FetchChunks with row bytes, each message at most 1 MiB (so no receive limit needs raising)
+        unless FetchRequest.max_message_bytes allows more; with FetchRequest.pickup, possibly the header
+        alone, the rows waiting on the HTTP port (FetchHeader.pickup_token).
         With FetchRequest.shm set, the rows go into that shared-memory file instead and the stream is the
         header message alone (FetchHeader.shm_bytes says how many bytes were written).
         """

@@ -1,0 +1,34 @@
+"""The fetch payload as an HTTP response whose rows leave the cache entry's memory without being joined.
+
+Starlette's Response sends one `bytes` body, so the rows would be copied into it (with the header in front);
+a StreamingResponse sends chunked, which plain HTTP/1.1 readers handle worse than a Content-Length body.
+`RowsResponse` announces Content-Length, sends the small prefix (wire header), then the rows as memoryview
+slices of SEND_BYTES, each its own ASGI body message. uvicorn's httptools protocol writes each slice to the
+transport as is (asyncio keeps a memoryview of what the socket did not take yet: no copy); its h11 protocol
+frames each slice with one copy of that slice. Between slices uvicorn waits for the transport to drain, so
+a connection holds about one slice of unsent bytes and the loop serves other requests in between.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+# Rows per body message: about what a loopback socket takes in one send, so most slices go to the kernel at
+# once; large enough that the per-message cost (an await, a transport write) is negligible.
+SEND_BYTES = 4 << 20
+
+
+class RowsResponse(Response):
+    def __init__(self, prefix: bytes, rows: memoryview, media_type: str, headers: Mapping[str, str]):
+        self._prefix, self._rows = prefix, rows
+        super().__init__(None, 200, {**headers, "content-length": str(len(prefix) + len(rows))}, media_type)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        rows, last = self._rows, max(0, len(self._rows) - SEND_BYTES)
+        await send({"type": "http.response.body", "body": self._prefix, "more_body": bool(len(rows))})
+        for lo in range(0, len(rows), SEND_BYTES):
+            await send({"type": "http.response.body", "body": rows[lo:lo + SEND_BYTES], "more_body": lo < last})
