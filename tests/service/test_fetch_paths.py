@@ -70,7 +70,7 @@ def _check(chunk, layout, full, out_kind) -> None:
 
 
 def _pickups(svc) -> float:
-    return svc.sample("encoder_requests_total", {"method": "pickup", "outcome": "ok"})
+    return svc.sample("encoder_requests_total", {"transport": "http", "method": "pickup", "outcome": "ok"})
 
 
 def _check_path(c, svc, path: str, pickups_before: float) -> None:
@@ -136,7 +136,7 @@ def test_split_fetch_answers_like_one_fetch(service_qwen3, monkeypatch):
         width = infos[0].row_width
 
         def fetches() -> float:
-            return service_qwen3.sample("encoder_requests_total", {"method": "fetch", "outcome": "ok"})
+            return service_qwen3.sample("encoder_requests_total", {"transport": "http", "method": "fetch", "outcome": "ok"})
 
         n0 = fetches()
         a = whole.fetch(layout.items, 0, layout.prompt_len, out=torch.zeros(layout.prompt_len, width))
