@@ -11,11 +11,11 @@
 # $TIER_WHEELS (default ~/.cache/encoder-service/wheels, shared with the vllm tier). The encoder service and the
 # proxy run from the main venv ($ENCODER_MAIN_PYTHON, default .venv/bin/python, made by scripts/setup.sh).
 #
-# Cost on the 2-core CPU machine, measured while other work kept it busy (load 8-12; the tier prints its own
-# times): from nothing (the venv built, its 2.5 GB of wheels downloaded) 7-9 min, of which the venv 3.3 min
-# (as long with the wheels cached: installing, not downloading, is its cost); with the venv reused 2.4-5.6 min.
-# Most of the tests' time is starting the three vLLM servers at once (1.5-7 min: each imports vLLM and torch in
-# two or three processes); the 30-odd requests after that take seconds.
+# Cost on the 2-core CPU machine, measured while other work kept it busy (the tier prints its own times): at
+# load 8-12, from nothing (the venv built, its 2.5 GB of wheels downloaded) 7-9 min, of which the venv 3.3 min,
+# and 2.4-5.6 min with the venv reused; at load 5, the venv rebuilt from cached wheels in 0.5 min and the tests
+# in 1.8 min. Most of the tests' time is starting the three vLLM servers at once (1.2-7 min: each imports vLLM
+# and torch in two or three processes); the 30-odd requests after that take seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
