@@ -1,6 +1,8 @@
 """ViT speed on the GPU: our runners (eager and CUDA graphs) against transformers (sdpa), same weights,
 one row set per attention choice (`--attention auto,fa4,torch`: the runners' attention policy,
-ops/attention.py; the `attention` column says which backend served which layout class).
+ops/attention.py; the `attention` column says which backend served which layout class). The MLP kernels
+(ops/mlp_kernels.py) are auto's, except with `torch`: then without quack, which comes with FA4 (the [fa4]
+extra), so those rows are what a machine without the extra runs; the `mlp` column says what served.
 
 The graphs are the service's: settings' default bucket ladder (`--graph-buckets`) plus the exact buckets of
 the common resolutions under its largest bucket, as make_runner builds them.
@@ -44,7 +46,7 @@ from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.models import NAMES, REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
 from benchmarks.common.report import out_dir, setup_info, write_result  # noqa: E402
 from encoder_service.models.loader import load_model  # noqa: E402
-from encoder_service.ops import attention  # noqa: E402
+from encoder_service.ops import attention, mlp_kernels  # noqa: E402
 from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
 from encoder_service.runtime.eager import EagerRunner  # noqa: E402
 from encoder_service.runtime.runner import exact_resolution_buckets  # noqa: E402
@@ -259,24 +261,30 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out: Path,
             print(f"{family}: attention {choice} skipped: {why}", flush=True)
             SKIPPED.append(dict(family=family, attention=choice, why=why))
             continue
-        eager = EagerRunner(loaded, attention=policy)
-        t0 = time.perf_counter()
-        # "graphs": every batch that fits a bucket replays a graph; "service": make_runner's default policy
-        # (big batches that a bucket would pad by more than 5% run eagerly).
-        graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
-                             exact_buckets=exact, attention=policy)
-        (out / f"capture_{family}_{choice}.json").write_text(json.dumps(graphs.capture_log))
-        print(f"{family} attention={choice}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; "
-              f"graphs {graphs.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        for case, inp in inputs.items():
-            rows.append(measure_case(family, case, inp, loaded, eager, graphs, width, device, ceiling, args))
-            rows[-1].update(attention=choice, attention_backends=short_backends(policy))
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
-                  flush=True)
-        if device.type == "cuda":
-            grids = [patch_grid(w, h, vision["patch_size"]) for w, h in CASES["1080p"]]
-            pvs = [torch.randn(t * h * w, loaded.spec.patch_dim, device=device, dtype=dtype) for t, h, w in grids]
-            profile_forward(eager, graphs, pvs, grids, out / f"profile_{family}_{choice}.txt")
+        mlp = mlp_kernels.MlpKernelPolicy(
+            "auto", available={"quack": "left out: it comes with FA4"} if choice == "torch" else None)
+        with mlp_kernels.use_policy(mlp):  # around the captures and every eager forward
+            eager = EagerRunner(loaded, attention=policy)
+            t0 = time.perf_counter()
+            # "graphs": every batch that fits a bucket replays a graph; "service": make_runner's default policy
+            # (big batches that a bucket would pad by more than 5% run eagerly).
+            graphs = GraphRunner(loaded, buckets=buckets, capture=device.type == "cuda", eager_min_patches=None,
+                                 exact_buckets=exact, attention=policy)
+            (out / f"capture_{family}_{choice}.json").write_text(json.dumps(graphs.capture_log))
+            print(f"{family} attention={choice}: MLP width {c.intermediate_size} -> {c.intermediate_size_padded}; "
+                  f"graphs {graphs.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            for case, inp in inputs.items():
+                rows.append(measure_case(family, case, inp, loaded, eager, graphs, width, device, ceiling, args))
+                rows[-1].update(attention=choice, attention_backends=short_backends(policy),
+                                mlp_backends=" ".join(sorted({f"{k.split('/')[0]}:{v}"
+                                                              for k, v in mlp.describe()["selected"].items()})))
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
+                      flush=True)
+            if device.type == "cuda":
+                grids = [patch_grid(w, h, vision["patch_size"]) for w, h in CASES["1080p"]]
+                pvs = [torch.randn(t * h * w, loaded.spec.patch_dim, device=device, dtype=dtype)
+                       for t, h, w in grids]
+                profile_forward(eager, graphs, pvs, grids, out / f"profile_{family}_{choice}.txt")
         save()
         del eager, graphs
         if device.type == "cuda":
@@ -330,9 +338,9 @@ SKIPPED: list[dict] = []  # attention choices whose backend is not installed her
 
 def markdown(setup: dict, ceiling: float, rows: list[dict]) -> str:
     lines = [
-        "| model | case | attention | patches | eager ms | graphs ms | service ms (path) | transformers ms | speedup "
-        "| patch tok/s | TFLOP/s | MFU | max rel err | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | case | attention | mlp | patches | eager ms | graphs ms | service ms (path) | transformers ms "
+        "| speedup | patch tok/s | TFLOP/s | MFU | max rel err | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = "" if r["target_ms"] is None else f"<= {r['target_ms']} ms " + (
@@ -342,7 +350,8 @@ def markdown(setup: dict, ceiling: float, rows: list[dict]) -> str:
         hf = "-" if r["transformers_ms"] is None else f"{r['transformers_ms']:.1f}"
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
         lines.append(
-            f"| {r['model']} | {r['case']} | {r['attention']} ({r['attention_backends'] or '-'}) | {r['patches']} "
+            f"| {r['model']} | {r['case']} | {r['attention']} ({r['attention_backends'] or '-'}) "
+            f"| {r['mlp_backends'] or '-'} | {r['patches']} "
             f"| {r['eager_ms']:.2f} | {r['graphs_ms']:.2f}{replay} | {r['service_ms']:.2f} ({r['service_path']}) "
             f"| {hf} | {speedup} | {r['tokens_per_s'] / 1e6:.2f} M | {r['tflops']:.0f} | {mfu} "
             f"| {max(r['eager_err'], r['graphs_err']):.1e} | {target} |"

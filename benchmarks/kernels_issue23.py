@@ -1,24 +1,33 @@
-"""Issue 23 on one H100 in one bounded run: fused MLP epilogues, Qwen3-VL's head-dim-72 attention, and where the
-service loses Qwen3's throughput. Installs nothing: it imports what scripts/gpu/install_wheels.sh put in
-/tmp/site-packages (FA4, CuTe DSL, quack-kernels); what is missing is reported "unavailable".
+"""Issue 23 on one H100 in one bounded run (~7 min): the MLP kernels `auto` now picks (quack's GEMMs with the
+activation in the epilogue) against the path before issue 23, end to end against transformers; where the
+service loses Qwen3's throughput, with runtime/host_pool.py's fix on and off; and bench_vit.py's rows of the
+README table. Installs nothing: it imports what scripts/gpu/install_wheels.sh put in /tmp/site-packages (FA4,
+CuTe DSL, quack-kernels) and, for the engine, the service's wheels (scripts/gpu/env.sh: PyAV); what is missing
+is reported "unavailable" with what to carry.
 
-Three worker processes, one after the other (benchmarks/k23/: what each measures, and how):
-  kernels   per kernel against float32, CUDA graphs: Qwen2.5's gate/up + SwiGLU (cuBLAS + Triton silu_mul,
-            our fused Triton GEMM per tile config, quack gemm_act per config, torch.compile), Qwen3's fc1 +
-            GELU (cuBLASLt vs quack), RMSNorm (ours vs quack), attention at D 72 / 80 (FA4 as called, FA4 tile
-            configs, FA4 dense, zero-pad 72 -> 80, cuDNN) on the towers' layouts
-  e2e_q25   Qwen2.5-VL-7B 1080p and 8 x 448x448 through GraphRunner: MLP split (before) / the fastest passing
-            triton_fused config / the fastest passing quack config, each against transformers fp32 and bf16
-  e2e_q3    Qwen3-VL-8B 720p and 1080p: FA4 (before) / the fastest passing D-72 attention candidate if it beat
-            FA4; then the service diagnostics (host copies of the rows, runner alone, the engine in a closed
-            loop of 64 callers with GPU / CPU / no preprocessing and with / without the host copy)
+Four sections, each in its own process, one after the other (benchmarks/k23/: what each measures, and how):
+  kernels   per kernel against float32, CUDA graphs: the kernels not measured yet (Qwen2's fc1 + quick_gelu:
+            cuBLAS + torch vs quack); --sweep: every candidate of the first run too (Qwen2.5's gate/up + SwiGLU
+            per Triton / quack tile config and torch.compile, Qwen3's fc1 + GELU, RMSNorm, attention at D 72
+            / 80 with FA4's tile configs, zero-padding, cuDNN)
+  e2e_q25   Qwen2.5-VL-7B 1080p and 8 x 448x448 through GraphRunner: MLP kernels "split" (before: cuBLAS +
+            silu_mul) and "auto" (quack's SwiGLU GEMM), each against transformers fp32 and bf16
+  e2e_q3    Qwen3-VL-8B 720p and 1080p: "cublaslt" (before: cuBLASLt's GELU epilogue) and "auto" (quack's
+            GELU GEMM), plus the fastest D-72 attention candidate if a --sweep found one beating FA4; then the
+            service diagnostics on the auto runner (host copies of the rows into torch's allocator and into
+            the pool, runner alone, the engine in a closed loop of 64 callers: preprocessing on the GPU / CPU /
+            none, rows into torch's allocator or the pool, every image's rows kept or a cache at capacity)
+  readme    bench_vit.py for the README's table (transformers, ours with FA4 + quack, ours with torch's
+            attention and no quack: what runs without the [fa4] extra), one process per family, each in its
+            own folder ($OUT/readme_<family>/bench_vit.md and its JSON)
 A worker that crashes (illegal address, abort) or passes its deadline is replaced and goes on after the
 item it was running (recorded "crashed"); items past the time budget are reported "not run".
 
-    PYTHONPATH=/tmp/site-packages:. python3 benchmarks/kernels_issue23.py            # GPU, ~7 min
+    source scripts/gpu/env.sh && PYTHONPATH=/tmp/site-packages:$PYTHONPATH BENCH_COMMIT=<commit> \
+        python3 benchmarks/kernels_issue23.py                                        # GPU, ~7 min
     python3 benchmarks/kernels_issue23.py --list                                      # the items; no GPU
-    python3 benchmarks/kernels_issue23.py --small --sections e2e_q25,e2e_q3          # CPU smoke test (~1 min)
-    ... --sections kernels --budget-s 200
+    python3 benchmarks/kernels_issue23.py --small --sections e2e_q25,e2e_q3,readme   # CPU smoke test (~2 min)
+    ... --sections kernels --sweep --budget-s 200
     OUT=/tmp/k23 ... --resume                # go on after a run cut short (the records under OUT are kept)
 
 Writes $OUT/kernels_issue23.{md,json,jsonl} and one log per worker (OUT defaults to ./gpu_out); prints a short
@@ -43,8 +52,11 @@ for path in (HERE.parent, HERE):  # the repo (encoder_service, benchmarks.k23) a
 
 from benchmarks.k23.common import emit, env_info, finished_items, read_records  # noqa: E402
 
-SECTIONS = ("kernels", "e2e_q25", "e2e_q3")
-SHARE = {"kernels": 0.42, "e2e_q25": 0.26, "e2e_q3": 0.32}  # of the time left when a section starts
+SECTIONS = ("kernels", "e2e_q25", "e2e_q3", "readme")
+SHARE = {"kernels": 0.08, "e2e_q25": 0.17, "e2e_q3": 0.32, "readme": 0.43}  # of the time left when it starts
+SWEEP_SHARE = 0.42  # kernels' share with --sweep (the first run's: 193 s of 460)
+E2E_VARIANTS = {"e2e_q25": ["split", "auto"], "e2e_q3": ["cublaslt", "auto"]}  # before, after (mlp_kernels choices)
+README_CASES = {"qwen2_5_vl": ["448x448", "1080p", "8 x 448x448"], "qwen3_vl": ["720p", "1080p"]}
 RESTARTS = 3
 GRACE_S = 20.0
 
@@ -56,10 +68,10 @@ def worker_items(section: str, args) -> list[str]:
     from benchmarks.k23 import kernels, service
 
     if section == "kernels":
-        return kernels.items()
+        return kernels.items(args.sweep)
     if section == "e2e_q25":
-        return [f"e2e/qwen2_5_vl/{v}" for v in args.variants.split(",") if v]
-    return ([f"e2e/qwen3_vl/{v}" for v in args.variants.split(",") if v]
+        return [f"e2e/qwen2_5_vl/{v}" for v in json.loads(args.variants)]
+    return ([f"e2e/qwen3_vl/{v}" for v in json.loads(args.variants)]
             + ["service/host_copy", "service/runner_alone"]
             + [f"service/engine[{v}]" for v in service.ENGINE_VARIANTS])
 
@@ -71,7 +83,7 @@ def worker_main(args) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 references stay float32
     torch.backends.cudnn.allow_tf32 = False
-    if args.worker == "kernels":
+    if not any(r.get("kind") == "env" for r in read_records(args.results)):  # the run's first worker
         emit(args.results, dict(kind="env", **env_info()))
     done = finished_items(args.results)
     state: dict = {}
@@ -117,14 +129,14 @@ def run_worker_item(section: str, item: str, state: dict, small: bool) -> dict:
     fam = state["family"]
     if item.startswith("e2e/"):
         variant = item.split("/", 2)[2]
-        keep = section == "e2e_q3" and "runner" not in state  # the first (before) runner serves the diagnostics
+        keep = section == "e2e_q3" and variant == "auto"  # the service's runner serves the diagnostics
         cases, runner = e2e.run_variant(fam, variant, keep=keep)
         if runner is not None:
             state["runner"] = runner
         return dict(status="ok", cases=cases, build_s=state["build_s"])
-    runner = state.get("runner")
-    if runner is None:
-        return dict(status="error", error="no Qwen3 runner (its e2e item did not run)")
+    if "runner" not in state:  # a worker started after a crash: the auto runner again (its records dropped)
+        state["runner"] = e2e.run_variant(fam, "auto", keep=True)[1]
+    runner = state["runner"]
     c = next(iter(fam.cases.values()))  # 720p (--small: 112x112)
     pvs, grid = c["pvs"][0], c["grids"][0]
     if item == "service/host_copy":
@@ -133,13 +145,17 @@ def run_worker_item(section: str, item: str, state: dict, small: bool) -> dict:
         return dict(status="ok", **service.host_copy_item(runner, pvs, grid))
     if item == "service/runner_alone":
         return dict(status="ok", **service.runner_alone(runner, pvs, grid))
+    why = service.missing_service_wheels()
+    if why:
+        return dict(status="unavailable", why=why)
     variant = item[len("service/engine[") : -1]
-    base = 5_000_000 + 10_000 * service.ENGINE_VARIANTS.index(variant)
+    if "jpegs" not in state:  # the same distinct JPEGs for every variant (the engine caches nothing)
+        state["jpegs"] = (service.distinct_jpegs(24, 5_000_000, size=(320, 240)) if small
+                          else service.distinct_jpegs(service.IMAGES, 5_000_000))
     if small:  # small images, a short loop
-        jpegs = service.distinct_jpegs(24, base, size=(320, 240))
-        return dict(status="ok", **service.engine_run(runner, variant, jpegs, fam.loaded, concurrency=8, warmup=4))
-    jpegs = service.distinct_jpegs(service.IMAGES, base)
-    return dict(status="ok", **service.engine_run(runner, variant, jpegs, fam.loaded))
+        return dict(status="ok", **service.engine_run(runner, variant, state["jpegs"], fam.loaded, concurrency=8,
+                                                      warmup=4, window=8))
+    return dict(status="ok", **service.engine_run(runner, variant, state["jpegs"], fam.loaded))
 
 
 def fake_worker(args) -> int:
@@ -159,7 +175,9 @@ def fake_worker(args) -> int:
             rec = dict(status="ok", cases=[dict(family=family, model=family, case="1080p", variant=variant, patches=1,
                                                graphs=["8160/exact"], replay_ms=ms, encode_ms=ms + 0.1,
                                                ours_vs_fp32=0.01, transformers_bf16_vs_fp32=0.011, parity_ok=True,
-                                               mlp_policy=None, attention={"selected": {"one/D72/bfloat16": "fa4"}})])
+                                               mlp_policy=dict(selected={"swiglu/cuda/E1280/I3456/bfloat16": "quack"},
+                                                               demoted={}),
+                                               attention={"selected": {"one/D72/bfloat16": "fa4"}})])
         elif item.startswith("service/"):
             rec = dict(status="error", error="fake worker")
         emit(args.results, dict(kind="item", item=item, **rec))
@@ -169,20 +187,16 @@ def fake_worker(args) -> int:
 # ---- driver ---------------------------------------------------------------------------------------------
 
 
-def run_section(section: str, args, deadline: float, variants: str = "") -> None:
+def run_section(section: str, args, deadline: float, variants: list[str]) -> None:
     """Run the section's worker until its items are done, restarting it after a crash or a hang."""
     log = open(Path(args.out) / f"k23_{section}.log", "a")
     for attempt in range(RESTARTS + 1):
         cmd = [sys.executable, __file__, "--worker", section, "--results", args.results, "--deadline", str(deadline),
-               "--variants", variants] + (["--small"] if args.small else [])
+               "--variants", json.dumps(variants)] + (["--small"] if args.small else []) \
+            + (["--sweep"] if args.sweep else [])
         started = time.time()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - started + GRACE_S))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = "killed at the time budget"
+        rc = _wait(proc, deadline - started + GRACE_S)
         recs = read_records(args.results)
         done = {r["item"] for r in recs if r.get("kind") == "item"}
         running = [r["item"] for r in recs if r.get("kind") == "start" and r["item"] not in done]
@@ -195,19 +209,58 @@ def run_section(section: str, args, deadline: float, variants: str = "") -> None
             return
 
 
+def _wait(proc: subprocess.Popen, timeout_s: float):
+    """The process's exit status, or a note after killing its process group at the timeout."""
+    try:
+        return proc.wait(timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        return "killed at the time budget"
+
+
+def run_readme(args, deadline: float) -> None:
+    """bench_vit.py once per family (its README cases, --attention auto,torch), each into its own folder;
+    one record per family: the process's exit and its markdown. The second gets what the first left."""
+    families = list(README_CASES)
+    for n, family in enumerate(families):
+        item = f"readme/{family}"
+        if item in finished_items(args.results):
+            continue
+        out = Path(args.out) / f"readme_{family}"
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(HERE / "bench_vit.py"), "--family", family, "--attention", "auto,torch"]
+        cmd += ["--small"] if args.small else [arg for case in README_CASES[family] for arg in ("--case", case)]
+        left = deadline - time.time()
+        emit(args.results, dict(kind="start", item=item, t=time.time()))
+        with open(out / "bench_vit.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, OUT=str(out)))
+            rc = _wait(proc, left / (len(families) - n))
+        md = out / "bench_vit.md"
+        rec = dict(status="ok" if rc == 0 else "error", exit=rc, folder=str(out),
+                   markdown=md.read_text() if md.exists() else None)
+        if rc != 0:
+            rec["error"] = f"bench_vit exit {rc}; its log: {out / 'bench_vit.log'}"
+        emit(args.results, dict(kind="item", item=item, **rec))
+        print(f"[readme] {family}: exit {rc}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=460.0, help="whole run (default %(default)s)")
+    parser.add_argument("--budget-s", type=float, default=470.0, help="whole run (default %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--list", action="store_true", help="print the items and exit (no GPU)")
     parser.add_argument("--resume", action="store_true",
                         help="keep $OUT/kernels_issue23.jsonl of an earlier run: its recorded items are not run again")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: tiny towers in float32 (the kernels section needs CUDA)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the kernels section runs every candidate (the first run's sweep), not only the new ones")
     parser.add_argument("--worker", choices=SECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--variants", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default="[]", help=argparse.SUPPRESS)  # a JSON list (names hold commas)
     args = parser.parse_args()
     if args.worker:
         return worker_main(args)
@@ -218,10 +271,14 @@ def main() -> int:
     if args.list:
         from benchmarks.k23 import kernels, service
 
-        print("\n".join(kernels.items()))
-        print("e2e/qwen2_5_vl/{split, triton_fused[<fastest>], quack[<fastest>]}; e2e/qwen3_vl/{fa4, <fastest D72>}")
+        print("\n".join(kernels.items(args.sweep)))
+        for section, variants in E2E_VARIANTS.items():
+            family = "qwen2_5_vl" if section == "e2e_q25" else "qwen3_vl"
+            print("\n".join(f"e2e/{family}/{v}" for v in variants))
+        print("e2e/qwen3_vl/attn:<fastest D72 candidate of a --sweep, if it beats fa4>")
         print("\n".join(["service/host_copy", "service/runner_alone"]
                         + [f"service/engine[{v}]" for v in service.ENGINE_VARIANTS]))
+        print("\n".join(f"readme/{family}: bench_vit.py {' '.join(cases)}" for family, cases in README_CASES.items()))
         return 0
     from benchmarks.k23 import report
 
@@ -232,16 +289,18 @@ def main() -> int:
         os.remove(args.results)
     start = time.time()
     end = start + args.budget_s
+    share = dict(SHARE, kernels=SWEEP_SHARE) if args.sweep else SHARE
     for i, section in enumerate(sections):
-        deadline = time.time() + (end - time.time()) * SHARE[section] / sum(SHARE[s] for s in sections[i:])
+        deadline = time.time() + (end - time.time()) * share[section] / sum(share[s] for s in sections[i:])
+        variants = list(E2E_VARIANTS.get(section, []))
         picked = report.choices(report.final_records(read_records(args.results)))
-        variants = ""
-        if section == "e2e_q25":
-            variants = ",".join(["split"] + [picked[k] for k in ("triton_fused", "quack") if picked.get(k)])
-        elif section == "e2e_q3":
-            variants = ",".join(["fa4"] + ([picked["attention_72"]] if picked.get("attention_72") else []))
-        print(f"[{section}] until +{deadline - start:.0f} s; variants: {variants or '-'}", flush=True)
-        run_section(section, args, deadline, variants)
+        if section == "e2e_q3" and picked.get("attention_72"):
+            variants.append(f"attn:{picked['attention_72']}")
+        print(f"[{section}] until +{deadline - start:.0f} s; variants: {', '.join(variants) or '-'}", flush=True)
+        if section == "readme":
+            run_readme(args, deadline)
+        else:
+            run_section(section, args, deadline, variants)
     md, summary, short = report.render(read_records(args.results), time.time() - start)
     (Path(args.out) / "kernels_issue23.md").write_text(md)
     (Path(args.out) / "kernels_issue23.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -43,19 +43,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.report import stamp, write_result  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
+from benchmarks.common.stats import percentile, rss_mib  # noqa: E402
 from encoder_service import errors  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402
-from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
-from tests.support.images import image_bytes, png_chunk  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from tests.support.encoder_process import Replica  # noqa: E402
+from tests.support.images import image_bytes, png_with_text  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 
 BASE_SIZES = [(64, 64), (96, 72), (112, 112), (160, 120), (224, 168), (200, 300), (320, 240), (128, 256)]
@@ -71,48 +69,26 @@ def base_pngs(seed: int = 0) -> list[bytes]:
     return [image_bytes(w, h, seed * 100 + k) for k, (w, h) in enumerate(BASE_SIZES)]
 
 
-def with_text(png: bytes, n: int) -> bytes:
-    chunk = png_chunk(b"tEXt", b"soak\x00" + str(n).encode())
-    return png[:33] + chunk + png[33:]  # after the signature (8) and IHDR (25)
-
-
 # ---- processes ---------------------------------------------------------------------------------------------
-def rss_mib(pid: int | str = "self") -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-class Replica(ServiceProcess):
+class SoakReplica(Replica):
     def __init__(self, name: str, checkpoint: Path, redis_url: str | None, args, log_dir: Path):
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
-        cmd = ["serve", "--model", str(checkpoint), "--device", "cpu", "--host", "127.0.0.1",
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--log-level", "warning",
-               "--cache-bytes", args.cache_bytes, "--lease-s", str(args.lease_s), "--max-queue", "256"]
-        if redis_url:
-            cmd += ["--redis-url", redis_url]
-        super().__init__(encoder_service_argv(*cmd, python=sys.executable), f"{self.url}/health/ready",
-                         log_dir / f"{name}.log", name=f"replica {name}")
+        super().__init__(name, checkpoint, redis_url, log_dir, "--cache-bytes", args.cache_bytes,
+                         "--lease-s", str(args.lease_s), "--max-queue", "256", python=sys.executable)
 
     def counters(self) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        wanted = ("encoder_cache_misses_total", "encoder_cache_local_evictions_total",
-                  "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
-                  "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
-                  "encoder_cache_redis_pending_timeouts_total", "encoder_pending_unmarked_total",
-                  "encoder_cache_reshared_total",
-                  "encoder_cache_pinned_bytes", "encoder_cache_local_used_bytes")
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
+        return self.metrics(("encoder_cache_misses_total", "encoder_cache_local_evictions_total",
+                             "encoder_cache_redis_writes_total", "encoder_cache_redis_dropped_writes_total",
+                             "encoder_cache_redis_pending_waits_total", "encoder_cache_redis_pending_wakeups_total",
+                             "encoder_cache_redis_pending_timeouts_total",
+                             "encoder_cache_redis_claimed_elsewhere_total",
+                             "encoder_cache_redis_pending_orphaned_total", "encoder_pending_unmarked_total",
+                             "encoder_cache_reshared_total", "encoder_cache_pinned_bytes",
+                             "encoder_cache_local_used_bytes"))
 
 
 # ---- load --------------------------------------------------------------------------------------------------
 class Load:
-    def __init__(self, replicas: list[Replica], shared: bool, args):
+    def __init__(self, replicas: list[SoakReplica], shared: bool, args):
         self.replicas, self.shared, self.args = replicas, shared, args
         self.bases = base_pngs()
         self.recent: collections.deque[bytes] = collections.deque(maxlen=RECENT)
@@ -126,7 +102,7 @@ class Load:
     def image(self) -> bytes:
         if not self.recent or self.rng.random() < self.args.new:
             self.counter += 1
-            data = with_text(self.bases[self.counter % len(self.bases)], self.counter)
+            data = png_with_text(self.bases[self.counter % len(self.bases)], self.counter)
             self.recent.append(data)
             return data
         return self.rng.choice(self.recent)
@@ -249,7 +225,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     checkpoint = build_tiny_checkpoint(args.family, work / args.family)
     redis = None if args.no_redis else RedisServer(maxmemory=args.redis_maxmemory, policy="allkeys-lru").start()
-    replicas: list[Replica] = []
+    replicas: list[SoakReplica] = []
     rss: dict[str, dict[str, float]] = collections.defaultdict(dict)
 
     def sample(at: str) -> None:
@@ -260,7 +236,7 @@ def main() -> int:
         rss["load generator (this)"][at] = rss_mib()
 
     try:
-        replicas = [Replica(chr(ord("a") + i), checkpoint, redis and redis.url, args, work)
+        replicas = [SoakReplica(chr(ord("a") + i), checkpoint, redis and redis.url, args, work)
                     for i in range(args.replicas)]
         for r in replicas:
             r.wait_ready(READY_TIMEOUT_S)

@@ -8,6 +8,7 @@ value. Sizes accept plain integers and units ("64MiB", "4GiB", "1.5GB").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -32,6 +33,10 @@ ATTENTION = ("auto", "fa4", "torch")
 # The one default ladder of CUDA-graph buckets (patch rows): the service's, make_runner's and the
 # benchmarks'. runtime/runner.py adds an exact bucket for each common resolution under the largest.
 DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
+# Video demuxers and codecs that may be allowed (FFmpeg's names; preprocessing/limits.py: VideoLimits):
+# mov reads MP4 and QuickTime files, matroska MKV and WebM.
+VIDEO_CONTAINERS = ("mov", "matroska")
+VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -82,6 +87,19 @@ def parse_buckets(text: str) -> tuple[int, ...]:
 
 def parse_hosts(text: str) -> tuple[str, ...]:
     return tuple(h.strip().lower() for h in str(text).split(",") if h.strip())
+
+
+def _names(known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated, non-empty subset of `known`."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip().lower() for n in str(text).split(",") if n.strip()))
+        unknown = [n for n in names if n not in known]
+        if not names or unknown:
+            raise ValueError(f"must be a comma-separated list of {', '.join(known)}, got {text!r}")
+        return names
+
+    return parse
 
 
 @dataclass(frozen=True)
@@ -137,12 +155,31 @@ class LimitSettings:
 
 
 @dataclass(frozen=True)
+class VideoSettings:
+    """Bounds on one video (preprocessing/limits.py: VideoLimits) and how much of one the engine holds."""
+
+    max_videos: int = 4  # per request
+    max_video_bytes: int = 64 << 20  # the file, or all frames' images together
+    max_video_duration_s: float = 600.0
+    max_video_frames: int = 768  # sampled frames (what the tower gets)
+    max_video_source_frames: int = 36_000  # frames in the source (decoded up to the last one sampled)
+    max_video_frame_pixels: int = 4096 * 4096  # one source frame
+    max_video_pixels: int = 1 << 35  # source frames x width x height: the decoder's work
+    max_video_tokens: int = 1 << 18  # merged tokens of one video
+    video_containers: tuple[str, ...] = VIDEO_CONTAINERS
+    video_codecs: tuple[str, ...] = VIDEO_CODECS
+    video_decoder_threads: int = 2  # FFmpeg threads per video decoder
+    video_window: int = 8  # frame groups of one video in the engine at once
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings
     server: ServerSettings
     cache: CacheSettings
     engine: EngineSettings
     limits: LimitSettings
+    video: VideoSettings = field(default_factory=VideoSettings)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> "Settings":
@@ -234,7 +271,20 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
     "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),
     "max_pixels": (_positive(int), "67108864", "decoded pixels (checked from the header)"),
-    "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images may name (none: URLs off)"),
+    "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images and videos may name (none: URLs off)"),
+    "max_videos": (_positive(int), "4", "videos per request"),
+    "max_video_bytes": (_positive(parse_size), "64MiB", "one encoded video (a file, or its frames' images together)"),
+    "max_video_duration_s": (_positive(float), "600", "duration of one video, from its header"),
+    "max_video_frames": (_positive(int), "768", "sampled frames of one video (what the vision tower gets)"),
+    "max_video_source_frames": (_positive(int), "36000", "frames in one video's source (from its header)"),
+    "max_video_frame_pixels": (_positive(int), "16777216", "pixels of one source frame (from the header)"),
+    "max_video_pixels": (_positive(int), "34359738368", "source frames x width x height of one video: decode work"),
+    "max_video_tokens": (_positive(int), "262144", "merged tokens (rows) of one video"),
+    "video_containers": (_names(VIDEO_CONTAINERS), ",".join(VIDEO_CONTAINERS),
+                         "video containers accepted (FFmpeg demuxers: mov = MP4/MOV, matroska = MKV/WebM)"),
+    "video_codecs": (_names(VIDEO_CODECS), ",".join(VIDEO_CODECS), "video codecs accepted"),
+    "video_decoder_threads": (_positive(int), "2", "FFmpeg threads per video decoder"),
+    "video_window": (_positive(int), "8", "frame groups of one video in the encode queue at once"),
     "auth_token": (str, None, "bearer token for HTTP and gRPC (health stays open)"),
     "log_level": (_choice(LOG_LEVELS), "info", "log level"),
     "access_log": (parse_bool, "false", "log one line per request (transport, method, outcome, seconds, request id)"),
@@ -410,4 +460,8 @@ def _build(v: dict) -> Settings:
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
                              max_image_bytes=v["max_image_bytes"], max_pixels=v["max_pixels"],
                              allow_url_hosts=v["allow_url_hosts"]),
+        video=VideoSettings(**{name: v[name] for name in _VIDEO_OPTIONS}),
     )
+
+
+_VIDEO_OPTIONS = [f.name for f in dataclasses.fields(VideoSettings)]

@@ -114,17 +114,20 @@ def reference_rows(output) -> torch.Tensor:
     return torch.cat([output.pooler_output, *deepstack], dim=1)
 
 
-def build_checkpoint(family: str, small: bool, device: torch.device, dtype: torch.dtype, directory: Path) -> None:
+def build_checkpoint(family: str, small: bool, device: torch.device, dtype: torch.dtype, directory: Path, *,
+                     keep: bool = False):
     """Random-weight vision tower of the real (or --small) size, saved as a checkpoint the service loads, with
-    the released checkpoint's preprocessing."""
+    the released checkpoint's preprocessing. `keep`: return transformers' model (the reference), else None."""
     vision = (SMALL if small else REAL)[family]
     model = build_reference(family, vision, device, dtype, directory)
-    del model  # the service loads its own copy; free this one before measuring memory
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if not keep:
+        model = None  # the service loads its own copy; free this one before measuring memory
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     pre = dict(PREPROCESS[family], patch_size=vision["patch_size"], temporal_patch_size=2, merge_size=2,
                image_processor_type="Qwen2VLImageProcessor", do_resize=True, do_rescale=True,
                rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
     if small:
         pre.update(min_pixels=4 * (2 * vision["patch_size"]) ** 2, max_pixels=256 * (2 * vision["patch_size"]) ** 2)
     (directory / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    return model

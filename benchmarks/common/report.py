@@ -22,8 +22,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def commit() -> str:
-    """$BENCH_COMMIT (for a copy of the tree without its own git history), else git's short HEAD with
-    "-dirty" when tracked files differ from it; "unknown" without git."""
+    """$BENCH_COMMIT, else git's short HEAD with "-dirty" when tracked files differ from it; "unknown" without
+    git. Device runs must set BENCH_COMMIT: the device's copy of the tree has git metadata of another commit."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
 

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from benchmarks.common.report import commit
+
 REL_TOL = 2e-2  # ||out - ref|| / ||ref|| against float32 (bf16 GEMMs land near 3e-3, attention near 5e-3)
 
 
@@ -51,18 +53,8 @@ def env_info() -> dict:
             info[dist] = version(dist)
         except Exception:  # noqa: BLE001 - not installed
             info[dist] = None
-    info["commit"] = os.environ.get("BENCH_COMMIT") or _git_commit()
+    info["commit"] = commit()  # $BENCH_COMMIT on the device: its copy's git metadata is not the tree's
     return info
-
-
-def _git_commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:

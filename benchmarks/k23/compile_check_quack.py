@@ -1,12 +1,13 @@
-"""Trace and compile ops/swiglu_gemm_quack.py's kernels (quack gemm_act: swiglu with the concatenated [gate; up]
-weight and bias, per config of benchmarks/k23/kernels.py's QUACK_CONFIGS; and Qwen3's gelu_tanh_approx fc1) for
-sm_90a WITHOUT a GPU, and report what ptxas made of them: registers, spills, HGMMA (warpgroup MMA), TMA loads
-and stores in the SASS. Nothing runs: the device queries quack makes before compiling are answered with the
+"""Trace and compile ops/quack_gemm.py's kernels (quack gemm_act: swiglu with the concatenated [gate; up]
+weight and bias, per config of benchmarks/k23/kernels.py's QUACK_CONFIGS; Qwen3's gelu_tanh_approx fc1 and
+Qwen2's quick_gelu fc1 at quack's default tile, as ops/mlp_kernels.py calls them) for sm_90a WITHOUT a GPU,
+and report what ptxas made of them: registers, spills, HGMMA (warpgroup MMA), TMA loads and stores in the
+SASS. Nothing runs: the device queries quack makes before compiling are answered with the
 H100's (capability 9.0, 132 SMs) and the launch is skipped; the CuTe DSL compiles on the CPU (CUTE_DSL_ARCH),
 as quack's own async-compile workers do.
 
 Needs torch, Triton and the wheels of scripts/gpu/stage_wheels.sh built for the local Python, installed
-under a folder named site-packages (quack's epilogue fingerprint requires it: ops/swiglu_gemm_quack.py):
+under a folder named site-packages (quack's epilogue fingerprint requires it: ops/quack_gemm.py):
 
     PYTHONPATH=/tmp/q/site-packages:. QUACK_CACHE_ENABLED=0 python benchmarks/k23/compile_check_quack.py
 
@@ -29,7 +30,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import torch  # noqa: E402
 
 from benchmarks.k23.kernels import QUACK_CONFIGS  # noqa: E402
-from encoder_service.ops import swiglu_gemm_quack as Q  # noqa: E402
+from encoder_service.ops import quack_gemm as Q  # noqa: E402
 
 SASS = r"\b(HGMMA|UTMALDG|UTMASTG|MUFU\.EX2|MUFU\.TANH|MUFU\.RCP)\b"
 
@@ -81,12 +82,12 @@ def main() -> int:
 
     quack_cache.CACHE_DIR, quack_cache.CACHE_ENABLED = str(cache), True  # one fresh .o per variant, inspected
     x, w, b = torch.randn(1000, 1280).bfloat16(), torch.randn(6912, 1280).bfloat16(), torch.randn(6912).bfloat16()
-    variants = [(f"swiglu concat {name}", lambda f=fields: Q.swiglu_gemm_quack(
-        x, w, b, config=Q.gemm_config(f) if f else None)) for name, fields in QUACK_CONFIGS.items()]
-    w3, b3 = torch.randn(4352, 1152).bfloat16(), torch.randn(4352).bfloat16()
-    x3 = torch.randn(1000, 1152).bfloat16()
-    variants.append(("gelu_tanh_approx default", lambda: fn(x3, w3.t(), bias=b3, activation="gelu_tanh_approx",
-                                                             store_preact=False, tuned=False)))
+    variants = [(f"swiglu concat {name}", lambda f=fields: Q.gemm_act_quack(x, w, b, "swiglu", fields=f))
+                for name, fields in QUACK_CONFIGS.items()]
+    w3, b3, x3 = torch.randn(4352, 1152).bfloat16(), torch.randn(4352).bfloat16(), torch.randn(1000, 1152).bfloat16()
+    w2, b2 = torch.randn(5120, 1280).bfloat16(), torch.randn(5120).bfloat16()
+    variants += [("gelu_tanh_approx default", lambda: Q.gemm_act_quack(x3, w3, b3, "gelu_tanh_approx")),
+                 ("quick_gelu default", lambda: Q.gemm_act_quack(x, w2, b2, "quick_gelu"))]
     ok = True
     print("| variant | status | s | regs | spill (local) | HGMMA | TMA loads | TMA stores | EX2 | RCP |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -1,16 +1,19 @@
 """Whole towers at real size (random weights, bench_vit.py's build: transformers' model saved and loaded by our
 loader), bf16, through GraphRunner, once per variant (its own capture), against transformers:
 
-  Qwen2.5-VL-7B  1080p (exact 10764 graph) and 8 x 448x448 (multi graph of the 8192 bucket); variants are MLP
-                 kernel choices (ops/mlp_kernels.py): split (before), triton_fused[cfg], quack[cfg]
-  Qwen3-VL-8B    720p (exact 3520) and 1080p (exact 8160); variants: fa4 (before) and an attention candidate of
-                 the kernels section standing in for FA4 at head dim 72 (attention.BACKENDS["fa4"] replaced for the
-                 variant; the policy's startup check runs on it; layouts it cannot serve keep FA4)
+  Qwen2.5-VL-7B  1080p (exact 10764 graph) and 8 x 448x448 (multi graph of the 8192 bucket)
+  Qwen3-VL-8B    720p (exact 3520) and 1080p (exact 8160)
+
+A variant is an MLP kernel choice (ops/mlp_kernels.py: "auto", the service's; "split" / "cublaslt", the path
+before issue 23: every form's fallback) or "attn:<candidate>": a candidate of the kernels section standing in
+for FA4 at head dim 72 (attention.BACKENDS["fa4"] replaced for the variant; the policy's startup check runs
+on it; layouts it cannot serve keep FA4), the MLPs on auto.
 
 Per case: median GPU ms of one graph replay, median wall ms of runner.encode (synchronized), and the norm
 relative error of every output level against transformers in float32 on the same weights, beside
 transformers' own bf16 run's (gpu_parity.py's rule: ours <= 1.1 x transformers', or within 1e-2 of transformers
-in the same dtype). A variant whose kernel was demoted by its startup check says so (then it ran the fallback).
+in the same dtype). Which MLP kernel served each form and which were demoted by their startup check is
+recorded (a demoted kernel means the variant ran the next one).
 `small`: tiny towers in float32 on the CPU, static-buffer graphs (the script's --small smoke test).
 """
 
@@ -40,8 +43,7 @@ class Family:
     """One family built once: our loaded model, transformers' bf16 and float32 outputs per case."""
 
     def __init__(self, family: str, small: bool = False):
-        from gpu_parity import REAL, SMALL as SMALL_VISION, build_reference, patch_grid, reference_rows
-
+        from benchmarks.common.models import REAL, SMALL as SMALL_VISION, build_reference, patch_grid, reference_rows
         from encoder_service.models.loader import load_model
 
         self.family, self.spec = family, FAMILIES[family] | (SMALL if small else {})
@@ -104,39 +106,17 @@ def attention_variant(name: str):
         attention.BACKENDS["fa4"] = original
 
 
-@contextmanager
-def mlp_variant(name: str):
-    """The MLP policy for `name` active on this thread (split, triton_fused[cfg], quack[cfg]), the backend's
-    module config set to cfg while inside; yields the policy."""
-    from benchmarks.k23.kernels import QUACK_CONFIGS
-    from encoder_service.ops import mlp_kernels, swiglu_gemm_quack, swiglu_gemm_triton
-
-    base = name.split("[")[0]
-    cfg = name[len(base) + 1 : -1] if "[" in name else None
-    saved = swiglu_gemm_triton.DEFAULT_CONFIG, swiglu_gemm_quack.CONFIG
-    if base == "triton_fused" and cfg:
-        swiglu_gemm_triton.DEFAULT_CONFIG = next(c for c in swiglu_gemm_triton.CONFIGS if c.name == cfg)
-    if base == "quack" and cfg:
-        swiglu_gemm_quack.CONFIG = QUACK_CONFIGS[cfg]
-    policy = mlp_kernels.GatedKernelPolicy(base)
-    try:
-        with mlp_kernels.use_policy(policy):
-            yield policy
-    finally:
-        swiglu_gemm_triton.DEFAULT_CONFIG, swiglu_gemm_quack.CONFIG = saved
-
-
 def run_variant(fam: Family, variant: str, keep: bool = False) -> tuple[list[dict], object]:
     """One record per case for this variant; the runner too when `keep` (else freed)."""
     from bench_vit import replay_ms, time_call
 
+    from encoder_service.ops import mlp_kernels
     from encoder_service.runtime.graphs import GraphRunner
 
-    is_mlp = fam.family == "qwen2_5_vl"
-    ctx_mlp = mlp_variant(variant if is_mlp else "split")
-    ctx_attn = attention_variant("fa4" if is_mlp else variant)
+    attn = variant.removeprefix("attn:") if variant.startswith("attn:") else "fa4"
+    policy = mlp_kernels.MlpKernelPolicy("auto" if variant.startswith("attn:") else variant)
     recs = []
-    with ctx_attn, ctx_mlp as policy, torch.inference_mode():
+    with attention_variant(attn), mlp_kernels.use_policy(policy), torch.inference_mode():
         t0 = time.perf_counter()
         runner = GraphRunner(fam.loaded, buckets=fam.spec["buckets"], exact_buckets=fam.spec["exact"],
                              capture=True, eager_min_patches=None, attention="auto")  # no capture on the CPU
@@ -156,7 +136,7 @@ def run_variant(fam: Family, variant: str, keep: bool = False) -> tuple[list[dic
             same = [norm_rel(o, r) for o, r in zip(fam.levels(rows), fam.levels(c["ref"]))]
             rec["vs_transformers_same_dtype"] = max(same)
             rec["parity_ok"] = all(o <= 1.1 * t or d <= 1e-2 for o, t, d in zip(ours, theirs, same))
-            rec["mlp_policy"] = policy.describe() if is_mlp else None
+            rec["mlp_policy"] = policy.describe()
             rec["attention"] = runner.attention.describe()
             recs.append(rec)
     if keep:

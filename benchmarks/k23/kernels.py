@@ -5,12 +5,14 @@ Items are named "<group>/<shape>/<candidate>":
       cublas_gemm_only   the GEMM alone ([M, 6912], reference: the float32 GEMM): the floor of every fused kernel
       split              the service before issue 23: cuBLAS GEMM, then our Triton silu_mul (ops/mlp_kernels.py)
       triton_fused[cfg]  ops/swiglu_gemm_triton.py per tile config (its CONFIGS)
-      quack[cfg]         ops/swiglu_gemm_quack.py (quack gemm_act, swiglu epilogue, concat [gate; up]) per config
+      quack[cfg]         ops/quack_gemm.py (quack gemm_act, swiglu epilogue, concat [gate; up]) per config
       inductor, inductor_max_autotune
                          torch.compile of the reference form (two GEMMs on the halves, silu, product): inductor
                          may fuse the product into the second GEMM's epilogue (reading the first's output)
-  fc1/q3_1080p/...       Qwen3's fc1 + tanh GELU, [8160, 1152] -> [8160, 4352]: cublaslt_gelu (the service:
+  fc1/q3_1080p/...       Qwen3's fc1 + tanh GELU, [8160, 1152] -> [8160, 4352]: cublaslt_gelu (before issue 23:
                          torch._addmm_activation) vs quack_gelu (gemm_act "gelu_tanh_approx")
+  fc1/q2_1080p/...       Qwen2's fc1 + quick_gelu, [10764, 1280] -> [10764, 5120]: torch_quick_gelu (cuBLAS,
+                         then the activation in torch ops) vs quack_quick_gelu (gemm_act "quick_gelu")
   norm/q25_1080p/...     RMSNorm of [10764, 1280]: ours (Triton norm + residual, two outputs) vs quack rmsnorm
   attn/<layout>/...      attention, 16 heads, q/k contiguous, v the strided [:, 2] view of a fused qkv:
       fa4                as the service calls it (ops/attention_fa4.py: flash_attn_varlen_func)
@@ -33,6 +35,7 @@ from benchmarks.k23.common import bench_call
 
 E25, I25 = 1280, 3456  # Qwen2.5-VL-7B: hidden, padded MLP width (3420 -> 3456)
 E3, I3 = 1152, 4352  # Qwen3-VL-8B: hidden, padded fc1 width (4304 -> 4352)
+E2, I2, M2 = 1280, 5120, 10764  # Qwen2-VL-7B: hidden, fc1 width (mlp_ratio 4), 1080p patches
 MLP_SHAPES = {"q25_1080p": 10764, "q25_8x448": 8192}
 QUACK_CONFIGS = {  # quack.gemm_config.GemmConfig fields; "default": quack's own sm90 default (128 x 192 pingpong)
     "default": None,
@@ -75,11 +78,17 @@ def attention_layouts() -> dict[str, dict]:
     }
 
 
-def items() -> list[str]:
-    """Every item, in priority passes (a run cut by its time budget has the essentials): 1. what the e2e
-    sections need (the MLP at 1080p: floor, before, each fused kernel's default; Qwen3 1080p attention: FA4
-    and the tiles that fix its wave tail), 2. the other configs and layouts, fc1, the norm, 3. the 8 x 448
-    shape (timing only: the kernels are compiled by then) and torch.compile, 4. inductor's max-autotune."""
+NEW = ["fc1/q2_1080p/torch_quick_gelu", "fc1/q2_1080p/quack_quick_gelu"]  # not measured before (call 2)
+
+
+def items(sweep: bool = False) -> list[str]:
+    """The kernels not measured yet (NEW); `sweep`: every item, in priority passes (a run cut by its time
+    budget has the essentials): 1. the MLP at 1080p (floor, before, each fused kernel's default) and Qwen3
+    1080p attention (FA4 and the tiles that fix its wave tail), 2. the other configs and layouts, the fc1s,
+    the norm, 3. the 8 x 448 shape (timing only: the kernels are compiled by then) and torch.compile,
+    4. inductor's max-autotune."""
+    if not sweep:
+        return list(NEW)
     from encoder_service.ops import swiglu_gemm_triton as T
 
     triton = [f"triton_fused[{c.name}]" for c in T.CONFIGS]
@@ -94,7 +103,7 @@ def items() -> list[str]:
         cands = ["fa4"] + [tile_name(t) for t in (FA4_TILES if lay["D"] == 72 else FA4_TILES_D80)]
         cands += (["fa4_dense", "cudnn_dense"] if one else []) + (["fa4_pad80"] if lay["D"] == 72 else [])
         second += [f"attn/{name}/{c}" for c in cands]
-    second += ["fc1/q3_1080p/cublaslt_gelu", "fc1/q3_1080p/quack_gelu", "norm/q25_1080p/ours_triton",
+    second += ["fc1/q3_1080p/cublaslt_gelu", "fc1/q3_1080p/quack_gelu", *NEW, "norm/q25_1080p/ours_triton",
                "norm/q25_1080p/quack_rmsnorm"]
     third = [f"mlp/q25_8x448/{v}" for v in mlp] + ["mlp/q25_1080p/inductor", "mlp/q25_8x448/inductor"]
     fourth = ["mlp/q25_1080p/inductor_max_autotune"]
@@ -106,7 +115,7 @@ def flops(item: str) -> float:
     if group == "mlp":
         return 2.0 * MLP_SHAPES[shape] * E25 * 2 * I25
     if group == "fc1":
-        return 2.0 * 8160 * E3 * I3
+        return 2.0 * M2 * E2 * I2 if shape == "q2_1080p" else 2.0 * 8160 * E3 * I3
     if group == "attn":
         lay = attention_layouts()[shape]
         lengths = [b - a for a, b in zip(lay["cu"], lay["cu"][1:])]
@@ -140,7 +149,7 @@ def _randn(gen, *shape, scale=1.0):
 @functools.lru_cache(maxsize=4)
 def mlp_inputs(rows: int, gemm_only: bool) -> Inputs:
     """x [rows, 1280] (two sets), weight [6912, 1280] ~ N(0, 1/1280), bias [6912] ~ N(0, 0.25)."""
-    from encoder_service.ops.mlp_kernels import reference_gated_silu
+    from encoder_service.ops.mlp_kernels import FORMS
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     w, b = _randn(gen, 2 * I25, E25, scale=E25**-0.5), _randn(gen, 2 * I25, scale=0.5)
@@ -148,15 +157,19 @@ def mlp_inputs(rows: int, gemm_only: bool) -> Inputs:
     if gemm_only:
         refs = [F.linear(s["x"].float(), w.float(), b.float()) for s in sets]
     else:
-        refs = [reference_gated_silu(s["x"], w, b) for s in sets]
+        refs = [FORMS["swiglu"].reference(s["x"], w, b) for s in sets]
     return Inputs(dict(x=torch.empty_like(sets[0]["x"]), w=w, b=b), sets, refs)
 
 
-def fc1_inputs() -> Inputs:
+def fc1_inputs(shape: str) -> Inputs:
+    """Qwen3's fc1 + tanh GELU (q3_1080p) or Qwen2's fc1 + quick_gelu (q2_1080p): x (two sets), w, b."""
+    from encoder_service.ops.mlp_kernels import FORMS
+
+    rows, e, i, form = (M2, E2, I2, "quick_gelu") if shape == "q2_1080p" else (8160, E3, I3, "gelu_tanh")
     gen = torch.Generator(device="cuda").manual_seed(3)
-    w, b = _randn(gen, I3, E3, scale=E3**-0.5), _randn(gen, I3, scale=0.5)
-    sets = [dict(x=_randn(gen, 8160, E3)) for _ in range(2)]
-    refs = [F.gelu(F.linear(s["x"].float(), w.float(), b.float()), approximate="tanh") for s in sets]
+    w, b = _randn(gen, i, e, scale=e**-0.5), _randn(gen, i, scale=0.5)
+    sets = [dict(x=_randn(gen, rows, e)) for _ in range(2)]
+    refs = [FORMS[form].reference(s["x"], w, b) for s in sets]
     return Inputs(dict(x=torch.empty_like(sets[0]["x"]), w=w, b=b), sets, refs)
 
 
@@ -242,13 +255,13 @@ def attention_call(cand: str, d: int):
 
 def run_item(item: str) -> dict:
     """One item's record: numerics (eager and graph) and ms, or why it could not run."""
-    from encoder_service.ops import attention_fa4, mlp_kernels, norm, swiglu_gemm_quack, swiglu_gemm_triton
+    from encoder_service.ops import attention_fa4, mlp_kernels, norm, quack_gemm, swiglu_gemm_triton
 
     group, shape, cand = item.split("/")
     base = cand.split("[")[0]
     dev = torch.device("cuda")
     if "quack" in base:
-        ok, why = swiglu_gemm_quack.available(dev)
+        ok, why = quack_gemm.available(dev)
         if not ok:
             return dict(status="unavailable", why=why)
     if group == "attn" and base != "cudnn_dense":
@@ -262,27 +275,23 @@ def run_item(item: str) -> dict:
         if base == "cublas_gemm_only":
             call = functools.partial(F.linear, x, w, b)
         elif base == "split":
-            call = functools.partial(mlp_kernels.BACKENDS["split"].run, x, w, b, None)
+            call = functools.partial(mlp_kernels.FORMS["swiglu"].backend("split").run, x, w, b, None)
         elif base == "triton_fused":
             cfg = next(c for c in swiglu_gemm_triton.CONFIGS if c.name == cand[len("triton_fused["):-1])
             call = functools.partial(swiglu_gemm_triton.swiglu_gemm_triton, x, w, b, config=cfg)
         elif base == "quack":
-            fields = QUACK_CONFIGS[cand[len("quack["):-1]]
-            call = functools.partial(swiglu_gemm_quack.swiglu_gemm_quack, x, w, b,
-                                     config=swiglu_gemm_quack.gemm_config(fields) if fields else None)
+            call = functools.partial(quack_gemm.gemm_act_quack, x, w, b, "swiglu",
+                                     fields=QUACK_CONFIGS[cand[len("quack["):-1]])
         else:  # inductor
             mode = "max-autotune-no-cudagraphs" if base == "inductor_max_autotune" else "default"
             fn = torch.compile(_reference_gated, mode=mode, dynamic=False)
             call = functools.partial(fn, x, w, b)
     elif group == "fc1":
-        inp = fc1_inputs()
+        inp = fc1_inputs(shape)
         x, w, b = inp.t["x"], inp.t["w"], inp.t["b"]
-        if cand == "cublaslt_gelu":
-            call = functools.partial(torch._addmm_activation, b, x, w.t(), use_gelu=True)
-        else:
-            gemm_act = swiglu_gemm_quack._import()[0]
-            call = lambda: gemm_act(x, w.t(), bias=b, activation="gelu_tanh_approx", store_preact=False,  # noqa: E731
-                                    tuned=False)[1]
+        form = mlp_kernels.FORMS["quick_gelu" if shape == "q2_1080p" else "gelu_tanh"]
+        backend = {"cublaslt_gelu": "cublaslt", "torch_quick_gelu": "torch"}.get(cand, "quack")
+        call = functools.partial(form.backend(backend).run, x, w, b, None)  # quack: quack's default tile
     elif group == "norm":
         inp = norm_inputs()
         x, w, pb = inp.t["x"], inp.t["w"], inp.t["pb"]

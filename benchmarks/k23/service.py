@@ -1,32 +1,41 @@
-"""Where the service loses Qwen3's model throughput (issue 23: 66-69 images/s encode-only at concurrency 64
-against 95 for the runner alone; Qwen2.5 does not lose it), measured on the pieces the service runs, without
-HTTP (no service wheels needed), on Qwen3-VL-8B 720p (3520 patches, rows 880 x 16384 bf16 = 28.8 MB per image,
-3.4x Qwen2.5's 8.6 MB) with the graphs the service replays for it (four images per batch: the 14400 multi graph).
+"""Where the service loses Qwen3's model throughput (issue 23: 66.3 images/s encode-only at concurrency 64
+against 85.5 for the runner alone; Qwen2.5 63.8 against 66.6), measured on the pieces the service runs,
+without HTTP, on Qwen3-VL-8B 720p (3520 patches, rows 880 x 16384 bf16 = 28.8 MB per image, 3.4x Qwen2.5's
+8.6 MB) with the graphs the service replays for it (four images per batch: the 14400 multi graph).
 
-  host_copy     the completion thread's work per batch (runtime/transfer.py: HostCopier): the pinned staging
-                copy's host cost, the device-to-host copy's GPU time, the copy out of staging into one new
-                pageable tensor per image (page faults on fresh memory) - the same with one CPU thread, into
-                reused (already touched) buffers; for Qwen3 (4 x 28.8 MB) and Qwen2.5 (3 x 8.6 MB)
+  host_copy     the completion thread's work per batch (runtime/transfer.py): the pinned staging copy's host
+                cost, the device-to-host copy's GPU time, the copy out of staging into new pageable tensors
+                (torch's allocator: page faults on fresh memory; the same with one CPU thread), into reused
+                (already touched) buffers, and into runtime/host_pool.py's pool: fresh mappings, and mappings
+                given back by a batch freed before (an LRU at capacity); for Qwen3 (4 x 28.8 MB) and Qwen2.5
+                (3 x 8.6 MB), with the page faults each took
   runner_alone  runner.encode synchronized, batches of 1 to 4 routed as the service routes them: the
                 reference images/s
   engine[...]   the engine itself (engine/engine.py: CPU pool, batcher, GPU thread, completion thread) in a
-                closed loop of 64 callers over distinct 720p JPEGs; variants isolate one stage each:
-                  torchvision / pil      --preprocess (nvJPEG + resize on the GPU on the pool threads' streams,
-                                         or Pillow on the CPU), 8 CPU threads (the service's default) or 16
-                  predecoded             every job returns a ready device tensor: no preprocessing at all
-                  no_host_clone          the completion thread waits for the copy but hands out the pinned
-                                         views instead of copying them into new tensors (diagnostic only: the
-                                         service must own its rows)
-                per run: images/s after a warm-up, images per batch, the GPU thread's host ms per batch and
-                the completion thread's wait ms per batch
-The engine is driven through its public submit(); the timing wrappers replace its encode_fn and its private
-HostCopier (a benchmark-only hook, not an API).
+                closed loop of 64 callers over distinct 720p JPEGs, variant "<preprocess>,<threads>,<rows>,<kept>":
+                  preprocess   torchvision (resize on the GPU on the pool threads' streams), pil (on the CPU),
+                               predecoded (every job returns a ready device tensor: no preprocessing at all)
+                  rows         pool: the engine's rows out of staging into its HostRowPool (the service now);
+                               pool_thp: the same with transparent huge pages advised on its new mappings;
+                               clone: into torch's allocator (before issue 23: HostRowPool(min_bytes=inf));
+                               pinned: the pinned staging views handed out and dropped (no copy, nothing kept:
+                               an upper bound, not a service, which must own its rows)
+                  kept         all: every image's rows kept (load_bench's regime: its 24 GiB cache never fills,
+                               all memory is fresh); window: the last WINDOW images' rows kept, older ones freed
+                               (a cache at capacity evicting one entry per new one: the pool reuses their pages)
+                per run: images/s after the warm-up, images per batch, the GPU thread's host ms per batch, the
+                completion thread's wait ms per batch (copy wait + copy out), where the rows' memory came from
+The engine is driven through its public submit(); the timing wrappers replace its encode stage and its private
+HostCopier (a benchmark-only hook, not an API). The engine needs the service's wheels (encoder_service.
+preprocessing imports PyAV): without them the engine items say so and the rest runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import resource
 import statistics
 import time
 from contextlib import contextmanager
@@ -39,20 +48,40 @@ ROWS_Q25 = (1196, 3584)  # Qwen2.5 720p: 4784 / 4 tokens x 3584
 # >= 8192 patches that its bucket pads by > 5% runs eagerly (three 720p images: 10560 in the 14400 graph); the
 # batch budget is --batch-tokens 16384 capped at the largest bucket (16384): four 720p images per batch.
 SERVICE_EAGER_MIN_PATCHES, SERVICE_BATCH_TOKENS, SERVICE_LARGEST_BUCKET = 8192, 16384, 16384
-ENGINE_VARIANTS = ("torchvision,8", "pil,8", "pil,16", "predecoded,8", "predecoded,8,no_host_clone",
-                   "torchvision,8,no_host_clone")
-CONCURRENCY, WARMUP, IMAGES = 64, 24, 200
+ENGINE_VARIANTS = ("torchvision,8,clone,all", "torchvision,8,pool,all", "torchvision,8,pool_thp,all",
+                   "torchvision,8,clone,window",
+                   "torchvision,8,pool,window", "predecoded,8,clone,window", "predecoded,8,pool,window",
+                   "predecoded,8,pinned,window", "pil,8,pool,window")
+CONCURRENCY, WARMUP, IMAGES, WINDOW = 64, 48, 256, 32
+SERVICE_WHEELS = ("the service's wheels are missing here: carry .whl and `source scripts/gpu/env.sh` "
+                  "(benchmarks/README.md)")
+
+
+def missing_service_wheels() -> str:
+    """'' if the engine's preprocessing imports, else what is missing and how to bring it."""
+    try:
+        import encoder_service.preprocessing  # noqa: F401 - PyAV (video) is imported there
+    except ModuleNotFoundError as e:
+        return f"No module named {e.name!r}: {SERVICE_WHEELS}"
+    return ""
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
     """Per batch (ms): HostCopier.start's host time (first call: the pinned staging allocation), the D2H copy's
-    GPU time, wait()'s copy out of staging into one new pageable tensor per image - into fresh memory (the rows
-    kept, as load_bench's 24 GiB cache keeps every entry) and in a steady state where the previous batch's rows
-    are freed first (an LRU at capacity; glibc may hand the freed blocks back), the free itself - the same copy
-    with one CPU thread, and into buffers already touched (no page faults)."""
+    GPU time; then the copy out of staging: wait() into torch's allocator with the rows kept (fresh memory,
+    as load_bench's 24 GiB cache keeps every entry) and in a steady state where the previous batch's rows are
+    freed first (an LRU at capacity; glibc may hand the freed blocks back), the free itself, the same copy in
+    one CPU thread, into buffers already touched, into the pool's fresh mappings (rows kept; with and without
+    transparent huge pages advised) and into the pool after the previous batch was freed (its mappings
+    reused); minor page faults per batch beside."""
+    from encoder_service.runtime.host_pool import HostRowPool
     from encoder_service.runtime.transfer import HostCopier
 
-    copier, nbytes = HostCopier(), sum(o.numel() * o.element_size() for o in outputs)
+    nbytes = sum(o.numel() * o.element_size() for o in outputs)
     med = statistics.median
 
     def timed(fn) -> tuple[float, object]:
@@ -60,14 +89,17 @@ def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
         out = fn()
         return (time.perf_counter() - t0) * 1e3, out
 
-    start_ms, fresh_ms, keep = [], [], []
+    copier = HostCopier(HostRowPool(min_bytes=float("inf")))  # torch's allocator: the copy before the pool
+    start_ms, fresh_ms, fresh_faults, keep = [], [], [], []
     for _ in range(iters):
         torch.cuda.synchronize()
         ms, rows = timed(lambda: copier.start(outputs))
         start_ms.append(ms)
         torch.cuda.synchronize()  # the copy is done: wait() below is the copy out of staging alone
+        f0 = _faults()
         ms, clones = timed(rows.wait)
         fresh_ms.append(ms)
+        fresh_faults.append(_faults() - f0)
         keep.append(clones)
     del keep
     staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -102,11 +134,42 @@ def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
         torch.set_num_threads(threads)
     reused = [v.clone() for v in views]  # touched once
     reused_ms = [timed(lambda: [r.copy_(v) for r, v in zip(reused, views)])[0] for _ in range(iters)]
+    reused.clear()
+
+    def into(pool):
+        return [pool.take(v.numel() * v.element_size()).view(v.dtype).view(v.shape).copy_(v) for v in views]
+
+    def fresh_pool(pool) -> tuple[list, list, list]:  # (ms, faults, rows kept) per batch
+        out = ([], [], [])
+        for _ in range(iters):
+            f0 = _faults()
+            ms, rows = timed(lambda: into(pool))
+            out[0].append(ms)
+            out[1].append(_faults() - f0)
+            out[2].append(rows)
+        return out
+
+    thp_ms, thp_faults, kept = fresh_pool(HostRowPool(huge_pages=True))
+    del kept
+    pool = HostRowPool()
+    pool_fresh_ms, pool_fresh_faults, kept = fresh_pool(pool)
+    kept.clear()  # every mapping back in the pool (up to its idle bound)
+    pool_reused_ms, pool_reused_faults, previous = [], [], []
+    for _ in range(iters):
+        previous.clear()
+        f0 = _faults()
+        ms, previous = timed(lambda: into(pool))
+        pool_reused_ms.append(ms)
+        pool_reused_faults.append(_faults() - f0)
     return dict(images=len(outputs), mb=round(nbytes / 1e6, 1), torch_threads=threads,
                 start_ms=med(start_ms), start_first_ms=start_ms[0], d2h_gpu_ms=med(d2h_ms),
                 d2h_gb_s=nbytes / med(d2h_ms) / 1e6, clone_ms=med(fresh_ms), clone_gb_s=nbytes / med(fresh_ms) / 1e6,
-                clone_steady_ms=med(steady_ms), free_ms=med(free_ms), clone_1thread_ms=med(one_thread_ms),
-                copy_reused_ms=med(reused_ms), copy_reused_gb_s=nbytes / med(reused_ms) / 1e6)
+                clone_faults=med(fresh_faults), clone_steady_ms=med(steady_ms), free_ms=med(free_ms),
+                clone_1thread_ms=med(one_thread_ms), copy_reused_ms=med(reused_ms),
+                copy_reused_gb_s=nbytes / med(reused_ms) / 1e6, pool_fresh_ms=med(pool_fresh_ms),
+                pool_fresh_faults=med(pool_fresh_faults), thp_fresh_ms=med(thp_ms), thp_fresh_faults=med(thp_faults),
+                pool_reused_ms=med(pool_reused_ms),
+                pool_reused_faults=med(pool_reused_faults), pool=pool.stats())
 
 
 def host_copy_item(runner, pvs, grid) -> dict:
@@ -148,26 +211,29 @@ def runner_alone(runner, pvs, grid) -> dict:
 
 
 class _TimedCopier:
-    """HostCopier with the completion thread's wait() timed; `clone=False` hands out the pinned views."""
+    """HostCopier with the completion thread's wait() timed; rows "pinned" hands out the pinned views."""
 
-    def __init__(self, clone: bool, wait_ms: list):
+    def __init__(self, rows: str, wait_ms: list):
+        from encoder_service.runtime.host_pool import HostRowPool
         from encoder_service.runtime.transfer import HostCopier
 
-        self._copier, self._clone, self._wait_ms = HostCopier(), clone, wait_ms
+        pool = {"clone": HostRowPool(min_bytes=float("inf")), "pool_thp": HostRowPool(huge_pages=True)}.get(rows)
+        self._copier, self._pinned, self._wait_ms = HostCopier(pool), rows == "pinned", wait_ms
+        self.pool = self._copier.pool
 
     def start(self, outputs):
         rows = self._copier.start(outputs)
-        clone, wait_ms = self._clone, self._wait_ms
+        pinned, wait_ms = self._pinned, self._wait_ms
 
         class Timed:
             def wait(self):
                 t0 = time.perf_counter()
-                if clone:
-                    out = rows.wait()
-                else:
+                if pinned:
                     if rows._event is not None:
                         rows._event.synchronize()
                     out = list(rows._views)
+                else:
+                    out = rows.wait()
                 wait_ms.append((time.perf_counter() - t0) * 1e3)
                 return out
 
@@ -175,14 +241,14 @@ class _TimedCopier:
 
 
 def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency: int = CONCURRENCY,
-               warmup: int = WARMUP) -> dict:
+               warmup: int = WARMUP, window: int = WINDOW) -> dict:
     """A closed loop of `concurrency` callers through the engine, one image per submit; images/s over the
     completions after the first `warmup`."""
     from encoder_service import preprocessing
     from encoder_service.engine.engine import Engine, Job
 
-    parts = variant.split(",")
-    source, threads, clone = parts[0], int(parts[1]), "no_host_clone" not in parts
+    source, threads, rows_mode, kept_mode = variant.split(",")
+    threads = int(threads)
     device, dtype = runner.device, runner.dtype
     cfg = preprocessing.PreprocessConfig.default_for(loaded.spec)
     limits = preprocessing.ImageLimits(max_image_bytes=64 << 20, max_pixels=100_000_000)
@@ -211,17 +277,22 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
         batches.append((len(grids), (time.perf_counter() - t0) * 1e3))
         return out
 
+    copier = _TimedCopier(rows_mode, wait_ms)
+    kept = [] if kept_mode == "all" else collections.deque(maxlen=window)
+
     async def main():
-        engine = Engine(prepare=prepare, encode=encode, batch_tokens=SERVICE_BATCH_TOKENS, buckets=(SERVICE_LARGEST_BUCKET,), max_queue=256,
-                        cpu_threads=threads)
-        engine._copier = _TimedCopier(clone, wait_ms)
+        engine = Engine(prepare=prepare, encode=encode, batch_tokens=SERVICE_BATCH_TOKENS,
+                        buckets=(SERVICE_LARGEST_BUCKET,), max_queue=256, cpu_threads=threads)
+        engine._copier = copier
         await engine.start()
-        done, kept, todo = [], [], iter(range(len(jpegs)))
+        done, todo = [], iter(range(len(jpegs)))
 
         async def caller():
             for i in todo:
                 (item,) = engine.submit([Job(jpegs[i], grid)])
-                kept.append((await item.future).rows)  # kept, as load_bench's 24 GiB cache keeps every entry
+                rows = (await item.future).rows
+                if rows_mode != "pinned":
+                    kept.append(rows)  # as the cache keeps them: all, or the last `window`
                 done.append(time.perf_counter())
 
         try:
@@ -230,19 +301,22 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
             await engine.stop()
         return sorted(done)
 
+    f0 = _faults()
     with torch.inference_mode(), service_routes(runner):
         done = asyncio.run(main())
+    faults = _faults() - f0
+    kept.clear()
     span = done[-1] - done[warmup]
     steady = batches[len(batches) // 4 :]  # past the ramp-up
     return dict(variant=variant, images=len(done), grid=grid, images_per_s=(len(done) - 1 - warmup) / span,
                 mean_images_per_batch=statistics.mean(b[0] for b in steady),
                 gpu_thread_host_ms_per_batch=statistics.median(b[1] for b in steady),
                 completion_wait_ms_per_batch=statistics.median(wait_ms[len(wait_ms) // 4 :]),
-                cpu_count=os.cpu_count())
+                minor_faults_per_image=faults / len(done), pool=copier.pool.stats(), cpu_count=os.cpu_count())
 
 
 def distinct_jpegs(count: int, base_index: int, size: tuple[int, int] = (1280, 720)) -> list[bytes]:
     """Distinct photo-like JPEGs (load_bench.py's: pixels and bytes differ per index)."""
-    from load_bench import make_jpegs
+    from benchmarks.common.images import make_jpegs
 
     return make_jpegs(size, range(base_index, base_index + count), seed=3)

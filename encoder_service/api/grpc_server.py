@@ -24,6 +24,7 @@ from encoder_service.api.auth import BearerAuth
 from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import FetchItem, ImageInput
+from encoder_service.core.types import VideoInput
 from encoder_service.errors import EncoderServiceError, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol import wire
@@ -33,6 +34,8 @@ from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
 
 log = logging.getLogger(__name__)
+# What grpc.aio raises from a write to a call its client has ended (not exported by grpc itself).
+_ExecuteBatchError = grpc._cython.cygrpc.ExecuteBatchError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Encoder"].full_name  # "encoder.v1.Encoder"
 # Methods reachable without a token: probes must work when the token is unknown to the prober.
@@ -93,10 +96,12 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
         async with self._rpc(context, "encode") as call:
             images = [_image_input(img) for img in request.images]
+            videos = [_video_input(v) for v in request.videos]
             result = await self._core.encode(images, wait=request.wait, return_embeddings=request.return_embeddings,
-                                             timeout_s=_time_left(context))  # the core waits for embeddings
+                                             timeout_s=_time_left(context), videos=videos)  # waits for embeddings
             call.trailing(timing_headers(result.timings))
             return pb.EncodeResponse(images=[msgs.info_to_proto(i) for i in result.images],
+                                     videos=[msgs.video_info_to_proto(v) for v in result.videos],
                                      embeddings=[bytes(wire.row_bytes(t)) for t in (result.embeddings or ())])
 
     async def Fetch(self, request: pb.FetchRequest, context) -> None:
@@ -151,6 +156,12 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 log.debug("gRPC %s cancelled by the client", method or "call")
                 raise
             except Exception as exc:
+                if _client_gone(context, exc):  # a write or abort raced the client's cancel or deadline
+                    if serving is not None:
+                        serving.observed.cancelled()
+                    log.debug("gRPC %s: the client left before its answer (%s)", method or "call",
+                              type(exc).__name__)
+                    return
                 if serving is not None:
                     serving.observed.failed(exc)
                 await _abort(context, exc, call.metadata)
@@ -165,6 +176,16 @@ class _Call:
 
     def trailing(self, pairs: tuple[tuple[str, str], ...] = ()) -> None:
         self._context.set_trailing_metadata((*pairs, *self.metadata))
+
+
+def _client_gone(context, exc: Exception) -> bool:
+    """Whether `exc` only says that the call is over on the client's side: it cancelled, or its deadline
+    passed, while the handler was writing (grpc.aio then fails the write with its ExecuteBatchError rather
+    than cancelling the handler). Our own errors are answers, never this."""
+    if isinstance(exc, EncoderServiceError):
+        return False
+    remaining = context.time_remaining()
+    return context.cancelled() or (remaining is not None and remaining <= 0) or isinstance(exc, _ExecuteBatchError)
 
 
 def _data_bytes(max_message_bytes: int) -> int:
@@ -186,6 +207,16 @@ def _image_input(img: pb.Image) -> ImageInput:
     source = img.WhichOneof("source")
     return ImageInput(data=img.data if source == "data" else None, url=img.url if source == "url" else None,
                       caller_id=img.caller_id or None)
+
+
+def _video_input(video: pb.Video) -> VideoInput:
+    """Unset options are None (the checkpoint's); no source: the core's InvalidInput, as for HTTP."""
+    source = video.WhichOneof("source")
+    options = {name: getattr(video, name) if video.HasField(name) else None
+               for name in ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")}
+    return VideoInput(data=video.data if source == "data" else None,
+                      frames=tuple(video.frames.images) if source == "frames" else None,
+                      url=video.url if source == "url" else None, caller_id=video.caller_id or None, **options)
 
 
 async def _abort(context, exc: Exception, metadata: tuple[tuple[str, str], ...] = ()):

@@ -2,7 +2,9 @@
 
 POST /v1/encode   multipart (field `image`, repeated), a binary body (application/octet-stream or image/*,
                   one image; options in the query), or JSON {"images": [{"data": b64} | {"url": ...}, "id"?],
-                  "wait", "return_embeddings", "timeout_s"}.
+                  "wait", "return_embeddings", "timeout_s"}. Videos the same ways (api/video_bodies.py):
+                  multipart `video` / `frame` fields, a video/* body, JSON {"videos": [...]}; answered as
+                  {"videos": [VideoInfo], "timings"}.
 POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> protocol/wire.py payload
                   (application/octet-stream; application/safetensors when Accept asks for it).
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
@@ -16,13 +18,19 @@ JSON bodies are strict: unknown fields, and values of another JSON type ("5" or 
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
-A client that goes away mid-upload is counted as the outcome `cancelled` and logged at debug.
+A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), is
+counted as the outcome `cancelled` and logged at debug; in the second case the core's call is cancelled, so
+the images and rows it waited for lose a waiter at once (core/flight.py: nobody left, the work is dropped).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,13 +38,14 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from encoder_service.api import bodies
+from encoder_service.api import bodies, video_bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.api.rows_response import RowsResponse
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
+from encoder_service.core.types import VideoInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, NotFound, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
@@ -46,6 +55,7 @@ from encoder_service.protocol.timing import timing_headers
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SAFETENSORS = "application/safetensors"
 OCTET = "application/octet-stream"
 
@@ -61,8 +71,22 @@ class ImageJson(_Strict):
     id: str | None = None  # optional caller-supplied id
 
 
+class VideoJson(_Strict):
+    data: str | None = None  # base64 of the container file
+    frames: list[str] | None = None  # base64 of each frame's image file, in order
+    url: str | None = None
+    id: str | None = None
+    fps: float | None = None
+    num_frames: int | None = None
+    sample_frames: bool | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    frames_fps: float | None = None
+
+
 class EncodeJson(_Strict):
-    images: list[ImageJson]
+    images: list[ImageJson] = []
+    videos: list[VideoJson] = []
     wait: bool = False
     return_embeddings: bool = False
     timeout_s: float | None = None
@@ -160,9 +184,9 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
             except EncoderServiceError as exc:
                 serving.observed.failed(exc)
                 response = _error_response(exc)
-            except ClientDisconnect:  # gone mid-upload: nobody reads an answer, and it is not our failure
+            except ClientDisconnect:  # gone mid-upload or mid-call: nobody reads an answer, not our failure
                 serving.observed.cancelled()
-                log.debug("HTTP %s: the client disconnected before its body arrived", method)
+                log.debug("HTTP %s: the client disconnected before its answer", method)
                 response = Response(status_code=499)  # "client closed request" (nginx's code), for access logs
             except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
                 serving.observed.failed(exc)
@@ -178,32 +202,41 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         q = request.query_params
         wait, embeds = _qbool(q, "wait"), _qbool(q, "return_embeddings")
         timeout_s = _qfloat(q, "timeout_s")
+        videos = []
         if ctype == "application/json":
             body = bodies.parse(EncodeJson, await bounded.body())
             images = [_json_image(i, img) for i, img in enumerate(body.images)]
+            videos = [video_bodies.json_video(i, v) for i, v in enumerate(body.videos)]
             wait, embeds, timeout_s = body.wait, body.return_embeddings, body.timeout_s
         elif ctype == "multipart/form-data":
-            images = await _multipart_images(bounded, settings.limits.max_images)
+            images, videos = await _multipart_media(bounded, settings, q)
+        elif ctype.startswith("video/") or (ctype == OCTET and _qbool(q, "video")):
+            images, videos = [], [VideoInput(data=await bounded.body(), caller_id=q.get("id"),
+                                             **video_bodies.query_options(q))]
         elif ctype == OCTET or ctype.startswith("image/"):
             images = [ImageInput(data=await bounded.body(), caller_id=q.get("id"))]
         else:
-            raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream or image/*")
-        result = await core.encode(images, wait=wait, return_embeddings=embeds, timeout_s=timeout_s)
+            raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream, image/* "
+                                      "or video/*")
+        result = await _unless_disconnected(request, core.encode(images, wait=wait, return_embeddings=embeds,
+                                                                 timeout_s=timeout_s, videos=videos))
+        kind, infos = ("videos", result.videos) if videos else ("images", result.images)
         out = []
-        for i, info in enumerate(result.images):
+        for i, info in enumerate(infos):
             d = info.to_json()
             if result.embeddings is not None:
                 rows = result.embeddings[i]
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
                                   "dtype": dtype_name(rows.dtype), "shape": list(rows.shape)}
             out.append(d)
-        return JSONResponse({"images": out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
+        return JSONResponse({kind: out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 
     async def _fetch(request: Request) -> Response:
         body = await _json_body(request, FetchJson)
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
-        result = await core.fetch([FetchItem(it.id, it.offset) for it in body.items], body.start, body.end,
-                                  timeout_s=body.timeout_s, shm=shm)
+        result = await _unless_disconnected(request, core.fetch(
+            [FetchItem(it.id, it.offset) for it in body.items], body.start, body.end, timeout_s=body.timeout_s,
+            shm=shm))
         header = wire.WireHeader.of_fetch(result)
         if shm is not None:  # the rows are in the client's file: the header alone answers
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
@@ -239,6 +272,29 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
+async def _unless_disconnected(request: Request, call: Awaitable[T]) -> T:
+    """`await call` (the core's, once the body is read), cancelled when the client disconnects meanwhile:
+    then ClientDisconnect. With the body read, the server's ASGI receive() only answers http.disconnect."""
+    work = asyncio.ensure_future(call)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work  # unwound: its flights left, its waits ended
+    raise ClientDisconnect()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error_response(exc: Exception) -> JSONResponse:
     headers = {}
     retry = api_errors.retry_after_header(exc)
@@ -261,20 +317,30 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
     return ImageInput(data=data, url=img.url, caller_id=img.id)
 
 
-async def _multipart_images(request: Request, max_images: int) -> list[ImageInput]:
+async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInput], list[VideoInput]]:
+    """`image` fields (one image each), `video` fields (one video file each) and `frame` fields (together, in
+    order, one video given as its frames, at most --max-images of them here: JSON takes more; options in the
+    query: api/video_bodies.py)."""
     # One more file than allowed so the core's count check names the limit (instead of the parser's).
+    files = max(settings.limits.max_images, settings.video.max_videos) + 1
     try:
-        form = await request.form(max_files=max_images + 1, max_fields=max_images + 16)
+        form = await request.form(max_files=files, max_fields=files + 16)
     except HTTPException as exc:  # the parser's own 400: no boundary, no boundary lines, too many parts
         raise InvalidInput(f"multipart body: {exc.detail}") from None
     try:
-        images = []
-        for part in form.getlist("image"):
-            data = await part.read() if hasattr(part, "read") else str(part).encode()
-            images.append(ImageInput(data=data))
-        if not images and len(form) > 0:
-            raise InvalidInput(f"multipart body has no 'image' field (got fields {sorted(set(form.keys()))})")
-        return images
+        async def read(field: str) -> list[bytes]:
+            return [await part.read() if hasattr(part, "read") else str(part).encode() for part in form.getlist(field)]
+
+        images = [ImageInput(data=data) for data in await read("image")]
+        options = video_bodies.query_options(q) if "video" in form or "frame" in form else {}
+        videos = [VideoInput(data=data, **options) for data in await read("video")]
+        frames = await read("frame")
+        if frames:
+            videos.append(VideoInput(frames=tuple(frames), **options))
+        if not images and not videos and len(form) > 0:
+            raise InvalidInput(f"multipart body has no 'image', 'video' or 'frame' field (got fields "
+                               f"{sorted(set(form.keys()))})")
+        return images, videos
     finally:
         await form.close()  # its spooled files
 

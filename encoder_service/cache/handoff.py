@@ -1,57 +1,69 @@
-"""Handoff of an id between replicas sharing one Redis: what a fetch on replica B waits on while replica A
-encodes the image it accepted.
+"""Handoff of an id between replicas sharing one Redis: who encodes an accepted image, and what a fetch on
+another replica waits on meanwhile.
 
-Behind one Service an LLM server's `encode` and its `fetch` land on different replicas, and the rows of a
-no-wait encode reach Redis only after the ViT ran and the write-behind queue got to them. So:
+Behind one Service an LLM server's `encode` and its `fetch` land on different replicas, two replicas may be
+asked for the same new image at once, and a replica may die (or lose Redis) mid-encode. So, per id:
 
-  - A, when it accepts an id (before it answers `encode`), SETs a small *pending marker* next to the entry
-    (`RedisTier.mark_pending`), with a TTL of the encode's lease: an encode not done within its lease is
-    abandoned (the engine drops it), and a crashed A cannot make others wait longer than that. A caller id's
-    marker carries the content tag of its bytes (`pending <16 hex>`; keys.py: content_tag), as its entry's
-    header will: a replica asked to encode the id with other bytes meanwhile sees the conflict
-    (`RedisTier.content_tags`).
-  - A settles the marker and then PUBLISHes the outcome on a channel of the marker's name, always in that
-    order (state first, message second):
-      landed  the rows' SET succeeded: DEL marker, PUBLISH "landed";
-      failed  the encode failed, or its rows could not be stored (write-behind queue full, Redis full):
-              SET marker "failed <kind> <message>" with a short TTL (under OOM, where SET is refused: DEL it),
-              then PUBLISH the same value.
-  - B (`RedisTier.wait_for`) checks [EXISTS entry, GET marker, PTTL marker]; only when the marker says
-    pending does it SUBSCRIBE (one shared connection, subscriber.py), wait for Redis to confirm, and check
-    again: an outcome published between the first check and the subscription is then visible as state,
-    and one published after it arrives as a message. No polling: B sleeps on a future the message
-    resolves, until its deadline or the marker's expiry at the latest (then it checks once more).
+  - A *claim*: the replica that accepts an id (before it answers `encode`) SETs a small *pending marker*
+    next to the entry with NX (`RedisTier.mark_pending`): `pending <content tag: 16 hex> <owner>`. The first
+    replica to set it encodes the image; one that finds another owner's marker does not encode it too, it
+    waits for that replica's rows (core/flight.py). A caller id's marker carries the content tag of its
+    bytes (keys.py: content_tag), as its entry's header will: a replica asked to encode the id with other
+    bytes meanwhile sees the conflict (`RedisTier.content_tags`).
+  - Liveness: the marker lives `pending_ttl_s` (a few seconds) and its owner renews it every heartbeat while
+    it encodes the image or writes its rows (until their lease ends at the latest). A replica that dies or
+    loses Redis stops renewing: its markers expire within seconds, and whoever waits learns that the owner
+    is gone.
+  - The *input*: beside the marker, under `input_name`, the image's bytes (bounded: one image is at most
+    --max-image-bytes, a replica keeps at most `max_input_bytes` of them there, each for the encode's lease
+    at most), so that whoever waits can encode the image itself once its owner is gone: a fetch of an id any
+    replica accepted is answered as long as one replica lives.
+  - The owner settles the marker and then PUBLISHes the outcome on a channel of the marker's name, always in
+    that order (state first, message second):
+      landed    the rows' SET succeeded: DEL marker and input, PUBLISH "landed";
+      failed    the encode failed (the image's fault, e.g. it does not decode), or its rows could not be
+                stored (write-behind backlog full, Redis full): SET marker "failed <kind> <message>" with a
+                short TTL (under OOM, where SET is refused: DEL it), DEL input, PUBLISH the same value;
+      released  the owner gives the image up without a verdict on it (it is shutting down, its engine
+                died): DEL marker, keep the input, PUBLISH "released": a waiter takes it over at once.
+  - A waiter (`RedisTier.wait_for`) checks [EXISTS entry, GET marker, PTTL marker, STRLEN input]; only when
+    the marker says pending does it SUBSCRIBE (one shared connection, subscriber.py), wait for Redis to
+    confirm, and check again: an outcome published between the first check and the subscription is then
+    visible as state, and one published after it arrives as a message. No polling: it sleeps on a future
+    the message resolves, until its deadline or the marker's expiry at the latest (then it checks again: a
+    live owner has renewed it meanwhile).
 
-B's outcomes (`Settled`): LANDED (read the rows now), NOT_PENDING (nobody accepted it, or its marker
-expired: the caller answers 404), TIMED_OUT (the caller's timeout), UNAVAILABLE (Redis down or lost
-during the wait: the caller answers at once instead of hanging). A failure is raised as `EncodeFailed`,
-with the kind A answered (a decode error stays a 400 on B), so B does not answer 404 for it.
+A waiter's outcomes (`Settled`): LANDED (read the rows now), ORPHANED (no marker, but the input is there:
+its owner died, stalled past the marker's TTL or released it; encode it here, claiming it first),
+NOT_PENDING (no rows, no marker, no input: nobody accepted it, its input was not kept, or it was evicted;
+404), TIMED_OUT (the caller's timeout), UNAVAILABLE (Redis down or lost during the wait, or it came back
+moments ago and other replicas may not have renewed their markers yet: the caller answers 503 at once, and
+the project's clients retry within their deadline). A failure is raised as `EncodeFailed`, with the kind the
+owner answered (a decode error stays a 400 elsewhere), so nobody answers 404 for it.
 
-Why "not stored" is a failure and not a fallback: B has only the id, not the image bytes, so it cannot
-encode the image itself; the useful answer is at once and says why ("encode it again"), as a 404.
+Where it stays best effort: an owner whose Redis is down keeps its claims and rows (a bounded backlog,
+redis_tier.py) and writes them once Redis is back; a waiter elsewhere may take the image over meanwhile,
+and both encode it (correct, the work done twice). A marker is a small key: an allkeys-lru Redis may evict
+it, and a waiter then takes the image over (input still there) or answers 404 as it did without markers.
 
-Where it stays best effort: A's outcome messages go through its write-behind queue (after the writes
-queued before them), and a message A cannot send (Redis down, an error) is dropped: B then waits until its
-own timeout or the marker's expiry, whichever comes first, never longer. Two replicas encoding the same
-id share one marker: the first outcome settles it for both. A marker is a small key: an allkeys-lru Redis
-may evict it, and B then answers 404 as it did without markers.
-
-Names: the marker of entry `encsvc:<fp>:<c|u>:<rest>` is `encsvc:<fp>:pending:<c|u>:<rest>` (no entry
-name has `pending` in the third place, so the two never collide, and no braces), and its channel is the
-same string (Redis keeps channel names apart from key names). Names outside that scheme (tests) get
-`<name>:pending`.
+Names: the marker of entry `encsvc:<fp>:<c|u>:<rest>` is `encsvc:<fp>:pending:<c|u>:<rest>` and its input
+`encsvc:<fp>:input:<c|u>:<rest>` (no entry name has `pending` or `input` in the third place, so they never
+collide, and no braces); the marker's channel is the same string as the marker (Redis keeps channel names
+apart from key names). Names outside that scheme (tests) get `<name>:pending` and `<name>:input`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+from dataclasses import dataclass, field
 
 from encoder_service.cache.keys import KEY_PREFIX
-from encoder_service.errors import EncoderServiceError
+from encoder_service.errors import EncoderServiceError, Unavailable
 
 PENDING = b"pending"
 LANDED = b"landed"
+RELEASED = b"released"
 _FAILED = b"failed"
 _MAX_MESSAGE_BYTES = 240  # a marker is small: the kind and the start of the message are enough
 NOT_STORED = "not_stored"  # the failure kind of rows that were encoded but could not be written
@@ -59,9 +71,23 @@ NOT_STORED = "not_stored"  # the failure kind of rows that were encoded but coul
 
 class Settled(enum.Enum):
     LANDED = "landed"
+    ORPHANED = "orphaned"
     NOT_PENDING = "not_pending"
     TIMED_OUT = "timed_out"
     UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True)
+class Marked:
+    """What marking ids pending did: `ok` when the markers were written now (else they are written once Redis
+    is back, if the replica still encodes them); `elsewhere`: the names another live replica had claimed
+    already (it encodes them: wait for its rows rather than encode them too). True when `ok`."""
+
+    ok: bool
+    elsewhere: frozenset[str] = field(default_factory=frozenset)
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 class EncodeFailed(EncoderServiceError):
@@ -73,17 +99,25 @@ class EncodeFailed(EncoderServiceError):
         self.kind = kind
 
 
-def marker_name(name: str) -> str:
+def _scheme_name(name: str, part: str) -> str:
     prefix, sep, rest = name.partition(":")
     fp, sep2, tail = rest.partition(":")
     if prefix == KEY_PREFIX and sep and sep2:
-        return f"{KEY_PREFIX}:{fp}:pending:{tail}"
-    return f"{name}:pending"
+        return f"{KEY_PREFIX}:{fp}:{part}:{tail}"
+    return f"{name}:{part}"
 
 
-def pending_value(content_tag: int = 0) -> bytes:
-    """A pending marker's value: `pending`, with the content tag of a caller id's bytes when recorded."""
-    return PENDING + b" %016x" % content_tag if content_tag else PENDING
+def marker_name(name: str) -> str:
+    return _scheme_name(name, "pending")
+
+
+def input_name(name: str) -> str:
+    return _scheme_name(name, "input")
+
+
+def pending_value(content_tag: int = 0, owner: str = "") -> bytes:
+    """A pending marker's value: `pending <tag> <owner>` (the tag of a caller id's bytes, 0 when none)."""
+    return b"%s %016x %s" % (PENDING, content_tag, owner.encode()) if owner else PENDING + b" %016x" % content_tag
 
 
 def is_pending(value: bytes | None) -> bool:
@@ -92,12 +126,17 @@ def is_pending(value: bytes | None) -> bool:
 
 def pending_tag(value: bytes | None) -> int:
     """The content tag a pending marker carries; 0 when none (or not a pending marker)."""
-    if not is_pending(value) or value == PENDING:
-        return 0
+    parts = value.split(b" ") if is_pending(value) else []
     try:
-        return int(value[len(PENDING) + 1:], 16)
+        return int(parts[1], 16) if len(parts) > 1 else 0
     except ValueError:
         return 0
+
+
+def pending_owner(value: bytes | None) -> str:
+    """The owner a pending marker names; "" when none (or not a pending marker)."""
+    parts = value.split(b" ") if is_pending(value) else []
+    return parts[2].decode("ascii", "replace") if len(parts) > 2 else ""
 
 
 def failure_value(kind: str, message: str) -> bytes:
@@ -107,7 +146,12 @@ def failure_value(kind: str, message: str) -> bytes:
     return b" ".join((_FAILED, kind.encode(), text))
 
 
-def failure_of(exc: BaseException) -> bytes:
+def outcome_of(exc: BaseException) -> bytes:
+    """How an owner settles an encode that ended with `exc`: RELEASED when the fault is the owner's own, not
+    the image's (it is shutting down, its engine or a batch failed: another replica can do better), else
+    the failure."""
+    if isinstance(exc, Unavailable):
+        return RELEASED
     if isinstance(exc, EncoderServiceError):
         return failure_value(exc.kind, exc.message)
     if isinstance(exc, asyncio.CancelledError):  # dropped before it ran: nothing to wait for, nothing wrong

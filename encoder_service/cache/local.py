@@ -138,6 +138,11 @@ class LocalTier:
             self._unpin(key)
         return True
 
+    def pinned_keys(self) -> list[str]:
+        """The keys whose entry is here and pinned (leased)."""
+        self._expire_leases()
+        return list(self._pinned)
+
     def is_pinned(self, key: str) -> bool:
         self._expire_leases()
         return key in self._pins

@@ -57,10 +57,11 @@ class Connections:
         connection after a connection error."""
         return await self._in_slot(getattr(self._client, command), *args, **kwargs)
 
-    async def pipelined(self, *commands: tuple) -> list:
-        """One round trip of `commands` (each `(command, *args)`; `("set", key, value, px)`), in order, NOT a
-        transaction: their replies, or the first error reply raised (all commands ran)."""
-        return await self._in_slot(self._pipeline, commands)
+    async def pipelined(self, *commands: tuple, raise_on_error: bool = True) -> list:
+        """One round trip of `commands` (each `(command, *args)`; `("set", key, value, px)`, with `nx=True` as
+        a last element for SET NX), in order, NOT a transaction: their replies, and the first error reply
+        raised (all commands ran); with `raise_on_error=False` error replies are returned in their place."""
+        return await self._in_slot(self._pipeline, commands, raise_on_error)
 
     async def close_idle(self) -> None:
         """Close the idle pooled connections (they reconnect on next use): after an outage they may be dead."""
@@ -104,12 +105,12 @@ class Connections:
         finally:
             self._slots.release()
 
-    async def _pipeline(self, commands: tuple) -> list:
+    async def _pipeline(self, commands: tuple, raise_on_error: bool) -> list:
         async with self._client.pipeline(transaction=False) as pipe:
             for command, *args in commands:
                 if command == "set":
-                    key, value, px = args
-                    pipe.set(key, value, px=px)
+                    key, value, px, *nx = args
+                    pipe.set(key, value, px=px, nx=bool(nx and nx[0]))
                 else:
                     getattr(pipe, command)(*args)
-            return await pipe.execute()
+            return await pipe.execute(raise_on_error=raise_on_error)

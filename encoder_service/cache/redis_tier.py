@@ -1,7 +1,11 @@
 """Shared Redis tier: best effort, never a wrong answer, never a stalled request.
 
-  - Writes are write-behind: `write_behind` queues the entry (bounded in bytes; over the bound the write
-    is dropped and counted) and one writer task serializes it (in a thread) and SETs it with a TTL backstop.
+  - Writes are write-behind: `write_behind` queues the entry and one writer task serializes it (in a
+    thread) and SETs it with a TTL backstop. The queue is a bounded backlog (`max_queued_bytes`): while
+    Redis is unreachable (down, restarting, paused) rows stay queued, in order with the marker outcomes
+    behind them, and are written once it is back; over the bound a new write is dropped and counted
+    (`writes_dropped_full`), and its id's marker settled as "not stored". A write that finds Redis gone
+    mid-way is tried again once it is back (`max_write_tries` in all).
   - Reads: `get` fetches and verifies a whole value; `read_rows` reads only a chunk's rows with GETRANGE;
     `header` reads only the fixed header (row count, width, grid) and the value's length.
     Range scheme (see entry.py): the header is read once per key (GETRANGE of HEADER_LEN bytes) and kept in
@@ -12,18 +16,25 @@
     digest covers the trailer's digest), the trailer must match that digest and every block its checksum,
     so bytes of another value are never served. A mismatch is re-read once with a fresh header (the value
     was replaced meanwhile, e.g. by a replica on another GPU); a second one is a corrupt value.
-  - Handoff (handoff.py): `mark_pending` at accept, the writer settles the marker and publishes when the
-    rows land or cannot, `mark_failed` when the encode fails; `wait_for` is a fetch's wait on another
-    replica, woken through one shared pub/sub connection (subscriber.py). `touch` finds which of a
-    replica's local hits Redis evicted meanwhile (and keeps the others hot there).
+  - Handoff (handoff.py): `mark_pending` claims ids at accept (SET NX, with the image bytes beside the
+    marker: `input`), a heartbeat renews this replica's markers until they settle (and writes them again
+    after an outage), the writer settles a marker and publishes when the rows land or cannot,
+    `mark_failed` when the encode fails or is given up; `wait_for` is a fetch's (or a waiting flight's)
+    wait on another replica, woken through one shared pub/sub connection (subscriber.py). `touch` finds
+    which of a replica's local hits Redis evicted meanwhile (and keeps the others hot there).
   - Connections (redis_connections.py): bounded; more operations than connections wait for one, and
     running out is never "Redis is down"; a connection error is retried once on a fresh connection.
   - Faults: a connection error (again on the retry) or a socket timeout marks the tier down (logged once,
-    counted); while down every operation returns a miss at once and a background probe PINGs with
-    exponential backoff capped at `probe_max_s` (so Redis is back in use within one probe interval of
-    answering again), closes the pooled connections from before the outage, and marks it up (logged once).
-    An OOM reply to a write (maxmemory reached and no eviction policy) pauses writes for a cool-down (logged
-    once); a failed read never does. Short, corrupt or foreign values are counted and read as misses.
+    counted); while down every read returns a miss at once, writes wait in the backlog, and a background
+    probe PINGs with exponential backoff capped at `probe_max_s` (so Redis is back in use within one probe
+    interval of answering again), closes the pooled connections from before the outage, and marks it up
+    (logged once): this replica's markers are written again at once, the backlog drains, and `recovered()`
+    returns (the store then writes its leased ids again: a restarted Redis is empty). For
+    `recovery_grace_s` after that, an id with no marker is "unavailable", not "unknown": other replicas
+    may not have written theirs again yet. An OOM reply to a write (maxmemory reached and no eviction
+    policy) pauses writes (logged once), first for `oom_pause_min_s`, doubling with each OOM in a row up
+    to `oom_pause_max_s`, back to the start after a write succeeds; a failed read never pauses. Short,
+    corrupt or foreign values are counted and read as misses.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -41,8 +53,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from encoder_service.cache import handoff
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
-from encoder_service.cache.handoff import LANDED, EncodeFailed, Settled, is_pending, marker_name, pending_value
-from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout_at
+from encoder_service.cache.claims import Claim, Claims
+from encoder_service.cache.handoff import (
+    LANDED, RELEASED, EncodeFailed, Marked, Settled, input_name, is_pending, marker_name,
+)  # fmt: skip
+from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout, timeout_at
 from encoder_service.cache.subscriber import Subscriber, SubscriberLost
 
 log = logging.getLogger("encoder_service.cache.redis")
@@ -62,66 +77,95 @@ class RedisTier:
         connect_timeout_s: float = 1.0,
         max_queued_bytes: int = 512 << 20,
         max_queued_notices: int = 4096,
+        max_write_tries: int = 3,
         probe_min_s: float = 0.25,
         probe_max_s: float = 1.0,
-        oom_cooldown_s: float = 30.0,
+        recovery_grace_s: float = 2.0,
+        oom_pause_min_s: float = 0.5,
+        oom_pause_max_s: float = 30.0,
         header_cache_size: int = 4096,
         max_connections: int = 64,
         pool_wait_s: float = 2.0,
         failure_ttl_s: float = 60.0,
+        pending_ttl_s: float = 4.0,
+        heartbeat_s: float = 1.0,
         max_marked: int = 65536,
+        max_input_bytes: int = 256 << 20,
     ):
         self.url = url
         self.ttl_s = ttl_s
         self.max_queued_bytes, self.max_queued_notices = max_queued_bytes, max_queued_notices
-        self.probe_min_s, self.probe_max_s = probe_min_s, probe_max_s
-        self.oom_cooldown_s = oom_cooldown_s
+        self.max_write_tries = max_write_tries
+        self.probe_min_s, self.probe_max_s, self.recovery_grace_s = probe_min_s, probe_max_s, recovery_grace_s
+        self.oom_pause_min_s, self.oom_pause_max_s = oom_pause_min_s, oom_pause_max_s
         self.failure_ttl_s = failure_ttl_s
+        self.heartbeat_s = heartbeat_s
         self._conns = Connections(
             url, max_connections=max_connections, wait_s=pool_wait_s, socket_timeout_s=socket_timeout_s,
             connect_timeout_s=connect_timeout_s,
         )  # fmt: skip
+        # This replica's claims; the owner in their markers names this process (its replica, this run).
+        self._claims = Claims(self._conns, uuid.uuid4().hex[:12], pending_ttl_s=pending_ttl_s,
+                              max_claims=max_marked, max_input_bytes=max_input_bytes)
         self._subscriber = Subscriber(self._conns.pubsub_connection, self._on_subscriber_lost)
         self.up = True
+        self._up_again = asyncio.Event()  # set while up: the writer waits on it while Redis is away
+        self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
+        self._epoch = 0  # one more at each recovery: markers written before it are written again
+        self._recovery: asyncio.Future | None = None  # resolved at the next recovery (`recovered`)
+        self._oom_pause_s = 0.0  # the current pause after an OOM reply, doubled by each one in a row
         self._writes_paused_until = 0.0  # monotonic; set by an OOM reply to a write
-        # Rows to write ("rows", key, Entry) and marker outcomes to publish ("settle", key, value), in order.
-        self._queue: asyncio.Queue[tuple[str, str, object]] = asyncio.Queue()
+        # Rows to write ("rows", key, Entry, epoch) and marker outcomes to publish ("settle", key, (value, claim),
+        # epoch), with the epoch they were queued in.
+        self._queue: asyncio.Queue[tuple[str, str, object, int]] = asyncio.Queue()
         self._queued_bytes = 0
         self._writing: Counter[str] = Counter()  # keys of the queued row writes
         self._queued_notices = 0
-        self._writer: asyncio.Task | None = None
-        self._probe: asyncio.Task | None = None
+        self._tasks: dict[str, asyncio.Task] = {}  # writer, heartbeat, probe
         self._headers: OrderedDict[str, tuple[EntryHeader, bytes]] = OrderedDict()
         self._header_cache_size = header_cache_size
-        self._marked: OrderedDict[str, None] = OrderedDict()  # ids marked pending here, not settled yet
-        self._max_marked = max_marked
+        self._beat_now = asyncio.Event()
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
-            writes=0, writes_dropped=0, skipped_down=0, notices_dropped=0,
-            pending_marked=0, pending_settled=0, pending_waits=0, pending_wakeups=0, pending_timeouts=0,
-            pending_failures=0,
+            writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
+            notices_dropped=0, pending_marked=0, pending_elsewhere=0, pending_settled=0, pending_waits=0,
+            pending_wakeups=0, pending_timeouts=0, pending_failures=0, pending_orphaned=0,
         )  # fmt: skip
 
     async def start(self) -> None:
-        self._writer = asyncio.create_task(self._write_loop(), name="redis-tier-writer")
+        self._up_again.set()
+        self._recovery = asyncio.get_running_loop().create_future()
+        self._tasks["writer"] = asyncio.create_task(self._write_loop(), name="redis-tier-writer")
+        self._tasks["heartbeat"] = asyncio.create_task(self._heartbeat_loop(), name="redis-tier-heartbeat")
         try:
             await self._conns.run("ping")
         except (*_UNREACHABLE, PoolTimeout) as exc:
             self._mark_down(exc)
 
     async def close(self, drain_s: float = 2.0) -> None:
-        """Give queued writes up to `drain_s` to land (they are only a cache), then stop."""
-        if self.up and self._writer is not None and not self._writer.done():
+        """Give queued writes and outcomes up to `drain_s` to land (they are only a cache), release the ids
+        still claimed here (waiters elsewhere take them over at once), then stop."""
+        if self.up and "writer" in self._tasks:
             try:
                 await asyncio.wait_for(self._queue.join(), timeout=drain_s)
             except asyncio.TimeoutError:
                 log.warning("redis tier: %d queued bytes not written at shutdown", self._queued_bytes)
-        for task in (self._writer, self._probe):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._writer, self._probe) if t is not None), return_exceptions=True)
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.up and len(self._claims):
+            names = [marker_name(k) for k in self._claims]
+            try:
+                await self._conns.pipelined(*(cmd for m in names for cmd in (("delete", m), ("publish", m, RELEASED))))
+            except (RedisError, PoolTimeout) as exc:  # they expire within pending_ttl_s anyway
+                log.debug("redis tier: releasing %d claims at shutdown failed: %r", len(names), exc)
         await self._subscriber.close()
         await self._conns.close()
+
+    async def recovered(self) -> None:
+        """Returns the next time the tier is up again after being down."""
+        await asyncio.shield(self._recovery)
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -138,6 +182,11 @@ class RedisTier:
         """The entry's header alone (rows, width, grid, ...): one round trip of [GETRANGE of the header,
         STRLEN], verified (digest, key tag, length); None on a miss/corrupt/down. Cached for `read_rows`."""
         return await self._read(key, self._header)
+
+    async def input(self, key: str) -> bytes | None:
+        """The image bytes kept beside `key`'s marker by the replica that accepted it (handoff.py); None when
+        there are none (not kept, settled, expired) or while down."""
+        return await self._read(key, self._input)
 
     async def _read(self, key: str, read, *args):
         """`await read(key, *args)`; None while down, and a corrupt value or a Redis error (counted) is a miss."""
@@ -161,6 +210,9 @@ class RedisTier:
         entry = await _maybe_in_thread(len(data), Entry.from_bytes, data, key)
         self.counters["hits"] += 1
         return entry
+
+    async def _input(self, key: str) -> bytes | None:
+        return await self._conns.run("get", input_name(key)) or None
 
     async def _read_rows(self, key: str, start: int, end: int) -> torch.Tensor | None:
         problem = ""
@@ -222,17 +274,18 @@ class RedisTier:
     # ---- writes ---------------------------------------------------------------------------------
 
     def write_behind(self, key: str, entry: Entry) -> bool:
-        """Queue a write; never blocks. False (counted) when down, paused by OOM, or the queue is full; then
-        an id marked pending here is settled as failed ("not stored"), so fetches elsewhere stop waiting."""
-        if (why := self._not_writing()) is not None:
-            self._dropped(key, why)
+        """Queue a write; never blocks. Queued also while Redis is down (written once it is back). False
+        (counted) while writes are paused by OOM, or when the backlog is full; then an id claimed here is
+        settled as failed ("not stored"), so waiters elsewhere stop waiting."""
+        if self._writes_paused():
+            self._dropped(key, "Redis is full")
             return False
         if self._queued_bytes + entry.nbytes > self.max_queued_bytes:
-            self._dropped(key, "the write-behind queue to Redis was full")
+            self._dropped(key, "the write-behind backlog to Redis was full", "writes_dropped_full")
             return False
         self._queued_bytes += entry.nbytes
         self._writing[key] += 1
-        self._queue.put_nowait(("rows", key, entry))
+        self._queue.put_nowait(("rows", key, entry, self._epoch))
         return True
 
     async def flush(self) -> None:
@@ -241,12 +294,17 @@ class RedisTier:
 
     async def _write_loop(self) -> None:
         while True:
-            kind, key, item = await self._queue.get()
+            kind, key, item, epoch = await self._queue.get()
             try:
-                if kind == "rows":
-                    await self._write(key, item)
-                else:
-                    await self._settle(key, item)
+                for _ in range(self.max_write_tries):
+                    await self._up_again.wait()
+                    if await (self._write(key, item, epoch) if kind == "rows" else self._settle(key, *item)):
+                        break
+                else:  # Redis went away during every try
+                    if kind == "rows":
+                        self._dropped(key, f"its write failed {self.max_write_tries} times")
+                    else:
+                        self.counters["notices_dropped"] += 1
             except Exception:  # a bug here must not kill the writer silently: log it, keep writing
                 self.counters["writes_dropped" if kind == "rows" else "notices_dropped"] += 1
                 log.exception("redis tier: %s of %s failed", "write" if kind == "rows" else "notice", key)
@@ -260,57 +318,62 @@ class RedisTier:
                     self._queued_notices -= 1
                 self._queue.task_done()
 
-    async def _write(self, key: str, entry: Entry) -> None:
-        if (why := self._not_writing()) is not None:
-            self._dropped(key, why)
-            return
+    async def _write(self, key: str, entry: Entry, epoch: int) -> bool:
+        """SET the rows (queued in `epoch`), then settle the marker. False when Redis went away meanwhile (try
+        again once it is back); True when done: written, or dropped (OOM, an error reply)."""
+        if self._writes_paused():
+            self._dropped(key, "Redis is full")
+            return True
         value = await asyncio.to_thread(entry.to_bytes, key)
         try:
             await self._conns.run("set", key, value, px=int(self.ttl_s * 1000))
-        except (RedisError, PoolTimeout) as exc:
-            if isinstance(exc, RedisError):
-                self._on_error(exc, writing=True)
-            self._dropped(key, "Redis is full" if isinstance(exc, OutOfMemoryError) else "its write failed")
-            return
-        self._headers.pop(key, None)
-        self.counters["writes"] += 1
-        if self._writes_paused_until:
-            self._writes_paused_until = 0.0
-            log.warning("redis tier: writes succeed again after the OOM pause")
-        # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
-        await self._settle(key, LANDED)
-
-    def _dropped(self, key: str, why: str) -> None:
-        self.counters["writes_dropped"] += 1
-        if key in self._marked:
-            self._notify(key, handoff.failure_value(handoff.NOT_STORED, f"its rows were not stored: {why}"))
-
-    # ---- handoff between replicas (handoff.py) --------------------------------------------------
-
-    async def mark_pending(self, keys: Sequence[str], ttl_s: float, tags: Mapping[str, int] | None = None) -> bool:
-        """Mark `keys` pending (accepted here, being encoded), for `ttl_s` (the encode's lease), so a fetch on
-        another replica waits for them instead of answering 404; a key's marker carries its content tag from
-        `tags`, if any (a caller id's bytes). Awaited before `encode` answers: one round trip for all keys.
-        False (nothing marked) while down or paused by OOM (the rows could not be stored either: a fetch
-        elsewhere then answers 404, as without markers), or on an error."""
-        if not keys or self._not_writing() is not None:
-            return False
-        px = max(1, int(ttl_s * 1000))
-        tags = tags or {}
-        try:
-            await self._conns.pipelined(*(("set", marker_name(k), pending_value(tags.get(k, 0)), px) for k in keys))
         except PoolTimeout:
             return False
         except RedisError as exc:
             self._on_error(exc, writing=True)
-            return False
-        for key in keys:
-            self._marked[key] = None
-            self._marked.move_to_end(key)
-        while len(self._marked) > self._max_marked:  # their markers expire by themselves
-            self._marked.popitem(last=False)
-        self.counters["pending_marked"] += len(keys)
-        return True
+            if isinstance(exc, _UNREACHABLE):
+                return False
+            self._dropped(key, "Redis is full" if isinstance(exc, OutOfMemoryError) else "its write failed")
+            return True
+        self._headers.pop(key, None)
+        self.counters["writes"] += 1
+        self.counters["writes_after_outage"] += epoch != self._epoch  # it waited for Redis to come back
+        if self._writes_paused_until:
+            self._writes_paused_until, self._oom_pause_s = 0.0, 0.0
+            log.warning("redis tier: writes succeed again after the OOM pause")
+        # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
+        return await self._settle(key, LANDED, None)
+
+    def _dropped(self, key: str, why: str, counter: str = "writes_dropped") -> None:
+        self.counters[counter] += 1
+        claim = self._claims.get(key)
+        if claim is not None:
+            self._notify(key, handoff.failure_value(handoff.NOT_STORED, f"its rows were not stored: {why}"), claim)
+
+    # ---- handoff between replicas (handoff.py) --------------------------------------------------
+
+    async def mark_pending(self, keys: Sequence[str], lease_s: float, tags: Mapping[str, int] | None = None,
+                           inputs: Mapping[str, bytes] | None = None) -> Marked:
+        """Claim `keys` (accepted here, to be encoded here) for at most `lease_s` (the encode's lease): SET NX
+        of each marker, carrying its content tag from `tags` (a caller id's bytes), with the image bytes
+        from `inputs` beside it (claims.py: bounded). One round trip; a second for markers found set
+        (another replica's: it encodes that id, `Marked.elsewhere`; a failure or an old one of ours:
+        replaced). The heartbeat renews the claims until they settle. Not `ok` while down or paused by OOM,
+        or on an error: the claims are kept and their markers written once Redis takes them again."""
+        async with self._claims.lock:  # a beat must not write one of these claims before its NX here
+            claims = self._claims.add(keys, lease_s, tags or {}, inputs or {})
+            if not claims or self._not_writing() is not None:
+                return Marked(False)
+            try:
+                elsewhere = await self._claims.write(claims, lease_s, self._epoch)
+            except PoolTimeout:
+                return Marked(False)
+            except RedisError as exc:
+                self._on_error(exc, writing=True)
+                return Marked(False)
+        self.counters["pending_marked"] += len(claims) - len(elsewhere)
+        self.counters["pending_elsewhere"] += len(elsewhere)
+        return Marked(True, frozenset(elsewhere))
 
     async def content_tags(self, keys: Sequence[str]) -> dict[str, int]:
         """The content tag recorded in Redis for each of `keys` (caller ids): its entry's header, else its pending
@@ -356,30 +419,34 @@ class RedisTier:
         return [k for k, n in zip(keys, found) if not n and k not in self._writing]
 
     def mark_failed(self, key: str, exc: BaseException) -> None:
-        """The encode of `key` failed here: if it was marked pending here, publish the failure (queued), so
-        fetches elsewhere answer this error instead of waiting or answering 404."""
-        if key in self._marked:
-            self._notify(key, handoff.failure_of(exc))
+        """The encode of `key` claimed here ended without rows: publish the outcome (queued): the failure, so
+        waiters elsewhere answer this error instead of waiting; or, for a fault of this replica's own
+        (handoff.outcome_of), the release, so one of them encodes it instead."""
+        claim = self._claims.get(key)
+        if claim is not None:
+            self._notify(key, handoff.outcome_of(exc), claim)
 
     def mark_landed(self, key: str) -> None:
-        """`key` was marked pending here but its rows were in Redis already (another replica wrote them):
-        clear the marker and wake its waiters (queued). Rows this tier writes settle by themselves."""
-        if key in self._marked:
-            self._notify(key, LANDED)
+        """`key` was claimed here but its rows were in Redis already (another replica wrote them): clear the
+        marker and wake its waiters (queued). Rows this tier writes settle by themselves."""
+        claim = self._claims.get(key)
+        if claim is not None:
+            self._notify(key, LANDED, claim)
 
     async def wait_for(self, key: str, timeout_s: float | None, label: str | None = None) -> Settled:
-        """A fetch's wait for `key` (a miss here) that another replica may be encoding. LANDED as soon as its
-        rows are in Redis (read them now); NOT_PENDING at once when nobody marked it, or when its marker
-        expires meanwhile; TIMED_OUT after `timeout_s` (None: bounded by the marker's TTL only; 0: the state
-        now, without waiting: TIMED_OUT for an id still pending); UNAVAILABLE when Redis is or goes down (at
-        once, no hang). Raises `EncodeFailed` with the encoding replica's error. `label` names the id in
-        error messages (default: `key`)."""
+        """A wait for `key` (a miss here) that another replica may be encoding. LANDED as soon as its rows are
+        in Redis (read them now); ORPHANED once its marker is gone (expired: its owner stopped renewing it;
+        or released) while its input is still there (encode it here); NOT_PENDING at once when there is
+        neither; TIMED_OUT after `timeout_s` (None: no bound; 0: the state now, without waiting: TIMED_OUT
+        for an id still pending); UNAVAILABLE when Redis is or goes down, or came back within
+        `recovery_grace_s` and has no marker for it (at once, no hang). Raises `EncodeFailed` with the
+        encoding replica's error. `label` names the id in error messages (default: `key`)."""
         if not self._available():
             return Settled.UNAVAILABLE
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
             async with timeout_at(deadline if timeout_s else None):  # 0: "don't wait", after one check
-                return await self._wait(key, label or key, deadline)
+                settled = await self._wait(key, label or key, deadline)
         except TimeoutError:
             self.counters["pending_timeouts"] += 1
             return Settled.TIMED_OUT
@@ -391,6 +458,10 @@ class RedisTier:
         except RedisError as exc:
             self._on_error(exc)
             return Settled.UNAVAILABLE
+        if settled is Settled.NOT_PENDING and self._recovering():
+            return Settled.UNAVAILABLE  # its owner may not have written its marker again yet
+        self.counters["pending_orphaned"] += settled is Settled.ORPHANED
+        return settled
 
     async def _wait(self, key: str, label: str, deadline: float | None) -> Settled:
         marker = marker_name(key)
@@ -404,8 +475,8 @@ class RedisTier:
             while True:
                 # Subscribed (Redis confirmed it): check again. An outcome published between the first check
                 # and the SUBSCRIBE is visible as state now (the publisher changes the state first); any
-                # later one arrives as a message. The wait ends at the marker's expiry at the latest (its
-                # replica crashed?): then the state is checked again, as the marker may have been renewed.
+                # later one arrives as a message. The wait ends at the marker's expiry at the latest: then
+                # the state is checked again (a live owner has renewed the marker; a dead one has not).
                 settled, expires_at = await self._check(key, marker, label)
                 if settled is not None:
                     return settled
@@ -425,57 +496,74 @@ class RedisTier:
         if value is None:
             raise SubscriberLost("redis pub/sub connection lost during the wait")
         self.counters["pending_wakeups"] += 1
+        if value == RELEASED:  # its owner gave it up: whoever claims it first encodes it
+            return Settled.ORPHANED
         handoff.raise_if_failed(value, label)
         return Settled.LANDED
 
     async def _check(self, key: str, marker: str, label: str) -> tuple[Settled | None, float | None]:
-        """(LANDED or NOT_PENDING, None) or raises the failure; (None, when the marker expires, in loop time)
-        while still pending."""
-        exists, value, pttl = await self._conns.pipelined(("exists", key), ("get", marker), ("pttl", marker))
+        """(LANDED, ORPHANED or NOT_PENDING, None) or raises the failure; (None, when the marker expires, in
+        loop time) while still pending."""
+        exists, value, pttl, input_len = await self._conns.pipelined(
+            ("exists", key), ("get", marker), ("pttl", marker), ("strlen", input_name(key)))
         if exists:
             return Settled.LANDED, None
         if is_pending(value):
             # Wake 20 ms past the expiry, so that the next check finds it gone; -1: no TTL (not one of ours).
             return None, asyncio.get_running_loop().time() + (pttl + 20) / 1000 if pttl >= 0 else None
         handoff.raise_if_failed(value, label)
-        return Settled.NOT_PENDING, None
+        return (Settled.ORPHANED if input_len else Settled.NOT_PENDING), None
 
-    def _notify(self, key: str, value: bytes) -> None:
-        """Queue a marker outcome behind the queued writes (bounded in count; dropped while down: no Redis to
-        tell, and the marker expires by itself)."""
-        self._marked.pop(key, None)
-        if not self.up or self._queued_notices >= self.max_queued_notices:
+    def _notify(self, key: str, value: bytes, claim: Claim | None) -> None:
+        """Queue a marker outcome behind the queued writes (bounded in count; over it the claim is dropped:
+        no longer renewed, its marker expires and a waiter takes the image over). Its claim is renewed until
+        the outcome is settled."""
+        if self._queued_notices >= self.max_queued_notices:
             self.counters["notices_dropped"] += 1
+            if claim is not None:
+                self._claims.drop(key, claim)
             return
         self._queued_notices += 1
-        self._queue.put_nowait(("settle", key, value))
+        self._queue.put_nowait(("settle", key, (value, claim), self._epoch))
 
-    async def _settle(self, key: str, value: bytes) -> None:
-        """State first, then the message: a waiter subscribed before the PUBLISH gets the message, and one
-        subscribed after it sees the new state when it checks again."""
-        self._marked.pop(key, None)
-        if not self.up:
-            self.counters["notices_dropped"] += 1
-            return
-        marker = marker_name(key)
+    async def _settle(self, key: str, value: bytes, claim: Claim | None) -> bool:
+        """Publish a queued outcome (claims.py: settle). False when Redis went away (settle again once it is
+        back)."""
         try:
-            if value == LANDED:
-                await self._conns.pipelined(("delete", marker), ("publish", marker, value))
-            else:
-                try:
-                    await self._conns.run("set", marker, value, px=int(self.failure_ttl_s * 1000))
-                except OutOfMemoryError as exc:  # SET refused when full; DEL is not: nobody waits on "pending"
-                    self._on_error(exc, writing=True)
-                    await self._conns.run("delete", marker)
-                await self._conns.run("publish", marker, value)
+            settled = await self._claims.settle(key, value, claim, self.failure_ttl_s)
         except PoolTimeout:
-            self.counters["notices_dropped"] += 1
-            return
+            return False
         except RedisError as exc:
-            self.counters["notices_dropped"] += 1
             self._on_error(exc, writing=True)
-            return
-        self.counters["pending_settled"] += 1
+            if isinstance(exc, _UNREACHABLE):
+                return False
+            if not isinstance(exc, OutOfMemoryError):  # under OOM the failure went out, its marker deleted
+                self.counters["notices_dropped"] += 1
+                return True
+            settled = True
+        self.counters["pending_settled"] += settled
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        """Every `heartbeat_s` (and at once after a recovery): renew this replica's markers, or write them
+        again where Redis lost them (an outage, a restart, an eviction)."""
+        while True:
+            try:
+                async with timeout(self.heartbeat_s):
+                    await self._beat_now.wait()
+            except TimeoutError:
+                pass
+            self._beat_now.clear()
+            if not self.up:
+                continue
+            try:
+                await self._claims.beat(self._epoch, writable=self._not_writing() is None)
+            except PoolTimeout:
+                pass  # busy: the next beat, well within pending_ttl_s
+            except RedisError as exc:
+                self._on_error(exc, writing=True)
+            except Exception:  # a bug here must not stop the heartbeat silently: log it, keep beating
+                log.exception("redis tier: heartbeat failed")
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -488,6 +576,11 @@ class RedisTier:
         if not self.up:
             self.counters["skipped_down"] += 1
         return self.up
+
+    def _recovering(self) -> bool:
+        """Up again within `recovery_grace_s`: replicas that saw the outage too may not have written their
+        markers again yet."""
+        return self._up_since is not None and time.monotonic() - self._up_since < self.recovery_grace_s
 
     def _writes_paused(self) -> bool:
         return time.monotonic() < self._writes_paused_until
@@ -504,13 +597,16 @@ class RedisTier:
             if not writing:  # a read refused when full (not ours: we never MULTI): no reason to pause writes
                 log.debug("redis tier: read refused when full: %r", exc)
                 return
+            # Probe sooner than a fixed cool-down: the pause doubles with each OOM in a row, from the minimum.
+            self._oom_pause_s = min(self.oom_pause_max_s, 2 * self._oom_pause_s or self.oom_pause_min_s)
             if not self._writes_paused_until:
                 self.counters["oom_events"] += 1
                 log.warning(
-                    "redis tier is full (%s): writes paused for %.0f s, serving from the local tier; "
-                    "set maxmemory-policy allkeys-lru on the server", exc, self.oom_cooldown_s,
+                    "redis tier is full (%s): writes paused (%.1f s, doubling while Redis stays full, up to "
+                    "%.0f s), serving from the local tier; set maxmemory-policy allkeys-lru on the server",
+                    exc, self._oom_pause_s, self.oom_pause_max_s,
                 )  # fmt: skip
-            self._writes_paused_until = time.monotonic() + self.oom_cooldown_s
+            self._writes_paused_until = time.monotonic() + self._oom_pause_s
         elif isinstance(exc, _UNREACHABLE):
             self._mark_down(exc)
         else:  # e.g. WRONGTYPE: someone stored another type under our key; a miss, not an outage
@@ -529,11 +625,12 @@ class RedisTier:
         if not self.up:
             return
         self.up = False
+        self._up_again.clear()
         self.counters["down_events"] += 1
         self._headers.clear()
         self._subscriber.reset(exc)  # waiting fetches answer now instead of at their timeout
         log.warning("redis tier unavailable (%r): serving from the local tier, probing %s", exc, self.url)
-        self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-tier-probe")
+        self._tasks["probe"] = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-tier-probe")
 
     async def _probe_loop(self) -> None:
         delay = self.probe_min_s
@@ -551,9 +648,20 @@ class RedisTier:
             # Connections pooled before the outage are dead if Redis restarted: close the idle ones, so the
             # first reads after recovery connect afresh instead of failing on them.
             await self._conns.close_idle()
-            self.up = True
-            log.warning("redis tier reachable again at %s: reads and writes resume", self.url)
+            self._recovered()
+            log.warning("redis tier reachable again at %s: reads and writes resume, %d queued bytes to write, "
+                        "%d claimed ids to mark again", self.url, self._queued_bytes, len(self._claims))
             return
+
+    def _recovered(self) -> None:
+        self.up = True
+        self._up_since = time.monotonic()
+        self._epoch += 1
+        self._up_again.set()  # the backlog drains
+        self._beat_now.set()  # this replica's markers are written again at once
+        recovery, self._recovery = self._recovery, asyncio.get_running_loop().create_future()
+        if recovery is not None and not recovery.done():
+            recovery.set_result(None)
 
     def stats(self) -> dict:
         return dict(
@@ -565,7 +673,9 @@ class RedisTier:
             queued_bytes=self._queued_bytes,
             queued_notices=self._queued_notices,
             pending_channels=self._subscriber.channels,
-            pending_unsettled=len(self._marked),
+            pending_unsettled=len(self._claims),
+            input_bytes=self._claims.input_bytes,
+            inputs_skipped=self._claims.inputs_skipped,
         )
 
 

@@ -10,9 +10,10 @@
     store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
     await store.header(key)                       -> EntryHeader | None local, else Redis header only
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, else Redis GETRANGE
-    await store.mark_pending(keys, tags=None)     -> bool               other replicas' fetches wait for them
+    await store.mark_pending(keys, tags=None, inputs=None) -> Marked    claims: other replicas wait for them
     await store.content_tags(keys)                -> {name: tag}        caller ids' content tags other replicas recorded
-    await store.wait_for(key, timeout_s)          -> Settled            a fetch's wait for another replica's encode
+    await store.wait_for(key, timeout_s)          -> Settled            a wait for another replica's encode
+    await store.input(key)                        -> bytes | None       an accepted image's bytes kept in Redis
     await store.share(keys)                       -> int                local hits other replicas can read again
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
     store.stats()                                 -> dict (flat counters)
@@ -20,12 +21,16 @@
 `key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; Redis when
 `redis_url` is set.
 
-Across replicas (Redis only; cache/handoff.py): `mark_pending` the ids an `encode` will create before
-answering it; what follows settles each marker: `get` finding the rows in Redis (another replica wrote
-them), `put` (the rows land through the write-behind, or cannot be stored), or `failed`.
-A fetch that misses everywhere calls `wait_for`: LANDED -> read again, NOT_PENDING -> 404, a failure is
-raised as `EncodeFailed`. An `encode` answered from the local tier calls `share` for those ids: Redis may
-have evicted them (its LRU never sees a replica's local hits), and another replica's fetch must find them.
+Across replicas (Redis only; cache/handoff.py): `mark_pending` claims the ids an `encode` will create
+before answering it (with the image bytes beside each marker); those another replica claimed first are
+`Marked.elsewhere` (wait for its rows instead). What follows settles each claim: `get` finding the rows in
+Redis (another replica wrote them), `put` (the rows land through the write-behind, or cannot be stored),
+or `failed` (the failure, or the release of an encode this replica gives up).
+A fetch that misses everywhere calls `wait_for`: LANDED -> read again, ORPHANED -> the replica that
+accepted it is gone: encode `input(key)` here, NOT_PENDING -> 404, a failure is raised as `EncodeFailed`.
+An `encode` answered from the local tier calls `share` for those ids: Redis may have evicted them (its LRU
+never sees a replica's local hits), and another replica's fetch must find them; so does the store itself
+for every id leased here each time Redis comes back after an outage (a restarted Redis is empty).
 
 Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
@@ -39,18 +44,22 @@ Leases, the flow the core follows (core/encoder.py):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from encoder_service.cache.entry import Entry, EntryHeader
-from encoder_service.cache.handoff import Settled
+from encoder_service.cache.handoff import Marked, Settled
 from encoder_service.cache.keys import CacheKey
 from encoder_service.cache.local import LocalTier
 from encoder_service.cache.redis_tier import RedisTier
 
 Key = CacheKey | str
+log = logging.getLogger(__name__)
 
 
 def _name(key: Key) -> str:
@@ -80,12 +89,18 @@ class EmbeddingStore:
         )
         self.redis = RedisTier(redis_url, ttl_s=redis_ttl_s, **(redis_options or {})) if redis_url else None
         self.counters = dict(reshared=0)
+        self._resharing: asyncio.Task | None = None
 
     async def start(self) -> None:
         if self.redis is not None:
             await self.redis.start()
+            self._resharing = asyncio.create_task(self._reshare_after_outages(), name="reshare-after-outages")
 
     async def close(self) -> None:
+        if self._resharing is not None:
+            self._resharing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resharing
         if self.redis is not None:
             await self.redis.close()
 
@@ -147,13 +162,17 @@ class EmbeddingStore:
     # ---- across replicas ------------------------------------------------------------------------
 
     async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None,
-                           tags: Mapping[str, int] | None = None) -> bool:
-        """Before `encode` answers: mark the ids it will create as pending in Redis for their lease (default:
-        the store's), so a fetch on another replica waits for them; `tags`: the content tags of caller ids'
-        bytes, by name (each marker carries its own). False without Redis or when not marked."""
+                           tags: Mapping[str, int] | None = None, inputs: Mapping[str, bytes] | None = None
+                           ) -> Marked:
+        """Before `encode` answers: claim the ids it will create in Redis, for their lease at most (default:
+        the store's), so a fetch on another replica waits for them and another replica asked for the same
+        image does not encode it too (`Marked.elsewhere`: the names another replica claimed first); `tags`:
+        the content tags of caller ids' bytes, `inputs`: the image bytes, by name. Not `ok` without Redis
+        or when not marked now."""
         if self.redis is None:
-            return False
-        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s, tags)
+            return Marked(False)
+        return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s, tags,
+                                             inputs)
 
     async def content_tags(self, keys: Iterable[Key]) -> dict[str, int]:
         """By name, the content tag other replicas recorded in Redis for these caller ids (their entries, or
@@ -163,15 +182,21 @@ class EmbeddingStore:
         return await self.redis.content_tags(_names(keys))
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
-        """For a fetch that missed every tier: wait until another replica's encode of `key` lands in Redis
-        (LANDED: read again), or NOT_PENDING at once when none is under way (404); TIMED_OUT past `timeout_s`
-        (core/timeouts.py: None no bound, 0 don't wait), UNAVAILABLE when Redis is down. Raises
-        `EncodeFailed` when that encode failed. NOT_PENDING without Redis: a fetch must reach the encoding
-        replica then."""
+        """For a fetch that missed every tier (or a flight whose image another replica claimed): wait until
+        another replica's encode of `key` lands in Redis (LANDED: read again), or ORPHANED once that replica
+        is gone (encode `input(key)` here), or NOT_PENDING at once when none is under way (404); TIMED_OUT
+        past `timeout_s` (core/timeouts.py: None no bound, 0 don't wait), UNAVAILABLE when Redis is down.
+        Raises `EncodeFailed` when that encode failed. NOT_PENDING without Redis: a fetch must reach the
+        encoding replica then."""
         if self.redis is None:
             return Settled.NOT_PENDING
         label = key.id if isinstance(key, CacheKey) else key
         return await self.redis.wait_for(_name(key), timeout_s, label)
+
+    async def input(self, key: Key) -> bytes | None:
+        """The bytes of an image another replica accepted, kept in Redis while it is encoded (cache/handoff.py);
+        None without Redis, when none are kept, or while Redis is down."""
+        return None if self.redis is None else await self.redis.input(_name(key))
 
     async def share(self, keys: Iterable[Key]) -> int:
         """Ids an `encode` answers from the local tier: another replica may fetch them. Those Redis evicted are
@@ -190,6 +215,19 @@ class EmbeddingStore:
             self.redis.write_behind(name, entry)
         self.counters["reshared"] += len(missing)
         return len(missing)
+
+    async def _reshare_after_outages(self) -> None:
+        """Each time Redis comes back after an outage, share every id leased here (a restarted Redis is empty:
+        other replicas' fetches of ids this one accepted must find them again). Bounded: only pinned ids."""
+        while True:
+            await self.redis.recovered()
+            try:
+                shared = await self.share(self.local.pinned_keys())
+            except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
+                log.warning("sharing the leased ids again after a Redis outage failed", exc_info=True)
+                continue
+            if shared:
+                log.info("wrote %d leased ids to Redis again after its outage", shared)
 
     # ---- leases ---------------------------------------------------------------------------------
 

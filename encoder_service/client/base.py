@@ -2,10 +2,13 @@
 
 A transport (client/http.py, client/grpc_transport.py) implements, sync or async:
   encode(images: list[ImageSource], wait, return_embeddings, timeout) -> list[ImageInfo]
+  encode_videos(videos: list[VideoSource], wait, return_embeddings, timeout) -> list[VideoInfo]
   fetch(items: list[(id, offset)], start, end, dest: Destination, timeout) -> (WireHeader, rows)
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
   release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
 With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket.
+Calls that fail with 503 / UNAVAILABLE or an unreachable server are tried again within the client's timeout
+(`retry`: client/retry.py; None: never).
 
 A socket fetch into a large `out` is split by prompt position into up to `fetch_streams` fetches of at
 least SPLIT_BYTES each, run at once on their own connections (one TCP stream tops out near 3 GB/s on
@@ -27,8 +30,9 @@ import torch
 from encoder_service.client.destination import Destination, PinnedBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
+from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
-from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
@@ -56,6 +60,27 @@ def image_source(image) -> ImageSource:
         return ImageSource(data=buf.getvalue())
     raise InvalidInput(f"can't send an image of type {type(image).__name__} "
                        "(give bytes, a path, an http(s) URL, or a PIL image)")
+
+
+def video_source(video, **options) -> VideoSource:
+    """bytes (a container file), a path, an http(s) URL string, a list of frames (each bytes, a path or a PIL
+    image), or a VideoSource (sent as it is). `options` (fps, num_frames, ...: VideoSource's) go with the rest."""
+    if isinstance(video, VideoSource):
+        return video
+    if isinstance(video, (list, tuple)):
+        frames = tuple(image_source(frame).data for frame in video)
+        if any(frame is None for frame in frames):
+            raise InvalidInput("a video's frames are images given inline (bytes, paths or PIL images), not URLs")
+        return VideoSource(frames=frames, **options)
+    if isinstance(video, (bytes, bytearray, memoryview)):
+        return VideoSource(data=bytes(video), **options)
+    if isinstance(video, str) and video.startswith(("http://", "https://")):
+        return VideoSource(url=video, **options)
+    if isinstance(video, (str, os.PathLike)):
+        with open(video, "rb") as f:
+            return VideoSource(data=f.read(), **options)
+    raise InvalidInput(f"can't send a video of type {type(video).__name__} "
+                       "(give bytes, a path, an http(s) URL, or a list of frames)")
 
 
 def fetch_items(items) -> list[tuple[str, int]]:
@@ -176,8 +201,9 @@ class EncoderClient:
     """
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
-                 fetch_streams: int = FETCH_STREAMS):
-        self._transport, self.timeout, self._shm = transport, timeout, shm
+                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY):
+        self._transport = transport if retry is None else Retrying(transport, retry)
+        self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
         self._pinned = PinnedBuffers()
@@ -186,13 +212,17 @@ class EncoderClient:
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(GrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
         """[num_rows, row_width] zeros in shared memory: as fetch `out` (or a row slice of it, as in
@@ -202,6 +232,14 @@ class EncoderClient:
 
     def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False) -> list[ImageInfo]:
         return self._transport.encode([image_source(i) for i in images], wait, return_embeddings, self.timeout)
+
+    def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
+                      **options) -> list[VideoInfo]:
+        """Videos (see `video_source`; `options`: fps, num_frames, sample_frames, min_pixels, max_pixels,
+        frames_fps for those not given as VideoSource). Fetch a video's rows by its frame groups:
+        `info.fetch_items(offset)` (one run, Qwen2/2.5-VL) or `info.fetch_items(offsets=...)` (Qwen3-VL)."""
+        return self._transport.encode_videos([video_source(v, **options) for v in videos], wait, return_embeddings,
+                                             self.timeout)
 
     def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """The rows of `items` ((id, offset) pairs) in chunk [start, end). `out` ([>= end - start, row_width],
@@ -283,21 +321,26 @@ class AsyncEncoderClient:
     """asyncio client, same methods as EncoderClient (shm too). Build with AsyncEncoderClient.http / .grpc."""
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
-                 fetch_streams: int = FETCH_STREAMS):
-        self._transport, self.timeout, self._shm = transport, timeout, shm
+                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY):
+        self._transport = transport if retry is None else AsyncRetrying(transport, retry)
+        self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None
         self._pinned = PinnedBuffers()
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
-             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS, **kw):
-        return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams)
+             shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
+             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
+        return cls(AsyncGrpcTransport(target, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
+                   retry)
 
     def alloc_rows(self, num_rows: int, row_width: int, dtype: torch.dtype | str) -> torch.Tensor:
         """See EncoderClient.alloc_rows (no I/O: not a coroutine)."""
@@ -307,6 +350,12 @@ class AsyncEncoderClient:
                      ) -> list[ImageInfo]:
         return await self._transport.encode([image_source(i) for i in images], wait, return_embeddings,
                                             self.timeout)
+
+    async def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
+                            **options) -> list[VideoInfo]:
+        """See EncoderClient.encode_videos."""
+        return await self._transport.encode_videos([video_source(v, **options) for v in videos], wait,
+                                                   return_embeddings, self.timeout)
 
     async def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """See EncoderClient.fetch."""

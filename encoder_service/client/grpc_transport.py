@@ -21,7 +21,7 @@ import grpc
 from encoder_service.client.destination import Destination
 from encoder_service.client.errors import remote_error
 from encoder_service.client.raw_http import READ_THREADS, Cancel, NotRaw, RawHttp, in_thread, read_fetch
-from encoder_service.client.types import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, EncoderServiceError, InvalidInput
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol.proto import encoder_pb2 as pb
@@ -59,6 +59,22 @@ def _fetch_request(items, start: int, end: int, shm: dict | None = None, pickup:
                                max_message_bytes=message_bytes, pickup=pickup)
     except ValueError as exc:  # past int64: an HTTP server rejects such positions too (ranges.check_position)
         raise InvalidInput(f"fetch positions and offsets must be < 2**63 (gRPC's int64): {exc}") from None
+
+
+def _encode_videos_request(videos: list[VideoSource], wait: bool, return_embeddings: bool) -> pb.EncodeRequest:
+    def message(v: VideoSource) -> pb.Video:
+        source = ({"data": v.data} if v.data is not None else {"frames": pb.Frames(images=v.frames)}
+                  if v.frames is not None else {"url": v.url})
+        return pb.Video(**source, caller_id=v.caller_id or "", **v.options())
+
+    return pb.EncodeRequest(videos=[message(v) for v in videos], wait=wait, return_embeddings=return_embeddings)
+
+
+def _video_infos(response: pb.EncodeResponse) -> list[VideoInfo]:
+    embeddings = list(response.embeddings) or [None] * len(response.videos)
+    return [msgs.video_info_from_proto(m, VideoInfo,
+                                       embedding=None if e is None else msgs.embedding_from_bytes(m, e))
+            for m, e in zip(response.videos, embeddings)]
 
 
 def _infos(response: pb.EncodeResponse) -> list[ImageInfo]:
@@ -153,6 +169,14 @@ class GrpcTransport:
             raise _error(exc) from exc
         return _infos(response)
 
+    def encode_videos(self, videos, wait, return_embeddings, timeout):
+        try:
+            response = self._stub.Encode(_encode_videos_request(videos, wait, return_embeddings),
+                                         timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return _video_infos(response)
+
     def fetch(self, items, start, end, dest: Destination, timeout):
         stream = msgs.FetchAssembler(dest.writer)
         request = _fetch_request(items, start, end, pickup=self._pickups.enabled, message_bytes=self._message_bytes)
@@ -213,6 +237,14 @@ class AsyncGrpcTransport:
         except grpc.RpcError as exc:
             raise _error(exc) from exc
         return _infos(response)
+
+    async def encode_videos(self, videos, wait, return_embeddings, timeout):
+        try:
+            response = await self._stub.Encode(_encode_videos_request(videos, wait, return_embeddings),
+                                               timeout=timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise _error(exc) from exc
+        return _video_infos(response)
 
     async def fetch(self, items, start, end, dest: Destination, timeout):
         stream = msgs.FetchAssembler(dest.writer)

@@ -1,7 +1,8 @@
 """HTTP transports (blocking and async) for EncoderClient / AsyncEncoderClient.
 
-Encode sends multipart (raw bytes, field `image`) unless an image is a URL or carries a caller id, which
-only the JSON form (base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py) and reads it
+Encode sends multipart (raw bytes, field `image`; `video` for videos) unless an image is a URL or carries a
+caller id (a video: is not a file, carries a caller id or options of its own), which only the JSON form
+(base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py) and reads it
 on a plain socket straight into its destination (client/raw_http.py; the async transport runs that blocking
 read on its own threads, which receive in parallel with the GIL released); https, a proxy, or an answer the
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
@@ -21,7 +22,7 @@ import httpx
 from encoder_service.client.destination import Destination
 from encoder_service.client.raw_http import (OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error, in_thread,
                                              read_fetch)
-from encoder_service.client.types import ImageInfo, ImageSource
+from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
 
@@ -48,9 +49,43 @@ def _encode_args(images: list[ImageSource], wait: bool, return_embeddings: bool,
     return {"json": body}
 
 
+def _encode_videos_args(videos: list[VideoSource], wait: bool, return_embeddings: bool, timeout) -> dict:
+    """httpx.request keyword arguments for POST /v1/encode of videos: multipart (raw bytes, field `video`,
+    the options in the query) when every video is a file with the same options and no caller id, else JSON."""
+    params = {"wait": str(wait).lower(), "return_embeddings": str(return_embeddings).lower()}
+    if timeout is not None:
+        params["timeout_s"] = str(timeout)
+    same = all(v.data is not None and v.caller_id is None and v.options() == videos[0].options() for v in videos)
+    if same:
+        options = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in videos[0].options().items()}
+        return {"files": [("video", (f"video{k}", v.data, "application/octet-stream")) for k, v in enumerate(videos)],
+                "params": params | options}
+    body = [_video_json(v) for v in videos]
+    return {"json": {"videos": body, "wait": wait, "return_embeddings": return_embeddings, "timeout_s": timeout}}
+
+
+def _video_json(video: VideoSource) -> dict:
+    if video.data is not None:
+        source = {"data": _b64(video.data)}
+    elif video.frames is not None:
+        source = {"frames": [_b64(frame) for frame in video.frames]}
+    else:
+        source = {"url": video.url}
+    return source | ({"id": video.caller_id} if video.caller_id else {}) | video.options()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
 def _infos(response: httpx.Response) -> list[ImageInfo]:
     return [ImageInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None)
             for d in response.json()["images"]]
+
+
+def _video_infos(response: httpx.Response) -> list[VideoInfo]:
+    return [VideoInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None)
+            for d in response.json()["videos"]]
 
 
 def _embedding(d: dict):
@@ -147,6 +182,10 @@ class HttpTransport:
     def encode(self, images, wait, return_embeddings, timeout):
         return _infos(self._post("/v1/encode", timeout, **_encode_args(images, wait, return_embeddings, timeout)))
 
+    def encode_videos(self, videos, wait, return_embeddings, timeout):
+        return _video_infos(self._post("/v1/encode", timeout,
+                                       **_encode_videos_args(videos, wait, return_embeddings, timeout)))
+
     def fetch(self, items, start, end, dest: Destination, timeout):
         body = _fetch_body(items, start, end, timeout)
         got = self._raw.fetch(body, dest, timeout)
@@ -186,6 +225,10 @@ class AsyncHttpTransport:
     async def encode(self, images, wait, return_embeddings, timeout):
         return _infos(await self._post("/v1/encode", timeout,
                                        **_encode_args(images, wait, return_embeddings, timeout)))
+
+    async def encode_videos(self, videos, wait, return_embeddings, timeout):
+        return _video_infos(await self._post("/v1/encode", timeout,
+                                             **_encode_videos_args(videos, wait, return_embeddings, timeout)))
 
     async def fetch(self, items, start, end, dest: Destination, timeout):
         body = _fetch_body(items, start, end, timeout)

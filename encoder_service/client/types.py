@@ -1,5 +1,6 @@
-"""What a client sends and gets back: an image as sent, the server's answer per image, the rows of a chunk.
-Shared by the clients (client/base.py) and their transports (client/http.py, client/grpc_transport.py)."""
+"""What a client sends and gets back: an image or a video as sent, the server's answer per image or video,
+the rows of a chunk. Shared by the clients (client/base.py) and their transports (client/http.py,
+client/grpc_transport.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_service.protocol import image_info
+from encoder_service.protocol import image_info, video_info
 from encoder_service.ranges import Segment
 
 
@@ -18,6 +19,37 @@ class ImageSource:
     data: bytes | None = None
     url: str | None = None
     caller_id: str | None = None
+
+
+@dataclass(frozen=True)
+class VideoSource:
+    """One video as sent: exactly one of `data` (a container file's bytes: MP4, MOV, MKV, WebM), `frames` (each
+    an image file's bytes, in order) or `url`; the options are transformers' video processor's (None: the
+    checkpoint's), `frames_fps` the rate of `frames` (None: unknown)."""
+
+    data: bytes | None = None
+    frames: tuple[bytes, ...] | None = None
+    url: str | None = None
+    caller_id: str | None = None
+    fps: float | None = None
+    num_frames: int | None = None
+    sample_frames: bool | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    frames_fps: float | None = None
+
+    OPTIONS = ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")
+
+    def options(self) -> dict:
+        """The options that are set, by name."""
+        return {name: getattr(self, name) for name in self.OPTIONS if getattr(self, name) is not None}
+
+
+@dataclass(frozen=True)
+class VideoInfo(video_info.VideoInfo):
+    """The server's answer for one video (protocol/video_info.py), and its rows when asked."""
+
+    embedding: torch.Tensor | None = field(default=None, repr=False)  # with return_embeddings
 
 
 @dataclass(frozen=True)

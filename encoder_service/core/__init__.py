@@ -1,8 +1,11 @@
 """The service core, under both transports (api/): one module per step of an encode and a fetch.
 
   encoder.py     EncoderCore: encode / fetch / release / metadata / readiness; the only place that knows the flow
-  types.py       what it takes and answers (ImageInput, EncodeResult, FetchItem, FetchResult; ImageInfo)
+  types.py       what it takes and answers (ImageInput, VideoInput, EncodeResult, FetchItem, FetchResult)
   images.py      an image from request bytes to engine input: read (urls.py), probe (key + size), prepare
+  videos.py      a video to engine input, frame group by frame group: read, probe (limits, plan, key), one
+                 decoder per video, prepare; video_flights.py: a video's groups fed to the engine in order, a
+                 window at a time; video_encode.py: an encode of videos (admission, pins, the answer)
   flight.py      the one single flight: a Flight per id (waiters, queue permit, a fill that calls store and engine)
   handoff.py     across replicas (Redis): mark accepted ids pending; a fetch waits for another replica's encode
   timeouts.py    timeout_s (None / 0: don't wait / > 0), one Deadline over waits in turn, the bounded gather

@@ -35,6 +35,9 @@ def _gauge(metric: str, help: str) -> Stat:
 
 
 _LOOKUPS = "Host LRU tier lookups, by result"
+_DROPPED = ("Write-behinds to Redis dropped (the id's marker settled as not stored), by reason: backlog_full (the "
+            "backlog at its bound: Redis away too long, or slower than the encodes), failed (writes paused after an "
+            "OOM reply, the SET refused, or Redis gone during every try)")
 _REDIS_HITS = ("Redis tier reads that found a valid value, by what was read (entry: the whole value, rows: a "
                "chunk's rows by GETRANGE, header: the header alone)")
 
@@ -66,12 +69,13 @@ STORE: dict[str, Stat] = {
     "local_max_pinned_bytes": _gauge("encoder_cache_max_pinned_bytes", "Bound on pinned bytes (--max-pinned-bytes)"),
     # Redis tier (cache/redis_tier.py); absent without --redis-url
     "redis_state": _gauge("encoder_cache_redis_up",
-                          "1 while the Redis tier is up, 0 while it is down (reads miss at once, writes are "
-                          "dropped, a background probe reconnects)"),
+                          "1 while the Redis tier is up, 0 while it is down (reads miss at once, writes wait in "
+                          "the backlog, a background probe reconnects)"),
     "redis_writes_paused": _gauge("encoder_cache_redis_writes_paused",
                                   "1 while writes to Redis pause after an OOM reply (cool-down), else 0"),
     "redis_queued_bytes": _gauge("encoder_cache_redis_write_queue_bytes",
-                                 "Bytes of entries queued for the write-behind to Redis"),
+                                 "Bytes of entries queued for the write-behind to Redis (the backlog: it grows "
+                                 "while Redis is away, up to its bound)"),
     "redis_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="entry"),
     "redis_range_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="rows"),
     "redis_header_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="header"),
@@ -83,9 +87,11 @@ STORE: dict[str, Stat] = {
     "redis_oom_events": _counter("encoder_cache_redis_oom_events",
                                  "OOM replies to writes (Redis full without an eviction policy): writes pause"),
     "redis_writes": _counter("encoder_cache_redis_writes", "Entries written behind to Redis"),
-    "redis_writes_dropped": _counter("encoder_cache_redis_dropped_writes",
-                                     "Write-behinds dropped: queue over its bound, Redis down, writes paused, or "
-                                     "the SET failed"),
+    "redis_writes_dropped": _counter("encoder_cache_redis_dropped_writes", _DROPPED, reason="failed"),
+    "redis_writes_dropped_full": _counter("encoder_cache_redis_dropped_writes", _DROPPED, reason="backlog_full"),
+    "redis_writes_after_outage": _counter("encoder_cache_redis_backlog_writes",
+                                          "Entries written to Redis after waiting in the backlog for it to come "
+                                          "back"),
     "redis_skipped_down": _counter("encoder_cache_redis_skipped_while_down",
                                    "Redis reads answered as a miss at once because the tier was down"),
     # Redis connections (cache/redis_connections.py)
@@ -100,16 +106,29 @@ STORE: dict[str, Stat] = {
     # handoff of ids between replicas (cache/handoff.py, cache/subscriber.py)
     "redis_pending_marked": _counter("encoder_cache_redis_pending_marked",
                                      "Ids this replica marked pending in Redis when it accepted them"),
+    "redis_pending_elsewhere": _counter("encoder_cache_redis_claimed_elsewhere",
+                                        "Images accepted here that another replica had claimed first: this one "
+                                        "waited for its rows instead of encoding them too"),
+    "redis_pending_orphaned": _counter("encoder_cache_redis_pending_orphaned",
+                                       "Waits that found the replica encoding the id gone (its marker expired or "
+                                       "released, the image bytes kept): the image is encoded here instead"),
+    "redis_inputs_skipped": _counter("encoder_cache_redis_inputs_skipped",
+                                     "Accepted images whose bytes were not kept in Redis (this replica's kept "
+                                     "bytes were at their bound): should it die before their rows land, no "
+                                     "other replica can encode them in its place"),
+    "redis_input_bytes": _gauge("encoder_cache_redis_input_bytes",
+                                "Bytes of accepted images this replica keeps in Redis while it encodes them"),
     "redis_pending_settled": _counter("encoder_cache_redis_pending_settled",
                                       "Pending markers settled and published: rows landed, or the encode failed "
                                       "or its rows could not be stored"),
     "redis_pending_unsettled": _gauge("encoder_cache_redis_pending_unsettled",
-                                      "Ids marked pending by this replica and not settled yet"),
+                                      "Ids claimed by this replica and not settled yet (their markers renewed "
+                                      "every heartbeat)"),
     "redis_queued_notices": _gauge("encoder_cache_redis_notice_queue",
                                    "Marker outcomes queued behind the write-behind, to be published"),
     "redis_notices_dropped": _counter("encoder_cache_redis_dropped_notices",
-                                      "Marker outcomes not published (Redis down, an error, or the queue bound): "
-                                      "waiters elsewhere end at their timeout or the marker's expiry"),
+                                      "Marker outcomes not published (an error, or the queue bound): waiters "
+                                      "elsewhere learn at the marker's expiry (seconds) and take the image over"),
     "redis_pending_waits": _counter("encoder_cache_redis_pending_waits",
                                     "Fetches that waited for an id another replica is encoding"),
     "redis_pending_wakeups": _counter("encoder_cache_redis_pending_wakeups",

@@ -5,8 +5,9 @@ alone). A caller id sent with other bytes than it names is a Conflict (409). Ids
 flight are admitted to the engine queue, all or none (429 when full);
 every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
 other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
-With Redis, the admitted ids are marked pending there before the answer (handoff.py), so that a fetch on
-another replica waits for them, and local hits that Redis evicted are written there again.
+With Redis, the admitted ids are claimed there, with their bytes, before the answer (handoff.py), so that a
+fetch on another replica waits for them (or encodes them itself should this replica die), and local hits
+that Redis evicted are written there again; an image another replica claimed first is not encoded here too.
 Each id rides one flight (flight.py, the one single flight), whose fill reads the store and, on a miss,
 submits the image to the engine (decoded on a CPU thread, encoded on the GPU thread) and puts its rows in
 the store. `wait=True` waits for the rows (and can return them).
@@ -16,6 +17,9 @@ encoding once they land: handoff.py); the store reads only those (waiting for im
 `timeout_s` covers the waits and the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
 client's shared-memory file instead of the result (shm_writer.py).
 release: drop the encode pins of ids the caller is done with (leases end early).
+videos: `encode(videos=...)` goes to video_encode.py (the same steps per frame group: each group its own
+flight and entry); fetch and release take frame group ids (`<video id>#<g>`: `key_of`), and a group of a
+video whose driver has not reached it yet is sized from the video's plan and waited for (video_flights.py).
 """
 
 from __future__ import annotations
@@ -24,22 +28,28 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
 from encoder_service import errors, preprocessing
-from encoder_service.cache import EmbeddingStore, Entry, key_from_id, model_fingerprint, other_content
+from encoder_service.cache import CacheKey, EmbeddingStore, Entry, key_from_id, model_fingerprint, other_content
+from encoder_service.cache.video_keys import group_key, is_video_id, video_key_from_id
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flight, Flights, Landed, conflict
 from encoder_service.core.handoff import Handoff
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics, build_labels
-from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput
+from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput, VideoInput
 from encoder_service.core.urls import UrlFetcher
+from encoder_service.core.video_encode import VideoEncoder
+from encoder_service.core.video_flights import VideoFlights
+from encoder_service.core.videos import GroupJob, ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Job, Permit
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.shm import ShmTarget, placements
+from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment, plan_chunk
 from encoder_service.settings import Settings
 
@@ -67,21 +77,49 @@ class EncoderCore:
             backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
-        self.engine = Engine(prepare=self.images.prepare, encode=runner.encode,
+        self.engine = Engine(prepare=self._prepare, encode=runner.encode,
                              batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
         self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
                                lease_s=settings.cache.lease_s)
-        self.handoff = Handoff(store, self.metrics)
+        self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
+        self.handoff = Handoff(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
+                               row_bytes=self._row_bytes)
+        self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self.metrics.registry.register(CacheCollector(store, self.shm))
         self.metrics.build_info(**build_labels(attention=settings.engine.attention,
                                                preprocess=settings.model.preprocess))
-        self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
         self._ready = False
         self._draining = False
         self._started = False
+
+    def _video_encoder(self, settings: Settings, loaded, *, hash_algo: str) -> VideoEncoder:
+        """The video input path (videos.py, video_flights.py, video_encode.py) on this core's engine, store and
+        flights. Videos always go through torch ops on the model's device (never PIL): the device kind is in
+        their fingerprint, with the checkpoint's video processor settings."""
+        cfg = preprocessing.VideoConfig.from_checkpoint(loaded.checkpoint_dir, self.spec)
+        v, device = settings.video, torch.device(loaded.device)
+        limits = preprocessing.VideoLimits(
+            max_bytes=v.max_video_bytes, max_duration_s=v.max_video_duration_s,
+            max_source_frames=v.max_video_source_frames, max_frame_pixels=v.max_video_frame_pixels,
+            max_decoded_pixels=v.max_video_pixels, max_frames=v.max_video_frames, max_tokens=v.max_video_tokens,
+            decoder_threads=v.video_decoder_threads, containers=v.video_containers, codecs=v.video_codecs)
+        self.video_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, cfg,
+                                          layout=self.spec.layout, preprocess_backend=f"video:torch_ops:{device.type}")
+        urls = UrlFetcher(settings.limits.allow_url_hosts, max_bytes=v.max_video_bytes, what="video")
+        reader = VideoReader(cfg, limits, urls, video_fp=self.video_fp, hash_algo=hash_algo, device=device,
+                             dtype=loaded.dtype)
+        video_flights = VideoFlights(self.flights, self.store, limits, window=v.video_window)
+        return VideoEncoder(reader, video_flights, self.flights, self.store, self.engine, self.handoff, self.metrics,
+                            max_videos=v.max_videos, row_bytes=self._row_bytes, info=self._video_info)
+
+    def _prepare(self, data, grid_thw) -> torch.Tensor:
+        """The engine's prepare stage (a CPU thread): a video's frame group, or an image."""
+        if isinstance(data, GroupJob):
+            return self.videos.reader.prepare(data, grid_thw)
+        return self.images.prepare(data, grid_thw)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self, *, warmup: bool = True) -> None:
@@ -106,6 +144,7 @@ class EncoderCore:
         if self._started:
             await self.engine.stop()
         await self.images.urls.close()
+        await self.videos.reader.urls.close()
         await self.store.close()
         if self.shm is not None:
             await asyncio.to_thread(self.shm.close)  # waits for copies in flight
@@ -139,7 +178,16 @@ class EncoderCore:
                        "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
                        "url_images": bool(s.limits.allow_url_hosts)},
             "shm_fetch": self.shm is not None,
+            "video": self._video_metadata(),
         }
+
+    def _video_metadata(self) -> dict:
+        cfg, lim, v = self.videos.reader.cfg, self.videos.reader.limits, self.settings.video
+        return {"processor": cfg.processor, "sample_frames": cfg.do_sample_frames, "fps": cfg.fps,
+                "min_pixels": cfg.pixels.min_pixels, "max_pixels": cfg.pixels.max_pixels,
+                "window": v.video_window, "max_videos": v.max_videos, "max_bytes": lim.max_bytes,
+                "max_duration_s": lim.max_duration_s, "max_frames": lim.max_frames,
+                "containers": list(lim.containers), "codecs": list(lim.codecs)}
 
     def _check_serving(self) -> None:
         if not self._ready:
@@ -149,10 +197,16 @@ class EncoderCore:
 
     # ---- encode ----------------------------------------------------------------------------------------
     async def encode(self, images: list[ImageInput], *, wait: bool = False, return_embeddings: bool = False,
-                     timeout_s: float | None = None) -> EncodeResult:
+                     timeout_s: float | None = None, videos: Sequence[VideoInput] = ()) -> EncodeResult:
+        """Images, or videos (`videos`: then `images` is empty and the result's `videos` answer, video_encode.py)."""
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
+        if videos:
+            if images:
+                raise errors.InvalidInput("a request carries images or videos, not both: send them in two requests")
+            return await self.videos.encode(list(videos), wait=wait, return_embeddings=return_embeddings,
+                                            timeout_s=timeout_s, t0=t0)
         n, limit = len(images), self.settings.limits.max_images
         if n == 0:
             raise errors.InvalidInput("no images in the request")
@@ -184,9 +238,8 @@ class EncoderCore:
         for entry in hits.values():
             if entry is not None:
                 self.metrics.cache_hits.labels(tier="local").inc()
-        marking = self.handoff.mark([unique[name].key for name in permits],  # None without Redis
-                                    [unique[name].key for name, entry in hits.items() if entry is not None],
-                                    {name: unique[name].content_tag for name in permits})
+        marking = self.handoff.mark([unique[name] for name in permits],  # None without Redis
+                                    [unique[name].key for name, entry in hits.items() if entry is not None])
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
         # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
@@ -288,6 +341,16 @@ class EncoderCore:
                          row_width=spec.row_width, hidden_size=spec.out_hidden_size, layout=spec.layout,
                          dtype=self.dtype, cached=cached)
 
+    def _video_info(self, p: ProbedVideo, cached: bool) -> VideoInfo:
+        """The metadata the language model needs: Qwen2/2.5-VL's second_per_grid_t (M-RoPE), Qwen3-VL's group
+        timestamps (the prompt's `<t seconds>` text); the other family's is None."""
+        spec, plan, qwen3 = self.spec, p.plan, self.videos.reader.cfg.is_qwen3
+        return VideoInfo(id=p.key.id, video_grid_thw=tuple(plan.grid_thw), num_tokens=plan.num_tokens,
+                         tokens_per_group=plan.tokens_per_group, num_frames=len(plan.frame_indices),
+                         sampled_fps=plan.sampled_fps, second_per_grid_t=None if qwen3 else plan.second_per_grid_t,
+                         group_timestamps=plan.group_timestamps if qwen3 else None, row_width=spec.row_width,
+                         hidden_size=spec.out_hidden_size, layout=spec.layout, dtype=self.dtype, cached=cached)
+
     async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float,
                         first_index: dict[str, int]) -> dict[str, Landed]:
         """name -> what its flight landed, once every one has; a failed image's error names its index."""
@@ -328,7 +391,7 @@ class EncoderCore:
         if not items:
             raise errors.InvalidInput("no items in the fetch")
         self._check_id_count("fetch items", len(items))
-        keys = {it.id: key_from_id(it.id, self.model_fp, self.settings.cache.hash) for it in items}
+        keys = {it.id: self.key_of(it.id) for it in items}
         deadline = timeouts.Deadline(timeout_s)  # one timeout over the sizes (a wait on another replica) and rows
         try:
             sizes = dict(zip(keys, await timeouts.gather_within(
@@ -337,7 +400,8 @@ class EncoderCore:
             raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
         if deadline.dont_wait:  # rows still encoding are not ready (cached ones, here or in Redis, are)
-            encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights})
+            encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights
+                               or self.videos.video_flights.encoding(keys[s.id])})
             if encoding:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(encoding)} of the chunk's images "
                                               f"are still encoding (first: {encoding[0]!r})")
@@ -393,9 +457,12 @@ class EncoderCore:
         flight = self.flights.get(key.name)
         if flight is not None:
             return flight.num_tokens
+        group_tokens = self.videos.video_flights.group_tokens(key)  # a frame group its video's driver is on
+        if group_tokens is not None:
+            return group_tokens
         header = await self.store.header(key)
-        if header is None:
-            header = await self.handoff.header_from_elsewhere(key, deadline)
+        if header is None:  # another replica's encode: its rows once they land, or taken over here
+            return await self.handoff.num_tokens_elsewhere(key, deadline)
         return header.num_rows
 
     async def _rows(self, key, seg: Segment) -> torch.Tensor:
@@ -403,6 +470,7 @@ class EncoderCore:
         it waits for the id's pending marker first), else how the id's encode failed here, if it did (its
         flight may have ended since `_num_tokens`), else from the store (local slice, Redis GETRANGE); no
         rows: NotFound."""
+        await self.videos.video_flights.started(key)  # a frame group its video's driver has not reached yet
         with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
@@ -412,6 +480,7 @@ class EncoderCore:
                 rows = landed.entry.rows(seg.row_start, seg.row_end)
             else:  # its flight may have failed since the chunk was sized from it: that failure answers
                 self.flights.raise_failure(key)
+                self.videos.video_flights.raise_failure(key)
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
@@ -425,5 +494,25 @@ class EncoderCore:
         distinct image. Returns how many ids had a pin to drop; unknown, expired or already released ids count
         0 (not an error); malformed ids are InvalidInput. Entries stay cached (plain LRU entries now)."""
         self._check_id_count("ids to release", len(ids))
-        names = {key_from_id(i, self.model_fp, self.settings.cache.hash).name for i in ids}
-        return sum(self.store.release(name) for name in names)
+        names = {self._release_names(i) for i in ids}  # a video id: the key names of its frame groups
+        return sum(any([self.store.release(name) for name in group]) for group in names)
+
+    def key_of(self, public_id: str) -> CacheKey:
+        """The key of an id a client sent back: an image's, or a video's frame group's (a video id alone is
+        InvalidInput here: fetch names its groups, <id>#<g>)."""
+        if not is_video_id(public_id):
+            return key_from_id(public_id, self.model_fp, self.settings.cache.hash)
+        video, group = video_key_from_id(public_id, self.video_fp, self.settings.cache.hash)
+        if group is None:
+            raise errors.InvalidInput(f"{public_id!r:.80} is a video: fetch names its frame groups, "
+                                      f"{public_id:.80}#<group> (0-based)")
+        return group_key(video, group)
+
+    def _release_names(self, public_id: str) -> tuple[str, ...]:
+        """Key names whose pins a release of `public_id` drops: a video id's are those of every frame group a
+        video may have (--max-video-frames / 2: a pin lookup each), a group id's its own."""
+        if not is_video_id(public_id):
+            return (key_from_id(public_id, self.model_fp, self.settings.cache.hash).name,)
+        video, group = video_key_from_id(public_id, self.video_fp, self.settings.cache.hash)
+        groups = range(-(-self.settings.video.max_video_frames // self.spec.temporal_patch_size))
+        return tuple(group_key(video, g).name for g in (groups if group is None else [group]))

@@ -1,13 +1,17 @@
 """In-flight ids, the one single flight: one `Flight` per id this core is filling, and what is remembered of
 failed ones.
 
-A flight starts with the first encode request of an id that has no flight here, and ends when its fill
-does. The fill only calls down, with data:
+A flight starts with the first encode request of an id that has no flight here (or, with Redis, with a
+fetch of an id whose accepting replica is gone: core/handoff.py), and ends when its fill does. The fill
+only calls down, with data:
 
     store.get(key)                      the local tier, else Redis (rows another replica wrote)
+    while another replica claimed the image (Redis; cache/handoff.py):
+         store.wait_for(key)            its rows land (read them), or it is gone: store.mark_pending claims
+                                        the image here (whoever claims first encodes it)
     else engine.submit([Job(image bytes, grid_thw)])  -> rows   (decoded on a CPU thread, ViT on the GPU)
          store.put(key, entry)          local tier, written behind to Redis
-      or store.failed(key, exc)         an encode that failed or was dropped: Redis publishes it
+    on any failure (cancelled too): store.failed(key, exc): Redis publishes it (or releases the claim)
 
 and resolves to `Landed(entry, encoded, timings)`. A flight holds everything the core needs about its id
 meanwhile:
@@ -16,15 +20,18 @@ meanwhile:
   content_tag           of the bytes under a caller id (0 for a content key): the same id with other bytes
                         is a Conflict, not a join; rows found in the store with another tag too
   waiters               encode requests that want the rows (those not waiting for them: until the lease
-                        ends; a waiting one that is cancelled leaves) and fetches reading them; the engine
-                        asks `wanted()` before it batches the image and drops it at 0
+                        ends; a waiting one that is cancelled leaves) and fetches reading them
   permit                the engine queue room admitted for the image (engine.py: admit): used when the fill
-                        submits it; released when the flight ends without (the store had the rows)
+                        submits it (kept while it waits for another replica: it may encode the image after
+                        all); released when the flight ends without (the store had the rows)
   task                  the fill -> Landed
 
 Requests for an id in flight join its flight (one more waiter, no queue room) and `leave()` it when they go
-before its end; a failure is remembered for the id (bounded, oldest dropped) so that a fetch after a failed
-encode gets the failure, not a 404.
+before its end. The last to leave (every caller left: a waiting encode or fetch whose client disconnected)
+ends the flight at once: its fill is cancelled, which takes the image out of the engine queue (its queue
+slot and prepared pixels return then, not when the next batch is built) and publishes the drop; a new
+request for the id starts a new flight. A failure is remembered for the id (bounded, oldest dropped) so
+that a fetch after a failed encode gets the failure, not a 404.
 """
 
 from __future__ import annotations
@@ -34,11 +41,12 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Entry, other_content
+from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled, other_content
 from encoder_service.core.images import Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine, Job, Permit
@@ -66,9 +74,13 @@ class Flight:
     permit: Permit | None  # None: nothing admitted (a cached id: its fill finds the entry at once)
     waiters: int = 1
     task: asyncio.Task | None = None
+    urgent: bool = False  # a fetch waits for it: queued ahead of other work (a video's frame group)
 
     def wanted(self) -> bool:
         return self.waiters > 0
+
+    def abandoned(self) -> bool:
+        return not self.wanted() and self.task is not None and not self.task.done()
 
 
 class Flights:
@@ -87,14 +99,18 @@ class Flights:
     def __contains__(self, name: str) -> bool:
         return name in self._flights
 
+    def __len__(self) -> int:
+        return len(self._flights)
+
     def get(self, name: str) -> Flight | None:
         return self._flights.get(name)
 
-    def join(self, image: Probed, permit: Permit | None, *, after: Awaitable | None = None) -> Flight:
+    def join(self, image: Probed, permit: Permit | None, *, after: asyncio.Future[Marked | None] | None = None
+             ) -> Flight:
         """The flight of `image`'s id, with one more waiter. Not in flight: a new flight (with `permit`,
-        admitted for it) whose fill starts once `after` is done (the id's pending marker being written: the
-        fill's outcome settles it, so it must not be published first). Either way the id's remembered failure
-        is forgotten."""
+        admitted for it) whose fill starts once `after` is done (the id's claim being written: the fill's
+        outcome settles it, so it must not be published first; an id another replica claimed first is not
+        encoded here unless that replica goes away). Either way the id's remembered failure is forgotten."""
         key = image.key
         self._failures.pop(key.name, None)
         flight = self._flights.get(key.name)
@@ -107,20 +123,29 @@ class Flights:
         return flight
 
     def leave(self, flight: Flight) -> None:
-        """A waiter goes before the flight ends (its request was cancelled): at 0 waiters the engine drops
-        the image if it has not batched it yet."""
+        """A waiter goes before the flight ends (its request was cancelled). The last one ends the flight:
+        nobody wants its rows, so its work is dropped now (the fill is cancelled: out of the engine queue, or
+        no longer waiting on another replica) and a later request starts a new flight."""
         flight.waiters -= 1
+        if flight.abandoned():
+            if self._flights.get(flight.key.name) is flight:
+                del self._flights[flight.key.name]
+            flight.task.cancel()
 
-    async def _fly(self, flight: Flight, data: bytes, after: Awaitable | None) -> Landed:
+    async def _fly(self, flight: Flight, data: Any, after: asyncio.Future[Marked | None] | None) -> Landed:
         name = flight.key.name
         try:
-            if after is not None:
-                await asyncio.shield(after)
-            return await self._fill(flight, data)
-        except errors.EncoderServiceError as exc:
-            self._failures[name] = exc
-            while len(self._failures) > self._failures_kept:
-                self._failures.popitem(last=False)
+            marked = await asyncio.shield(after) if after is not None else None
+            return await self._fill(flight, data, elsewhere=marked is not None and name in marked.elsewhere)
+        except BaseException as exc:  # cancelled too (every caller left): Redis publishes it, if claimed here
+            if after is not None and not after.done():  # once the claim is written, not before
+                after.add_done_callback(lambda _, exc=exc: self._store.failed(flight.key, exc))
+            else:
+                self._store.failed(flight.key, exc)
+            if isinstance(exc, errors.EncoderServiceError):
+                self._failures[name] = exc
+                while len(self._failures) > self._failures_kept:
+                    self._failures.popitem(last=False)
             raise
         finally:
             if flight.permit is not None:
@@ -128,28 +153,44 @@ class Flights:
             if self._flights.get(name) is flight:
                 del self._flights[name]
 
-    async def _fill(self, flight: Flight, data: bytes) -> Landed:
-        entry = await self._store.get(flight.key)
-        if entry is not None:
-            if other_content(flight.content_tag, entry.header.content_tag):  # another replica's, in Redis
-                raise conflict(flight.key)
-            if flight.permit is not None:  # a local miss when admitted: another replica's rows, read from Redis
-                self._metrics.cache_hits.labels(tier="redis").inc()
-            return Landed(entry, encoded=False)
+    async def _fill(self, flight: Flight, data: Any, *, elsewhere: bool) -> Landed:
+        deadline = time.monotonic() + self._lease_s
+        while True:
+            entry = await self._store.get(flight.key)
+            if entry is not None:
+                if other_content(flight.content_tag, entry.header.content_tag):  # another replica's, in Redis
+                    raise conflict(flight.key)
+                if flight.permit is not None:  # a local miss when admitted: another replica's rows, from Redis
+                    self._metrics.cache_hits.labels(tier="redis").inc()
+                return Landed(entry, encoded=False)
+            if not elsewhere:
+                break
+            elsewhere = await self._wait_elsewhere(flight, data, deadline)
         self._metrics.cache_misses.inc()
-        try:
-            (item,) = self._engine.submit([Job(data, flight.grid_thw, wanted=flight.wanted)],
-                                          deadline=time.monotonic() + self._lease_s,
-                                          permits=None if flight.permit is None else [flight.permit])
-            encoded = await item.future
-        except (Exception, asyncio.CancelledError) as exc:  # cancelled: the engine dropped it (nobody waits)
-            self._store.failed(flight.key, exc)
-            raise
+        (item,) = self._engine.submit([Job(data, flight.grid_thw, wanted=flight.wanted, urgent=flight.urgent)],
+                                      deadline=deadline, permits=None if flight.permit is None else [flight.permit])
+        encoded = await item.future  # cancelled with the fill when every waiter leaves: the engine drops it
         # The engine's rows are owned host tensors: the entry takes them without a copy.
         entry = Entry.from_rows(encoded.rows, encoded.grid_thw, self._layout, copy=False,
                                 content_tag=flight.content_tag)
         self._store.put(flight.key, entry)
         return Landed(entry, encoded=True, timings=encoded.timings)
+
+    async def _wait_elsewhere(self, flight: Flight, data: Any, deadline: float) -> bool:
+        """Another replica claimed the image first: wait for its rows (then read them: False) rather than
+        encode them twice. Its failure is this flight's (raised). Once it is gone (ORPHANED), Redis cannot
+        tell (down) or lost it, claim the image here: False when this replica got it (encode it here), True
+        when another one did first (wait for that one)."""
+        key = flight.key
+        settled = await self._store.wait_for(key, max(0.0, deadline - time.monotonic()))
+        if settled is Settled.TIMED_OUT:
+            raise errors.DeadlineExceeded(f"id {key.id!r}: the replica encoding it did not finish within the "
+                                          f"lease ({self._lease_s:g} s)")
+        if settled is Settled.LANDED:
+            return False  # read them (gone already? then it is encoded here)
+        kept = {key.name: data} if isinstance(data, bytes) else {}  # a video's frame group keeps no bytes
+        marked = await self._store.mark_pending([key], self._lease_s, {key.name: flight.content_tag}, kept)
+        return key.name in marked.elsewhere
 
     def raise_failure(self, key: CacheKey) -> None:
         """Raise how the id's last encode failed, if it did (and no encode of it started since)."""

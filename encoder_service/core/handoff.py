@@ -1,25 +1,32 @@
 """The core's side of the handoff of ids between replicas that share one Redis (cache/handoff.py has the
-mechanism: pending markers, pub/sub outcomes).
+mechanism: claims with a heartbeat, the image bytes beside them, pub/sub outcomes).
 
-Behind one Service, an LLM server's `encode` and its `fetch` of the same id may reach different replicas.
+Behind one Service, an LLM server's `encode` and its `fetch` of the same id may reach different replicas,
+two replicas may be asked for the same new image at once, and a replica may die mid-encode.
 
   encode (replica A)  `recorded_tags(caller ids)`: before admitting caller ids it neither has nor is encoding,
                       the content tags other replicas recorded for them (rows in Redis, or an encode under
                       way), so that an id sent with other bytes than it names is a Conflict on every replica.
-                      `mark(misses, hits, tags)`: the ids it admitted to its engine (its misses) are marked pending
-                      in Redis before it answers, so that a fetch anywhere waits for them. A marker that
-                      cannot be written (Redis down or full, an error) does not fail the encode: the id is
-                      served here as before, and a fetch elsewhere answers at once as it did without markers.
-                      Counted (`encoder_pending_unmarked_total`), logged once per run of failures. Its local
-                      hits are shared (`store.share`): Redis evicts by its own LRU, which never sees a hit
-                      served here, so an id used here all the time may be gone there; such ids are marked
-                      pending and written again.
-  fetch (replica B)   `header_from_elsewhere(key, deadline)`: for an id no tier here knows (not in flight, not
+                      `mark(misses, hits)`: the images it admitted to its engine (its misses) are claimed in
+                      Redis before it answers, with their bytes, so that a fetch anywhere waits for them and
+                      can encode them itself should A die; one that another replica claimed first is not
+                      encoded here too (its flight waits for that replica's rows: core/flight.py). A claim
+                      that cannot be written (Redis down or full, an error) does not fail the encode: the id
+                      is served here as before, its marker written once Redis takes it again, and until
+                      then a fetch elsewhere answers at once. Counted (`encoder_pending_unmarked_total`),
+                      logged once per run of failures. Its local hits are shared (`store.share`): Redis
+                      evicts by its own LRU, which never sees a hit served here, so an id used here all the
+                      time may be gone there; such ids are marked pending and written again.
+  fetch (replica B)   `num_tokens_elsewhere(key, deadline)`: for an id no tier here knows (not in flight, not
                       in the local tier, no entry in Redis), wait within what is left of the fetch's timeout
-                      until the rows land in Redis, then read their header. Outcomes as errors: the encode
-                      failed -> that replica's error kind (a decode error stays 400; rows that could not be
-                      stored -> 404 saying why); nobody accepted it -> 404; timeout -> 504; Redis unreachable
-                      -> 503 at once (the id may exist elsewhere: this replica cannot tell now).
+                      until the rows land in Redis, then read their header. Should the replica that accepted
+                      it be gone (its marker expired or released, its image bytes still in Redis), B takes
+                      the image over: it accepts it as its own encode would (probe, queue room, a pin for
+                      the lease), and a flight here claims and encodes it; the fetch then reads that
+                      flight's rows. Outcomes as errors: the encode failed -> that replica's error kind (a
+                      decode error stays 400; rows that could not be stored -> 404 saying why); nobody has
+                      it -> 404; timeout -> 504; Redis unreachable -> 503 at once (the id may exist
+                      elsewhere: this replica cannot tell now; the project's clients retry).
 
 Without Redis there is nothing to wait on: a fetch must reach the replica that encoded the id (the chart's
 `service.sessionAffinity: ClientIP` does that for one client pod; deploy/README.md, "Scaling out").
@@ -28,21 +35,40 @@ Without Redis there is nothing to wait on: a fetch must reach the replica that e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, EntryHeader, Settled
+from encoder_service.cache import CacheKey, EmbeddingStore, Marked, Settled
+from encoder_service.cache.keys import CALLER_PREFIX
+from encoder_service.core.flight import Flight, Flights
+from encoder_service.core.images import ImageReader, Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.timeouts import Deadline
+from encoder_service.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
+class GroupClaim(NamedTuple):
+    """What `mark` claims for one frame group of a video: its key and the video's content tag. No bytes are
+    kept beside it (`data`): another replica cannot encode one group of a video from them, so a fetch of a
+    group whose replica died answers 404 within the claim's TTL (encode the video again)."""
+
+    key: CacheKey
+    content_tag: int
+    data: None = None
+
+
 class Handoff:
-    def __init__(self, store: EmbeddingStore, metrics: Metrics):
-        self.store = store
-        self.metrics = metrics
+    """`row_bytes`: one row's bytes (what a taken-over id's pin reserves per token)."""
+
+    def __init__(self, store: EmbeddingStore, metrics: Metrics, *, flights: Flights, images: ImageReader,
+                 engine: Engine, row_bytes: int):
+        self.store, self.metrics = store, metrics
+        self._flights, self._images, self._engine, self._row_bytes = flights, images, engine, row_bytes
         self._failing = False  # the last marking failed: log again only after one succeeds
 
     @property
@@ -57,18 +83,20 @@ class Handoff:
             return {}
         return await self.store.content_tags(keys)
 
-    def mark(self, misses: Sequence[CacheKey], hits: Sequence[CacheKey],
-             tags: Mapping[str, int] | None = None) -> asyncio.Task | None:
-        """Start marking `misses` pending (each marker with its content tag from `tags`, by name: a caller id's
-        bytes) and sharing the local `hits` (one Redis round trip each, together); None without Redis or ids.
-        The task never raises. The encode awaits it before answering, and each miss's fill awaits it before it
-        encodes: a marker must be set before the outcome that settles it can be published."""
+    def mark(self, misses: Sequence[Probed | GroupClaim], hits: Sequence[CacheKey]) -> asyncio.Task | None:
+        """Start claiming `misses` (each marker with its content tag, an image's bytes beside it: a video's
+        frame group keeps none, so no other replica can take it over) and sharing the
+        local `hits` (one Redis round trip each, together); None without Redis or ids. The task never raises;
+        it returns the claims' `Marked` (None when nothing was claimed). The encode awaits it before
+        answering, and each miss's fill awaits it before it encodes: a marker must be set before the
+        outcome that settles it can be published, and an image claimed elsewhere is not encoded here."""
         if not self.enabled or not (misses or hits):
             return None
-        return asyncio.create_task(self._mark(list(misses), list(hits), tags), name="mark pending")
+        return asyncio.create_task(self._mark(list(misses), list(hits)), name="mark pending")
 
-    async def _mark(self, misses: list[CacheKey], hits: list[CacheKey], tags: Mapping[str, int] | None) -> None:
-        await asyncio.gather(self._pending(misses, tags), self._share(hits))
+    async def _mark(self, misses: list[Probed], hits: list[CacheKey]) -> Marked | None:
+        marked, _ = await asyncio.gather(self._pending(misses), self._share(hits))
+        return marked
 
     async def _share(self, hits: list[CacheKey]) -> None:
         try:
@@ -77,27 +105,31 @@ class Handoff:
             # The tier answers Redis faults itself (counted, logged once): what reaches here is a bug.
             log.warning("sharing %d local hits failed", len(hits), exc_info=True)
 
-    async def _pending(self, keys: list[CacheKey], tags: Mapping[str, int] | None) -> None:
-        if not keys:
-            return
+    async def _pending(self, images: list[Probed | GroupClaim]) -> Marked | None:
+        if not images:
+            return None
         try:
-            marked = await self.store.mark_pending(keys, tags=tags)
+            marked = await self.store.mark_pending([p.key for p in images],
+                                                   tags={p.key.name: p.content_tag for p in images},
+                                                   inputs={p.key.name: p.data for p in images})
         except Exception:  # never fatal to the encode; Redis faults the tier answers itself: this is a bug
-            log.warning("marking %d ids pending failed", len(keys), exc_info=True)
-            marked = False
+            log.warning("marking %d ids pending failed", len(images), exc_info=True)
+            return None
         if marked:
             self._failing = False
-            return
-        self.metrics.pending_unmarked.inc(len(keys))
+            return marked
+        self.metrics.pending_unmarked.inc(len(images))
         if not self._failing:
             self._failing = True
             log.warning("ids accepted here could not be marked pending in Redis (down, full or busy): until "
                         "that works again, fetches of them on other replicas answer at once instead of waiting")
+        return marked
 
     # ---- fetch -----------------------------------------------------------------------------------------
-    async def header_from_elsewhere(self, key: CacheKey, deadline: Deadline) -> EntryHeader:
-        """The header of `key`, which no tier here has: once the encode another replica accepted lands in
-        Redis, within `deadline`. Raises the error the fetch answers otherwise."""
+    async def num_tokens_elsewhere(self, key: CacheKey, deadline: Deadline) -> int:
+        """The row count of `key`, which no tier here has: once the encode another replica accepted lands in
+        Redis, within `deadline`; or, should that replica be gone, of the flight here that took it over.
+        Raises the error the fetch answers otherwise."""
         if not self.enabled:
             raise errors.NotFound(f"unknown id {key.id!r}: never encoded here, or evicted (encode it again; "
                                   "without Redis a fetch must reach the replica that encoded the id)")
@@ -105,12 +137,18 @@ class Handoff:
         if settled is Settled.LANDED:
             header = await self.store.header(key)
             if header is not None:
-                return header
+                return header.num_rows
             raise errors.NotFound(f"id {key.id!r} was encoded on another replica, but its rows left Redis before "
                                   "they could be read (evicted: encode it again)")
+        if settled is Settled.ORPHANED:
+            flight = await self._take_over(key)
+            if flight is not None:
+                return flight.num_tokens
+            settled = Settled.NOT_PENDING  # its bytes went meanwhile (settled or expired)
         if settled is Settled.NOT_PENDING:
-            raise errors.NotFound(f"unknown id {key.id!r}: not encoded here nor being encoded by another replica, "
-                                  "or evicted (encode it again)")
+            raise errors.NotFound(f"unknown id {key.id!r}: no rows for it here or in Redis, and no live replica "
+                                  "is encoding it (never encoded, evicted, or the replica that accepted it "
+                                  "stopped before storing its rows; encode it again)")
         if settled is Settled.TIMED_OUT:
             if deadline.dont_wait:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and id {key.id!r} is still encoding on "
@@ -118,4 +156,30 @@ class Handoff:
             raise errors.DeadlineExceeded(f"id {key.id!r} is encoding on another replica and its rows did not "
                                           f"land within timeout_s={deadline.timeout_s}")
         raise errors.Unavailable(f"id {key.id!r} is not on this replica, and the shared Redis tier, where other "
-                                 "replicas' rows are, is unreachable: retry, or encode it again")
+                                 "replicas' rows are, is unreachable or has just come back: retry")
+
+    async def _take_over(self, key: CacheKey) -> Flight | None:
+        """The flight here of an image whose accepting replica is gone: accepted here as an encode would
+        (probe, queue room: Overloaded when full, a pin for the lease when room is left), from the bytes that
+        replica kept in Redis. None when they are gone too."""
+        flight = self._flights.get(key.name)
+        if flight is not None:
+            return flight
+        data = await self.store.input(key)
+        if data is None:
+            return None
+        caller_id = key.id[len(CALLER_PREFIX):] if key.id.startswith(CALLER_PREFIX) else None
+        loop = asyncio.get_running_loop()
+        image = await loop.run_in_executor(self._engine.cpu_pool, self._images.probe, 0, data, caller_id)
+        if image.key.name != key.name:  # not the bytes of this id: never encode them under it
+            log.warning("image bytes kept in Redis for %s hash to %s: ignored", key.name, image.key.name)
+            return None
+        flight = self._flights.get(key.name)  # another fetch may have taken it over meanwhile
+        if flight is not None:
+            return flight
+        (permit,) = self._engine.admit(1)
+        with contextlib.suppress(errors.Overloaded):  # pins full: served all the same, from Redis after
+            self.store.pin(key, nbytes=image.num_tokens * self._row_bytes)
+        log.info("id %s: the replica that accepted it is gone; encoding it here", key.id)
+        # One waiter for the lease, as the encode that accepted it held: a fetch that leaves does not drop it.
+        return self._flights.join(image, permit, after=self.mark([image], []))

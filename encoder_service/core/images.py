@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -28,7 +29,7 @@ class Probed:
     key: CacheKey
     grid_thw: GridTHW
     num_tokens: int
-    data: bytes
+    data: Any  # what the engine's prepare takes: an image's bytes (a video's frame group: core/videos.py, GroupJob)
     content_tag: int = 0  # of `data`, under a caller id (cache/keys.py: content_tag); 0 for a content key
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service.protocol.image_info import ImageInfo
+from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment
 
 
@@ -20,11 +21,30 @@ class ImageInput:  # exactly one of data / url
     caller_id: str | None = None  # optional caller-supplied id (own namespace, "u:<id>")
 
 
+@dataclass(frozen=True)
+class VideoInput:
+    """Exactly one of data (a container file: MP4, MOV, MKV, WebM), frames (each an image file's bytes, in
+    order) or url (of a container file). The options are transformers' video processor's (preprocessing/
+    video.py: VideoOptions); frames_fps is the frame rate of a list of frames (None: unknown)."""
+
+    data: bytes | None = None
+    frames: tuple[bytes, ...] | None = None
+    url: str | None = None
+    caller_id: str | None = None  # optional caller-supplied id (the video namespace, "v:u:<id>")
+    fps: float | None = None
+    num_frames: int | None = None
+    sample_frames: bool | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    frames_fps: float | None = None
+
+
 @dataclass
 class EncodeResult:
     images: list[ImageInfo]
-    embeddings: list[torch.Tensor] | None = None  # per image [num_tokens, row_width], CPU, when asked
+    embeddings: list[torch.Tensor] | None = None  # per image (or video) [num_tokens, row_width], CPU, when asked
     timings: dict[str, float] = field(default_factory=dict)  # ms
+    videos: list[VideoInfo] = field(default_factory=list)  # a request of videos answers these (images empty)
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,18 @@ permits handed out and not used yet), all or none, else Overloaded (HTTP 429). A
 (the core, before it answers encode) submits later with those permits; `submit` without permits admits
 its jobs itself. The Retry-After hint (`retry_after_s`) is the backlog of the slower stage: the CPU
 threads' (images admitted whose prepare has not finished) or the GPU's (patches queued).
+
+A caller that submits a long run of items over time (a video's frame groups, core/video_flights.py) takes a
+`Reservation` instead: room for `size` items, checked once like `admit`, held until it is closed; the items
+it submits (each with one of its permits) count against it, not again against the queue, so the caller
+keeps at most `size` of them in the engine at once whatever is admitted meanwhile. An `urgent` job (one a
+fetch waits for) goes to the front of the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import queue
@@ -65,18 +72,42 @@ class Job:
     data: Any
     grid_thw: GridTHW
     wanted: Callable[[], bool] = always_wanted
+    urgent: bool = False  # queued ahead of everything else (a fetch waits for it)
 
 
 class Permit:
     """Room for one image in the encode queue, from `Engine.admit`: counted in the queue's occupancy until
-    `submit` uses it (the queued image counts itself then) or `release()` gives it back (idempotent)."""
+    `submit` uses it (the queued image counts itself then) or `release()` gives it back (idempotent). A
+    reservation's permit (`Reservation.permit()`) counts nothing itself: its reservation holds the room."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, reservation: Reservation | None = None):
         self._engine: Engine | None = engine
+        self.reservation = reservation
 
     def release(self) -> None:
         if self._engine is not None:
-            self._engine._permits -= 1
+            if self.reservation is None:
+                self._engine._permits -= 1
+            self._engine = None
+
+
+class Reservation:
+    """Room for `size` items in the encode queue from `Engine.reserve`, counted in the queue's occupancy until
+    `close()` (idempotent). Items submitted with its permits count against it while queued, not again; the
+    holder keeps at most `size` of them in the engine at once."""
+
+    def __init__(self, engine: Engine, size: int):
+        self._engine: Engine | None = engine
+        self.size = size
+
+    def permit(self) -> Permit:
+        if self._engine is None:
+            raise RuntimeError("the reservation is closed")
+        return Permit(self._engine, self)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine._permits -= self.size
             self._engine = None
 
 
@@ -86,7 +117,7 @@ class Engine:
         self._prepare, self._encode = prepare, encode
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
-        self._permits = 0  # admitted images not submitted yet (Permit objects not used or released)
+        self._permits = 0  # admitted images not submitted yet (Permits not used or released), and reservations
         self._cpu_threads = cpu_threads or min(8, os.cpu_count() or 2)
         self.cpu_pool = ThreadPoolExecutor(max_workers=self._cpu_threads, thread_name_prefix="encoder-cpu")
         self._preparing = 0  # submitted images whose prepare (decode, resize, patchify) has not finished
@@ -143,19 +174,29 @@ class Engine:
 
     @property
     def permits(self) -> int:
-        """Images admitted and not submitted yet."""
+        """Images admitted and not submitted yet, plus the room reservations hold."""
         return self._permits
 
     # ---- admission and submission (event loop) ---------------------------------------------------------
     def admit(self, n: int) -> list[Permit]:
         """Room for `n` images, all or none: Overloaded (with a Retry-After hint) when the images queued plus
         the permits outstanding plus `n` would exceed max_queue."""
-        waiting = len(self._scheduler) + self._permits
+        self._check_room(n)
+        self._permits += n
+        return [Permit(self) for _ in range(n)]
+
+    def reserve(self, size: int) -> Reservation:
+        """Room for `size` items held until the reservation is closed (checked as `admit(size)` is)."""
+        self._check_room(size)
+        self._permits += size
+        return Reservation(self, size)
+
+    def _check_room(self, n: int) -> None:
+        # Queued items under a reservation are counted by it (in _permits), not again.
+        waiting = len(self._scheduler) - self._scheduler.reserved + self._permits
         if n and waiting + n > self.max_queue:
             raise Overloaded(f"encode queue is full: {waiting} images waiting, max_queue is {self.max_queue}, "
                              f"this request adds {n}", retry_after_s=self.retry_after_s())
-        self._permits += n
-        return [Permit(self) for _ in range(n)]
 
     def submit(self, jobs: Sequence[Job], *, deadline: float | None = None,
                permits: Sequence[Permit] | None = None, warmup: bool = False) -> list[WorkItem]:
@@ -164,7 +205,8 @@ class Engine:
 
         Raises Unavailable when the engine is down, Overloaded when admitting here finds the queue full. Each
         item's `future` resolves to an EncodedImage or raises; it is cancelled when the job's `wanted()` turns
-        false while it waits. `warmup`: the readiness encode, left out of the metrics.
+        false while it waits; cancelling it takes the item out of the queue at once. `warmup`: the readiness
+        encode, left out of the metrics.
         """
         try:
             if not self.alive:
@@ -178,7 +220,10 @@ class Engine:
                 self._preparing += 1
                 prepared.add_done_callback(self._prepared)
                 items.append(WorkItem(grid_thw=job.grid_thw, prepared=prepared, future=loop.create_future(),
-                                      deadline=deadline, wanted=job.wanted, warmup=warmup))
+                                      deadline=deadline, wanted=job.wanted, warmup=warmup, urgent=job.urgent))
+                items[-1].future.add_done_callback(functools.partial(self._cancelled, items[-1]))
+            for item, permit in zip(items, permits):
+                item.reserved = permit.reservation is not None
             self._scheduler.push(items)
         finally:
             for permit in permits or ():  # the queued items count themselves now
@@ -186,6 +231,16 @@ class Engine:
         self._gauge()
         self._wakeup.set()
         return items
+
+    def _cancelled(self, item: WorkItem, future: asyncio.Future) -> None:
+        """An item whose future was cancelled (its caller gave it up) leaves the queue now, not when the next
+        batch is built: its queue slot returns at once, and its prepare is cancelled if it has not started."""
+        if not future.cancelled():
+            return
+        if not item.prepared.done():
+            item.prepared.cancel()
+        if self._scheduler.discard(item):
+            self._gauge()
 
     def retry_after_s(self) -> float:
         """Seconds until the work ahead of a new image is done (1 to 60), for Retry-After. The stages overlap

@@ -1,6 +1,7 @@
 """Packs queued images into ViT batches by patch-token budget.
 
-Images are kept in arrival order of their requests and placeholder order within a request; a batch is the
+Images are kept in arrival order of their requests and placeholder order within a request (urgent ones, that a
+fetch waits for, go to the front, in their own order); a batch is the
 longest prefix of the queue whose patches fit the budget (an image larger than the budget goes alone). The
 budget is `batch_tokens`, capped at the largest graph bucket when graphs are in use so that a batch fills a
 captured bucket instead of falling back to eager. Items nobody wants any more (`wanted()` is false: their
@@ -42,6 +43,8 @@ class WorkItem:
     deadline: float | None = None
     wanted: Callable[[], bool] = always_wanted
     warmup: bool = False  # the readiness encode: not counted in the metrics
+    urgent: bool = False  # pushed to the front of the queue
+    reserved: bool = False  # submitted under an engine Reservation (counted by it, not by the queue)
     enqueued_at: float = field(default_factory=time.monotonic)
     seq: int = 0  # request arrival number (set by the scheduler)
     index: int = 0  # placeholder order inside the request
@@ -83,6 +86,7 @@ class Scheduler:
         self._queue: deque[WorkItem] = deque()
         self._seq = 0
         self._patches = 0
+        self._reserved = 0
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -91,13 +95,21 @@ class Scheduler:
     def queued_patches(self) -> int:
         return self._patches
 
+    @property
+    def reserved(self) -> int:
+        """Queued items submitted under a reservation."""
+        return self._reserved
+
     def push(self, items: Iterable[WorkItem]) -> None:
-        """Append one request's images (in placeholder order)."""
+        """Append one request's images (in placeholder order); urgent ones go to the front, in order."""
         self._seq += 1
+        items = list(items)
         for index, item in enumerate(items):
             item.seq, item.index = self._seq, index
-            self._queue.append(item)
             self._patches += item.num_patches
+            self._reserved += item.reserved
+        self._queue.extend(item for item in items if not item.urgent)
+        self._queue.extendleft(reversed([item for item in items if item.urgent]))
 
     def next_batch(self, now: float | None = None) -> list[WorkItem]:
         """Drop dead items, then take the longest prefix within the budget (at least one item)."""
@@ -112,12 +124,23 @@ class Scheduler:
             batch.append(self._queue.popleft())
             total += n
         self._patches -= total
+        self._reserved -= sum(item.reserved for item in batch)
         return batch
+
+    def discard(self, item: WorkItem) -> bool:
+        """Take `item` out of the queue (its caller gave it up); False if it is not queued (batched already)."""
+        try:
+            self._queue.remove(item)
+        except ValueError:
+            return False
+        self._patches -= item.num_patches
+        return True
 
     def drain(self) -> list[WorkItem]:
         items = list(self._queue)
         self._queue.clear()
         self._patches = 0
+        self._reserved = 0
         return items
 
     def _drop_dead(self, now: float) -> None:
@@ -128,6 +151,7 @@ class Scheduler:
             if item.droppable(now):
                 drop(item, now)
                 self._patches -= item.num_patches
+                self._reserved -= item.reserved
             else:
                 alive.append(item)
         self._queue = alive

@@ -5,19 +5,24 @@ This package is what an LLM-server author reads to wire the service in. It drive
 Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; an engine with its own kernels does the same five steps.
 
 1. Encode. `client.encode(images)` answers per image, before the ViT has run: `id`, `grid_thw`
-   (t, h, w in patches) and `num_tokens` (= t*h*w / merge^2).
+   (t, h, w in patches) and `num_tokens` (= t*h*w / merge^2). `client.encode_videos(videos)` answers per
+   video `video_grid_thw`, `tokens_per_group` and the metadata of its family (`second_per_grid_t`,
+   `group_timestamps`).
 
 2. Lay out the prompt (`prompt.py`). Each image becomes
    `<|vision_start|> <|image_pad|> x num_tokens <|vision_end|>` with the token ids read from the
-   checkpoint's config (`VisionTokenIds.from_config`). The result, a `VisionPrompt`, holds the token ids
-   and, per image, `offset` = the position of its first placeholder. `(id, offset)` is a fetch item.
+   checkpoint's config (`VisionTokenIds.from_config`); each video as its family's processor writes it
+   (Qwen3-VL: a `<t seconds>` text and vision start / end around each frame group). The result, a
+   `VisionPrompt`, holds the token ids and its slots: per image, `offset` = the position of its first
+   placeholder, and per video the offsets of its frame groups. `(id, offset)` is a fetch item (a video's:
+   `(<id>#<g>, offset of group g)`, `prompt.fetch_items`).
 
-3. M-RoPE positions (`mrope.py`). `mrope_position_ids(prompt, merge)` -> `[3, seq_len]` and
-   `rope_delta`, from `grid_thw` alone; equal to transformers' `get_rope_index`. Decoding continues at
-   `cache_len + rope_delta`.
+3. M-RoPE positions (`mrope.py`). `mrope_position_ids(prompt, merge, tokens_per_second=...)` ->
+   `[3, seq_len]` and `rope_delta`, from the grids alone (and Qwen2.5-VL's second_per_grid_t); equal to
+   transformers' `get_rope_index`. Decoding continues at `cache_len + rope_delta`.
 
-4. Chunked prefill (`prefill.py`). For each chunk `[start, end)`: fetch only the rows of the images
-   that overlap it (`client.fetch(items, start, end)`; a chunk without images fetches nothing), write
+4. Chunked prefill (`prefill.py`). For each chunk `[start, end)`: fetch only the rows of the images and
+   frame groups that overlap it (`client.fetch(items, start, end)`; a chunk without any fetches nothing), write
    the main part of each row into the chunk's input embeddings at its placeholder position, and run
    the decoder on the chunk with the chunk's slice of the positions and the KV cache of the previous
    chunks. Qwen3-VL rows are `[main | ds_1 | ds_2 | ds_3]`: level k is added to the hidden states
@@ -49,6 +54,7 @@ from encoder_service.integrations.prefill import (
 )
 from encoder_service.integrations.prompt import (
     ImageSlot,
+    VideoSlot,
     VisionPrompt,
     VisionTokenIds,
     build_prompt,
@@ -59,6 +65,7 @@ __all__ = [
     "ChunkReport",
     "ImageSlot",
     "PrefillResult",
+    "VideoSlot",
     "VisionPrompt",
     "VisionTokenIds",
     "build_prompt",

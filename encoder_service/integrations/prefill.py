@@ -3,9 +3,9 @@ fetched from the encoder service, one chunk at a time.
 
 For a chunk `[start, end)` of the prompt:
 
-  1. ask the service for the rows of the images whose placeholders overlap the chunk
-     (`fetch(items, start, end)`); only those rows travel, and the answer says where each run of rows
-     lands (`Segment(id, position, row_start, row_end)`);
+  1. ask the service for the rows of the images and video frame groups whose placeholders overlap the
+     chunk (`fetch(items, start, end)`); only those rows travel, and the answer says where each run of rows
+     lands (`Segment(id, position, row_start, row_end)`; a video's runs are its frame groups, `<id>#<g>`);
   2. embed the chunk's token ids and overwrite the placeholder positions with the rows' main part
      (the `masked_scatter` of transformers, restricted to the chunk);
   3. Qwen3-VL only: the rows also carry deepstack levels `[main | ds_1 | ... | ds_L]`; level k is added
@@ -42,7 +42,7 @@ class ChunkReport:
 
     start: int
     end: int
-    image_ids: tuple[str, ...]  # images asked for (those overlapping the chunk)
+    image_ids: tuple[str, ...]  # images and video frame groups asked for (those overlapping the chunk)
     rows_needed: int  # placeholders inside [start, end)
     rows_received: int  # rows in the fetch answer
 
@@ -94,10 +94,14 @@ def chunked_prefill(model: torch.nn.Module, prompt: VisionPrompt, fetch: FetchFn
     row_width = hidden * (1 + levels)  # a service row: [main | ds_1 | ... | ds_levels], each `hidden`
     device, dtype = embed_tokens.weight.device, embed_tokens.weight.dtype
 
-    # [3, seq_len]: computed once from grid_thw; every chunk takes its slice.
-    position_ids, rope_delta = mrope_position_ids(prompt, config.vision_config.spatial_merge_size)
+    # [3, seq_len]: computed once from grid_thw (and a Qwen2.5-VL video's second_per_grid_t); every chunk takes
+    # its slice.
+    vision = config.vision_config
+    position_ids, rope_delta = mrope_position_ids(prompt, vision.spatial_merge_size,
+                                                  tokens_per_second=getattr(vision, "tokens_per_second", None))
     cache = DynamicCache(config=config.text_config)
-    image_token_id = prompt.token_ids.image_token_id
+    placeholder_ids = torch.tensor([t for t in (prompt.token_ids.image_token_id, prompt.token_ids.video_token_id)
+                                    if t is not None], device=device)
     logits_per_chunk: list[torch.Tensor] = []
     reports: list[ChunkReport] = []
 
@@ -108,18 +112,18 @@ def chunked_prefill(model: torch.nn.Module, prompt: VisionPrompt, fetch: FetchFn
         visual_mask = torch.zeros(chunk_len, dtype=torch.bool, device=device)  # placeholders filled
         deepstack = torch.zeros(levels, chunk_len, hidden, dtype=dtype, device=device) if levels else None
 
-        # 1. Fetch only the overlapping images' rows; a text-only chunk makes no request at all.
-        wanted = prompt.images_overlapping(start, end)
+        # 1. Fetch only the overlapping images' and frame groups' rows; a text-only chunk makes no request at all.
+        wanted = prompt.fetch_items(prompt.slots_overlapping(start, end), start, end)
         rows_received = 0
         if wanted:
-            segments, rows = _segments_and_rows(fetch(prompt.fetch_items(wanted), start, end))
+            segments, rows = _segments_and_rows(fetch(wanted, start, end))
             if rows.ndim != 2 or rows.shape[1] != row_width:
                 raise ValueError(f"rows of shape {tuple(rows.shape)} from the service; this model needs "
                                  f"rows {row_width} wide (hidden {hidden}, {levels} deepstack levels)")
             rows = rows.to(device=device, dtype=dtype)  # [rows_received, row_width]
             rows_received = rows.shape[0]
             # 2./3. Scatter each segment's rows to its prompt positions (relative to the chunk).
-            offsets = {img.id: img.offset for img in wanted}
+            offsets = dict(wanted)
             cursor = 0
             for seg in segments:
                 n = seg.row_end - seg.row_start
@@ -135,7 +139,8 @@ def chunked_prefill(model: torch.nn.Module, prompt: VisionPrompt, fetch: FetchFn
             if cursor != rows_received:
                 raise ValueError(f"segments cover {cursor} rows, the answer carries {rows_received}")
         # Every placeholder of the chunk, and nothing else, must have received a row.
-        if not torch.equal(visual_mask, chunk_ids == image_token_id):
+        placeholders = torch.isin(chunk_ids, placeholder_ids)
+        if not torch.equal(visual_mask, placeholders):
             raise ValueError(f"chunk [{start}, {end}): rows did not land exactly on the image placeholders")
 
         # 4. One decoder pass over the chunk; the cache grows by chunk_len.
@@ -157,8 +162,8 @@ def chunked_prefill(model: torch.nn.Module, prompt: VisionPrompt, fetch: FetchFn
             logits_per_chunk.append(lm_head(last_hidden))
         elif end == prompt.seq_len:
             logits_per_chunk.append(lm_head(last_hidden[-1:]))
-        reports.append(ChunkReport(start, end, tuple(img.id for img in wanted),
-                                   int((chunk_ids == image_token_id).sum()), rows_received))
+        reports.append(ChunkReport(start, end, tuple(item_id for item_id, _ in wanted), int(placeholders.sum()),
+                                   rows_received))
 
     return PrefillResult(torch.cat(logits_per_chunk), cache, rope_delta, reports)
 

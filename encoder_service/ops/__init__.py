@@ -6,10 +6,12 @@ every other module is one op family:
   - norm.py:       pre-norm (RMSNorm, LayerNorm) and the residual add of the projection that closes a
                    sub-layer (bias folded into the norm kernel, residual in the GEMM epilogue)
   - rotary.py:     the 2D rotary of q and k, split out of the fused qkv projection, in float32
-  - activation.py: the MLP activations (gated SiLU on the merged gate/up output; tanh-GELU in the fc1 GEMM)
-  - mlp_kernels.py: which kernel computes the gated SiLU (policy + startup check) over swiglu_gemm_triton.py
-                   (our fused Triton GEMM) and swiglu_gemm_quack.py (optional quack-kernels); cutlass_dsl.py:
-                   the CuTe DSL import path for FA4 and quack
+  - activation.py: the MLPs' first GEMM and activation (gated SiLU on the merged gate/up weight; tanh GELU,
+                   quick_gelu)
+  - mlp_kernels.py: which kernel computes them (policy + startup check): a GEMM with the activation in its
+                   epilogue (quack_gemm.py: optional quack-kernels; swiglu_gemm_triton.py: our Triton GEMM;
+                   cuBLASLt's GELU) or the GEMM then the activation; cutlass_dsl.py: the CuTe DSL import path
+                   for FA4 and quack
   - attention.py:  non-causal attention over packed variable-length segments: the CPU reference, torch's
                    CUDA paths, and the per-layout backend table + policy (--attention) over
                    attention_triton.py (our Triton window kernel) and attention_fa4.py (optional FlashAttention-4)

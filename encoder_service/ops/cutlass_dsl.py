@@ -1,4 +1,4 @@
-"""The CuTe DSL's import path, shared by its optional kernels (ops/attention_fa4.py, ops/swiglu_gemm_quack.py).
+"""The CuTe DSL's import path, shared by its optional kernels (ops/attention_fa4.py, ops/quack_gemm.py).
 
 `cutlass` lives in nvidia_cutlass_dsl/dsl_packages, put on sys.path by a .pth file that `pip install
 --target` does not run: `ensure_dsl_path()` adds it when `import cutlass` fails (a no-op without the DSL).

@@ -1,22 +1,36 @@
-"""Which kernel computes Qwen2.5's gated MLP hidden on CUDA in half precision, and the policy that picks one.
+"""Which kernel computes an MLP's first GEMM and its activation on CUDA in half precision, and the policy that
+picks one. x [N, E] -> the hidden [N, I] the down projection reads; three forms (FORMS):
 
-    hidden = silu(x @ Wg^T + bg) * (x @ Wu^T + bu)     x [N, E]; weight [2 * I, E], gate rows first (as
-                                                        models/layers.py stores gate_up_proj); bias [2 * I]
-Backends (BACKENDS), each `run(x, weight, bias, out) -> out [N, I]`:
-  - split:        cuBLAS for the whole [N, 2 * I] product, then our Triton silu_mul that reads it back (the
-                  path before issue 23; needs only Triton)
-  - triton_fused: one Triton GEMM with the SwiGLU in its epilogue (ops/swiglu_gemm_triton.py; TMA, sm90+)
-  - quack:        quack-kernels' CuTe DSL GEMM with its swiglu epilogue (ops/swiglu_gemm_quack.py; optional
-                  dependency that comes with FlashAttention-4; sm90)
-`GatedKernelPolicy(choice)`: auto walks TABLE; a named choice puts its backend first and falls back along
-auto's chain, which always ends in split. Per (device, dtype, E, I) the first backend that is present and
-passes `check_backend` runs: numerics against float32 on a small batch at the real E and I (output poisoned
-with NaN first, so an unwritten element fails), eagerly and replayed in a captured graph on fresh inputs.
-The check runs at the first call with a new key outside graph capture (the runners' warm-up before each
-capture is such a call); a call inside a capture for a key not yet checked runs split, which needs no check
-(nothing compiles or syncs inside a capture). A backend that fails is demoted for that key (logged) and the
-next one is checked. The towers reach this through ops/activation.py (`gated_linear_act`), under the policy
-`use_policy` made active on the thread, else the default (auto).
+  swiglu      Qwen2.5: silu(x @ Wg^T + bg) * (x @ Wu^T + bu); weight [2 * I, E], gate rows first (as
+              models/layers.py stores gate_up_proj); bias [2 * I]
+  gelu_tanh   Qwen3's fc1: gelu_tanh(x @ W^T + b); weight [I, E]
+  quick_gelu  Qwen2's fc1: quick_gelu(x @ W^T + b); weight [I, E]
+
+Each form's backends in auto's order, measured on the H100 (benchmarks/kernels_issue23.py; RESULTS.md, issue
+23), each `run(x, weight, bias, out) -> out [N, I]`; the last is the fallback, present wherever the fast path
+runs (Triton on CUDA), which needs no check:
+  swiglu:     quack         quack-kernels' CuTe DSL GEMM with its swiglu epilogue on the concatenated weight
+                            (ops/quack_gemm.py; optional, comes with FlashAttention-4; sm90; tile config pinned):
+                            0.248 ms at Qwen2.5 1080p, the GEMM alone 0.259
+              triton_fused  our Triton GEMM with the SwiGLU in its epilogue (ops/swiglu_gemm_triton.py; TMA,
+                            sm90+): 0.310 ms
+              split         cuBLAS for the whole [N, 2 * I] product, then our Triton silu_mul that reads it back
+                            (the path before issue 23): 0.336 ms
+  gelu_tanh:  quack         gemm_act "gelu_tanh_approx": 0.118 ms at Qwen3 1080p
+              cublaslt      torch._addmm_activation: cuBLASLt's GELU epilogue (tanh approximation): 0.134 ms
+  quick_gelu: quack         gemm_act "quick_gelu"
+              torch         cuBLAS GEMM + bias, then quick_gelu in torch ops (the towers' eager order)
+
+`MlpKernelPolicy(choice)`: auto walks each form's order; a named choice puts that backend first in the forms
+that have it (then auto's order) and runs the fallback in the others (so "split" is the service before
+issue 23 for every form). Per (form, device, dtype, E, I) the first backend that is present and passes
+`check_backend` runs: numerics against float32 on a small batch at the real E and I (output poisoned with
+NaN first, so an unwritten element fails), eagerly and replayed in a captured graph on fresh inputs. The
+check runs at the first call with a new key outside graph capture (the runners' warm-up before each capture
+is such a call); a call inside a capture for a key not yet checked runs the fallback (nothing compiles or
+syncs inside a capture). A backend that fails is demoted for that key (logged) and the next one is checked.
+The towers reach this through ops/activation.py, under the policy `use_policy` made active on the thread,
+else the default (auto).
 """
 
 from __future__ import annotations
@@ -30,10 +44,20 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from encoder_service.ops import swiglu_gemm_quack, swiglu_gemm_triton
+from encoder_service.ops import quack_gemm, swiglu_gemm_triton
 from encoder_service.ops.fast_path import HALF_PRECISION, tl, triton
 
 log = logging.getLogger(__name__)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """transformers' QuickGELU (Qwen2-VL's hidden_act)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (Qwen3-VL's gelu_pytorch_tanh)."""
+    return F.gelu(x, approximate="tanh")
 
 
 # ---- split: cuBLAS, then Triton silu_mul ------------------------------------------------------------
@@ -65,6 +89,9 @@ def silu_mul_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> t
     return out
 
 
+# ---- backends -----------------------------------------------------------------------------------------
+
+
 def _split(x, weight, bias, out):
     return silu_mul_triton(F.linear(x, weight, bias), out)
 
@@ -73,11 +100,33 @@ def _triton_fused(x, weight, bias, out):
     return swiglu_gemm_triton.swiglu_gemm_triton(x, weight, bias, out=out)
 
 
-def _quack(x, weight, bias, out):
-    return swiglu_gemm_quack.swiglu_gemm_quack(x, weight, bias, out=out)
+def _quack(activation: str):
+    def run(x, weight, bias, out):
+        return quack_gemm.gemm_act_quack(x, weight, bias, activation, out=out)
+
+    return run
 
 
-# ---- backends and the policy ------------------------------------------------------------------------
+def _cublaslt_gelu(x, weight, bias, out):
+    if out is None:
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    return torch._addmm_activation(bias, x, weight.t(), use_gelu=True, out=out)
+
+
+def _torch_quick_gelu(x, weight, bias, out):
+    hidden = quick_gelu(F.linear(x, weight, bias))
+    return hidden if out is None else out.copy_(hidden)
+
+
+def _probe_quack(device, e, i) -> str:
+    ok, why = quack_gemm.available(device)
+    if not ok:
+        return why
+    return "" if e % 8 == 0 and i % 8 == 0 else f"E={e} and I={i} must be multiples of 8 (16-byte rows)"
+
+
+def _present(device, e, i) -> str:
+    return ""
 
 
 @dataclass(frozen=True)
@@ -87,82 +136,112 @@ class Backend:
     probe: Callable[[torch.device, int, int], str]  # (device, E, I) -> '' if usable, else why not
 
 
-def _probe_quack(device, e, i) -> str:
-    ok, why = swiglu_gemm_quack.available(device)
-    if not ok:
-        return why
-    return "" if e % 8 == 0 and i % 8 == 0 else f"E={e} and I={i} must be multiples of 8 (16-byte rows)"
+@dataclass(frozen=True)
+class Form:
+    """An MLP's first GEMM + activation: its backends in auto's order (the last: the fallback) and its
+    float32 reference."""
+
+    name: str
+    gated: bool  # weight [2 * I, E] (gate | up) -> [N, I], else weight [I, E]
+    act: Callable[[torch.Tensor], torch.Tensor]  # silu for the gated form: act(gate) * up
+    backends: tuple[Backend, ...]
+
+    @property
+    def fallback(self) -> str:
+        return self.backends[-1].name
+
+    def backend(self, name: str) -> Backend:
+        return next(b for b in self.backends if b.name == name)
+
+    def chain(self, choice: str) -> tuple[str, ...]:
+        names = tuple(b.name for b in self.backends)
+        if choice == "auto":
+            return names
+        if choice not in names:
+            return (self.fallback,)
+        chain = tuple(dict.fromkeys((choice, *names)))
+        return chain[: chain.index(self.fallback) + 1]  # the fallback ends it (named: it runs alone)
+
+    def width(self, weight: torch.Tensor) -> int:
+        """I, the hidden width, from the weight's rows."""
+        return weight.shape[0] // 2 if self.gated else weight.shape[0]
+
+    def reference(self, x, weight, bias) -> torch.Tensor:
+        """The float32 hidden on x's device (two GEMMs on the halves for the gated form)."""
+        x32, w32, b32 = x.float(), weight.float(), bias.float()
+        if not self.gated:
+            return self.act(F.linear(x32, w32, b32))
+        i = self.width(weight)
+        return self.act(F.linear(x32, w32[:i], b32[:i])) * F.linear(x32, w32[i:], b32[i:])
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("split", _split, lambda device, e, i: ""),
-    Backend("triton_fused", _triton_fused, swiglu_gemm_triton.serves),
-    Backend("quack", _quack, _probe_quack),
+FORMS: dict[str, Form] = {f.name: f for f in (
+    Form("swiglu", True, F.silu, (Backend("quack", _quack("swiglu"), _probe_quack),
+                                  Backend("triton_fused", _triton_fused, swiglu_gemm_triton.serves),
+                                  Backend("split", _split, _present))),
+    Form("gelu_tanh", False, gelu_tanh, (Backend("quack", _quack("gelu_tanh_approx"), _probe_quack),
+                                         Backend("cublaslt", _cublaslt_gelu, _present))),
+    Form("quick_gelu", False, quick_gelu, (Backend("quack", _quack("quick_gelu"), _probe_quack),
+                                           Backend("torch", _torch_quick_gelu, _present))),
 )}
-FALLBACK = "split"  # present wherever the fast path runs (Triton on CUDA); needs no check
-
-# auto's order. Measure before changing it (benchmarks/kernels_issue23.py times every backend per kernel
-# and end to end on the H100 and prints the order its numbers support).
-TABLE: tuple[str, ...] = ("split",)
-CHOICES = ("auto", *BACKENDS)
+CHOICES = ("auto", *dict.fromkeys(b.name for f in FORMS.values() for b in f.backends))
 
 CHECK_ROWS = 777  # odd: partial row tiles
 CHECK_REL_TOL = 1e-2  # ||out - ref|| / ||ref|| against float32; one bf16 rounding is ~3e-3
 
 
-def chain(choice: str) -> tuple[str, ...]:
-    if choice not in CHOICES:
-        raise ValueError(f"MLP kernel choice must be one of {', '.join(CHOICES)}, got {choice!r}")
-    names = TABLE if choice == "auto" else (choice, *TABLE)
-    return tuple(dict.fromkeys(names + (FALLBACK,)))
+# ---- the policy ---------------------------------------------------------------------------------------
 
 
-class GatedKernelPolicy:
-    """Which backend computes the gated hidden, per (device, dtype, E, I); see the module docstring."""
+class MlpKernelPolicy:
+    """Which backend computes each form, per (form, device, dtype, E, I); see the module docstring."""
 
     def __init__(self, choice: str = "auto", *, available: Mapping[str, bool | str] | None = None):
+        if choice not in CHOICES:
+            raise ValueError(f"MLP kernel choice must be one of {', '.join(CHOICES)}, got {choice!r}")
         self.choice = choice
-        self.chain = chain(choice)
-        # tests fake the probes: backend -> True (present) or why not
+        # backend name -> True (present) or why not: tests fake the probes, benchmarks leave a backend out
         self._available = {k: "" if v is True else str(v) for k, v in (available or {}).items()}
         self._selected: dict[tuple, str] = {}  # key -> backend that passed its check
         self._demoted: dict[tuple, str] = {}  # (backend, key) -> why
         self._lock = threading.Lock()
 
-    def gated_silu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        key = (x.device, x.dtype, x.shape[-1], weight.shape[0] // 2)
+    def run(self, form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        f = FORMS[form]
+        key = (form, x.device, x.dtype, x.shape[-1], f.width(weight))
         name = self._selected.get(key)
         if name is None:
             if torch.cuda.is_current_stream_capturing():
-                name = FALLBACK  # unchecked: nothing may compile or sync inside a capture
+                name = f.fallback  # unchecked: nothing may compile or sync inside a capture
             else:
                 name = self.select(*key)
-        return BACKENDS[name].run(x, weight, bias, None)
+        return f.backend(name).run(x, weight, bias, None)
 
-    def select(self, device: torch.device, dtype: torch.dtype, e: int, i: int) -> str:
+    def select(self, form: str, device: torch.device, dtype: torch.dtype, e: int, i: int) -> str:
         """The backend for this key, running the startup check of each candidate in turn (once per key)."""
-        key = (device, dtype, e, i)
+        f, key = FORMS[form], (form, device, dtype, e, i)
         with self._lock:
             if key in self._selected:
                 return self._selected[key]
-            for name in self.chain:
-                if name == FALLBACK:
+            for name in f.chain(self.choice):
+                if name == f.fallback:
                     break
-                why = (self._available[name] if name in self._available else BACKENDS[name].probe(device, e, i)) \
-                    or check_backend(BACKENDS[name].run, device, dtype, e, i)
+                why = (self._available[name] if name in self._available
+                       else f.backend(name).probe(device, e, i)) \
+                    or check_backend(f, f.backend(name).run, device, dtype, e, i)
                 if not why:
                     self._selected[key] = name
                     return name
                 self._demoted[(name, key)] = why
-                log.warning("MLP kernel %s demoted for E=%d I=%d %s: %s", name, e, i,
+                log.warning("MLP kernel %s demoted for %s E=%d I=%d %s: %s", name, form, e, i,
                             str(dtype).removeprefix("torch."), why)
-            self._selected[key] = FALLBACK
-            return FALLBACK
+            self._selected[key] = f.fallback
+            return f.fallback
 
     def describe(self) -> dict:
         def label(key):
-            device, dtype, e, i = key
-            return f"{device}/E{e}/I{i}/{str(dtype).removeprefix('torch.')}"
+            form, device, dtype, e, i = key
+            return f"{form}/{device}/E{e}/I{i}/{str(dtype).removeprefix('torch.')}"
 
         return {
             "choice": self.choice,
@@ -171,25 +250,19 @@ class GatedKernelPolicy:
         }
 
 
-def reference_gated_silu(x, weight, bias) -> torch.Tensor:
-    """The float32 reference of the gated hidden on x's device."""
-    x32, w32, b32 = x.float(), weight.float(), bias.float()
-    i = weight.shape[0] // 2
-    return F.silu(F.linear(x32, w32[:i], b32[:i])) * F.linear(x32, w32[i:], b32[i:])
-
-
-def check_backend(run, device, dtype, e: int, i: int, rows: int = CHECK_ROWS) -> str:
-    """'' if `run` matches the float32 reference at these widths eagerly and replayed in a captured graph,
-    else what went wrong. Inputs from a CPU generator (the default CUDA RNG untouched)."""
+def check_backend(form: Form, run, device, dtype, e: int, i: int, rows: int = CHECK_ROWS) -> str:
+    """'' if `run` computes `form` like the float32 reference at these widths, eagerly and replayed in a
+    captured graph, else what went wrong. Inputs from a CPU generator (the default CUDA RNG untouched)."""
     gen = torch.Generator().manual_seed(e * 7 + i)
 
     def fresh(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
 
     try:
-        x, weight, bias = fresh(rows, e), fresh(2 * i, e, scale=e**-0.5), fresh(2 * i, scale=0.5)
+        n = 2 * i if form.gated else i
+        x, weight, bias = fresh(rows, e), fresh(n, e, scale=e**-0.5), fresh(n, scale=0.5)
         out = torch.full((rows, i), float("nan"), device=device, dtype=dtype)
-        why = _compare(run(x, weight, bias, out), reference_gated_silu(x, weight, bias))
+        why = _compare(run(x, weight, bias, out), form.reference(x, weight, bias))
         if why:
             return why
         stream = torch.cuda.Stream(device)
@@ -203,7 +276,7 @@ def check_backend(run, device, dtype, e: int, i: int, rows: int = CHECK_ROWS) ->
         x.copy_(fresh(rows, e))
         out.fill_(float("nan"))
         graph.replay()
-        why = _compare(out, reference_gated_silu(x, weight, bias))
+        why = _compare(out, form.reference(x, weight, bias))
         del graph
         return f"in a CUDA graph: {why}" if why else ""
     except torch.cuda.OutOfMemoryError:
@@ -228,24 +301,24 @@ def _compare(out: torch.Tensor, ref: torch.Tensor) -> str:
 # ---- the active policy ------------------------------------------------------------------------------
 
 _local = threading.local()
-_default: GatedKernelPolicy | None = None
+_default: MlpKernelPolicy | None = None
 
 
-def active_policy() -> GatedKernelPolicy:
+def active_policy() -> MlpKernelPolicy:
     """The policy `use_policy` made active on this thread, else the default (auto, created on first use)."""
     policy = getattr(_local, "policy", None)
     if policy is not None:
         return policy
     global _default
     if _default is None:
-        _default = GatedKernelPolicy()
+        _default = MlpKernelPolicy()
     return _default
 
 
 @contextlib.contextmanager
-def use_policy(policy: GatedKernelPolicy):
-    """Run the towers' gated MLP under `policy` on this thread (around a forward or a graph capture: the
-    captured graph keeps the kernels it recorded)."""
+def use_policy(policy: MlpKernelPolicy):
+    """Run the towers' MLPs under `policy` on this thread (around a forward or a graph capture: the captured
+    graph keeps the kernels it recorded)."""
     previous = getattr(_local, "policy", None)
     _local.policy = policy
     try:
@@ -254,7 +327,7 @@ def use_policy(policy: GatedKernelPolicy):
         _local.policy = previous
 
 
-def gated_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x on CUDA in half precision, by the active policy's backend."""
+def run(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The hidden of `form` for x on CUDA in half precision, by the active policy's backend."""
     assert x.is_cuda and x.dtype in HALF_PRECISION and triton is not None
-    return active_policy().gated_silu(x, weight, bias)
+    return active_policy().run(form, x, weight, bias)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from .pipeline import PreprocessedImage, preprocess
 from .resize import plan
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PilBackend:
@@ -71,7 +74,7 @@ class TorchvisionBackend:
         self.cfg, self.limits = cfg, limits
         self.device = _indexed(torch.device(device))
         self._jpeg = jpeg_decoder
-        self._local = threading.local()  # .stream: the calling thread's CUDA stream
+        self._streams = ThreadStreams(self.device)
         # torchvision resizes uint8 natively on the CPU and through float32 elsewhere (torch_ops.resize).
         resize = "uint8" if self.device.type == "cpu" else "float32"
         self.fingerprint = f"torchvision:resize={resize},decode={'nvjpeg' if jpeg_decoder else 'pil'}"
@@ -79,18 +82,7 @@ class TorchvisionBackend:
     def preprocess(self, data: bytes, dtype: torch.dtype = torch.float32) -> PreprocessedImage:
         """Pixel values on the backend's device in `dtype`, complete (on CUDA: this thread's stream waited
         for). Raises LimitExceeded (before decoding) or ImageDecodeError. Safe from many threads at once."""
-        if self.device.type != "cuda":
-            return self._preprocess(data, dtype)
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            pre = self._preprocess(data, dtype)
-            # The engine's GPU thread reads the tensor on the default stream; this keeps its memory from being
-            # handed out on this stream again until the work queued there by the time it is freed is done.
-            pre.pixel_values.record_stream(torch.cuda.default_stream(self.device))
-        stream.synchronize()  # the CPU thread waits (GIL released), never the GPU thread
-        return pre
+        return self._streams.run(lambda: self._preprocess(data, dtype), lambda pre: pre.pixel_values)
 
     def _preprocess(self, data: bytes, dtype: torch.dtype) -> PreprocessedImage:
         header, image = self.decode(data)
@@ -118,6 +110,31 @@ class TorchvisionBackend:
 
 
 Backend = PilBackend | TorchvisionBackend
+
+
+class ThreadStreams:
+    """Preprocessing on `device` from many CPU threads at once: on CUDA each calling thread queues its work on a
+    stream of its own (so it overlaps the other threads' and the ViT's, on the default stream) and waits for
+    it before handing the result over; elsewhere the work just runs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._local = threading.local()  # .stream: the calling thread's CUDA stream
+
+    def run(self, work: Callable[[], T], tensor_of: Callable[[T], torch.Tensor]) -> T:
+        """`work()`, complete; `tensor_of(result)` is the device tensor the caller hands on."""
+        if self.device.type != "cuda":
+            return work()
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            result = work()
+            # The engine's GPU thread reads the tensor on the default stream; this keeps its memory from being
+            # handed out on this stream again until the work queued there by the time it is freed is done.
+            tensor_of(result).record_stream(torch.cuda.default_stream(self.device))
+        stream.synchronize()  # the CPU thread waits (GIL released), never the GPU thread
+        return result
 
 
 def make_backend(name: str, cfg: PreprocessConfig, limits: ImageLimits, device: torch.device | str) -> Backend:

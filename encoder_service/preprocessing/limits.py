@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LimitExceeded
+from ..settings import VIDEO_CODECS, VIDEO_CONTAINERS
 
 # smart_resize (transformers) rejects anything longer than this; a looser limit here could not be served.
 MAX_ASPECT_RATIO = 200
@@ -40,9 +41,8 @@ def check_aspect_ratio(width: int, height: int, limit: float) -> None:
 
 # Demuxers we open (FFmpeg's names; a file is sniffed by its magic bytes and opened with that demuxer only, so
 # FFmpeg never probes the others: hls or concat would open further URLs or files) and the codecs we decode
-# (FFmpeg's codec names, as the stream's header gives them).
-VIDEO_CONTAINERS = ("mov", "matroska")  # mov: MP4 and QuickTime; matroska: MKV and WebM
-VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
+# (FFmpeg's codec names, as the stream's header gives them): settings.VIDEO_CONTAINERS / VIDEO_CODECS, the
+# lists --video-containers and --video-codecs choose from.
 
 
 @dataclass(frozen=True)

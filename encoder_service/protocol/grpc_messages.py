@@ -1,5 +1,5 @@
-"""Conversions between encoder.v1 messages and wire headers / encode answers, shared by the gRPC server and
-client."""
+"""Conversions between encoder.v1 messages and wire headers / encode answers (images and videos), shared by
+the gRPC server and client."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from encoder_service.protocol import wire
 from encoder_service.protocol.image_info import ImageInfo
 from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
 
 # Trailing-metadata keys (see docs/interfaces.md, Wire format), besides the x-timing-* ones (timing.py).
@@ -44,13 +45,27 @@ def info_from_proto(msg: pb.ImageInfo, cls: type[ImageInfo] = ImageInfo, **extra
                hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached, **extra)
 
 
+def video_info_to_proto(info: VideoInfo) -> pb.VideoInfo:
+    """`info` (video_info.py: VideoInfo) as its message (group_timestamps None: empty)."""
+    return pb.VideoInfo(**{k: v for k, v in info.to_json().items() if v is not None})
+
+
+def video_info_from_proto(msg: pb.VideoInfo, cls: type[VideoInfo] = VideoInfo, **extra) -> VideoInfo:
+    """The message as a `cls` (VideoInfo or a subclass, whose own fields `extra` fills)."""
+    return cls(id=msg.id, video_grid_thw=tuple(msg.video_grid_thw), num_tokens=msg.num_tokens,
+               tokens_per_group=msg.tokens_per_group, num_frames=msg.num_frames, sampled_fps=msg.sampled_fps,
+               second_per_grid_t=msg.second_per_grid_t if msg.HasField("second_per_grid_t") else None,
+               group_timestamps=tuple(msg.group_timestamps) or None, row_width=msg.row_width,
+               hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached, **extra)
+
+
 def serialize_fetch_chunk(message: pb.FetchChunk | bytes) -> bytes:
     """Fetch's response serializer: data messages come framed already (wire.grpc_data_message)."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def embedding_from_bytes(info: pb.ImageInfo, data: bytes) -> torch.Tensor:
-    """One image's [num_tokens, row_width] rows from EncodeResponse.embeddings."""
+def embedding_from_bytes(info: pb.ImageInfo | pb.VideoInfo, data: bytes) -> torch.Tensor:
+    """One image's (or video's) [num_tokens, row_width] rows from EncodeResponse.embeddings."""
     return wire.rows_from_bytes(data, info.dtype, info.row_width, info.num_tokens)
 
 

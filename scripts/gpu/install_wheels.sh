@@ -12,7 +12,7 @@
 # Then run Python with PYTHONPATH=/tmp/site-packages:. (ops/cutlass_dsl.py adds the DSL's dsl_packages folder,
 # which a .pth file would add in a normal install). The folder's name matters: quack fingerprints its epilogues'
 # code and treats what is not under a `site-packages` / `dist-packages` folder as its own, recursing into the
-# DSL's globals, where it fails (a TypeError on cutlass's _LOC_TRANSFORMS ContextVar; ops/swiglu_gemm_quack.py).
+# DSL's globals, where it fails (a TypeError on cutlass's _LOC_TRANSFORMS ContextVar; ops/quack_gemm.py).
 # Not /tmp/site: scripts/gpu/env.sh installs the service's wheels there (both can be on PYTHONPATH).
 # Exit status 0 unless pip fails.
 set -uo pipefail
@@ -58,8 +58,8 @@ printf '%s\n' "${wheels[@]##*/}" | tr '\n' ' ' > "$site/.installed"
 echo "installed into $site: $(cat "$site/.installed")"
 PYTHONPATH="$site:." python3 -c "
 import torch
-from encoder_service.ops import attention_fa4, swiglu_gemm_quack
+from encoder_service.ops import attention_fa4, quack_gemm
 print('fa4 available:', attention_fa4.available(torch.device('cuda')))
-print('quack available:', swiglu_gemm_quack.available(torch.device('cuda')))
+print('quack available:', quack_gemm.available(torch.device('cuda')))
 " 2>&1 | tail -4
 exit 0

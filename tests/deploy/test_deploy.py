@@ -199,7 +199,7 @@ def test_chart_runs_the_image_as_built(scenario):
 
 def test_dockerfile_matches_extras():
     """The image's optional FlashAttention-4 layer installs the pyproject extra's versions (quack-kernels too:
-    ops/swiglu_gemm_quack.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
+    ops/quack_gemm.py calls it), and the package with the sglang extra (pyzmq: --sglang-protocol)."""
     extras = (ROOT / "pyproject.toml").read_text()
     ins = dockerfile.instructions()
     args = dockerfile.build_args()

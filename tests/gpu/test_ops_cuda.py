@@ -1,11 +1,12 @@
 """Each fused kernel of ops/ against its torch reference on the same CUDA bfloat16 inputs (the CPU tiers
 run only the references). Differences are rounding only: the kernels keep float32 inside and round once.
-The gated MLP: every kernel of ops/mlp_kernels.py this machine has (split, our fused Triton GEMM per tile
-config, quack when installed) against float32, eagerly and replayed in a captured graph, and every choice
-through the towers' op. Attention: every backend this machine has (FA4 when installed, our Triton window
-kernel, torch's) against float32 attention on the towers' real layouts (head dims 72 and 80, padded by the
-graphs' own rule: dummy segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and
-replayed in a captured graph; every --attention choice through its startup check."""
+The MLPs: every kernel of ops/mlp_kernels.py this machine has, per form (SiLU-gated: split, our fused Triton
+GEMM per tile config, quack; tanh GELU: cuBLASLt, quack; quick_gelu: torch, quack; quack when installed)
+against float32, eagerly and replayed in a captured graph, and every choice through the towers' ops.
+Attention: every backend this machine has (FA4 when installed, our Triton window kernel, torch's) against
+float32 attention on the towers' real layouts (head dims 72 and 80, padded by the graphs' own rule: dummy
+segments, zero-length filler slots; v the strided view of a fused qkv), eagerly and replayed in a captured
+graph; every --attention choice through its startup check."""
 
 from __future__ import annotations
 
@@ -61,23 +62,27 @@ def test_activations():
     w, b = torch.randn(2 * 384, 1280, device=DEV, dtype=DT) * 0.03, torch.randn(2 * 384, device=DEV, dtype=DT)
     ref = F.silu(F.linear(x, w[:384], b[:384])) * F.linear(x, w[384:], b[384:])
     assert rel(activation.gated_linear_act(x, w, b, F.silu), ref) < 1e-2
-    ref = activation.gelu_tanh(F.linear(x, w, b))
-    assert rel(activation.linear_act(x, w, b, activation.gelu_tanh), ref) < 1e-2
+    for act in (activation.gelu_tanh, activation.quick_gelu):
+        assert rel(activation.linear_act(x, w, b, act), act(F.linear(x, w, b))) < 1e-2
 
 
-# ---- the gated MLP's kernels ------------------------------------------------------------------------------
+# ---- the MLPs' kernels ------------------------------------------------------------------------------------
+
+FORM_WIDTHS = {"swiglu": (1280, 3456), "gelu_tanh": (1152, 4352), "quick_gelu": (1280, 5120)}  # padded widths
+BACKENDS = [(f.name, b.name) for f in mlp_kernels.FORMS.values() for b in f.backends]
 
 
-@pytest.mark.parametrize("widths", [(1280, 3456), (264, 200)], ids=["qwen2.5", "odd"])
-@pytest.mark.parametrize("name", list(mlp_kernels.BACKENDS))
-def test_mlp_backend_against_float32(name, widths):
-    e, i = widths
-    why = mlp_kernels.BACKENDS[name].probe(torch.device(DEV), e, i)
+@pytest.mark.parametrize("odd", [False, True], ids=["tower", "odd"])
+@pytest.mark.parametrize(("form", "name"), BACKENDS, ids=[f"{f}-{n}" for f, n in BACKENDS])
+def test_mlp_backend_against_float32(form, name, odd):
+    f = mlp_kernels.FORMS[form]
+    e, i = (264, 200) if odd else FORM_WIDTHS[form]
+    why = f.backend(name).probe(torch.device(DEV), e, i)
     if why:
         pytest.skip(f"{name}: {why}")
     if name == "quack" and i % 128:  # the towers' widths are padded to 128 (models/configs.py); the startup
         pytest.skip("quack is only asked for multiples of 128")  # check covers any other width it meets
-    assert mlp_kernels.check_backend(mlp_kernels.BACKENDS[name].run, torch.device(DEV), DT, e, i) == ""
+    assert mlp_kernels.check_backend(f, f.backend(name).run, torch.device(DEV), DT, e, i) == ""
 
 
 @pytest.mark.parametrize("config", swiglu_gemm_triton.CONFIGS, ids=lambda c: c.name)
@@ -89,19 +94,23 @@ def test_swiglu_triton_every_tile_config(config):
         pytest.skip(why)
     out = torch.full((333, 200), float("nan"), device=DEV, dtype=DT)
     swiglu_gemm_triton.swiglu_gemm_triton(x, w, b, config=config, out=out)
-    assert not out.isnan().any() and rel(out, mlp_kernels.reference_gated_silu(x, w, b)) < 1e-2
+    assert not out.isnan().any() and rel(out, mlp_kernels.FORMS["swiglu"].reference(x, w, b)) < 1e-2
 
 
 @pytest.mark.parametrize("choice", mlp_kernels.CHOICES)
-def test_every_mlp_choice_through_the_towers_op(choice):
-    x, w, b = torch.randn(1000, 1280, device=DEV, dtype=DT), torch.randn(6912, 1280, device=DEV, dtype=DT) * 0.03, \
-        torch.randn(6912, device=DEV, dtype=DT)
-    policy = mlp_kernels.GatedKernelPolicy(choice)
+@pytest.mark.parametrize("form", list(mlp_kernels.FORMS))
+def test_every_mlp_choice_through_the_towers_ops(form, choice):
+    f = mlp_kernels.FORMS[form]
+    e, i = FORM_WIDTHS[form]
+    n = 2 * i if f.gated else i
+    x, w, b = torch.randn(1000, e, device=DEV, dtype=DT), torch.randn(n, e, device=DEV, dtype=DT) * e**-0.5, \
+        torch.randn(n, device=DEV, dtype=DT)
+    policy = mlp_kernels.MlpKernelPolicy(choice)
     with mlp_kernels.use_policy(policy):
-        out = activation.gated_linear_act(x, w, b, F.silu)
-    assert rel(out, mlp_kernels.reference_gated_silu(x, w, b)) < 1e-2
+        out = activation.gated_linear_act(x, w, b, f.act) if f.gated else activation.linear_act(x, w, b, f.act)
+    assert rel(out, f.reference(x, w, b)) < 1e-2
     # the first backend of the chain this machine has: a later one means it failed its numerics or capture check
-    present = [n for n in policy.chain if not mlp_kernels.BACKENDS[n].probe(torch.device(DEV), 1280, 3456)]
+    present = [name for name in f.chain(choice) if not f.backend(name).probe(torch.device(DEV), e, i)]
     assert list(policy.describe()["selected"].values()) == present[:1], policy.describe()
 
 

@@ -1,4 +1,5 @@
-"""runtime/transfer.py on the GPU: pinned staging on a side stream, owned pageable rows out."""
+"""runtime/transfer.py on the GPU: pinned staging on a side stream, owned pageable rows out (from the copier's
+HostRowPool: memory of rows dropped before is reused, never that of rows still referenced)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,20 @@ def test_cuda_outputs_arrive_owned_and_exact():
         got = rows.wait()
         assert all(r.device.type == "cpu" and not r.is_pinned() and r.is_contiguous() for r in got)
         assert all(torch.equal(r, e) for r, e in zip(got, expected))
+
+
+def test_rows_land_in_the_pool_and_reuse_memory_once_dropped():
+    copier = HostCopier()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    outs = [torch.randn(880, 16384, device="cuda", generator=g).bfloat16() for _ in range(2)]  # Qwen3 720p rows
+    first = copier.start(outs).wait()
+    addresses = {r.data_ptr() for r in first}
+    assert copier.pool.stats()["fresh"] == 2 and all(torch.equal(r, o.cpu()) for r, o in zip(first, outs))
+    kept = first[0][:10]  # a view keeps its image's memory out of the pool
+    del first
+    outs = [o.flip(0) for o in outs]
+    second = copier.start(outs).wait()
+    stats = copier.pool.stats()
+    assert stats["reused"] == 1 and stats["fresh"] == 3
+    assert {r.data_ptr() for r in second} & addresses == addresses - {kept.data_ptr()}
+    assert all(torch.equal(r, o.cpu()) for r, o in zip(second, outs)) and not kept.is_pinned()

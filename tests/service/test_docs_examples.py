@@ -1,5 +1,6 @@
 """The examples of README.md and docs/vllm.md, run as written against real servers: the README's encode requests
-(curl: multipart, binary, JSON), its client loops (HTTP, gRPC, shared memory), and docs/vllm.md's chat request
+(curl: multipart, binary, JSON; of images and of videos), its client loops (HTTP, gRPC, shared memory), its
+chunked prefill of a video (a tiny checkpoint for the model named), and docs/vllm.md's chat request
 (curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one edit: the documented addresses become
 the test servers' (tests/support/docs_blocks.py reads the `<!-- docs-test: NAME -->` blocks).
 """
@@ -141,3 +142,60 @@ def test_vllm_doc_chat_request(auth_service, tmp_path):
     (forwarded,) = vllm.bodies
     assert forwarded["messages"][0]["content"][0] == {
         "type": "image_embeds", "image_embeds": {"image_grid_thw": list(photo.grid_thw)}, "uuid": photo.id}
+
+
+def video_files(directory: Path) -> dict[str, bytes]:
+    """The files the README's video examples name: clip.mp4 (12 frames at 8 fps: fps=2 samples 4), frame0.png,
+    frame1.png."""
+    from tests.support.video_cases import frame_images, make_clip
+
+    files = {"clip.mp4": make_clip("mp4_h264", frames=12, width=128, height=96, fps=8)}
+    files.update(zip(("frame0.png", "frame1.png"), frame_images(2, height=64, width=96)))
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+def test_readme_video_requests(service, tmp_path):
+    files = video_files(tmp_path)
+    answers = {name: json.loads(run_shell(documented_block(name, README, DOC_HTTP, service.url), tmp_path))
+               for name in ("video-multipart", "video-binary", "video-json")}
+    with sync_client(service, "http") as client:
+        (clip,) = client.encode_videos([files["clip.mp4"]], fps=2)
+    (multipart,) = answers["video-multipart"]["videos"]
+    assert multipart["id"] == clip.id and multipart["num_frames"] == 4
+    assert multipart["sampled_fps"] == pytest.approx(4 / 12 * 8)  # transformers' VideoMetadata.sampled_fps
+    assert multipart["second_per_grid_t"] == pytest.approx(2 / multipart["sampled_fps"])
+    (binary,) = answers["video-binary"]["videos"]
+    named, frames = answers["video-json"]["videos"]
+    assert binary["id"] == named["id"] == "v:u:clip-1" and binary["video_grid_thw"] == multipart["video_grid_thw"]
+    assert frames["num_frames"] == 2 and frames["sampled_fps"] == 1
+    # The answer the README shows has exactly the fields the service answers.
+    shown = re.search(r'before the ViT runs, `(\{"videos": \[\{.*?\}\])', README.read_text(), re.S).group(1)
+    assert set(re.findall(r'"(\w+)":', shown)) - {"videos"} == set(multipart)
+
+
+@pytest.fixture(scope="module")
+def service_with_tokenizer(request, tiny_checkpoint, tmp_path_factory):
+    """qwen2_5_vl with the tiny tokenizer beside it (the README's prefill loads both from its checkpoint)."""
+    import shutil
+
+    from encoder_service.testing.tiny import add_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenized") / "qwen2_5_vl"
+    shutil.copytree(tiny_checkpoint("qwen2_5_vl"), path)
+    return running(request, add_tiny_tokenizer(path))
+
+
+def test_readme_video_prefill(service_with_tokenizer, tmp_path, monkeypatch):
+    svc = service_with_tokenizer
+    video_files(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the example reads clip.mp4
+    code = documented_block("video-prefill", README, DOC_HTTP, svc.url)
+    code = code.replace('"Qwen/Qwen2.5-VL-7B-Instruct"', repr(str(svc.checkpoint)))
+    namespace = run_python(code, {}, "video-prefill")
+    video, result = namespace["video"], namespace["result"]
+    assert video.num_groups == 2 and isinstance(namespace["next_token"], str)
+    assert sum(c.rows_received for c in result.chunks) == video.num_tokens
+    assert result.logits.shape[0] == namespace["prompt"].seq_len
+    assert not svc.pinned(video.group_id(0))  # the example released it

@@ -211,7 +211,7 @@ def test_detects_wrong_integration(setup, monkeypatch):
                                            reference)}
         with monkeypatch.context() as m:  # text-style positions 0..seq_len-1 on all three axes
             m.setattr(prefill_module, "mrope_position_ids",
-                      lambda p, merge: (torch.arange(p.seq_len).expand(3, -1).clone(), 0))
+                      lambda p, merge, **_: (torch.arange(p.seq_len).expand(3, -1).clone(), 0))
             errors["1-D positions"] = _rel_err(chunked_prefill(setup.model, prompt, client.fetch, chunk_size).logits,
                                                reference)
         if setup.family == "qwen3_vl":

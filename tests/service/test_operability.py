@@ -81,7 +81,8 @@ def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path)
         svc.call(svc.core.store.redis.flush)  # the write-behind has landed
         m = scrape(c)
         assert m["encoder_cache_redis_writes_total"] == 16 and m["encoder_cache_redis_write_queue_bytes"] == 0
-        assert m["encoder_cache_redis_dropped_writes_total"] == 0
+        assert m["encoder_cache_redis_dropped_writes_total{reason=failed}"] == 0
+        assert m["encoder_cache_redis_dropped_writes_total{reason=backlog_full}"] == 0
 
         with EncoderClient.http(svc.url, shm=True, shm_dir=str(tmp_path)) as client:
             assert client.fetch([(ids[-1], 0)], 0, 4).rows.shape == (4, 48)

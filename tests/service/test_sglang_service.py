@@ -265,7 +265,7 @@ def test_error_to_the_tokenizer_port(sglang_service, pull):
     (dict(mm_items=["aGk="] * 9), 400, "number of images in the request is 9, over the limit of 8"),
     (dict(mm_items=["https://example.com/a.png"]), 400, "url images are disabled"),
     (dict(mm_items=[data_uri(b"\x00" * (3 << 20))]), 413, "request body"),
-    (dict(modality="AUDIO"), 400, "images only"),
+    (dict(modality="AUDIO"), 400, "images and videos"),
     (dict(part_idx=3), 400, "part_idx must be in [0, 1)"),
     (dict(num_parts="1"), 400, "bad JSON body"),
 ])
@@ -319,3 +319,34 @@ def test_a_client_gone_mid_upload_is_cancelled_not_an_error(sglang_service, capl
         time.sleep(0.05)
     assert cancelled() - before == 1
     assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_part(family, sglang_service, sglang_service_qwen3, pull):
+    """A VIDEO part (two videos, one sampled by its preprocess_kwargs): Modality.VIDEO, a grid per video, the
+    rows of both in order, and what SGLang's language side needs for the prompt and M-RoPE."""
+    from encoder_service.core.types import VideoInput
+    from tests.support.video_cases import make_clip
+
+    svc = sglang_service if family == "qwen2_5_vl" else sglang_service_qwen3
+    a, b = make_clip("mp4_h264", frames=7, width=96, height=64), make_clip("webm_vp9", frames=9, width=64, height=64)
+    rid = f"{uuid.uuid4().hex}_local_part_0"
+    body = encode_body(rid, ["data:video/mp4;base64," + base64.b64encode(a).decode(),
+                             {"url": base64.b64encode(b).decode(), "preprocess_kwargs": {"num_frames": 4}}])
+    r = httpx.post(f"{svc.sglang_url}/encode", json=body | {"modality": "VIDEO", "embedding_port": pull.port},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    frames = pull.recv()
+    _, _, state = walk(frames[0])
+    expect = svc.call(lambda: svc.core.encode([], videos=[VideoInput(data=a), VideoInput(data=b, num_frames=4)],
+                                              return_embeddings=True))
+    assert state["modality"][2] == (2,) and state["grid_dim"] == [list(v.video_grid_thw) for v in expect.videos]
+    rows = torch.cat(expect.embeddings)
+    assert state["shape"] == list(rows.shape)
+    assert torch.equal(torch.frombuffer(bytearray(frames[1]), dtype=rows.dtype).reshape(rows.shape), rows)
+    if family == "qwen3_vl":
+        assert state["video_timestamps"] == [list(v.group_timestamps) for v in expect.videos]
+        assert state["second_per_grid_ts"] is None
+    else:
+        assert state["second_per_grid_ts"] == [v.second_per_grid_t for v in expect.videos]
+        assert state["video_timestamps"] is None

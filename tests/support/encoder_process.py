@@ -12,6 +12,9 @@ httpx) and benchmarks/soak.py.
     configures it) plus `env`; `wait_ready(timeout_s)` returns it once `ready_url` answers (if
     it exits or is not ready in time: stopped, RuntimeError with the log's tail), `stop()` (idempotent),
     `log_tail()`; a context manager.
+  - `Replica(name, checkpoint, redis_url, log_dir, *args)`: `encoder-service serve` of `checkpoint` on the CPU
+    on free loopback ports (`.url`, `.grpc_address`), sharing `redis_url` (None: no Redis), plus `args`;
+    `metrics(names)` reads those samples from its /metrics (needs prometheus_client).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,3 +87,27 @@ class ServiceProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Replica(ServiceProcess):
+    def __init__(self, name: str, checkpoint: Path, redis_url: str | None, log_dir: Path, *args: str,
+                 python: str | None = None):
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
+        cmd = ["serve", "--model", str(checkpoint), "--device", "cpu", "--host", "127.0.0.1",
+               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--log-level", "warning",
+               *(["--redis-url", redis_url] if redis_url else []), *args]
+        super().__init__(encoder_service_argv(*cmd, python=python), f"{self.url}/health/ready",
+                         Path(log_dir) / f"{name}.log", name=f"replica {name}")
+
+    def metrics(self, names) -> dict[str, float]:
+        """The samples of its /metrics whose name is in `names` (summed over their labels)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        found: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in names:
+                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
+        return found

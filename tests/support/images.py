@@ -1,4 +1,5 @@
-"""Images made in memory for the tests: random-noise pictures, and PNGs whose header claims any size."""
+"""Images made in memory for the tests: random-noise pictures, PNGs whose header claims any size, and new
+bytes for the same pixels."""
 
 from __future__ import annotations
 
@@ -40,3 +41,9 @@ def png_header_only(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     rows = zlib.compress(b"\x00" * 1024)
     return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", rows) + png_chunk(b"IEND", b"")
+
+
+def png_with_text(png: bytes, n: int) -> bytes:
+    """`png`'s pixels under other bytes: a tEXt chunk naming `n` after the signature (8 bytes) and IHDR (25).
+    A new cache key per `n` without encoding another PNG."""
+    return png[:33] + png_chunk(b"tEXt", b"n\x00" + str(n).encode()) + png[33:]

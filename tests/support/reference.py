@@ -33,3 +33,21 @@ def reference_rows(checkpoint: Path, data: bytes, preprocess: str = "pil") -> to
 
 def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4)
+
+
+def reference_video_rows(checkpoint: Path, video, options=None) -> torch.Tensor:
+    """[num_tokens, row_width] float32: the tower of `checkpoint` on the whole video (a file's bytes, or its
+    frames) in one call, grid (t, h, w), its frame groups preprocessed as the service does (torch ops on the
+    CPU, bit-exact with transformers' video processor: tests/engines/test_torchvision_video.py)."""
+    from encoder_service.preprocessing import (
+        VideoConfig, VideoLimits, VideoOptions, iter_frame_groups, plan_video, preprocess_group, probe_video,
+    )  # fmt: skip
+
+    loaded, _ = _reference_model(str(checkpoint))
+    cfg, limits = VideoConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec), VideoLimits()
+    options = dict(options or {})
+    frames_fps = options.pop("frames_fps", None)
+    plan = plan_video(probe_video(video, limits, frames_fps=frames_fps), cfg, VideoOptions(**options), limits)
+    pixel_values = torch.cat([preprocess_group(frames, plan, cfg) for frames in iter_frame_groups(video, plan, limits)])
+    with torch.inference_mode():
+        return loaded.tower(pixel_values.to(loaded.dtype), loaded.tower.metadata([plan.grid_thw])).float()

@@ -62,10 +62,8 @@ class RunningService:
 
     def pinned(self, public_id: str) -> bool:
         """Whether encode pins of `public_id` are held in the local tier (asked on the service's loop)."""
-        from encoder_service.cache import key_from_id
-
         core = self.core
-        name = key_from_id(public_id, core.model_fp, core.settings.cache.hash).name
+        name = core.key_of(public_id).name  # an image's, or a video's frame group's
 
         async def on_loop():  # the store is not thread-safe
             return core.store.local.is_pinned(name)

@@ -41,6 +41,9 @@ def walk(data: bytes):
             n = data[i]
             stack.append(int.from_bytes(data[i + 1:i + 1 + n], "little", signed=True))
             i += 1 + n
+        elif op == b"G":
+            stack.append(struct.unpack(">d", data[i:i + 8])[0])
+            i += 8
         elif op == b"N":
             stack.append(None)
         elif op == b"\x93":

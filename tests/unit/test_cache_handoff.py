@@ -14,7 +14,7 @@ import torch
 
 from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
 from encoder_service.cache.handoff import marker_name
-from encoder_service.errors import ImageDecodeError
+from encoder_service.errors import ImageDecodeError, Unavailable
 from tests.support.stores import LOADED, make_entry, open_store, wait_until
 
 LONG_S = 30.0  # a fetch's timeout far longer than any wake-up below
@@ -157,15 +157,95 @@ async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
         assert await asyncio.wait_for(waiting, 1.0) is Settled.LANDED
 
 
-async def test_markers_expire_so_a_crashed_replica_cannot_hold_fetches(redis_server):
+def crash(store: EmbeddingStore) -> None:
+    """The replica stops dead (SIGKILL, as far as Redis can tell): its heartbeat no longer renews anything."""
+    store.redis._tasks["heartbeat"].cancel()
+
+
+LIVENESS = dict(pending_ttl_s=0.5, heartbeat_s=0.1)  # a marker outlives its owner by half a second
+
+
+async def test_a_live_owner_keeps_its_marker_and_a_dead_one_is_known_within_the_ttl(redis_server):
+    """The marker lives only while its owner renews it (issue 22 item 1): a waiter keeps waiting on a live
+    owner well past the marker's TTL, and learns within the TTL that a dead one is gone, with the image
+    bytes it needs to encode it itself (ORPHANED) instead of waiting out the lease (before: 300 s)."""
+    async with replicas(redis_server.url, **LIVENESS) as (a, b):
+        data = b"the accepted image's bytes"
+        assert await a.mark_pending(["k"], inputs={"k": data})
+        waiting = asyncio.create_task(b.wait_for("k", LONG_S))
+        await asyncio.sleep(4 * LIVENESS["pending_ttl_s"])  # A lives (encodes on): its heartbeat renews
+        assert not waiting.done()
+        crash(a)
+        crashed = time.monotonic()
+        assert await waiting is Settled.ORPHANED
+        assert time.monotonic() - crashed < LIVENESS["pending_ttl_s"] + 0.5
+        assert await b.input("k") == data  # what B encodes in A's place
+        assert await b.wait_for("k", LONG_S) is Settled.ORPHANED  # a later wait: at once
+        assert b.stats()["redis_pending_orphaned"] == 2
+        assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # no marker, no bytes: nobody has it
+
+
+async def test_the_first_claim_wins_and_the_other_replica_waits(redis_server):
+    """Two replicas accepting the same new image at once (issue 22 item 4): one claim wins, the other learns
+    that the image is being encoded elsewhere; a failure marker or a claim of its own from before does not
+    stand in the way."""
     async with replicas(redis_server.url) as (a, b):
-        assert await a.mark_pending(["orphan"], lease_s=0.5)  # then A "crashes": it never settles
-        direct = redis.Redis.from_url(redis_server.url)
-        assert 0 < direct.pttl(marker_name("orphan")) <= 500  # the marker lives as long as the encode's lease
-        t0 = time.monotonic()
-        assert await b.wait_for("orphan", LONG_S) is Settled.NOT_PENDING  # at the marker's expiry
-        assert time.monotonic() - t0 < 1.5
-        direct.close()
+        on_a, on_b = await asyncio.gather(a.mark_pending(["k", "j"]), b.mark_pending(["k", "j"]))
+        assert on_a.ok and on_b.ok
+        assert on_a.elsewhere | on_b.elsewhere == {"k", "j"} and not on_a.elsewhere & on_b.elsewhere  # one each
+        winner, loser = (a, b) if "k" in on_b.elsewhere else (b, a)
+        assert "k" not in (await winner.mark_pending(["k"])).elsewhere  # its own claim again: still its own
+        waiting = asyncio.create_task(loser.wait_for("k", LONG_S))
+        winner.failed("k", ImageDecodeError("truncated"))
+        with pytest.raises(EncodeFailed):
+            await waiting
+        assert "k" not in (await loser.mark_pending(["k"])).elsewhere  # a failure marker: replaced
+        assert a.stats()["redis_pending_elsewhere"] + b.stats()["redis_pending_elsewhere"] >= 1
+
+
+async def test_an_owner_that_gives_up_releases_the_image_to_a_waiter(redis_server):
+    """An encode the owner gives up for a reason of its own (shutting down, its engine died) is released,
+    not failed: a waiter takes it over at once; so are the claims still held when a replica stops."""
+    async with replicas(redis_server.url) as (a, b):
+        assert await a.mark_pending(["k", "j"], inputs={"k": b"k bytes", "j": b"j bytes"})
+        waiting = asyncio.create_task(b.wait_for("k", LONG_S))
+        await wait_until(lambda: b.stats()["redis_pending_waits"] == 1)
+        a.failed("k", Unavailable("the service is shutting down"))
+        assert await asyncio.wait_for(waiting, 1.0) is Settled.ORPHANED
+        assert await b.input("k") == b"k bytes"
+        waiting = asyncio.create_task(b.wait_for("j", LONG_S))
+        await wait_until(lambda: b.stats()["redis_pending_waits"] == 2)
+        await a.close()  # "j" still claimed: released
+        assert await asyncio.wait_for(waiting, 1.0) is Settled.ORPHANED
+
+
+async def test_claims_and_rows_of_an_outage_are_marked_and_settled_once_redis_is_back(redis_server):
+    """A accepts an image and finishes its rows while Redis is down and restarts empty (issue 22 item 2): once
+    back, A marks its claim again at once and writes the rows behind it, and B's wait ends with them. Right
+    after B's own recovery an id without a marker is 'unavailable' (A may not have marked it again yet),
+    not unknown."""
+    async with replicas(redis_server.url) as (a, b):
+        assert await a.mark_pending(["early"], inputs={"early": b"early bytes"})
+        redis_server.kill()
+        assert await b.wait_for("early", LONG_S) is Settled.UNAVAILABLE  # B's tier goes down with it
+        marked = await a.mark_pending(["late"], inputs={"late": b"late bytes"})  # accepted during the outage
+        assert not marked and not a.redis.up
+        a.put("early", make_entry(1))  # finished during the outage: queued
+        redis_server.start()
+        await wait_until(lambda: b.redis.up)
+        assert await b.wait_for("unknown", LONG_S) is Settled.UNAVAILABLE  # within B's recovery grace
+        await wait_until(lambda: a.redis.up)
+        await a.redis.flush()
+        assert await b.wait_for("early", LONG_S) is Settled.LANDED
+        assert torch.equal(await b.read_rows("early", 0, 300), make_entry(1).tensor)
+        await wait_until(lambda: redis.Redis.from_url(redis_server.url).exists(marker_name("late")) == 1)
+        waiting = asyncio.create_task(b.wait_for("late", LONG_S))  # A's claim, marked again: B waits
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        a.put("late", make_entry(2))
+        assert await asyncio.wait_for(waiting, 2.0) is Settled.LANDED
+        await asyncio.sleep(b.redis.recovery_grace_s)
+        assert await b.wait_for("unknown", LONG_S) is Settled.NOT_PENDING
 
 
 async def test_an_outcome_published_between_check_and_subscribe_is_not_missed(redis_server, monkeypatch):
@@ -198,7 +278,7 @@ async def test_rows_that_could_not_be_stored_fail_the_wait(redis_server):
         with pytest.raises(EncodeFailed) as info:
             await asyncio.wait_for(waiting, 1.0)
         assert info.value.kind == "not_found" and "not stored" in info.value.message  # 404, saying why
-        assert a.stats()["redis_writes_dropped"] == 1
+        assert a.stats()["redis_writes_dropped_full"] == 1
 
 
 async def test_rows_refused_by_a_full_redis_fail_the_wait(redis_server_noevict):
@@ -291,9 +371,9 @@ async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_
     async with replicas(redis_server.url) as (a, b):
         gate, write = asyncio.Event(), a.redis._write
 
-        async def held_write(key, entry):  # the write-behind has not reached Redis yet
+        async def held_write(key, entry, *args):  # the write-behind has not reached Redis yet
             await gate.wait()
-            await write(key, entry)
+            return await write(key, entry, *args)
 
         a.redis._write = held_write
         a.put("k", make_entry(9))

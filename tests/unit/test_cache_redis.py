@@ -177,19 +177,24 @@ async def test_a_range_read_that_mixes_two_values_is_detected_and_read_again(red
 
 
 async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
+    """Rows finished while Redis is down wait in the backlog and are written once it is back (issue 22 item
+    2; before, they were dropped: another replica answered 404 for them from then on); so are the ids leased
+    here from before the outage, which the restarted (empty) Redis lost."""
     caplog.set_level(logging.INFO, logger="encoder_service.cache")
     store = await open_store(redis_server.url)
+    store.pin("a", nbytes=1)  # leased here, as an encode pins its id
     store.put("a", make_entry(1))
     await store.redis.flush()
     redis_server.kill()
     for i in range(20):  # keeps encoding and serving from the local tier
         assert await store.get(f"b{i}") is None  # a miss, at once
-        store.put(f"b{i}", make_entry(100 + i))  # the encode's rows: kept locally, the write dropped
+        store.put(f"b{i}", make_entry(100 + i))  # the encode's rows: kept locally, their write waits
         assert torch.equal((await store.get(f"b{i}")).tensor, make_entry(100 + i).tensor)
         assert torch.equal(await store.read_rows("a", 0, 3), make_entry(1).tensor[:3])
         assert await store.read_rows(f"never{i}", 0, 1) is None
     stats = store.stats()
     assert stats["redis_state"] == "down" and stats["redis_down_events"] == 1
+    assert stats["redis_writes_dropped"] == 0 and stats["redis_queued_bytes"] > 0  # the backlog
     assert log_count(caplog, "redis tier unavailable") == 1  # once, not per request
     redis_server.start()
     await wait_until(lambda: store.redis.up)
@@ -197,9 +202,53 @@ async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
     store.put("c", make_entry(3))  # writes resume
     await store.redis.flush()
     other = await open_store(redis_server.url)
-    got = await other.get("c")
-    assert got is not None and torch.equal(got.tensor, make_entry(3).tensor)
+    for key, seed in [("c", 3), ("a", 1)] + [(f"b{i}", 100 + i) for i in range(20)]:
+        if key == "a":  # written again by the store once it saw Redis back
+            await wait_until(lambda: store.stats()["reshared"] == 1)
+            await store.redis.flush()
+        got = await other.get(key)
+        assert got is not None and torch.equal(got.tensor, make_entry(seed).tensor), key
+    assert store.stats()["redis_writes_after_outage"] == 20
     await other.close()
+    await store.close()
+
+
+async def test_rows_finished_while_redis_stops_answering_are_written_after(redis_server):
+    """A 2 s SIGSTOP: the writes that timed out, and those made while the tier was down, all land after."""
+    store = await open_store(redis_server.url)
+    redis_server.pause()
+    try:
+        for i in range(10):
+            store.put(f"k{i}", make_entry(i))
+        await wait_until(lambda: not store.redis.up)  # the first write timed out
+        await asyncio.sleep(2.0)
+    finally:
+        redis_server.resume()
+    await wait_until(lambda: store.redis.up)
+    await store.redis.flush()
+    other = await open_store(redis_server.url)
+    for i in range(10):
+        got = await other.get(f"k{i}")
+        assert got is not None and torch.equal(got.tensor, make_entry(i).tensor), i
+    assert store.stats()["redis_writes_dropped"] == 0
+    await other.close()
+    await store.close()
+
+
+async def test_the_backlog_is_bounded_and_what_it_drops_is_counted(redis_server):
+    entry = make_entry(0)
+    store = await open_store(redis_server.url, max_queued_bytes=3 * entry.nbytes)
+    redis_server.kill()
+    await store.get("x")  # the tier notices
+    for i in range(5):
+        store.put(f"k{i}", make_entry(i))
+    stats = store.stats()
+    assert stats["redis_writes_dropped_full"] == 2 and stats["redis_queued_bytes"] == 3 * entry.nbytes
+    redis_server.start()
+    await wait_until(lambda: store.redis.up)
+    await store.redis.flush()
+    with redis.Redis.from_url(redis_server.url) as direct:
+        assert [direct.exists(f"k{i}") for i in range(5)] == [1, 1, 1, 0, 0]  # the first three, in order
     await store.close()
 
 
@@ -243,6 +292,37 @@ async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis
     await store.redis.flush()
     assert direct.exists("late") == 1
     assert log_count(caplog, "writes succeed again") == 1
+    direct.close()
+    await store.close()
+
+
+async def test_the_oom_pause_probes_sooner_and_backs_off_while_redis_stays_full(redis_server_noevict):
+    """Writes paused by an OOM reply resume after half a second once Redis has room again (before: a fixed
+    30 s); while it stays full, each OOM in a row doubles the pause, up to its cap (issue 22 item 6)."""
+    url = redis_server_noevict.url
+    store = await open_store(url, oom_pause_min_s=0.5, oom_pause_max_s=2.0)
+    direct = redis.Redis.from_url(url)
+    direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # full now
+    pauses = []
+    for i in range(4):
+        store.put(f"k{i}", make_entry(i))
+        await store.redis.flush()
+        pauses.append(store.redis._oom_pause_s)
+        await wait_until(lambda: not store.stats()["redis_writes_paused"], timeout_s=3.0)
+    assert pauses == [0.5, 1.0, 2.0, 2.0]
+    direct.config_set("maxmemory", "64mb")  # the operator makes room
+    store.put("late", make_entry(9))
+    await store.redis.flush()
+    assert direct.exists("late") == 1 and store.redis._oom_pause_s == 0  # back to the start
+    direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))
+    store.put("again", make_entry(11, 2048))
+    await store.redis.flush()
+    assert store.redis._oom_pause_s == 0.5
+    await asyncio.sleep(0.6)
+    direct.config_set("maxmemory", "64mb")
+    store.put("soon", make_entry(12))  # 0.6 s after the OOM, not 30 s
+    await store.redis.flush()
+    assert direct.exists("soon") == 1
     direct.close()
     await store.close()
 

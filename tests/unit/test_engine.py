@@ -258,3 +258,41 @@ async def test_gpu_thread_death_is_noticed():
             engine.submit([_job(2.0)])
     finally:
         await engine.stop()
+
+
+async def test_a_reservation_holds_its_room_and_its_items_count_once(engine_and_tower):
+    """A reservation (a video's window) counts its size until closed, whatever it has queued: its own items
+    are not counted again, and a later item of it needs no room (the queue may have filled meanwhile)."""
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    running = engine.submit([_job(1.0)])
+    await _entered(tower)
+    reservation = engine.reserve(3)  # max_queue=6
+    with pytest.raises(Overloaded, match="3 images waiting, max_queue is 6, this request adds 4"):
+        engine.admit(4)
+    mine = engine.submit([_job(2.0), _job(3.0)], permits=[reservation.permit(), reservation.permit()])
+    others = engine.submit([_job(4.0) for _ in range(3)])  # 3 reserved + 3: full
+    with pytest.raises(Overloaded):
+        engine.admit(1)
+    later = engine.submit([_job(5.0)], permits=[reservation.permit()])  # its own room: no check
+    assert engine.queue_depth == 6 and engine.permits == 3
+    reservation.close()
+    reservation.close()  # idempotent
+    assert engine.permits == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        reservation.permit()
+    tower.gate.set()
+    assert all(not isinstance(r, Exception) for r in await _results(running + mine + others + later))
+    engine.admit(6)  # everything drained: the reserved items left no count behind
+
+
+async def test_urgent_jobs_go_to_the_front_in_their_order(engine_and_tower):
+    engine, tower = engine_and_tower
+    tower.gate.clear()
+    running = engine.submit([_job(1.0)])
+    await _entered(tower)
+    queued = engine.submit([_job(2.0), _job(3.0)])
+    urgent = engine.submit([Job(4.0, (1, 2, 2), urgent=True), Job(5.0, (1, 2, 2), urgent=True)])
+    tower.gate.set()
+    await _results(running + queued + urgent)
+    assert [t for call in tower.calls for t in call] == [1.0, 4.0, 5.0, 2.0, 3.0]

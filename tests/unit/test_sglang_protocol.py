@@ -10,12 +10,13 @@ import base64
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from encoder_service import errors
 from encoder_service.api.sglang import header as hdr
-from encoder_service.api.sglang.http import EncodeBody, image_input, validate_encode
+from encoder_service.api.sglang.http import EncodeBody, image_input, validate_encode, video_aux, video_input
 from encoder_service.api.sglang.session import Sessions
 from encoder_service.settings import Settings, SettingsError
 from tests.support.sglang_header import globals_in, walk
@@ -117,7 +118,7 @@ def test_items_refused(item, message):
 
 @pytest.mark.parametrize("change, message", [
     (dict(req_id=""), "req_id"), (dict(modality="TEXT"), "modality must be one of"),
-    (dict(modality="VIDEO"), "images only"), (dict(mm_items=[]), "mm_items"), (dict(num_parts=0), "num_parts"),
+    (dict(modality="AUDIO"), "images and videos"), (dict(mm_items=[]), "mm_items"), (dict(num_parts=0), "num_parts"),
     (dict(part_idx=1), "part_idx"), (dict(embedding_port=5000, prefill_host=None), "prefill_host"),
     (dict(embedding_port=5000, prefill_host="bad host!"), "bad host"),
 ])
@@ -209,3 +210,35 @@ async def test_without_pyzmq_the_service_refuses_to_start(monkeypatch):
     settings = Settings.from_args(["--model", "m", "--device", "cpu", "--sglang-protocol"], env={})
     with pytest.raises(SettingsError, match=r"needs pyzmq.*pip install 'pyzmq>=25.1.2'.*pip install -e '\.\[sglang\]'"):
         await service_mod.Service(settings).start()
+
+
+def test_video_part_header_carries_the_metadata():
+    """A VIDEO part: Modality(2), a grid per video, and Qwen3-VL's group times or Qwen2.5-VL's seconds per
+    group, as floats (BINFLOAT: no global needed)."""
+    qwen3 = hdr.embedding_header("v_local_part_0", 1, 0, [(3, 4, 6), (2, 4, 4)], [26, 192], "bfloat16", "VIDEO",
+                                 aux={"video_timestamps": [[0.25, 1.25, 2.0], [0.5, 1.5]]})
+    _, cls, state = walk(qwen3)
+    assert state["modality"] == ("call", hdr.MODALITY, (2,)) and state["grid_dim"] == [[3, 4, 6], [2, 4, 4]]
+    assert state["video_timestamps"] == [[0.25, 1.25, 2.0], [0.5, 1.5]] and state["second_per_grid_ts"] is None
+    assert globals_in((cls, state)) <= hdr.allowed_globals()
+    _, _, state = walk(hdr.embedding_header("v", 1, 0, [(2, 2, 2)], [2, 8], "float32", "VIDEO",
+                                            aux={"second_per_grid_ts": [1 / 12]}))
+    assert state["second_per_grid_ts"] == [1 / 12] and state["video_timestamps"] is None
+    with pytest.raises(ValueError, match="aux attributes"):
+        hdr.embedding_header("v", 1, 0, [(2, 2, 2)], [2, 8], "float32", "VIDEO", aux={"fps": [2.0]})
+
+
+def test_video_items_and_their_options():
+    data = base64.b64encode(b"mp4 bytes").decode()
+    assert video_input(0, "data:video/mp4;base64," + data).data == b"mp4 bytes"
+    assert video_input(0, {"url": "http://h/a.mp4"}).url == "http://h/a.mp4"
+    item = video_input(1, {"url": data, "preprocess_kwargs": {"fps": 1.0, "max_pixels": 1000}, "detail": "auto"})
+    assert (item.data, item.fps, item.max_pixels) == (b"mp4 bytes", 1.0, 1000)
+    with pytest.raises(errors.InvalidInput, match=r"mm_items\[2\]: per-item options \['preprocess_kwargs.crop'\]"):
+        video_input(2, {"url": data, "preprocess_kwargs": {"crop": 1}})
+    with pytest.raises(errors.InvalidInput, match="local file paths are never read .send the video inline"):
+        video_input(0, "/data/clip.mp4")
+    qwen3 = [SimpleNamespace(group_timestamps=(0.25, 1.0), second_per_grid_t=None)]
+    assert video_aux(qwen3) == {"video_timestamps": [[0.25, 1.0]]}
+    qwen2_5 = [SimpleNamespace(group_timestamps=None, second_per_grid_t=0.5)] * 2
+    assert video_aux(qwen2_5) == {"second_per_grid_ts": [0.5, 0.5]}

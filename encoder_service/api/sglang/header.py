@@ -10,7 +10,11 @@ allow-listed there:
     sglang.srt.multimodal.modality              Modality         Modality(1) = IMAGE (REDUCE)
     torch                                       bfloat16 | float16 | float32   the dtype object
 
-Everything else is str / int / None / list. No memo opcodes, no FRAME (both optional in protocol 4).
+Everything else is str / int / float / None / list. No memo opcodes, no FRAME (both optional in protocol 4).
+A VIDEO part carries what SGLang's language side needs for video (receiver.py `_GENERAL_VIDEO_META_ATTRS`,
+read by its Qwen-VL processor's `get_mm_data`): `video_timestamps` (Qwen3-VL: per video, its frame groups'
+times in seconds, a list of floats) or `second_per_grid_ts` (Qwen2/2.5-VL: a float per video); both None
+for images, as SGLang's own encoder sends them.
 `EmbeddingData.__dict__` after `copy_without_embedding()` (what SGLang's own encoder pickles) has these keys
 in this order; `send_time` must be present (the receiver reads it without a default), `error_code` must be
 a plain int (http.HTTPStatus is not allow-listed), and `grid_dim` travels as a list [[t, h, w], ...]
@@ -24,14 +28,14 @@ with the one SGLang's own encoder pickles.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import Mapping, Sequence
 
 # Pickle protocol-4 opcodes (the names of CPython's Lib/pickle.py).
 PROTO, STOP, MARK = b"\x80", b".", b"("
 EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE = b"}", b"]", b")"
 SETITEMS, APPENDS, BUILD, NEWOBJ, REDUCE, TUPLE1 = b"u", b"e", b"b", b"\x81", b"R", b"\x85"
 NONE, SHORT_BINUNICODE, BINUNICODE, STACK_GLOBAL = b"N", b"\x8c", b"X", b"\x93"
-BININT1, BININT2, BININT, LONG1 = b"K", b"M", b"J", b"\x8a"
+BININT1, BININT2, BININT, LONG1, BINFLOAT = b"K", b"M", b"J", b"\x8a", b"G"
 
 EMBEDDING_DATA = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
 MODALITY = ("sglang.srt.multimodal.modality", "Modality")
@@ -66,6 +70,17 @@ def _int(v: int) -> bytes:
     return LONG1 + bytes([n]) + v.to_bytes(n, "little", signed=True)
 
 
+def _value(v) -> bytes:
+    """None, a float, or a list of them (nested): a video part's metadata."""
+    if v is None:
+        return NONE
+    if isinstance(v, float):
+        return BINFLOAT + struct.pack(">d", v)
+    if isinstance(v, list):
+        return EMPTY_LIST + (MARK + b"".join(_value(x) for x in v) + APPENDS if v else b"")
+    raise TypeError(f"expected None, a float or a list, got {type(v).__name__}")
+
+
 def _global(module: str, name: str) -> bytes:
     return _str(module) + _str(name) + STACK_GLOBAL
 
@@ -96,10 +111,15 @@ def _part(req_id: str, num_parts: int, part_idx: int) -> list[tuple[str, bytes]]
 
 
 def embedding_header(req_id: str, num_parts: int, part_idx: int, grid_thw: Sequence[Sequence[int]],
-                     shape: Sequence[int], dtype: str, modality: str = "IMAGE") -> bytes:
+                     shape: Sequence[int], dtype: str, modality: str = "IMAGE", *,
+                     aux: Mapping[str, list | None] | None = None) -> bytes:
     """Frame 0 of a part's embeddings. Frame 1 must be exactly shape[0] * shape[1] elements of `dtype`:
     the C-contiguous rows [num_tokens, row_width] of every item of the part, in mm_items order.
-    `req_id`, `num_parts` and `part_idx` are the /encode request's, echoed unchanged."""
+    `req_id`, `num_parts` and `part_idx` are the /encode request's, echoed unchanged. `aux`: values of
+    AUX_ATTRS (a video part's metadata; the others None)."""
+    aux = dict(aux or {})
+    if set(aux) - set(AUX_ATTRS):
+        raise ValueError(f"aux attributes are {AUX_ATTRS}, got {sorted(aux)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if len(shape) != 2:
@@ -115,7 +135,7 @@ def embedding_header(req_id: str, num_parts: int, part_idx: int, grid_thw: Seque
         ("dtype", _global("torch", dtype)), ("shape", _int_list(shape)), ("_mr_ptr", NONE),
         ("error_msg", NONE), ("error_code", NONE),
     ]
-    return _embedding_data(fields + [(name, NONE) for name in AUX_ATTRS])
+    return _embedding_data(fields + [(name, _value(aux.get(name))) for name in AUX_ATTRS])
 
 
 def error_header(req_id: str, num_parts: int, part_idx: int, message: str, code: int,

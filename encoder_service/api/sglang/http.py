@@ -15,6 +15,11 @@ mm_items are strings (or {"url": ..., options} dicts): a data: URI or raw base64
 http(s) URL goes to the core's URL fetcher (only --allow-url-hosts hosts); a local path is never read
 (it names a file on the language server's host, and the request comes from the network). Body size, item
 count, bytes and pixels: the same limits as /v1/encode. No auth: SGLang sends none (private network only).
+A VIDEO part's items are video files, encoded as /v1/encode's videos (frame group by frame group, cached per
+group); an item's `preprocess_kwargs` may set fps, num_frames, min_pixels, max_pixels (transformers'
+video processor's options). Its header carries the rows of all its videos and the metadata SGLang's
+language side builds the prompt and M-RoPE from (header.py: video_timestamps for Qwen3-VL, second_per_grid_ts
+for Qwen2/2.5-VL).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from encoder_service.api.sglang import header as hdr
 from encoder_service.api.sglang.push import Pusher, endpoint
 from encoder_service.api.sglang.session import Part, Sessions
 from encoder_service.core import EncoderCore, ImageInput
+from encoder_service.core.types import VideoInput
 from encoder_service.errors import EncoderServiceError, InvalidInput
 from encoder_service.protocol.wire import row_bytes
 
@@ -119,16 +125,22 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
             return response
 
     async def _encode(body: EncodeBody, part: Part) -> None:
-        images = [image_input(i, item) for i, item in enumerate(body.mm_items)]
-        result = await core.encode(images, wait=True, return_embeddings=True, timeout_s=sessions.ttl_s)
+        if body.modality == "VIDEO":
+            videos = [video_input(i, item) for i, item in enumerate(body.mm_items)]
+            result = await core.encode([], videos=videos, wait=True, return_embeddings=True,
+                                       timeout_s=sessions.ttl_s)
+            infos, grids, aux = result.videos, [v.video_grid_thw for v in result.videos], video_aux(result.videos)
+        else:
+            images = [image_input(i, item) for i, item in enumerate(body.mm_items)]
+            result = await core.encode(images, wait=True, return_embeddings=True, timeout_s=sessions.ttl_s)
+            infos, grids, aux = result.images, [info.grid_thw for info in result.images], None
         # The rows go out in the push below and nothing fetches these ids: their encode pins (leases) end now,
         # instead of holding --max-pinned-bytes for --lease-s (until then further encodes would be 429).
-        core.release([info.id for info in result.images])
+        core.release([info.id for info in infos])
         rows = result.embeddings[0] if len(result.embeddings) == 1 else torch.cat(result.embeddings)
         rows = rows.contiguous()
-        frames = [hdr.embedding_header(body.req_id, body.num_parts, body.part_idx,
-                                       [info.grid_thw for info in result.images], list(rows.shape),
-                                       core.dtype, body.modality),
+        frames = [hdr.embedding_header(body.req_id, body.num_parts, body.part_idx, grids, list(rows.shape),
+                                       core.dtype, body.modality, aux=aux),
                   row_bytes(rows)]
         if body.embedding_port is not None:  # zmq_to_tokenizer: the tokenizer's own per-request port
             await pusher.send(f"{body.prefill_host}:{body.embedding_port}", frames, persistent=False)
@@ -183,8 +195,8 @@ def validate_encode(body: EncodeBody) -> None:
         raise InvalidInput("req_id must be a non-empty string")
     if body.modality not in hdr.MODALITIES:
         raise InvalidInput(f"modality must be one of {', '.join(hdr.MODALITIES)}, got {body.modality!r:.50}")
-    if body.modality != "IMAGE":
-        raise InvalidInput(f"this encoder serves images only, got modality {body.modality}")
+    if body.modality not in ("IMAGE", "VIDEO"):
+        raise InvalidInput(f"this encoder serves images and videos, got modality {body.modality}")
     if not body.mm_items:
         raise InvalidInput("mm_items must not be empty")
     if body.num_parts <= 0:
@@ -201,28 +213,64 @@ def image_input(index: int, item: str | dict) -> ImageInput:
     """One mm_items entry -> the core's ImageInput (bytes, or an http(s) URL the core fetches)."""
     where = f"mm_items[{index}]"
     if isinstance(item, dict):
-        url = item.get("url")
-        if not isinstance(url, str):
-            raise InvalidInput(f"{where}: an item object needs a string 'url'")
         options = sorted(set(item) - {"url"} - _IGNORED_ITEM_KEYS)
         if options:
             raise InvalidInput(f"{where}: per-item options {options} are not supported (this encoder preprocesses "
                                "every image as the checkpoint's processor config says)")
-        item = url
+    data, url = _source(where, item, "image")
+    return ImageInput(data=data, url=url)
+
+
+def video_input(index: int, item: str | dict) -> VideoInput:
+    """One mm_items entry of a VIDEO part -> the core's VideoInput (a file's bytes, or its URL), with the
+    transformers options its `preprocess_kwargs` names (SGLang's VideoData.preprocess_kwargs)."""
+    where = f"mm_items[{index}]"
+    options = {}
+    if isinstance(item, dict):
+        unknown = sorted(set(item) - {"url", "preprocess_kwargs"} - _IGNORED_ITEM_KEYS)
+        kwargs = item.get("preprocess_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise InvalidInput(f"{where}: preprocess_kwargs must be an object")
+        unknown += sorted(f"preprocess_kwargs.{k}" for k in set(kwargs) - set(_VIDEO_OPTIONS))
+        if unknown:
+            raise InvalidInput(f"{where}: per-item options {unknown} are not supported (a video takes "
+                               f"preprocess_kwargs {', '.join(_VIDEO_OPTIONS)})")
+        options = dict(kwargs)
+    data, url = _source(where, item, "video")
+    return VideoInput(data=data, url=url, **options)
+
+
+_VIDEO_OPTIONS = ("fps", "num_frames", "min_pixels", "max_pixels")  # preprocessing/video.py: VideoOptions
+
+
+def video_aux(videos) -> dict:
+    """A VIDEO part's metadata for SGLang's language side, per video in order (header.py): Qwen3-VL's frame
+    group times, or Qwen2/2.5-VL's seconds per frame group (a VideoInfo holds the one its family needs)."""
+    if videos[0].group_timestamps is not None:
+        return {"video_timestamps": [list(v.group_timestamps) for v in videos]}
+    return {"second_per_grid_ts": [float(v.second_per_grid_t) for v in videos]}
+
+
+def _source(where: str, item: str | dict, kind: str) -> tuple[bytes | None, str | None]:
+    """(bytes, None) of a data: URI or raw base64, (None, url) of an http(s) URL."""
+    if isinstance(item, dict):
+        item = item.get("url")
+        if not isinstance(item, str):
+            raise InvalidInput(f"{where}: an item object needs a string 'url'")
     if item.startswith(("http://", "https://")):
-        return ImageInput(url=item)
+        return None, item
     if item.startswith("data:"):
         head, sep, payload = item.partition(",")
         if not sep or not head.lower().endswith(";base64"):
             raise InvalidInput(f"{where}: a data: URI must be data:<mime>;base64,<data>")
-        return ImageInput(data=bodies.b64(where, payload))
+        return bodies.b64(where, payload), None
     if not item.startswith("file:"):
         try:
-            return ImageInput(data=base64.b64decode(item, validate=True))
+            return base64.b64decode(item, validate=True), None
         except (binascii.Error, ValueError):
             pass
     raise InvalidInput(f"{where}: not a data: URI, base64 or an http(s) URL ({item[:60]!r}); local file paths are "
-                       "never read (send the image inline, or by URL from an --allow-url-hosts host)")
+                       f"never read (send the {kind} inline, or by URL from an --allow-url-hosts host)")
 
 
 def _error_response(exc: EncoderServiceError, req_id: str | None) -> JSONResponse:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rencoder.proto\x12\nencoder.v1\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x11\n\tcaller_id\x18\x03 \x01(\tB\x08\n\x06source\"[\n\rEncodeRequest\x12!\n\x06images\x18\x01 \x03(\x0b\x32\x11.encoder.v1.Image\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x19\n\x11return_embeddings\x18\x03 \x01(\x08\"\x94\x01\n\tImageInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x11\n\trow_width\x18\x04 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x08 \x01(\x08\"K\n\x0e\x45ncodeResponse\x12%\n\x06images\x18\x01 \x03(\x0b\x32\x15.encoder.v1.ImageInfo\x12\x12\n\nembeddings\x18\x02 \x03(\x0c\"\'\n\tFetchItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x9f\x01\n\x0c\x46\x65tchRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.encoder.v1.FetchItem\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x03\x12\"\n\x03shm\x18\x04 \x01(\x0b\x32\x15.encoder.v1.ShmTarget\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06pickup\x18\x06 \x01(\x08\">\n\tShmTarget\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x13\n\x0b\x62y_position\x18\x03 \x01(\x08\"K\n\x07Segment\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x0f\n\x07row_end\x18\x04 \x01(\x03\"\xc7\x01\n\x0b\x46\x65tchHeader\x12\x0f\n\x07version\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\trow_width\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x10\n\x08num_rows\x18\x05 \x01(\x03\x12%\n\x08segments\x18\x06 \x03(\x0b\x32\x13.encoder.v1.Segment\x12\x11\n\tshm_bytes\x18\x07 \x01(\x03\x12\x14\n\x0cpickup_token\x18\x08 \x01(\t\x12\x13\n\x0bpickup_port\x18\t \x01(\x05\"O\n\nFetchChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.encoder.v1.FetchHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x03\"\x11\n\x0fMetadataRequest\" \n\x10MetadataResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\x92\x02\n\x07\x45ncoder\x12?\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x1a.encoder.v1.EncodeResponse\x12;\n\x05\x46\x65tch\x12\x18.encoder.v1.FetchRequest\x1a\x16.encoder.v1.FetchChunk0\x01\x12\x45\n\x08Metadata\x12\x1b.encoder.v1.MetadataRequest\x1a\x1c.encoder.v1.MetadataResponse\x12\x42\n\x07Release\x12\x1a.encoder.v1.ReleaseRequest\x1a\x1b.encoder.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rencoder.proto\x12\nencoder.v1\"C\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x12\x11\n\tcaller_id\x18\x03 \x01(\tB\x08\n\x06source\"\x18\n\x06\x46rames\x12\x0e\n\x06images\x18\x01 \x03(\x0c\"\xd1\x02\n\x05Video\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12$\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x12.encoder.v1.FramesH\x00\x12\r\n\x03url\x18\x03 \x01(\tH\x00\x12\x11\n\tcaller_id\x18\x04 \x01(\t\x12\x10\n\x03\x66ps\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\nnum_frames\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x1a\n\rsample_frames\x18\x07 \x01(\x08H\x03\x88\x01\x01\x12\x17\n\nmin_pixels\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_pixels\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nframes_fps\x18\n \x01(\x01H\x06\x88\x01\x01\x42\x08\n\x06sourceB\x06\n\x04_fpsB\r\n\x0b_num_framesB\x10\n\x0e_sample_framesB\r\n\x0b_min_pixelsB\r\n\x0b_max_pixelsB\r\n\x0b_frames_fps\"~\n\rEncodeRequest\x12!\n\x06images\x18\x01 \x03(\x0b\x32\x11.encoder.v1.Image\x12\x0c\n\x04wait\x18\x02 \x01(\x08\x12\x19\n\x11return_embeddings\x18\x03 \x01(\x08\x12!\n\x06videos\x18\x04 \x03(\x0b\x32\x11.encoder.v1.Video\"\x94\x01\n\tImageInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x11\n\trow_width\x18\x04 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x08 \x01(\x08\"\xad\x02\n\tVideoInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0evideo_grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x18\n\x10tokens_per_group\x18\x04 \x01(\x03\x12\x12\n\nnum_frames\x18\x05 \x01(\x03\x12\x13\n\x0bsampled_fps\x18\x06 \x01(\x01\x12\x1e\n\x11second_per_grid_t\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x10group_timestamps\x18\x08 \x03(\x01\x12\x11\n\trow_width\x18\t \x01(\x03\x12\x13\n\x0bhidden_size\x18\n \x01(\x03\x12\x0e\n\x06layout\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\r \x01(\x08\x42\x14\n\x12_second_per_grid_t\"r\n\x0e\x45ncodeResponse\x12%\n\x06images\x18\x01 \x03(\x0b\x32\x15.encoder.v1.ImageInfo\x12\x12\n\nembeddings\x18\x02 \x03(\x0c\x12%\n\x06videos\x18\x03 \x03(\x0b\x32\x15.encoder.v1.VideoInfo\"\'\n\tFetchItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\x9f\x01\n\x0c\x46\x65tchRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.encoder.v1.FetchItem\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x03\x12\"\n\x03shm\x18\x04 \x01(\x0b\x32\x15.encoder.v1.ShmTarget\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06pickup\x18\x06 \x01(\x08\">\n\tShmTarget\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x13\n\x0b\x62y_position\x18\x03 \x01(\x08\"K\n\x07Segment\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\x11\n\trow_start\x18\x03 \x01(\x03\x12\x0f\n\x07row_end\x18\x04 \x01(\x03\"\xc7\x01\n\x0b\x46\x65tchHeader\x12\x0f\n\x07version\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\trow_width\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x10\n\x08num_rows\x18\x05 \x01(\x03\x12%\n\x08segments\x18\x06 \x03(\x0b\x32\x13.encoder.v1.Segment\x12\x11\n\tshm_bytes\x18\x07 \x01(\x03\x12\x14\n\x0cpickup_token\x18\x08 \x01(\t\x12\x13\n\x0bpickup_port\x18\t \x01(\x05\"O\n\nFetchChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.encoder.v1.FetchHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x03\"\x11\n\x0fMetadataRequest\" \n\x10MetadataResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\x92\x02\n\x07\x45ncoder\x12?\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x1a.encoder.v1.EncodeResponse\x12;\n\x05\x46\x65tch\x12\x18.encoder.v1.FetchRequest\x1a\x16.encoder.v1.FetchChunk0\x01\x12\x45\n\x08Metadata\x12\x1b.encoder.v1.MetadataRequest\x1a\x1c.encoder.v1.MetadataResponse\x12\x42\n\x07Release\x12\x1a.encoder.v1.ReleaseRequest\x1a\x1b.encoder.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_IMAGE']._serialized_start=29
   _globals['_IMAGE']._serialized_end=96
-  _globals['_ENCODEREQUEST']._serialized_start=98
-  _globals['_ENCODEREQUEST']._serialized_end=189
-  _globals['_IMAGEINFO']._serialized_start=192
-  _globals['_IMAGEINFO']._serialized_end=340
-  _globals['_ENCODERESPONSE']._serialized_start=342
-  _globals['_ENCODERESPONSE']._serialized_end=417
-  _globals['_FETCHITEM']._serialized_start=419
-  _globals['_FETCHITEM']._serialized_end=458
-  _globals['_FETCHREQUEST']._serialized_start=461
-  _globals['_FETCHREQUEST']._serialized_end=620
-  _globals['_SHMTARGET']._serialized_start=622
-  _globals['_SHMTARGET']._serialized_end=684
-  _globals['_SEGMENT']._serialized_start=686
-  _globals['_SEGMENT']._serialized_end=761
-  _globals['_FETCHHEADER']._serialized_start=764
-  _globals['_FETCHHEADER']._serialized_end=963
-  _globals['_FETCHCHUNK']._serialized_start=965
-  _globals['_FETCHCHUNK']._serialized_end=1044
-  _globals['_RELEASEREQUEST']._serialized_start=1046
-  _globals['_RELEASEREQUEST']._serialized_end=1075
-  _globals['_RELEASERESPONSE']._serialized_start=1077
-  _globals['_RELEASERESPONSE']._serialized_end=1112
-  _globals['_METADATAREQUEST']._serialized_start=1114
-  _globals['_METADATAREQUEST']._serialized_end=1131
-  _globals['_METADATARESPONSE']._serialized_start=1133
-  _globals['_METADATARESPONSE']._serialized_end=1165
-  _globals['_ENCODER']._serialized_start=1168
-  _globals['_ENCODER']._serialized_end=1442
+  _globals['_FRAMES']._serialized_start=98
+  _globals['_FRAMES']._serialized_end=122
+  _globals['_VIDEO']._serialized_start=125
+  _globals['_VIDEO']._serialized_end=462
+  _globals['_ENCODEREQUEST']._serialized_start=464
+  _globals['_ENCODEREQUEST']._serialized_end=590
+  _globals['_IMAGEINFO']._serialized_start=593
+  _globals['_IMAGEINFO']._serialized_end=741
+  _globals['_VIDEOINFO']._serialized_start=744
+  _globals['_VIDEOINFO']._serialized_end=1045
+  _globals['_ENCODERESPONSE']._serialized_start=1047
+  _globals['_ENCODERESPONSE']._serialized_end=1161
+  _globals['_FETCHITEM']._serialized_start=1163
+  _globals['_FETCHITEM']._serialized_end=1202
+  _globals['_FETCHREQUEST']._serialized_start=1205
+  _globals['_FETCHREQUEST']._serialized_end=1364
+  _globals['_SHMTARGET']._serialized_start=1366
+  _globals['_SHMTARGET']._serialized_end=1428
+  _globals['_SEGMENT']._serialized_start=1430
+  _globals['_SEGMENT']._serialized_end=1505
+  _globals['_FETCHHEADER']._serialized_start=1508
+  _globals['_FETCHHEADER']._serialized_end=1707
+  _globals['_FETCHCHUNK']._serialized_start=1709
+  _globals['_FETCHCHUNK']._serialized_end=1788
+  _globals['_RELEASEREQUEST']._serialized_start=1790
+  _globals['_RELEASEREQUEST']._serialized_end=1819
+  _globals['_RELEASERESPONSE']._serialized_start=1821
+  _globals['_RELEASERESPONSE']._serialized_end=1856
+  _globals['_METADATAREQUEST']._serialized_start=1858
+  _globals['_METADATAREQUEST']._serialized_end=1875
+  _globals['_METADATARESPONSE']._serialized_start=1877
+  _globals['_METADATARESPONSE']._serialized_end=1909
+  _globals['_ENCODER']._serialized_start=1912
+  _globals['_ENCODER']._serialized_end=2186
 # @@protoc_insertion_point(module_scope)

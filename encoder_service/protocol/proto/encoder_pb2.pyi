@@ -16,15 +16,47 @@ class Image(_message.Message):
     caller_id: str
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ..., caller_id: _Optional[str] = ...) -> None: ...
 
+class Frames(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Video(_message.Message):
+    __slots__ = ("data", "frames", "url", "caller_id", "fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ID_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FPS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    frames: Frames
+    url: str
+    caller_id: str
+    fps: float
+    num_frames: int
+    sample_frames: bool
+    min_pixels: int
+    max_pixels: int
+    frames_fps: float
+    def __init__(self, data: _Optional[bytes] = ..., frames: _Optional[_Union[Frames, _Mapping]] = ..., url: _Optional[str] = ..., caller_id: _Optional[str] = ..., fps: _Optional[float] = ..., num_frames: _Optional[int] = ..., sample_frames: _Optional[bool] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., frames_fps: _Optional[float] = ...) -> None: ...
+
 class EncodeRequest(_message.Message):
-    __slots__ = ("images", "wait", "return_embeddings")
+    __slots__ = ("images", "wait", "return_embeddings", "videos")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     RETURN_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[Image]
     wait: bool
     return_embeddings: bool
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., wait: _Optional[bool] = ..., return_embeddings: _Optional[bool] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[Video]
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., wait: _Optional[bool] = ..., return_embeddings: _Optional[bool] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ...) -> None: ...
 
 class ImageInfo(_message.Message):
     __slots__ = ("id", "grid_thw", "num_tokens", "row_width", "hidden_size", "layout", "dtype", "cached")
@@ -46,13 +78,45 @@ class ImageInfo(_message.Message):
     cached: bool
     def __init__(self, id: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
 
+class VideoInfo(_message.Message):
+    __slots__ = ("id", "video_grid_thw", "num_tokens", "tokens_per_group", "num_frames", "sampled_fps", "second_per_grid_t", "group_timestamps", "row_width", "hidden_size", "layout", "dtype", "cached")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FPS_FIELD_NUMBER: _ClassVar[int]
+    SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    video_grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    tokens_per_group: int
+    num_frames: int
+    sampled_fps: float
+    second_per_grid_t: float
+    group_timestamps: _containers.RepeatedScalarFieldContainer[float]
+    row_width: int
+    hidden_size: int
+    layout: str
+    dtype: str
+    cached: bool
+    def __init__(self, id: _Optional[str] = ..., video_grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tokens_per_group: _Optional[int] = ..., num_frames: _Optional[int] = ..., sampled_fps: _Optional[float] = ..., second_per_grid_t: _Optional[float] = ..., group_timestamps: _Optional[_Iterable[float]] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+
 class EncodeResponse(_message.Message):
-    __slots__ = ("images", "embeddings")
+    __slots__ = ("images", "embeddings", "videos")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageInfo]
     embeddings: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ..., embeddings: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[VideoInfo]
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ..., embeddings: _Optional[_Iterable[bytes]] = ..., videos: _Optional[_Iterable[_Union[VideoInfo, _Mapping]]] = ...) -> None: ...
 
 class FetchItem(_message.Message):
     __slots__ = ("id", "offset")

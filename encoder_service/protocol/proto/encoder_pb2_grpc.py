@@ -60,7 +60,7 @@ class EncoderServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
-        """Answers per image once its header is read and sized; the ViT runs behind unless `wait`.
+        """Answers per image (or video) once its header is read and sized; the ViT runs behind unless `wait`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -92,6 +92,20 @@ class Encoder(ServiceProcess):
                        .reshape(e["shape"]))
         return out
 
+    def video_rows(self, videos: list[bytes]) -> list[dict]:
+        """Our answer for each video of `videos` from /v1/encode (return_embeddings): its VideoInfo JSON with
+        `rows`, the reference for SGLang's."""
+        status, body = http("POST", f"{self.http_url}/v1/encode", {
+            "videos": [{"data": base64.b64encode(b).decode()} for b in videos], "return_embeddings": True})
+        assert status == 200, body
+        out = []
+        for video in json.loads(body)["videos"]:
+            e = video.pop("embedding")
+            video["rows"] = torch.frombuffer(bytearray(base64.b64decode(e["data"])), dtype=torch.bfloat16).reshape(
+                e["shape"])
+            out.append(video)
+        return out
+
     def metric(self, sample: str) -> float:
         """A sample of our /metrics (Prometheus text), 0 when absent."""
         status, body = http("GET", f"{self.http_url}/metrics")
@@ -181,8 +195,8 @@ def data_uri(b: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(b).decode()
 
 
-def prompt_for(n: int) -> str:
-    img = "<|vision_start|><|image_pad|><|vision_end|>"
+def prompt_for(n: int, pad: str = "<|image_pad|>") -> str:
+    img = f"<|vision_start|>{pad}<|vision_end|>"
     return f"<|im_start|>user\n{img * n}Describe.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -198,7 +212,8 @@ def tokenized(obj, prompt: str, tokenizer):
         need_wait_for_mm_inputs=True, num_items_assigned=obj.num_items_assigned, encoder_urls=obj.encoder_urls)
 
 
-def via_scheduler(server_args, hf_config, encoder_urls: list[str], images: list[str], prompt: str):
+def via_scheduler(server_args, hf_config, encoder_urls: list[str], images: list[str], prompt: str,
+                  media: str = "image_data"):
     """zmq_to_scheduler: (mm_inputs, None) or (None, (message, code)) of SGLang's scheduler-side receiver."""
     from sglang.srt.disaggregation.encoder.receiver import create_mm_receiver
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -208,7 +223,7 @@ def via_scheduler(server_args, hf_config, encoder_urls: list[str], images: list[
                                     scheduler=types.SimpleNamespace(model_config=None))
     sched_recv.create_req = lambda r: r  # the real one builds a scheduler Req for the abort path
     try:
-        obj = GenerateReqInput(text=prompt, image_data=images, rid=uuid.uuid4().hex)
+        obj = GenerateReqInput(text=prompt, **{media: images}, rid=uuid.uuid4().hex)
         dispatch_errors = []
         ready = tok_recv.send_encode_request(obj, on_dispatch_error=dispatch_errors.append)  # thread: POST /encode
         assert obj.need_wait_for_mm_inputs and ready is not None
@@ -231,27 +246,30 @@ def via_scheduler(server_args, hf_config, encoder_urls: list[str], images: list[
         sched_recv.scheduler_recv_socket.close(0)
 
 
-def via_tokenizer(server_args, hf_config, encoder_urls: list[str], images: list[str], prompt: str):
+def via_tokenizer(server_args, hf_config, encoder_urls: list[str], images: list[str], prompt: str,
+                  media: str = "image_data"):
     """zmq_to_tokenizer: SGLang's recv_mm_data (None when the encoder failed: the TokenizerManager answers 503)."""
     from sglang.srt.disaggregation.encoder.receiver import create_mm_receiver
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     tok_recv = create_mm_receiver(server_args, dtype=torch.bfloat16, hf_config=hf_config, encode_urls=encoder_urls)
     tok_recv._init_mm_processor(server_args, hf_config)  # the TokenizerManager's own mm processor
-    obj = GenerateReqInput(text=prompt, image_data=images, rid=uuid.uuid4().hex)
+    obj = GenerateReqInput(text=prompt, **{media: images}, rid=uuid.uuid4().hex)
     obj.need_wait_for_mm_inputs = True  # TokenizerManager._handle_epd_disaggregation_encode_request
     return asyncio.run(tok_recv.recv_mm_data(obj, tok_recv.mm_processor, prompt))
 
 
-def run_sglang(backend, model, enc, images, urls=None):
-    """SGLang's receiver for one request: (mm_inputs, None) or (None, error). `urls`: --encoder-urls."""
+def run_sglang(backend, model, enc, images, urls=None, *, videos=False):
+    """SGLang's receiver for one request: (mm_inputs, None) or (None, error). `urls`: --encoder-urls.
+    `videos`: the items are videos (GenerateReqInput.video_data, a video pad each in the prompt)."""
     urls = urls or [enc.url]
     hf_config = hf_config_of(model)
     server_args = publish(model, urls, backend)
-    prompt = prompt_for(len(images))
+    prompt = prompt_for(len(images), "<|video_pad|>" if videos else "<|image_pad|>")
+    media = "video_data" if videos else "image_data"
     if backend == "zmq_to_scheduler":
-        return via_scheduler(server_args, hf_config, urls, images, prompt)
-    return via_tokenizer(server_args, hf_config, urls, images, prompt), None
+        return via_scheduler(server_args, hf_config, urls, images, prompt, media)
+    return via_tokenizer(server_args, hf_config, urls, images, prompt, media), None
 
 
 def check_embeddings(mm_inputs, ours: list[torch.Tensor], hf_config, family: str):
@@ -382,3 +400,51 @@ def test_two_encoder_urls_parts_reassembled(backend, encoder, model_dir):
     assert error is None and mm_inputs is not None, error
     assert enc.metric(encodes) - before == 2  # one /encode per part
     check_embeddings(mm_inputs, enc.rows(images), hf_config_of(model), "qwen3_vl")
+
+
+def video_uri(b: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(b).decode()
+
+
+def make_clip(kind: str, **args) -> bytes:
+    """tests/support/video_cases.py's clip, made by the main venv (PyAV is ours, not SGLang's: its language
+    side never decodes a video)."""
+    code = ("import sys, json; from tests.support.video_cases import make_clip; "
+            "sys.stdout.buffer.write(make_clip(sys.argv[1], **json.loads(sys.argv[2])))")
+    return subprocess.run([main_python(), "-c", code, kind, json.dumps(args)], check=True, capture_output=True,
+                          timeout=120, cwd=ROOT).stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_videos_bit_for_bit_with_the_prompt_and_positions_ours_give(family, backend, encoder, model_dir):
+    """Two videos (7 frames each: an odd count) through SGLang's receiver: its prompt (Qwen3-VL: a timestamp,
+    vision start, the group's pads and vision end per frame group; Qwen2.5-VL one run of pads), its items'
+    rows (bit for bit ours) and its M-RoPE positions are those our reference integration builds from our
+    answer (integrations/prompt.py, mrope.py: equal to transformers' in the main suite)."""
+    from transformers import AutoTokenizer
+
+    from encoder_service.integrations import VisionTokenIds, expand_image_pads, mrope_position_ids
+
+    enc, model = encoder(family), model_dir(family)
+    hf_config = hf_config_of(model)
+    seed = FAMILIES.index(family) * 2 + BACKENDS.index(backend)
+    videos = [make_clip("mp4_h264", frames=7, width=96 + 32 * seed, height=64, fps=4), make_clip(
+        "webm_vp9", frames=7, width=64, height=64 + 32 * seed, fps=8)]
+    mm_inputs, error = run_sglang(backend, model, enc, [video_uri(v) for v in videos], videos=True)
+    assert error is None and mm_inputs is not None, error
+    ours = enc.video_rows(videos)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt = expand_image_pads(tokenizer.encode(prompt_for(2, "<|video_pad|>")), [], VisionTokenIds.from_config(
+        hf_config), videos=ours, timestamp_tokens=lambda text: tokenizer.encode(text, add_special_tokens=False))
+    assert list(mm_inputs.input_ids) == prompt.input_ids.tolist()
+    items = list(mm_inputs.mm_items)
+    assert len(items) == len(prompt.slots)  # Qwen3-VL: an item per frame group; Qwen2.5-VL: per video
+    rows = torch.cat([v["rows"] for v in ours])
+    got = torch.cat([item.precomputed_embeddings for item in items])
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), rows.view(torch.int16))
+    for item, slot in zip(items, prompt.slots):
+        assert [tuple(o) for o in item.offsets] == [(slot.offset, slot.end - 1)]
+    expected, _ = mrope_position_ids(prompt, hf_config.vision_config.spatial_merge_size,
+                                     tokens_per_second=getattr(hf_config.vision_config, "tokens_per_second", None))
+    assert torch.equal(torch.as_tensor(mm_inputs.mrope_positions).reshape(3, -1), expected)

@@ -1,0 +1,162 @@
+"""This replica's claims in Redis (cache/handoff.py): the ids it accepted and encodes (or whose rows it
+writes), each a pending marker it renews until the outcome settles it, with the image bytes beside it.
+
+    claims = Claims(connections, owner, pending_ttl_s=4, max_claims=65536, max_input_bytes=256 << 20)
+    async with claims.lock:
+        new = claims.add(keys, lease_s, tags, inputs)       # recorded here (kept while Redis is away)
+        elsewhere = await claims.write(new, lease_s, epoch)  # SET NX: the names another replica holds
+    await claims.beat(epoch, writable)                      # the heartbeat: renew, or write again
+    await claims.settle(key, value, claim, failure_ttl_s)   # landed, failed or released: state, then message
+
+The tier (redis_tier.py) owns one, runs its heartbeat, and answers the Redis errors these raise. Bounded:
+at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by itself), image
+bytes kept up to `max_input_bytes` in all (past it an image's bytes are not kept: counted), each claim
+until its lease ends at the latest. `epoch` is the tier's count of recoveries: a claim last written in an
+earlier one (or never: Redis was away when it was made) is written again, input included, by the next beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from redis.exceptions import OutOfMemoryError
+
+from encoder_service.cache.handoff import (
+    LANDED, RELEASED, input_name, is_pending, marker_name, pending_owner, pending_value,
+)  # fmt: skip
+from encoder_service.cache.redis_connections import Connections
+
+
+@dataclass(eq=False)
+class Claim:
+    value: bytes  # the marker's value: pending <tag> <owner>
+    input: bytes | None  # the image's bytes, kept beside the marker (None: not kept)
+    until: float  # time.monotonic(): the encode's lease ends, and with it the renewals
+    epoch: int = -1  # the tier's epoch the marker was last written in (-1: never)
+
+
+class Claims:
+    def __init__(self, conns: Connections, owner: str, *, pending_ttl_s: float, max_claims: int,
+                 max_input_bytes: int):
+        self._conns, self.owner = conns, owner
+        self._px = int(pending_ttl_s * 1000)
+        self._max_claims, self._max_input_bytes = max_claims, max_input_bytes
+        self._claims: OrderedDict[str, Claim] = OrderedDict()
+        self.input_bytes = 0  # of the claims' inputs
+        self.inputs_skipped = 0
+        self.lock = asyncio.Lock()  # a beat never interleaves with a claim's NX or a settle
+
+    def __len__(self) -> int:
+        return len(self._claims)
+
+    def __iter__(self):
+        return iter(self._claims)
+
+    def get(self, key: str) -> Claim | None:
+        return self._claims.get(key)
+
+    def add(self, keys: Iterable[str], lease_s: float, tags: Mapping[str, int], inputs: Mapping[str, bytes]
+            ) -> dict[str, Claim]:
+        """Record a claim of each of `keys` (replacing an older one of the same key), for `lease_s` at most,
+        with its content tag and, while under the bound, its image bytes."""
+        until = time.monotonic() + lease_s
+        added = {}
+        for key in dict.fromkeys(keys):
+            data = inputs.get(key)
+            if data is not None and self.input_bytes + len(data) > self._max_input_bytes:
+                self.inputs_skipped += 1
+                data = None
+            self.drop(key)
+            self._claims[key] = added[key] = Claim(pending_value(tags.get(key, 0), self.owner), data, until)
+            self.input_bytes += len(data or b"")
+        while len(self._claims) > self._max_claims:
+            self.drop(next(iter(self._claims)))
+        return added
+
+    def drop(self, key: str, claim: Claim | None = None) -> None:
+        """No longer renew `key`'s claim (only if it is `claim`, when given)."""
+        current = self._claims.get(key)
+        if current is not None and (claim is None or current is claim):
+            del self._claims[key]
+            self.input_bytes -= len(current.input or b"")
+
+    async def write(self, claims: dict[str, Claim], lease_s: float, epoch: int) -> list[str]:
+        """Write the claims' inputs and markers (SET NX: one round trip); a marker found set is another
+        replica's (it encodes that id: its claim is dropped here) or not live (a failure, one of ours from
+        before: replaced, a second round trip). Returns the names another replica holds. Hold `lock`."""
+        lease_px = max(1, int(lease_s * 1000))
+        commands, marker_at = [], []
+        for key, claim in claims.items():
+            if claim.input is not None:  # first: a marker anyone sees has its input beside it
+                commands.append(("set", input_name(key), claim.input, lease_px))
+            marker_at.append(len(commands))
+            commands.append(("set", marker_name(key), claim.value, self._px, True))
+        replies = await self._conns.pipelined(*commands)
+        taken = [key for key, at in zip(claims, marker_at) if not replies[at]]
+        elsewhere, replace = [], []
+        if taken:
+            for key, value in zip(taken, await self._conns.pipelined(*(("get", marker_name(k)) for k in taken))):
+                live = is_pending(value) and pending_owner(value) != self.owner
+                (elsewhere if live else replace).append(key)
+        if replace:
+            await self._conns.pipelined(*(("set", marker_name(k), claims[k].value, self._px) for k in replace))
+        for key, claim in claims.items():
+            claim.epoch = epoch
+            if key in elsewhere:  # its owner renews that marker, not us
+                self.drop(key, claim)
+        return elsewhere
+
+    async def beat(self, epoch: int, writable: bool) -> None:
+        """Renew every claim's marker (PEXPIRE, which a full Redis does not refuse); write again, when
+        `writable`, those Redis lost (an outage, a restart, an eviction) or never had. Claims past their
+        lease are dropped first."""
+        now = time.monotonic()
+        for key in [k for k, c in self._claims.items() if c.until <= now]:
+            self.drop(key)
+        async with self.lock:
+            claims = list(self._claims.items())
+            if not claims:
+                return
+            renewed = await self._conns.pipelined(*(("pexpire", marker_name(k), self._px) for k, _ in claims))
+            lost = [(k, c) for (k, c), ok in zip(claims, renewed) if not ok or c.epoch != epoch]
+            if not lost or not writable:
+                return
+            commands = []
+            for key, claim in lost:
+                if claim.input is not None and claim.epoch != epoch:  # Redis may be a new (empty) one
+                    commands.append(("set", input_name(key), claim.input, max(1, int((claim.until - now) * 1000))))
+                commands.append(("set", marker_name(key), claim.value, self._px))
+            await self._conns.pipelined(*commands)
+            for _, claim in lost:
+                claim.epoch = epoch
+
+    async def settle(self, key: str, value: bytes, claim: Claim | None, failure_ttl_s: float) -> bool:
+        """Publish `key`'s outcome, state first, then the message (a waiter subscribed before the PUBLISH gets
+        the message, one subscribed after it sees the new state when it checks again): LANDED (DEL marker and
+        input), RELEASED (DEL marker, the input stays for whoever takes it over), or a failure (SET marker to
+        it for `failure_ttl_s`, DEL input; under OOM, where SET is refused, DEL the marker). A failure or
+        release of `claim` that a newer claim replaced (the id accepted here again since) is not published:
+        False. Raises what Redis raised (OutOfMemoryError: after deleting the marker)."""
+        current = self._claims.get(key)
+        if value != LANDED and current is not None and current is not claim:
+            return False
+        marker = marker_name(key)
+        async with self.lock:  # no beat renews the marker between these commands and the drop
+            if value == LANDED:
+                await self._conns.pipelined(("delete", marker), ("delete", input_name(key)), ("publish", marker, value))
+            elif value == RELEASED:
+                await self._conns.pipelined(("delete", marker), ("publish", marker, value))
+            else:
+                replies = await self._conns.pipelined(
+                    ("set", marker, value, int(failure_ttl_s * 1000)), ("delete", input_name(key)),
+                    ("publish", marker, value), raise_on_error=False)
+                if isinstance(replies[0], OutOfMemoryError):
+                    await self._conns.run("delete", marker)
+                    self.drop(key, claim)
+                    raise replies[0]
+            self.drop(key, None if value == LANDED else claim)
+        return True

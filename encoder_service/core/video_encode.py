@@ -1,0 +1,194 @@
+"""An encode of videos (EncoderCore.encode with `videos`), step for step as an encode of images (encoder.py),
+with a video's frame groups where an image's one entry is:
+
+  read, probe        videos.py: the bytes, then on CPU threads the header (limits), the plan and the key
+  ids                a caller id sent with another video (bytes or sampling) than it names: Conflict (409),
+                     checked on its frame group 0 (here: its entry, its video's or group's flight; Redis: the
+                     content tag another replica recorded), before anything is admitted
+  hits               each group in the local tier (store.peek) is cached; the rest are the video's todo
+  admit              a video with groups to encode and not in flight here reserves engine room for its window
+                     (engine.py: Reservation), all or none over the request's videos (429 when the queue is
+                     full); every group is pinned for its lease (its bytes, or its rows still to come: 429 when
+                     the pins are full, 400 when they never could be)
+  mark               with Redis the groups to encode are marked pending (a fetch elsewhere waits for them) and
+                     the hits shared, before the answer
+  join               video_flights.py: the video's flight (its driver encodes the todo groups in order)
+  answer             VideoInfo per video (protocol/video_info.py), before the ViT runs; `wait` waits for
+                     every group, `return_embeddings` returns the video's rows, its groups' one after the other
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from encoder_service import errors
+from encoder_service.cache import EmbeddingStore, Entry, other_content
+from encoder_service.core import timeouts
+from encoder_service.core.flight import Flights, conflict
+from encoder_service.core.handoff import GroupClaim, Handoff
+from encoder_service.core.metrics import Metrics
+from encoder_service.core.types import EncodeResult, VideoInput
+from encoder_service.core.video_flights import VideoFlight, VideoFlights
+from encoder_service.core.videos import ProbedVideo, VideoReader
+from encoder_service.engine.engine import Engine, Reservation
+from encoder_service.protocol.video_info import VideoInfo
+
+
+class VideoEncoder:
+    """`info(probed, cached) -> VideoInfo` fills in the model's fields (row width, layout, dtype)."""
+
+    def __init__(self, reader: VideoReader, video_flights: VideoFlights, flights: Flights, store: EmbeddingStore,
+                 engine: Engine, handoff: Handoff, metrics: Metrics, *, max_videos: int, row_bytes: int,
+                 info: Callable[[ProbedVideo, bool], VideoInfo]):
+        self.reader, self.video_flights, self.flights = reader, video_flights, flights
+        self.store, self.engine, self.handoff, self.metrics = store, engine, handoff, metrics
+        self.max_videos, self._row_bytes, self._info = max_videos, row_bytes, info
+
+    async def encode(self, videos: list[VideoInput], *, wait: bool, return_embeddings: bool,
+                     timeout_s: float | None, t0: float) -> EncodeResult:
+        n = len(videos)
+        if n > self.max_videos:
+            raise errors.LimitExceeded("number of videos in the request", n, self.max_videos)
+        wait = wait or return_embeddings
+        datas = await asyncio.gather(*(self.reader.read(i, v) for i, v in enumerate(videos)))
+        t_read = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        probed: list[ProbedVideo] = await asyncio.gather(*(
+            loop.run_in_executor(self.engine.cpu_pool, self.reader.probe, i, data, v)
+            for i, (data, v) in enumerate(zip(datas, videos))))
+        t_probe = time.perf_counter()
+        timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
+
+        unique: dict[str, ProbedVideo] = {}
+        first_index: dict[str, int] = {}
+        for i, p in enumerate(probed):
+            if other_content(p.content_tag, unique.setdefault(p.key.name, p).content_tag):
+                raise conflict(p.key).prefixed(f"video {i}: ")
+            first_index.setdefault(p.key.name, i)
+        await self._check_contents(unique, first_index)
+        hits = {name: [self.store.peek(k) for k in p.group_keys()] for name, p in unique.items()}
+        todo = {name: tuple(g for g, entry in enumerate(hits[name]) if entry is None) for name in unique}
+        reservations = self._admit_and_pin(unique, hits, todo, first_index)
+        self.metrics.cache_hits.labels(tier="local").inc(sum(e is not None for h in hits.values() for e in h))
+        marking = self.handoff.mark(
+            [GroupClaim(unique[name].group_keys()[g], unique[name].content_tag) for name in reservations
+             for g in todo[name]],
+            [k for name, p in unique.items() for k, e in zip(p.group_keys(), hits[name]) if e is not None])
+        # Nothing is awaited between the admission and the joins (a concurrent request must find the flight).
+        joined = {name: self.video_flights.join(p, todo[name], reservations.get(name), after=marking)
+                  for name, p in unique.items() if name in reservations or name in self.video_flights}
+        if marking is not None:
+            try:  # before answering: once the caller has the ids, a fetch elsewhere must find them pending
+                await asyncio.shield(marking)
+            except asyncio.CancelledError:
+                self._leave(unique, joined)
+                raise
+        infos = [self._info(p, not todo[p.key.name]) for p in probed]
+        result = EncodeResult(images=[], videos=infos, timings=timings)
+        if wait:
+            if timeout_s == 0 and joined:
+                raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(joined)} of the request's videos "
+                                              "are not cached yet (their encode goes on)")
+            await self._wait_for(unique, joined, timeout_s or None, t0, first_index)
+            result.videos = [dataclasses.replace(i, cached=i.cached or p.key.name not in reservations)
+                             for i, p in zip(infos, probed)]
+            if return_embeddings:
+                rows = {name: self._rows(hits[name], joined.get(name)) for name in unique}
+                result.embeddings = [rows[p.key.name] for p in probed]
+        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
+        return result
+
+    async def _check_contents(self, unique: dict[str, ProbedVideo], first_index: dict[str, int]) -> None:
+        """A caller id sent with another video than it names is a Conflict; a video's groups all carry its
+        content tag, so its group 0 answers for it (encoder.py: _check_contents, for images)."""
+        callers = {name: p.group_keys()[0] for name, p in unique.items() if p.content_tag}
+        if not callers:
+            return
+        recorded = await self.handoff.recorded_tags([k for name, k in callers.items() if self.store.peek(k) is None
+                                                     and k.name not in self.flights and name not in self.video_flights])
+        for name, k in callers.items():
+            entry, flight, vf = self.store.peek(k), self.flights.get(k.name), self.video_flights.get(name)
+            tags = (recorded.get(k.name, 0), entry.header.content_tag if entry is not None else 0,
+                    flight.content_tag if flight is not None else 0, vf.video.content_tag if vf is not None else 0)
+            if any(other_content(unique[name].content_tag, tag) for tag in tags):
+                raise conflict(unique[name].key).prefixed(f"video {first_index[name]}: ")
+
+    def _admit_and_pin(self, unique: dict[str, ProbedVideo], hits: dict[str, list[Entry | None]],
+                       todo: dict[str, tuple[int, ...]], first_index: dict[str, int]) -> dict[str, Reservation]:
+        """Engine room for the videos with groups to encode that are not in flight here (a reservation of their
+        window each, by name), and a pin on every group for its lease; all or none."""
+        window = self.video_flights.window
+        starting = [name for name in unique if todo[name] and name not in self.video_flights]
+        reservations: dict[str, Reservation] = {}
+        sizes = {name: [e.nbytes if e is not None else p.plan.tokens_per_group * self._row_bytes for e in hits[name]]
+                 for name, p in unique.items()}
+        pinned = []
+        try:
+            for name in starting:
+                reservations[name] = self.engine.reserve(min(window, len(todo[name])))
+            for name, p in unique.items():
+                for k, nbytes in zip(p.group_keys(), sizes[name]):
+                    self.store.pin(k, nbytes=nbytes)
+                    pinned.append(k)
+        except errors.Overloaded as exc:  # nothing of this request stays admitted or pinned
+            for reservation in reservations.values():
+                reservation.close()
+            for k in pinned:
+                self.store.release(k)
+            never = self._never_pinnable(sizes, first_index)
+            if never is not None:
+                raise never from None
+            exc.retry_after_s = max(exc.retry_after_s, self.engine.retry_after_s())
+            raise
+        return reservations
+
+    def _never_pinnable(self, sizes: dict[str, list[int]], first_index: dict[str, int]) -> errors.LimitExceeded | None:
+        limit = self.store.local.max_pinned_bytes
+        for name, groups in sizes.items():
+            if sum(groups) > limit:
+                return errors.LimitExceeded(
+                    f"video {first_index[name]}: embedding bytes to pin", sum(groups),
+                    f"{limit} (--max-pinned-bytes)", hint="this video can never be pinned here: sample fewer "
+                    "frames (fps, num_frames), lower max_pixels, or raise --max-pinned-bytes")
+        total = sum(sum(groups) for groups in sizes.values())
+        if total > limit:
+            return errors.LimitExceeded(f"embedding bytes to pin for the request's {len(sizes)} videos", total,
+                                        f"{limit} (--max-pinned-bytes)",
+                                        hint="they can never be pinned together: send fewer per request")
+        return None
+
+    async def _wait_for(self, unique: dict[str, ProbedVideo], joined: dict[str, VideoFlight],
+                        timeout_s: float | None, t0: float, first_index: dict[str, int]) -> None:
+        async def landed(name: str, vf: VideoFlight):
+            try:
+                await asyncio.shield(vf.task)
+            except errors.EncoderServiceError as exc:
+                raise exc.prefixed(f"video {first_index[name]}: ") from None
+
+        try:
+            await timeouts.gather_within(timeout_s, *(landed(n, vf) for n, vf in joined.items()))
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"encode did not finish within timeout_s={timeout_s} (waited {time.perf_counter() - t0:.3f}s)"
+            ) from None
+        except asyncio.CancelledError:
+            self._leave(unique, joined)
+            raise
+
+    def _leave(self, unique: dict[str, ProbedVideo], joined: dict[str, VideoFlight]) -> None:
+        """The caller left before its answer: its videos are not wanted by it any more, nor pinned for it."""
+        for vf in joined.values():
+            self.video_flights.leave(vf)
+        for p in unique.values():
+            for k in p.group_keys():
+                self.store.release(k)
+
+    def _rows(self, hits: list[Entry | None], vf: VideoFlight | None) -> torch.Tensor:
+        """The video's rows [num_tokens, row_width]: its groups' entries one after the other."""
+        entries = [e if e is not None else vf.landed[g] for g, e in enumerate(hits)]
+        return torch.cat([e.tensor for e in entries])

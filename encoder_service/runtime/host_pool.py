@@ -1,0 +1,116 @@
+"""Host memory for a batch's rows (runtime/transfer.py copies them out of the pinned staging buffer into it),
+handed back and reused when the last tensor on it is gone, instead of fresh pages every time.
+
+Why: fresh memory costs a page fault per 4 KiB page at its first touch (the kernel zeroes and maps it). The
+rows of four Qwen3 720p images are 115 MB, ~28,000 faults: on the H100 host the copy out of staging took 70 ms
+in one thread and 7.6 ms over torch's intra-op threads, 3.6 ms into memory already touched (RESULTS.md, issue
+23). glibc serves blocks that large with their own mappings and unmaps them when freed, so a cache at its
+capacity, which frees an entry for every new one, pays the faults again for every image.
+
+`HostRowPool.take(nbytes)` -> a uint8 tensor of exactly `nbytes` on an anonymous mapping of its own (pages
+rounded up). The tensor's storage holds the memoryview it was made from (torch.frombuffer keeps the object
+until the storage is freed), and every view, slice or numpy array of the tensor holds the storage: when the
+last of them is gone the memoryview dies, a finalizer on it gives the mapping back, and a later `take` of
+about that size reuses its touched pages, resized in place (mremap: the pages kept move with it; only the
+difference is faulted or unmapped). A mapping is never handed out while anything refers to it.
+
+Bounds: mappings waiting for reuse hold at most `max_idle_bytes` (the oldest go back to the kernel first);
+rows under `min_bytes` come from torch's allocator (glibc reuses its heap for small blocks, and one mapping
+each would spend the process's map count, vm.max_map_count). `min_bytes=math.inf`: never pooled (every row
+from torch's allocator, what the service did before the pool).
+
+Thread safety: `take` runs on one thread (the engine's completion thread); mappings come back on whichever
+thread drops the last reference, possibly inside `take` itself (a garbage collection there). A returning
+mapping is queued and filed by whoever holds the lock, never waiting for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import threading
+import weakref
+
+import torch
+
+PAGE = mmap.PAGESIZE
+DEFAULT_MAX_IDLE_BYTES = 256 << 20  # about two of the largest batches (16384 patches of Qwen3: 134 MB of rows)
+DEFAULT_MIN_BYTES = 4 << 20
+
+
+class HostRowPool:
+    def __init__(self, *, max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES, min_bytes: float = DEFAULT_MIN_BYTES,
+                 huge_pages: bool = False):
+        """`huge_pages`: advise transparent huge pages on new mappings (MADV_HUGEPAGE: one fault per 2 MiB
+        where the kernel grants them; with THP defrag "madvise", its default, a fault may stall in direct
+        compaction when memory is fragmented). Off unless measured to pay on the host."""
+        self.max_idle_bytes, self.min_bytes, self.huge_pages = max_idle_bytes, min_bytes, huge_pages
+        self._idle: list[mmap.mmap] = []  # oldest first
+        self._idle_bytes = 0
+        self._returned: collections.deque[mmap.mmap] = collections.deque()  # given back, not filed yet
+        self._lock = threading.Lock()
+        self.taken = {"reused": 0, "fresh": 0, "small": 0}  # take() calls by where the memory came from
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """An owned, contiguous uint8 CPU tensor of `nbytes` (contents undefined)."""
+        if nbytes < self.min_bytes or nbytes == 0:  # (a mapping cannot be empty)
+            self.taken["small"] += 1
+            return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // PAGE) * PAGE
+        block = self._reuse(size)
+        self.taken["reused" if block is not None else "fresh"] += 1
+        if block is None:
+            block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+                block.madvise(mmap.MADV_HUGEPAGE)
+        view = memoryview(block)[:nbytes]
+        tensor = torch.frombuffer(view, dtype=torch.uint8)  # the storage holds `view` until it is freed
+        weakref.finalize(view, self._give_back, block).atexit = False
+        return tensor
+
+    def stats(self) -> dict:
+        """take() calls by where the memory came from (reused / fresh mapping / small: torch's allocator) and
+        the mappings waiting for reuse."""
+        self._file_returned()
+        with self._lock:
+            return dict(self.taken, idle_mappings=len(self._idle), idle_bytes=self._idle_bytes)
+
+    def _reuse(self, size: int) -> mmap.mmap | None:
+        """An idle mapping resized to `size`: the smallest at least that big, else the biggest (grown)."""
+        with self._lock:
+            self._file_locked()
+            bigger = [b for b in self._idle if len(b) >= size]
+            block = min(bigger, key=len) if bigger else max(self._idle, key=len, default=None)
+            if block is not None:
+                self._idle.remove(block)
+                self._idle_bytes -= len(block)
+        self._file_returned()  # what came back while the lock was held here
+        if block is not None and len(block) != size:
+            try:
+                block.resize(size)
+            except (OSError, ValueError, SystemError):  # no mremap here: a fresh mapping instead
+                block.close()
+                return None
+        return block
+
+    def _give_back(self, block: mmap.mmap) -> None:
+        self._returned.append(block)
+        self._file_returned()
+
+    def _file_returned(self) -> None:
+        """File the mappings given back into the idle list, if the lock is free (its holder files them)."""
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._file_locked()
+            finally:
+                self._lock.release()
+
+    def _file_locked(self) -> None:
+        while self._returned:
+            block = self._returned.popleft()
+            self._idle.append(block)
+            self._idle_bytes += len(block)
+        while self._idle_bytes > self.max_idle_bytes:
+            block = self._idle.pop(0)
+            self._idle_bytes -= len(block)
+            block.close()
