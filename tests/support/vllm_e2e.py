@@ -35,6 +35,10 @@ READY_S = 900.0
 GROUP_EXIT_S = 10.0  # after its API server, what is left of a server's processes exits by itself, or is killed
 ANSWER_S = 180.0  # one chat request: a server's first takes about 17 s on 2 cores, later ones about 1 s
 CALLER = {"authorization": "Bearer caller-key"}  # the proxies' --api-key, as their callers send it
+# How long an encoder that is down is retried before the caller hears (client/retry.py): the proxy's
+# --timeout-s (it also bounds vLLM's answer: a server's first takes up to ~25 s on 2 busy cores) and the
+# connector's fetch_timeout_s. Their defaults are 600 s and 60 s; shorter here to keep the tier short.
+PROXY_TIMEOUT_S, FETCH_TIMEOUT_S = 90, 20
 SHM_DIR = Path("/dev/shm")  # both sides' default: where the resource tracker can unlink (integrations/vllm/arenas.py)
 
 

@@ -27,12 +27,21 @@ import pytest
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.ports import free_port
 from tests.support.vllm_docs import documented
-from tests.support.vllm_e2e import CALLER, READY_S, SHM_DIR, VllmServer, build_checkpoint
+from tests.support.vllm_e2e import (
+    CALLER,
+    FETCH_TIMEOUT_S,
+    PROXY_TIMEOUT_S,
+    READY_S,
+    SHM_DIR,
+    VllmServer,
+    build_checkpoint,
+)
 from tests.support.vllm_engine import TOKEN, EncoderProcess, ec_config
 
 # Rows are 64 float32 per token, about 3 KB an image here: 256 KiB holds some 80 images.
 ENCODER_FLAGS = ("--cache-bytes", "256KiB", "--max-pinned-bytes", "128KiB")
 UNI = ("--distributed-executor-backend", "uni")  # vLLM's worker in its engine core's process
+
 
 
 @dataclass
@@ -73,6 +82,7 @@ def _proxy(encoder_url: str, vllm: VllmServer, log: Path) -> tuple[ServiceProces
         "--encoder-url": encoder_url, "--vllm-url": vllm.url, "--host": "127.0.0.1", "--port": str(port),
         "--auth-token": TOKEN, "--api-key": CALLER["authorization"].removeprefix("Bearer ")})
     url = f"http://127.0.0.1:{port}"
+    argv += ["--timeout-s", str(PROXY_TIMEOUT_S)]
     return ServiceProcess(encoder_service_argv(*argv[1:]), url + "/health", log, name=log.stem), url
 
 
@@ -91,7 +101,8 @@ def stack(tmp_path_factory) -> Stack:
         started.append(aggregated)
         lanes = {}
         for name, url, options, extra in [("http", encoder.url, {}, ()), ("grpc", grpc_url, {"shm": "off"}, UNI)]:
-            vllm = VllmServer(checkpoint, logs / f"vllm-{name}.log", ec_config(url, **options), *extra)
+            config = ec_config(url, fetch_timeout_s=FETCH_TIMEOUT_S, **options)
+            vllm = VllmServer(checkpoint, logs / f"vllm-{name}.log", config, *extra)
             started.append(vllm)
             proxy, proxy_url = _proxy(url, vllm, logs / f"proxy-{name}.log")
             started.append(proxy)

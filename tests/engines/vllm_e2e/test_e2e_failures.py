@@ -2,11 +2,12 @@
 image fails", says the same): every answer comes within ANSWER_S (no hang), and the reason is ours.
 
   - through the proxy, a bad image or an encoder that is down is the proxy's own 4xx / 5xx with our error's
-    kind and message: vLLM is not called;
+    kind and message: vLLM is not called (an encoder that is down is retried first, for the proxy's
+    --timeout-s: client/retry.py);
   - a request sent to the language-only vLLM directly whose image id the encoder doesn't have (unknown,
-    evicted) or can't serve (down) is failed by our connector: vLLM's front end answers it with a bare
-    HTTP 500 "Internal server error" (streamed: a 200 whose stream carries that error event), and vLLM's log
-    has our reason.
+    evicted) or can't serve (down, after the connector's fetch_timeout_s of retries) is failed by our
+    connector: vLLM's front end answers it with a bare HTTP 500 "Internal server error" (streamed: a 200
+    whose stream carries that error event), and vLLM's log has our reason.
 
 Last, the encoder comes back with other vision weights and the language-only instance's answer changes: it
 answers from our rows, not from a vision tower of its own. The tests run in this order (the last two stop
@@ -16,6 +17,7 @@ the encoder).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -27,11 +29,10 @@ require("vllm.entrypoints.openai.api_server", "scripts/tiers/vllm-e2e.sh")
 from encoder_service import errors  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.images import truncated_jpeg  # noqa: E402
-from tests.support.vllm_e2e import ANSWER_S, CALLER, answer, chat, embeds_chat, streamed  # noqa: E402
+from tests.support.vllm_e2e import ANSWER_S, CALLER, PROXY_TIMEOUT_S, answer, chat, embeds_chat, streamed  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers (READY_S)
 
-RECONNECT_S = 60.0  # a gRPC client's wait for its channel to the restarted encoder
 # vLLM 0.32's answer to a request its engine failed (finish reason "error"), as measured.
 VLLM_FAILED = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
                          "code": 500}}
@@ -39,16 +40,6 @@ VLLM_FAILED = {"error": {"message": "Internal server error", "type": "InternalSe
 
 def post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=ANSWER_S)
-
-
-def post_once_reconnected(url: str, body: dict, headers: dict) -> httpx.Response:
-    """`post` through a proxy whose encoder just restarted. A gRPC channel that failed while the encoder was
-    down reconnects with backoff (gRPC's: 1 s, growing while the encoder stays down), and calls meanwhile fail
-    at once, as a 503 (docs/vllm.md); HTTP reconnects on the next request. Bounded: RECONNECT_S."""
-    deadline = time.monotonic() + RECONNECT_S
-    while (r := post(url, body, headers)).status_code == 503 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return r
 
 
 def encoded(stack, image: bytes):
@@ -97,15 +88,21 @@ def test_evicted_id(stack):
 
 
 def test_encoder_down(stack):
+    """Both proxies and the language-only vLLM, at once (each retries the encoder for its timeout first)."""
     info = encoded(stack, png(112, 84, 41))  # known to the encoder, never sent to vLLM
     stack.restart_encoder(None)
     start = time.monotonic()
-    for lane in (stack.http, stack.grpc):
-        r = post(lane.proxy_url, chat([png(56, 56, 42)]), CALLER)
-        error = r.json()["error"]
-        assert (r.status_code, error["type"]) == (503, "unavailable") and "encoder service" in error["message"], error
-    assert_failed_by_vllm(stack, info.id, info.grid_thw, "failed")
-    assert time.monotonic() - start < ANSWER_S
+    with ThreadPoolExecutor(3) as pool:
+        proxied = [pool.submit(post, lane.proxy_url, chat([png(56, 56, 42)]), CALLER)
+                   for lane in (stack.http, stack.grpc)]
+        direct = pool.submit(assert_failed_by_vllm, stack, info.id, info.grid_thw, "failed")
+        for answered in proxied:
+            r = answered.result()
+            error = r.json()["error"]
+            assert (r.status_code, error["type"]) == (503, "unavailable"), error
+            assert "encoder service" in error["message"], error
+        direct.result()
+    assert time.monotonic() - start < PROXY_TIMEOUT_S + 30
 
 
 def test_other_vision_weights_change_the_answer(stack):
@@ -115,6 +112,6 @@ def test_other_vision_weights_change_the_answer(stack):
     image = png(112, 84, 51)
     reference = answer(post(stack.aggregated.url, chat([image])))
     for lane in (stack.http, stack.grpc):
-        got = answer(post_once_reconnected(lane.proxy_url, chat([image]), CALLER))
+        got = answer(post(lane.proxy_url, chat([image]), CALLER))  # the gRPC channel reconnects in a retry
         assert got.tokens != reference.tokens
         assert max(abs(a - b) for a, b in zip(got.logprobs, reference.logprobs)) > 1e-2
