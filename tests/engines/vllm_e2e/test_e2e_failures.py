@@ -58,8 +58,9 @@ def assert_failed_by_vllm(stack, item_id: str, grid, why: str) -> None:
     assert (r.status_code, r.json()) == (500, VLLM_FAILED)
     status, events = streamed(vllm.url, embeds_chat([(item_id, grid)], stream=True))
     assert status == 200 and events[-2:] == [VLLM_FAILED, "[DONE]"], events
-    log = vllm.log_path.read_text(errors="replace")
-    assert "failing request" in log and item_id in log and why in log, vllm.log_tail()
+    failing = [line for line in vllm.log_path.read_text(errors="replace").splitlines()
+               if "failing request" in line and item_id in line]
+    assert failing and all(why in line for line in failing), vllm.log_tail()
 
 
 @pytest.mark.parametrize("lane", ["http", "grpc"])
