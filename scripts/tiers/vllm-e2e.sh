@@ -11,12 +11,12 @@
 # $TIER_WHEELS (default ~/.cache/encoder-service/wheels, shared with the vllm tier). The encoder service and the
 # proxy run from the main venv ($ENCODER_MAIN_PYTHON, default .venv/bin/python, made by scripts/setup.sh).
 #
-# Cost on the 2-core CPU machine, measured while other work ran on it (the tier prints its own times): at load
-# 3, with the wheels cached, 6 min (the venv 2 min, the tests 4 min); from nothing (the venv built, its 2.5 GB of
-# wheels downloaded) at load 8-12, 7-9 min before the encoder-down test waited out the proxies' retries (it
-# adds 1.5 min), the venv 3.3 min of it. Of the tests' time, starting the three vLLM servers at once takes
-# 1.2-7 min (each imports vLLM and torch in two or three processes), the encoder-down test 1.5 min (the
-# proxies retry the encoder for their --timeout-s, 90 s here); the other 30-odd requests take seconds.
+# Cost on the 2-core CPU machine, measured while other work ran on it (the tier prints its own times): from
+# nothing (the venv built, its 2.5 GB of wheels downloaded) 5.4 min at load 3-5 (the venv 1.6 min, the tests
+# 3.9 min); under load 8-12 the venv took 3.3 min and the tests up to 7 min. Of the tests' time, starting the
+# three vLLM servers at once takes 1.2-7 min (each imports vLLM and torch in two or three processes), the
+# encoder-down test 1.5 min (the proxies retry the encoder for their --timeout-s, 90 s here); the other 30-odd
+# requests take seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
