@@ -1,10 +1,11 @@
 """The vLLM connector's path for one 1080p image, timed (issue 12, item 5): encode -> the connector's
 scheduler-side fetch into host shared memory -> the rows on the worker's device, as in encoder_cache.
 
-No vLLM here: the connector (encoder_service/integrations/vllm/connector.py) is a thin adapter over
-transfer.py, and this drives transfer.py exactly as the adapter does: `StagingTable.ensure` (polled, as vLLM's
-steps poll ensure_cache_available) until the item is staged, `allocated` + `end_step` (update_state_after_alloc,
-build_connector_meta), then `RowLoader.load` on the device (start_load_caches), synchronized.
+No vLLM here: the connector (encoder_service/integrations/vllm/connector.py) is a thin adapter over the
+package's vLLM-free modules, and this drives them exactly as the adapter does: `StagingTable.ensure` (polled,
+as vLLM's steps poll ensure_cache_available) until the item is staged, `allocated` + `end_step`
+(update_state_after_alloc, build_connector_meta), then `RowLoader.load` on the device (start_load_caches),
+synchronized.
 
 Per family (Qwen2.5-VL-7B and Qwen3-VL-8B vision towers at real size, random weights, bf16, CUDA graphs: the
 service's own build_core; --small: the tiny checkpoints on the CPU) and per way the rows travel (the encoder
@@ -54,7 +55,9 @@ POLL_S = 0.0002  # how often the side asks ensure() while an item is in flight (
 
 # ---- the vLLM side (child process) ----------------------------------------------------------------------
 def _table(job: dict, mode: str, width: int):
-    from encoder_service.integrations.vllm.transfer import ConnectorOptions, RowFetcher, StagingTable
+    from encoder_service.integrations.vllm.fetch import RowFetcher
+    from encoder_service.integrations.vllm.options import ConnectorOptions
+    from encoder_service.integrations.vllm.staging import StagingTable
 
     url = "grpc://" + job["grpc"] if mode == "grpc" else job["http"]
     options = ConnectorOptions(url, shm="on" if mode == "shm" else "off", shm_dir=job["shm_dir"],
@@ -96,12 +99,14 @@ def side_main(job_path: str) -> int:
     import torch
 
     from encoder_service.client import EncoderClient
-    from encoder_service.integrations.vllm.transfer import Need, RowLoader, expected_row_width
+    from encoder_service.integrations.vllm.staging import Need
+    from encoder_service.integrations.vllm.worker import RowLoader
+    from encoder_service.models.configs import row_width
 
     job = json.loads(Path(job_path).read_text())
     device = torch.device(job["device"])
     dtype = getattr(torch, job["dtype"])
-    width = expected_row_width(json.loads(Path(job["checkpoint"], "config.json").read_text()))
+    width = row_width(json.loads(Path(job["checkpoint"], "config.json").read_text()))
     n, base = job["n"], job["image_base"]
     jpegs = make_jpegs(SIZE, range(base, base + (n + 2) * len(MODES) + 1))
     results, checks, k = [], [], 0

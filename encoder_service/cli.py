@@ -17,7 +17,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from encoder_service.settings import Settings, SettingsError, add_serve_arguments, resolve
+from encoder_service.settings import (
+    Settings,
+    SettingsError,
+    add_proxy_arguments,
+    add_serve_arguments,
+    resolve,
+    resolve_proxy,
+)
 
 log = logging.getLogger("encoder_service")
 
@@ -70,18 +77,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="encoder-service", description="Vision-encoder service for Qwen-VL")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the HTTP and gRPC servers"))
-    from encoder_service.integrations.vllm import proxy
-
-    proxy.add_proxy_arguments(sub.add_parser(
+    add_proxy_arguments(sub.add_parser(
         "vllm-proxy", help="OpenAI chat front end for vLLM with EncoderServiceConnector (docs/vllm.md)"))
     ns = parser.parse_args(argv)
     if ns.command == "vllm-proxy":
         try:
-            proxy_settings = proxy.resolve_proxy(ns, os.environ)
-        except ValueError as exc:
+            proxy_settings = resolve_proxy(ns, os.environ)
+        except SettingsError as exc:
             parser.error(str(exc))
         logging.basicConfig(level=proxy_settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from encoder_service.integrations.vllm import proxy
+
         proxy.serve(proxy_settings)
         return 0
     try:

@@ -298,47 +298,115 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
 _SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol")
 
 
+def _url(text: str) -> str:
+    if not str(text).startswith(("http://", "https://", "grpc://")):
+        raise ValueError(f"must start with http://, https:// or grpc://, got {text!r}")
+    return str(text).rstrip("/")
+
+
+def _http_url(text: str) -> str:
+    url = _url(text)
+    if url.startswith("grpc://"):
+        raise ValueError(f"vLLM speaks HTTP: give http://host:port, got {text!r}")
+    return url
+
+
+# `encoder-service vllm-proxy` (integrations/vllm/proxy.py), as OPTIONS: flag --name-with-dashes, env
+# ENCODER_PROXY_NAME.
+PROXY_ENV_PREFIX = "ENCODER_PROXY_"
+PROXY_OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
+    "encoder_url": (_url, None, "encoder service: http://host:port or grpc://host:port (required)"),
+    "vllm_url": (_http_url, None, "the vLLM prefill/decode instance: http://host:port (required)"),
+    "host": (str, "127.0.0.1", "bind address"),
+    "port": (_positive(_port), "8100", "port"),
+    "api_key": (str, None, "bearer token the proxy's callers must send (checked before any encode); default: "
+                           "none, every caller is served"),
+    "auth_token": (str, None, "the encoder service's bearer token (its --auth-token)"),
+    "vllm_api_key": (str, None, "bearer token for vLLM (its --api-key); default: the caller's Authorization"),
+    "timeout_s": (_positive(float), "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
+    "log_level": (_choice(("critical", "error", "warning", "info", "debug")), "info", "log level"),
+}
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    encoder_url: str
+    vllm_url: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    api_key: str | None = field(default=None, repr=False)
+    auth_token: str | None = field(default=None, repr=False)
+    vllm_api_key: str | None = field(default=None, repr=False)
+    timeout_s: float = 600.0
+    log_level: str = "info"
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser, PROXY_OPTIONS, PROXY_ENV_PREFIX)
+
+
+def resolve_proxy(ns: argparse.Namespace, env: Mapping[str, str]) -> ProxySettings:
+    """`encoder-service vllm-proxy`'s settings: flag > env > default (resolve_values); SettingsError naming the
+    flag and its env twin."""
+    values = resolve_values(ns, env, PROXY_OPTIONS, PROXY_ENV_PREFIX)
+    for name in ("encoder_url", "vllm_url"):
+        if values[name] is None:
+            raise SettingsError(f"{flag(name)} / {env_name(name, PROXY_ENV_PREFIX)} is required")
+    return ProxySettings(**{k: v for k, v in values.items() if v is not None})
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def env_name(name: str) -> str:
-    return "ENCODER_" + name.upper()
+def env_name(name: str, prefix: str = "ENCODER_") -> str:
+    return prefix + name.upper()
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags are kept as raw strings (None when absent) so that env twins and validation go one way."""
-    for name, (_, default, help_text) in OPTIONS.items():
+def add_arguments(parser: argparse.ArgumentParser, options: Mapping, env_prefix: str,
+                  switches: Sequence[str] = ()) -> None:
+    """One flag per option, kept as a raw string (None when absent) so that env twins and validation go one
+    way (`resolve_values`)."""
+    for name, (_, default, help_text) in options.items():
+        env = env_name(name, env_prefix)
         shown = f" (default {default})" if default not in (None, "") else ""
-        if name in _SWITCHES:
+        if name in switches:
             parser.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{help_text} [env {env_name(name)}]")
+                                help=f"{help_text} [env {env}]")
             continue
         parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
-                            help=f"{help_text}{shown} [env {env_name(name)}]")
+                            help=f"{help_text}{shown} [env {env}]")
 
 
-def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
-    """Flag > env > default; each value parsed and validated once, errors naming flag and env var."""
+def resolve_values(ns: argparse.Namespace, env: Mapping[str, str], options: Mapping,
+                   env_prefix: str) -> dict[str, object]:
+    """Flag > env > default; each value parsed and validated once (None: unset, no default), errors naming
+    the flag and its env twin."""
     values: dict[str, object] = {}
-    for name, (parse, default, _) in OPTIONS.items():
-        raw = getattr(ns, name, None)
-        source = flag(name)
-        if raw is None and env.get(env_name(name), "") != "":
-            raw, source = env[env_name(name)], env_name(name)
+    for name, (parse, default, _) in options.items():
+        raw, source = getattr(ns, name, None), flag(name)
+        env_var = env_name(name, env_prefix)
+        if raw is None and env.get(env_var, "") != "":
+            raw, source = env[env_var], env_var
         if raw is None:
             raw, source = default, "default"
-        if raw is None:
-            values[name] = None
-            continue
-        if isinstance(raw, bool):  # a switch given on the command line (--shm-fetch / --no-shm-fetch, ...)
+        if raw is None or isinstance(raw, bool):  # unset, or a switch given on the command line
             values[name] = raw
             continue
         try:
             values[name] = parse(raw)
         except ValueError as e:
-            raise SettingsError(f"{flag(name)} / {env_name(name)} ({source}): {e}") from None
-    return _build(values)
+            raise SettingsError(f"{flag(name)} / {env_var} ({source}): {e}") from None
+    return values
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser, OPTIONS, "ENCODER_", _SWITCHES)
+
+
+def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> Settings:
+    """`encoder-service serve`'s settings: flag > env > default (resolve_values), then the checks across options."""
+    return _build(resolve_values(ns, env, OPTIONS, "ENCODER_"))
 
 
 def _cuda_available() -> bool:

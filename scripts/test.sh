@@ -7,7 +7,7 @@
 # output ends with one line per step (name, passed/failed, seconds) and the exit status is 1 when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEFAULT_TIERS="torchvision sglang vllm image"
+DEFAULT_TIERS="torchvision sglang vllm vllm-e2e image"
 
 summary=()
 failed=0

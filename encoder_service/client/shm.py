@@ -11,12 +11,23 @@ the rows into it, answering only the header. Two kinds of file:
     of it) has the server write each segment at its row `position - start`: no copy on the client.
 Every file is unlinked on `close()` (or once nothing maps it any more). A mapping stays valid while any
 tensor views it (torch.frombuffer keeps the mmap object alive), so tensors handed out survive close().
+
+A process killed before it unlinks its files (SIGKILL: vLLM force-kills its engine core, where the connector's
+files are, at shutdown; the OOM killer) would leave them in the shm dir, a memory-backed tmpfs, for good. So
+a file's name says who made it, `encoder-fetch-<pid namespace: 8 hex><pid: 6><start time: 10><random: 8>`
+(still the 32 hex of protocol/shm.py's rule), and every `ShmBuffers` sweeps the directory when it opens it:
+a file made in our pid namespace whose process has ended (no such pid, or one with another start time) is
+unlinked (`sweep`). Names made elsewhere (another pid namespace, whose pids mean nothing here; another
+uid's files) are left alone.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import secrets
+import stat
 import threading
 import weakref
 from dataclasses import dataclass
@@ -24,7 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from encoder_service.protocol.dtypes import torch_dtype
-from encoder_service.protocol.shm import DEFAULT_DIR, PREFIX, new_name
+from encoder_service.protocol.shm import DEFAULT_DIR, NAME_RE, PREFIX
+
+log = logging.getLogger("encoder_service.client")
 
 IDLE_STAGING = 2  # staging files kept for reuse when no fetch uses them (more only while fetches overlap)
 _CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -35,6 +48,65 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot: /proc/<pid>/stat field 22), None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    return int(stat_line[stat_line.rindex(b")") + 2:].split()[19])  # fields from 3 on follow "(comm) "
+
+
+_OWNER: dict[int, str | None] = {}  # pid -> this process's owner tag (a fork gets its own)
+
+
+def owner_tag() -> str | None:
+    """`<pid namespace><pid><start time>` in hex (24 digits) for this process; None where /proc can't tell
+    (then names are random and no sweep removes them)."""
+    pid = os.getpid()
+    if pid not in _OWNER:
+        try:
+            namespace = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            namespace = None
+        start = _start_time(pid)
+        fits = namespace is not None and start is not None and namespace < 16**8 and pid < 16**6 and start < 16**10
+        _OWNER[pid] = f"{namespace:08x}{pid:06x}{start:010x}" if fits else None
+    return _OWNER[pid]
+
+
+def new_file_name() -> str:
+    """A fresh name for a file of this process: its owner tag and 32 random bits (all random without one)."""
+    tag = owner_tag()
+    return PREFIX + (tag + secrets.token_hex(4) if tag else secrets.token_hex(16))
+
+
+def sweep(directory: str) -> list[str]:
+    """Unlink the files in `directory` that a process of our pid namespace made and left when it ended (its
+    pid gone, or reused by a process that started at another time); only regular files of our uid. Returns
+    their names."""
+    tag = owner_tag()
+    if tag is None:
+        return []
+    removed = []
+    for name in os.listdir(directory):
+        owner = name[len(PREFIX):]
+        if not NAME_RE.match(name) or owner[:8] != tag[:8]:
+            continue
+        if _start_time(int(owner[8:14], 16)) == int(owner[14:24], 16):
+            continue  # its owner runs
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:  # gone meanwhile (another sweep), or not ours to remove
+            continue
+    return removed
 
 
 @dataclass(eq=False)
@@ -50,8 +122,8 @@ class ShmFile:
     @classmethod
     def create(cls, directory: str, nbytes: int) -> ShmFile:
         size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-        for _ in range(4):  # 128 random bits: a clash means something else writes our names
-            path = os.path.join(directory, new_name())
+        for _ in range(4):  # our own names: a clash is one of our files (32 random bits) or someone writing them
+            path = os.path.join(directory, new_file_name())
             try:
                 fd = os.open(path, _CREATE_FLAGS, 0o600)
                 break
@@ -87,6 +159,10 @@ class ShmBuffers:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"shm_dir {directory!r} is not a directory (the server's --shm-dir, shared)")
         self.directory = directory
+        swept = sweep(directory)
+        if swept:
+            log.info("removed %d shared-memory file(s) in %s left by processes that have ended: %s", len(swept),
+                     directory, " ".join(swept))
         self._lock = threading.Lock()
         self._idle: list[ShmFile] = []  # staging files no fetch is using
         self._busy: set[ShmFile] = set()  # staging files a fetch is using

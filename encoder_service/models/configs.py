@@ -5,6 +5,10 @@ class default (those are not real checkpoint values). The two documented excepti
 theta (no checkpoint stores it; 10000 for all Qwen-VL towers) and `in_chans` as an old spelling of
 `in_channels`. One value is ours, not the checkpoint's: the padded MLP width the towers are built with
 (`intermediate_size_padded`).
+
+`vision_config(config_json)` reads a checkpoint's (its family from `model_type` or `architectures`) and
+`row_width(config_json)` is the width of the rows its LLM takes: both import no tower (registry.py adds the
+towers), so an LLM server's process can check our rows against its model cheaply.
 """
 
 from __future__ import annotations
@@ -167,3 +171,45 @@ class Qwen3VLConfig(_CommonConfig):
     @property
     def num_deepstack(self) -> int:
         return len(self.deepstack_visual_indexes)
+
+
+# config.json `model_type` -> its vision config. Qwen3-VL-MoE's vision tower is Qwen3-VL's.
+CONFIGS = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5VLConfig, "qwen3_vl": Qwen3VLConfig,
+           "qwen3_vl_moe": Qwen3VLConfig}
+ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+}
+VisionConfig = Qwen2VLConfig | Qwen2_5VLConfig | Qwen3VLConfig
+
+
+def model_type(config_json: dict) -> str:
+    """The checkpoint's model type (one of CONFIGS), from `model_type` or else `architectures`."""
+    found = config_json.get("model_type")
+    if found in CONFIGS:
+        return found
+    architectures = config_json.get("architectures") or []
+    for arch in architectures:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ModelLoadError(
+        f"unsupported model: config.json has model_type={found!r}, architectures={architectures!r}; "
+        f"supported model types: {sorted(CONFIGS)} (architectures {sorted(ARCHITECTURES)})"
+    )
+
+
+def vision_config(config_json: dict) -> VisionConfig:
+    """The frozen vision config of a checkpoint's config.json; ModelLoadError if it is not a supported Qwen-VL."""
+    found = model_type(config_json)
+    vc = config_json.get("vision_config")
+    if not isinstance(vc, dict):
+        raise ModelLoadError(f"config.json of a {found} model has no vision_config")
+    return CONFIGS[found].from_vision_config(found, vc)
+
+
+def row_width(config_json: dict) -> int:
+    """Width of the rows the checkpoint's LLM takes from its vision tower (spec.py: the row layout):
+    Qwen2/2.5-VL `out_hidden_size`, Qwen3-VL `out_hidden_size * (1 + len(deepstack_visual_indexes))`."""
+    return vision_config(config_json).spec().row_width

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from encoder_service.errors import ModelLoadError
-from encoder_service.models.configs import MLP_PAD_MULTIPLE, Qwen2_5VLConfig, Qwen2VLConfig, Qwen3VLConfig
+from encoder_service.models.configs import MLP_PAD_MULTIPLE, VisionConfig, vision_config
 from encoder_service.models.layers import VisionTower
 from encoder_service.models.qwen2_5_vl import Qwen2_5VLTower
 from encoder_service.models.qwen2_vl import Qwen2VLTower
@@ -16,28 +16,17 @@ from encoder_service.models.qwen3_vl import Qwen3VLTower
 @dataclass(frozen=True)
 class Family:
     name: str  # spec.FAMILIES
-    config_cls: type
     tower_cls: type[VisionTower]
 
 
-_QWEN2_VL = Family("qwen2_vl", Qwen2VLConfig, Qwen2VLTower)
-_QWEN2_5_VL = Family("qwen2_5_vl", Qwen2_5VLConfig, Qwen2_5VLTower)
-_QWEN3_VL = Family("qwen3_vl", Qwen3VLConfig, Qwen3VLTower)
-
-# config.json `model_type` -> family. Qwen3-VL-MoE's vision tower is Qwen3-VL's.
-MODEL_TYPES = {"qwen2_vl": _QWEN2_VL, "qwen2_5_vl": _QWEN2_5_VL, "qwen3_vl": _QWEN3_VL, "qwen3_vl_moe": _QWEN3_VL}
-ARCHITECTURES = {
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-    "Qwen3VLForConditionalGeneration": "qwen3_vl",
-    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
-}
+FAMILIES = {f.name: f for f in (Family("qwen2_vl", Qwen2VLTower), Family("qwen2_5_vl", Qwen2_5VLTower),
+                                 Family("qwen3_vl", Qwen3VLTower))}
 
 
 @dataclass(frozen=True)
 class ResolvedModel:
     family: Family
-    config: Qwen2VLConfig | Qwen2_5VLConfig | Qwen3VLConfig
+    config: VisionConfig
 
     def build_tower(self, mlp_pad_multiple: int = MLP_PAD_MULTIPLE) -> VisionTower:
         """The family's tower, its MLP width padded to a multiple of mlp_pad_multiple (1: as stored)."""
@@ -45,29 +34,11 @@ class ResolvedModel:
 
 
 def resolve(config_json: dict) -> ResolvedModel:
-    """The family and vision config of a checkpoint; ModelLoadError if it is not a supported Qwen-VL."""
-    model_type = _model_type(config_json)
-    family = MODEL_TYPES[model_type]
-    vision_config = config_json.get("vision_config")
-    if not isinstance(vision_config, dict):
-        raise ModelLoadError(f"config.json of a {model_type} model has no vision_config")
-    config = family.config_cls.from_vision_config(model_type, vision_config)
+    """The family and vision config of a checkpoint (configs.py: vision_config); ModelLoadError if it is not a
+    supported Qwen-VL."""
+    config = vision_config(config_json)
     _check_llm_width(config_json, config.out_hidden_size)
-    return ResolvedModel(family, config)
-
-
-def _model_type(config_json: dict) -> str:
-    model_type = config_json.get("model_type")
-    if model_type in MODEL_TYPES:
-        return model_type
-    architectures = config_json.get("architectures") or []
-    for arch in architectures:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    raise ModelLoadError(
-        f"unsupported model: config.json has model_type={model_type!r}, architectures={architectures!r}; "
-        f"supported model types: {sorted(MODEL_TYPES)} (architectures {sorted(ARCHITECTURES)})"
-    )
+    return ResolvedModel(FAMILIES[config.FAMILY], config)
 
 
 def _check_llm_width(config_json: dict, out_hidden_size: int) -> None:

@@ -5,6 +5,11 @@ language model, special token ids inside its vocabulary) with save_pretrained as
 transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens) and, for Qwen3-VL, a
 video_preprocessor_config.json as the published checkpoints have.
 
+`text_head_dim` (24) sets the language model's head size (2 heads: its width, and so the merger's output, is
+twice that): vLLM's CPU attention takes 32, 64, 80, 96, ... only, so the vllm-e2e tier builds 32. `text_std`
+(0.2, as the vision tower) is the language model's weight scale: at 0.6 its greedy answer follows the image
+(at 0.2 most images get the same token every step, so equal answers would prove little).
+
 `add_tiny_tokenizer(path)` adds what an LLM server's front end needs on top (vLLM's renderer and processor, SGLang's
 Qwen-VL processor: the engine tiers): a character-level tokenizer whose special ids match the checkpoint's, and a
 chat template that renders each image part as `<|vision_start|><|image_pad|><|vision_end|>`.
@@ -30,7 +35,6 @@ _MIN_PIXELS_TOKENS, _MAX_PIXELS_TOKENS = 4, 64  # min/max merged tokens per imag
 
 _TEXT = dict(
     vocab_size=256,
-    hidden_size=_OUT,
     intermediate_size=64,
     num_hidden_layers=4,  # >= 4 so each of Qwen3's 3 deepstack levels is added at its own layer
     num_attention_heads=2,
@@ -75,18 +79,22 @@ _SPECIAL_IDS = dict(video_token_id=252, vision_start_token_id=253, vision_end_to
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
-def _text_config(family: str) -> dict:
-    # The text head_dim is 24 (48 / 2 heads): M-RoPE sections must sum to 12.
+def _text_config(family: str, head_dim: int) -> dict:
+    # 2 heads of head_dim: the width is 2 * head_dim. M-RoPE sections sum to head_dim / 2, split as the
+    # released checkpoints' (128: 16, 24, 24): 24 -> 4, 4, 4; 32 -> 4, 6, 6.
+    side = 3 * head_dim // 16
+    mrope = [head_dim // 2 - 2 * side, side, side]
+    text = _TEXT | {"hidden_size": 2 * head_dim, "num_attention_heads": 2}
     if family in ("qwen2_vl", "qwen2_5_vl"):
-        return _TEXT | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 4, 4]}}
-    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 4, 4], "mrope_interleaved": True}
-    text = _TEXT | {"head_dim": 24, "rope_parameters": rope}
+        return text | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope}}
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope, "mrope_interleaved": True}
+    text = text | {"head_dim": head_dim, "rope_parameters": rope}
     if family == "qwen3_vl_moe":
         text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
     return text
 
 
-def _model_class_and_config(family: str):
+def _model_class_and_config(family: str, text_head_dim: int = 24):
     import transformers as tf
 
     classes = {
@@ -98,23 +106,26 @@ def _model_class_and_config(family: str):
     if family not in classes:
         raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
     model_cls, config_cls = classes[family]
-    config = config_cls(vision_config=dict(_VISION[family]), text_config=_text_config(family), **_SPECIAL_IDS)
+    width = 2 * text_head_dim  # the language model's, which the merger emits
+    vision = _VISION[family] | ({"hidden_size": width} if family == "qwen2_vl" else {"out_hidden_size": width})
+    config = config_cls(vision_config=vision, text_config=_text_config(family, text_head_dim), **_SPECIAL_IDS)
     return model_cls, config
 
 
-def build_tiny_checkpoint(family: str, path: str | Path, seed: int = 0) -> Path:
+def build_tiny_checkpoint(family: str, path: str | Path, seed: int = 0, *, text_head_dim: int = 24,
+                          text_std: float = 0.2) -> Path:
     """Write a tiny `family` checkpoint into `path` (created) and return it."""
     from transformers import Qwen2VLImageProcessorPil
 
-    model_cls, config = _model_class_and_config(family)
+    model_cls, config = _model_class_and_config(family, text_head_dim)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # Random weights with a fixed seed; std 0.2 rather than the 0.02 init so attention is far from uniform.
     generator = torch.Generator().manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * (0.2 if "visual" in name else text_std))
     model.save_pretrained(path, max_shard_size="64KB", safe_serialization=True)
 
     vision = _VISION[family]

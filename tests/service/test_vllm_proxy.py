@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 
+import grpc
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from encoder_service import errors
+from encoder_service import settings as settings_module
+from encoder_service.client.errors import remote_error
 from encoder_service.integrations.vllm import ec_transfer_config, proxy
-from encoder_service.settings import Settings
+from encoder_service.protocol.errors import KINDS
+from encoder_service.settings import ProxySettings, Settings
+from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.images import image_bytes as png
+from tests.support.images import truncated_jpeg
+from tests.support.ports import free_port
 from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
+from tests.support.vllm_stand_in import StandInVllm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,24 +55,29 @@ def test_documented_commands():
     argv = documented("proxy").argv
     assert argv[:2] == ["encoder-service", "vllm-proxy"]
     parser = argparse.ArgumentParser()
-    proxy.add_proxy_arguments(parser)
-    s = proxy.resolve_proxy(parser.parse_args(argv[2:]), env={})
+    settings_module.add_proxy_arguments(parser)
+    s = settings_module.resolve_proxy(parser.parse_args(argv[2:]), env={})
     assert (s.encoder_url, s.auth_token) == (DOC_URL, DOC_TOKEN)
     assert s.host == "0.0.0.0" and s.api_key  # listening beyond loopback: callers must bring a key
     assert s.vllm_url == f"http://127.0.0.1:{vllm.value('--port')}"
+    for name in ("cpu-aggregated", "cpu-consumer"):  # the vllm-e2e tier's servers
+        cpu = documented(name)
+        assert cpu.argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"], cpu.argv
+    assert json.loads(documented("cpu-consumer").value("--ec-transfer-config")) == \
+        ec_transfer_config(DOC_URL, auth_token=DOC_TOKEN)
 
 
 def test_settings():
     parser = argparse.ArgumentParser()
-    proxy.add_proxy_arguments(parser)
-    s = proxy.resolve_proxy(parser.parse_args(["--vllm-url", "http://v:1/"]),
+    settings_module.add_proxy_arguments(parser)
+    s = settings_module.resolve_proxy(parser.parse_args(["--vllm-url", "http://v:1/"]),
                             env={"ENCODER_PROXY_ENCODER_URL": "grpc://e:2", "ENCODER_PROXY_PORT": "9"})
     assert (s.encoder_url, s.vllm_url, s.port, s.host) == ("grpc://e:2", "http://v:1", 9, "127.0.0.1")
     for argv, env, match in [([], {}, "--encoder-url"), (["--encoder-url", "e:1", "--vllm-url", "http://v"], {}, "http"),
                              (["--encoder-url", "http://e", "--vllm-url", "grpc://v"], {}, "HTTP"),
                              (["--encoder-url", "http://e", "--vllm-url", "http://v", "--port", "0"], {}, "port")]:
         with pytest.raises(ValueError, match=match):
-            proxy.resolve_proxy(parser.parse_args(argv), env)
+            settings_module.resolve_proxy(parser.parse_args(argv), env)
 
 
 def test_rewrite():
@@ -107,7 +121,7 @@ def stand_in_vllm(seen: list) -> FastAPI:
 @pytest.fixture
 def proxied(service):
     seen = []
-    settings = proxy.ProxySettings(encoder_url=service.url, vllm_url="http://vllm", vllm_api_key="k")
+    settings = ProxySettings(encoder_url=service.url, vllm_url="http://vllm", vllm_api_key="k")
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
     app = proxy.make_app(settings, upstream=upstream)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy"), seen
@@ -133,7 +147,7 @@ async def test_proxy_forwards_rewritten(proxied, service):
 async def test_proxy_api_key(service):
     """With --api-key, a caller without the key is refused before its images reach the encoder."""
     seen, key = [], "client-key"
-    settings = proxy.ProxySettings(encoder_url=service.url, vllm_url="http://vllm", api_key=key)
+    settings = ProxySettings(encoder_url=service.url, vllm_url="http://vllm", api_key=key)
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
     app = proxy.make_app(settings, upstream=upstream)
     image = png(112, 84, 505)
@@ -167,7 +181,67 @@ async def test_proxy_errors(proxied, service):
     r = await client.post("/v1/chat/completions", json=body_with(data_url(image), text="refuse"))
     assert r.status_code == 400 and r.json() == {"error": {"message": "refused"}}
     assert not service.pinned(seen[-1][0]["messages"][1]["content"][0]["uuid"])  # the proxy released it
-    down = proxy.make_app(proxy.ProxySettings(encoder_url=service.url, vllm_url="http://127.0.0.1:9"))
+    down = proxy.make_app(ProxySettings(encoder_url=service.url, vllm_url="http://127.0.0.1:9"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(down), base_url="http://proxy") as c:
         r = await c.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 504))))
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+async def test_failed_encode_is_answered_before_vllm(service, transport):
+    """An image whose header reads fine but whose decode fails (on the encoder's CPU thread, after encode has
+    sized it) is the caller's 400 with our kind and message, and vLLM never sees the request; so is a
+    malformed image. An encoder that is down is a 503 of kind unavailable."""
+    seen = []
+    url = service.url if transport == "http" else "grpc://" + service.grpc_address
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
+    app = proxy.make_app(ProxySettings(encoder_url=url, vllm_url="http://vllm"), upstream=upstream)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
+        for image, why in [(truncated_jpeg(511), "decode"), (b"not an image", "not an image")]:
+            r = await client.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 510)), data_url(image)))
+            error = r.json()["error"]
+            assert (r.status_code, error["type"], error["code"]) == (400, "invalid_input", 400), error
+            assert error["message"].startswith("encoder service: image 1: ") and why in error["message"], error
+        assert seen == []
+    down_url = f"http://127.0.0.1:{free_port()}" if transport == "http" else f"grpc://127.0.0.1:{free_port()}"
+    down = proxy.make_app(ProxySettings(encoder_url=down_url, vllm_url="http://vllm", timeout_s=10), upstream=upstream)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(down), base_url="http://proxy") as client:
+        r = await client.post("/v1/chat/completions", json=body_with(data_url(png(56, 56, 512))))
+        assert (r.status_code, r.json()["error"]["type"]) == (503, "unavailable"), r.json()
+    assert seen == []
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_served_proxy_encodes_over_either_transport(service, tmp_path, transport):
+    """`encoder-service vllm-proxy` as run (its own process, uvicorn's loop) with an HTTP or a gRPC encoder URL
+    forwards the rewritten request (a gRPC client made before uvicorn's loop starts fails every encode)."""
+    vllm = StandInVllm()
+    port = free_port()
+    url = service.url if transport == "http" else "grpc://" + service.grpc_address
+    argv = encoder_service_argv("vllm-proxy", "--encoder-url", url, "--vllm-url", vllm.url, "--port", str(port),
+                                "--log-level", "warning")
+    try:
+        with ServiceProcess(argv, f"http://127.0.0.1:{port}/health", tmp_path / "proxy.log", name="vllm-proxy") as p:
+            p.wait_ready(60)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body_with(data_url(png(56, 84, 520))),
+                           timeout=60)
+            assert r.status_code == 200, (r.text, p.log_tail())
+        assert vllm.bodies[-1]["messages"][1]["content"][0]["type"] == "image_embeds"
+    finally:
+        vllm.shutdown()
+
+
+def test_encoder_errors_keep_their_status_and_kind():
+    """Any error kind the encoder answers reaches the proxy's caller with its status (protocol/errors.py's
+    table, e.g. 409 for an id conflict) and kind: as the encoder answered over HTTP; over gRPC by the kind the
+    client raised (which folds the HTTP body's own kinds, 413 and 415, into invalid_input)."""
+    for kind, known in KINDS.items():
+        for status in (known.http_status, getattr(grpc.StatusCode, known.grpc_code)):
+            exc = remote_error(kind, f"{kind} here", status)
+            answer = proxy._encoder_error(exc)
+            want = known.http_status if isinstance(status, int) else KINDS[exc.kind].http_status
+            assert answer.status_code == want, (kind, status)
+            body = json.loads(answer.body)["error"]
+            assert body["type"] == exc.kind and body["message"].startswith(f"encoder service: {kind} here")
+    conflict = remote_error("conflict", "id u:a names other bytes", grpc.StatusCode.ALREADY_EXISTS)
+    assert proxy._encoder_error(conflict).status_code == 409

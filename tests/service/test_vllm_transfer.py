@@ -1,4 +1,5 @@
-"""The vLLM connector's transfer machinery (integrations/vllm/transfer.py, vLLM-free) against the real servers.
+"""The vLLM connector's transfer machinery (integrations/vllm/: staging, fetch, arenas, worker; vLLM-free) against
+the real servers.
 
 Staged rows and what a worker loads from them equal the client's own fetch bit for bit, through shared memory
 and over both sockets, for Qwen2.5-VL and Qwen3-VL (deepstack rows); a bad item (unknown id, wrong row count,
@@ -11,20 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from encoder_service.integrations.vllm import CONNECTOR, MODULE, ec_transfer_config
-from encoder_service.integrations.vllm.transfer import (
-    ConnectorOptions,
-    Need,
-    RowFetcher,
-    RowLoader,
-    StagingTable,
-    expected_row_width,
-)
+from encoder_service.integrations.vllm.fetch import RowFetcher
+from encoder_service.integrations.vllm.options import ConnectorOptions
+from encoder_service.integrations.vllm.staging import Need, StagingTable
+from encoder_service.integrations.vllm.worker import RowLoader
+from encoder_service.models.configs import row_width
 from tests.support.clients import sync_client
 from tests.support.images import image_bytes as png
 from tests.support.ports import free_port
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def width_of(svc) -> int:
-    return expected_row_width(json.loads((svc.checkpoint / "config.json").read_text()))
+    return row_width(json.loads((svc.checkpoint / "config.json").read_text()))
 
 
 def table_for(svc, transport: str, shm: str, shm_dir, width: int | None = None, **extra) -> StagingTable:
@@ -68,6 +68,28 @@ def test_package_without_vllm():
             plugin.EncoderServiceConnector
     with pytest.raises(AttributeError):
         plugin.NoSuchThing
+
+
+def test_connector_imports_no_tower(tmp_path):
+    """vLLM's EngineCore and workers import the connector: what it imports besides vLLM (its vLLM-free
+    modules, the row width rule) brings in no vision tower, no server (api/) and no model registry."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_vl", "vision_config": {
+        "depth": 2, "hidden_size": 32, "num_heads": 2, "hidden_act": "gelu", "out_hidden_size": 48,
+        "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+        "intermediate_size": 64, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}}))
+    code = ("import json, sys; import encoder_service.integrations.vllm.staging, "
+            "encoder_service.integrations.vllm.worker; from encoder_service.models.configs import row_width; "
+            f"print(row_width(json.load(open({str(config)!r})))); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('encoder_service'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    width, modules = out.splitlines()
+    assert width == str(48 * 3)
+    loaded = modules.split()
+    assert "encoder_service.integrations.vllm.fetch" in loaded
+    assert not [m for m in loaded if m.startswith(("encoder_service.api", "encoder_service.core"))
+                or m in ("encoder_service.models.registry", "encoder_service.models.layers")
+                or m.startswith("encoder_service.models.qwen")], loaded
 
 
 def test_options():

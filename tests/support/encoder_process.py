@@ -6,11 +6,12 @@ httpx), the replica tests and the benchmarks' replicas (soak.py, scale_out.py, r
   - `main_python()`: the python of the venv that has the service's dependencies: $ENCODER_MAIN_PYTHON, default
     .venv/bin/python (scripts/setup.sh).
   - `encoder_service_argv(*args, python=None)`: `encoder-service ARGS` run by that python (or `python`).
-  - `ServiceProcess(argv, ready_url, log_path, env=None, name="encoder-service")`: starts `argv` (stdout and
-    stderr into `log_path`) on this checkout's code (first on PYTHONPATH), with no ENCODER_* variables of
-    ours (only its command line configures it) plus `env`; `wait_ready(timeout_s)` returns it once
-    `ready_url` answers (if it exits or is not ready in time: stopped, RuntimeError with the log's tail),
-    `stop()` (idempotent), `log_tail()`; a context manager.
+  - `ServiceProcess(argv, ready_url, log_path, env=None, name="encoder-service", new_session=False)`: starts
+    `argv` (stdout and stderr into `log_path`; with `new_session`, as the leader of a process group of its own)
+    on this checkout's code (first on PYTHONPATH), with no ENCODER_* variables of ours (only its command line
+    configures it) plus `env`; `wait_ready(timeout_s)` returns it once `ready_url` answers (if it exits or is
+    not ready in time: stopped, RuntimeError with the log's tail), `stop()` (idempotent), `log_tail()`; a
+    context manager.
   - `Replica(name, checkpoint, redis_url, log_dir, *args, device="cpu")`: `encoder-service serve` of
     `checkpoint` on free loopback ports (`.url`, `.grpc_address`, `.target`), sharing `redis_url` (None: no
     Redis), on `device` (None: the service's own default), plus `args`; `wait_ready` starts it again on other
@@ -46,7 +47,7 @@ def encoder_service_argv(*args: str, python: str | None = None) -> list[str]:
 
 class ServiceProcess:
     def __init__(self, argv: list[str], ready_url: str, log_path: Path, env: dict[str, str] | None = None,
-                 name: str = "encoder-service"):
+                 name: str = "encoder-service", new_session: bool = False):
         self.argv, self.ready_url, self.log_path, self.name = list(argv), ready_url, Path(log_path), name
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
         # This checkout first; what the caller's PYTHONPATH held after it (on the GPU machine, the carried
@@ -54,7 +55,8 @@ class ServiceProcess:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         child_env.update(PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1", **(env or {}))
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT)
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env, cwd=ROOT,
+                                     start_new_session=new_session)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]

@@ -1,9 +1,10 @@
 """The vLLM tier's helpers (tests/engines/vllm/): our encoder as a subprocess of the main venv, started with the
 documented command; vLLM's own objects around a stand-in model runner. Nothing here imports vLLM until used.
 
-  - `EncoderProcess(checkpoint, shm_dir, log, *extra)`: `encoder-service serve` with the flags of docs/vllm.md,
-    this test's ports, model, token and shared-memory dir (encoder_process.py: run by the main venv on this
-    checkout's code; `wait_ready()`, `stop()`), and `client()`.
+  - `EncoderProcess(checkpoint, shm_dir, log, *extra, ports=None)`: `encoder-service serve` with the flags of
+    docs/vllm.md, this test's ports (free ones unless given), model, token and shared-memory dir
+    (encoder_process.py: run by the main venv on this checkout's code; `wait_ready()`, `stop()`), and
+    `client()`.
   - `ec_config(url, **options)`: the documented --ec-transfer-config with this test's URL and token.
   - `VllmInstance(checkpoint, ec_config)`: what a vLLM prefill/decode instance runs around the model, on CPU,
     all vLLM's own objects: VllmConfig, the chat front end (ChatCompletionRequest -> OnlineRenderer ->
@@ -28,10 +29,11 @@ FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 class EncoderProcess(ServiceProcess):
     """`encoder-service serve` (the documented command, our ports and model) in a subprocess."""
 
-    def __init__(self, checkpoint: Path, shm_dir: Path, log_path: Path, *extra: str):
+    def __init__(self, checkpoint: Path, shm_dir: Path, log_path: Path, *extra: str,
+                 ports: tuple[int, int] | None = None):
         from tests.support.vllm_docs import documented
 
-        self.http_port, self.grpc_port = free_port(), free_port()
+        self.http_port, self.grpc_port = ports or (free_port(), free_port())
         argv = documented("encoder").replaced({
             "--model": str(checkpoint), "--http-port": str(self.http_port), "--grpc-port": str(self.grpc_port),
             "--auth-token": TOKEN})

@@ -18,7 +18,8 @@ import pytest
 
 from encoder_service import errors
 from encoder_service.client import AsyncEncoderClient, EncoderClient, RetryPolicy
-from encoder_service.integrations.vllm.transfer import ConnectorOptions, RowFetcher
+from encoder_service.integrations.vllm.fetch import RowFetcher
+from encoder_service.integrations.vllm.options import ConnectorOptions
 from tests.support.ports import free_port
 
 METADATA = {"row_width": 48, "dtype": "bfloat16", "family": "qwen2_5_vl", "layout": "main", "shm_fetch": False}

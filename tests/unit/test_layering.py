@@ -42,15 +42,6 @@ MAY_IMPORT: dict[str, set[str]] = {
     "": set(),
 }
 
-# Imports that break a rule today and are on their way out (issue 19, item 4): the vLLM proxy's lazy import
-# of api/ (bearer auth, HTTP statuses) and transfer.py's of the model registry (the row-width rule, moving to
-# models/configs.py: the registry imports every tower into vLLM's scheduler process). Remove each entry once
-# its import is gone: test_allowed_imports_still_exist fails until then.
-ALLOWED: set[tuple[str, str]] = {
-    ("encoder_service.integrations.vllm.proxy", "encoder_service.api"),
-    ("encoder_service.integrations.vllm.transfer", "encoder_service.models.registry"),
-}
-
 
 def module_name(path: Path, root: Path, package: str) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -95,8 +86,7 @@ def within(target: str, name: str) -> bool:
     return target == name or target.startswith(name + ".")
 
 
-def broken_rules(graph: dict[str, set[str]], package: str, may_import: dict[str, set[str]],
-                 allowed: set[tuple[str, str]] = frozenset()) -> list[str]:
+def broken_rules(graph: dict[str, set[str]], package: str, may_import: dict[str, set[str]]) -> list[str]:
     """'a imports b (x may import only ...)' for every import of another part that the table does not allow."""
     broken = []
     for importer, targets in sorted(graph.items()):
@@ -104,8 +94,7 @@ def broken_rules(graph: dict[str, set[str]], package: str, may_import: dict[str,
         rules = may_import[src]
         for target in sorted(targets):
             if (part(target, package) == src
-                    or any(target == package if not rule else within(target, f"{package}.{rule}") for rule in rules)
-                    or any(importer == a and within(target, b) for a, b in allowed)):
+                    or any(target == package if not rule else within(target, f"{package}.{rule}") for rule in rules)):
                 continue
             named = ", ".join(sorted(rule or package for rule in rules)) or "nothing of the package"
             broken.append(f"{importer} imports {target} ({src or package} may import only {named})")
@@ -159,13 +148,7 @@ def test_the_rules_have_no_circle():
 
 
 def test_imports_follow_the_layering():
-    assert broken_rules(GRAPH, "encoder_service", MAY_IMPORT, ALLOWED) == []
-
-
-def test_allowed_imports_still_exist():
-    for importer, target in ALLOWED:
-        assert any(within(t, target) for t in GRAPH[importer]), (
-            f"{importer} no longer imports {target}: remove its ALLOWED entry")
+    assert broken_rules(GRAPH, "encoder_service", MAY_IMPORT) == []
 
 
 def test_no_import_circles():
@@ -206,9 +189,6 @@ def test_a_lazy_import_reaching_back_up_fails(tmp_path):
         "pkg.core.flight imports pkg.api.http (core may import only errors)"]
     # and it closes a circle through core's __init__: api.http -> core -> core.encoder -> core.flight -> api.http
     assert circles(graph) == [["pkg.api.http", "pkg.core", "pkg.core.encoder", "pkg.core.flight"]]
-    # the allow-list lets exactly the named import through
-    assert broken_rules(graph, "pkg", RULES, {("pkg.core.flight", "pkg.api")}) == []
-    assert broken_rules(graph, "pkg", RULES, {("pkg.core.encoder", "pkg.api")}) != []
 
 
 def test_a_circle_inside_one_part_fails(tmp_path):

@@ -1,24 +1,24 @@
-"""The vLLM connector's scheduler-side books and host arenas (integrations/vllm/transfer.py) on their own: a
-fake fetcher stands in for the encoder (tests/service/test_vllm_transfer.py has the real one)."""
+"""The vLLM connector's scheduler-side books and host arenas (integrations/vllm/staging.py, arenas.py) on their
+own: a fake fetcher stands in for the encoder (tests/service/test_vllm_transfer.py has the real one)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from encoder_service.client.shm import ShmBuffers
-from encoder_service.integrations.vllm.transfer import (
-    ConnectorOptions,
-    ItemUnavailable,
-    Need,
-    RowArenas,
-    ShmRows,
-    StagedRows,
-    StagingTable,
-)
+from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
+from encoder_service.integrations.vllm.fetch import ItemUnavailable, RowFetcher
+from encoder_service.integrations.vllm.options import ConnectorOptions
+from encoder_service.integrations.vllm.staging import Need, StagingTable
+from encoder_service.integrations.vllm.worker import ShmRows
 
 
 class FakeFetcher:
@@ -186,3 +186,60 @@ def test_arenas(tmp_path):
     with pytest.raises(OSError):
         RowArenas(ShmBuffers("/proc"), 1 << 20, 1).take(1, 4, "float32")
     buffers.close()
+
+
+# vLLM's EngineCore, as far as the arenas go: a process that a parent started with multiprocessing (spawn), whose
+# scheduler-side fetcher has staged a range in an arena in argv[1]; the parent prints the arena's name, SIGKILLs
+# the child (what vLLM's API server does at shutdown with --shutdown-timeout 0) and reports the file still there.
+ENGINE = """
+import multiprocessing, os, signal, sys, time
+from encoder_service.integrations.vllm.fetch import RowFetcher
+from encoder_service.integrations.vllm.options import ConnectorOptions
+
+def engine_core(directory, names):
+    fetcher = RowFetcher(ConnectorOptions("http://127.0.0.1:1", shm_dir=directory))
+    arena, _ = fetcher.arenas.take(16, 8, "float32")
+    names.put(arena.name)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    names = ctx.Queue()
+    child = ctx.Process(target=engine_core, args=(sys.argv[1], names))
+    child.start()
+    name = names.get(timeout=60)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    print(name, os.path.exists(os.path.join(sys.argv[1], name)), flush=True)
+"""
+
+
+def killed_engine_core(tmp_path, directory: str) -> str:
+    """Runs ENGINE (its parent exits once the child is killed); the arena's name, which the kill left."""
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE)
+    out = subprocess.run([sys.executable, str(script), directory], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out[1] == "True", out  # killed, nothing closed: the file stayed
+    return out[0]
+
+
+def test_a_killed_engine_cores_arena_is_swept_at_the_next_start(tmp_path):
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    name = killed_engine_core(tmp_path, str(shm_dir))
+    assert os.listdir(shm_dir) == [name]  # not /dev/shm: the resource tracker can't unlink it
+    fetcher = RowFetcher(ConnectorOptions("http://127.0.0.1:1", shm_dir=str(shm_dir)))  # the next start
+    assert os.listdir(shm_dir) == []
+    fetcher.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_killed_engine_cores_arena_in_dev_shm_goes_when_its_server_exits(tmp_path):
+    """In /dev/shm the arena is the resource tracker's: it goes once the killed process's parent has exited
+    (the tracker exits after it: a bounded wait), with no new start needed."""
+    name = killed_engine_core(tmp_path, "/dev/shm")
+    deadline = time.monotonic() + 30
+    while os.path.exists(os.path.join("/dev/shm", name)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(os.path.join("/dev/shm", name))

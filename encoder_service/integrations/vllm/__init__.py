@@ -4,8 +4,13 @@ vLLM is an optional extra (`pip install -e '.[vllm]'` in a checkout of this repo
 without it; vLLM is imported only when the connector class is used (vLLM's factory does
 `getattr(module, "EncoderServiceConnector")`).
 
-  connector.py  EncoderServiceConnector (vLLM's ECConnectorBase, role ec_consumer): a thin adapter
-  transfer.py   what it adapts, vLLM-free: fetch-ahead into host shared memory, the worker's device copy
+  connector.py  EncoderServiceConnector (vLLM's ECConnectorBase, role ec_consumer): a thin adapter over
+                the vLLM-free machinery below (benchmarks/connector_bench.py drives that directly)
+  options.py    ConnectorOptions: `ec_connector_extra_config`
+  staging.py    scheduler side: StagingTable, the books (what is staged for whom, fetch ahead, each step's loads)
+  fetch.py      scheduler side: RowFetcher, an item's rows from the encoder into an arena (shm or a socket)
+  arenas.py     scheduler side: RowArenas, ranges of rows in a few large shared-memory files
+  worker.py     worker side: ShmRows / ItemLoad (where staged rows are), RowLoader (their copy to the device)
   proxy.py      `encoder-service vllm-proxy`: OpenAI chat requests -> our encode -> vLLM with metadata-only
                 image_embeds parts whose uuid is our id
 
@@ -16,9 +21,47 @@ On the vLLM prefill/decode instance:
         print(json.dumps(ec_transfer_config("http://encoder:8000", auth_token="...")))')"
 
 docs/vllm.md has the whole deployment.
+
+Where the rows go, and why
+--------------------------
+vLLM runs the scheduler-side connector in the EngineCore process and one worker-side connector per worker
+(TP rank), usually in other processes; the scheduler side can hand a worker only what it puts into the
+step's metadata (pickled by vLLM). We follow vLLM's own ECCPUConnector (a shared region the scheduler owns
+and the workers map): the scheduler side fetches rows into host shared memory ahead of need and keeps the
+books; each worker maps the same memory and copies to its device.
+
+  scheduler side (EngineCore)                                  worker side (each TP rank)
+  ensure_cache_available: item not staged -> its fetch         start_load_caches: rows of each load
+    starts on a thread; the request is deferred                  (arena file, offset, rows x width)
+  fetch: rows [0, n + 1) of the item into a range of an          checked against vLLM's plan, copied to
+    arena (a large file of ours in /dev/shm):                    the device -> encoder_cache[identifier]
+    - shm: the encoder (same host, --shm-fetch) writes the       (model dtype)
+      rows there itself: no socket;
+    - socket (HTTP or gRPC): our client writes what the
+      socket brings there.
+  has_cache_item: staged? (a dict lookup)
+  update_state_after_alloc: queue the item's load -> the step's metadata
+
+So no hook waits on the network: the scheduler answers from a dict, a worker only copies rows already in host
+memory, and every TP rank reads the same host copy. The arena is the carrier in both modes (only who writes
+it changes), so the worker's side is one path. Arenas are reused item after item, so the encoder keeps them
+mapped (its pages are faulted in once) and so does each worker (registered with CUDA: the copy is a DMA).
+
+Checks (a bad item fails its request, through `take_failed` -> vLLM's take_unavailable_requests; vLLM is
+never handed a wrong tensor): the encoder's row width against the model's (models/configs.py: `row_width`;
+Qwen3-VL rows are `out_hidden * (1 + deepstack levels)`), once per encoder; the item's row count against
+what vLLM planned for its placeholder (the fetch asks for one row more than planned, so an item with more
+rows is caught too); a row dtype we know. The worker checks the staged shape against the plan again before copying.
+
+Memory: an item's range is held while vLLM holds the item in its encoder cache (until the scheduler output's
+`free_encoder_mm_hashes` names it: bounded by vLLM's own encoder cache size) or while a request that needs it
+waits to be scheduled; fetches ahead of need start only while the bytes staged and not yet taken by vLLM stay
+under `max_staged_bytes` (one fetch always may). Arenas that empty are unlinked (one is kept), all at close.
 """
 
 from __future__ import annotations
+
+from encoder_service.integrations.vllm.options import ConnectorOptions
 
 CONNECTOR = "EncoderServiceConnector"
 MODULE = "encoder_service.integrations.vllm"
@@ -27,9 +70,7 @@ PARAMS_KEY = "encoder_service"  # request.ec_transfer_params[PARAMS_KEY] = {"ids
 
 def ec_transfer_config(url: str, **extra) -> dict:
     """vLLM's `--ec-transfer-config` for this connector: `url` of the encoder (http://... or grpc://...) plus
-    `ec_connector_extra_config` options (transfer.py: ConnectorOptions), checked here."""
-    from encoder_service.integrations.vllm.transfer import ConnectorOptions
-
+    `ec_connector_extra_config` options (options.py: ConnectorOptions), checked here."""
     extra_config = {"url": url, **{k: v for k, v in extra.items() if v is not None}}
     ConnectorOptions.from_extra_config(extra_config)  # ValueError now rather than in vLLM's engine
     return {"ec_connector": CONNECTOR, "ec_role": "ec_consumer", "ec_connector_module_path": MODULE,

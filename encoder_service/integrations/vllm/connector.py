@@ -1,8 +1,8 @@
 """`EncoderServiceConnector`: vLLM's EC-connector interface (`ECConnectorBase`, role ec_consumer) over our
-transfer machinery (transfer.py, which holds the design). Thin on purpose: it turns vLLM's objects (Request,
+vLLM-free machinery (the package's __init__.py holds the design). Thin on purpose: it turns vLLM's objects (Request,
 SchedulerOutput, the worker's encoder_cache) into plain calls.
 
-Scheduler side (EngineCore process)          -> transfer.StagingTable
+Scheduler side (EngineCore process)          -> staging.StagingTable
   ensure_cache_available(request, computed)     the request's not-yet-computed items (vLLM identifier, our id,
                                                 rows vLLM planned); False (deferred) until all are staged
   has_cache_item(identifier)                    a dict lookup (vLLM asks every step)
@@ -10,7 +10,7 @@ Scheduler side (EngineCore process)          -> transfer.StagingTable
   build_connector_meta(scheduler_output)        the step's loads; forget what vLLM evicted
   take_unavailable_requests()                   requests whose item can't be had (vLLM fails them)
   request_finished(request)                     release the encoder's pins of its ids
-Worker side (each worker)                    -> transfer.RowLoader
+Worker side (each worker)                    -> worker.RowLoader
   start_load_caches(encoder_cache)              staged rows -> the worker's device -> encoder_cache[identifier]
 
 Our id is the item's `uuid` in the chat request: vLLM keeps a client uuid as the identifier when the request
@@ -29,15 +29,11 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
 from encoder_service.integrations.vllm import PARAMS_KEY
-from encoder_service.integrations.vllm.transfer import (
-    ConnectorOptions,
-    ItemLoad,
-    Need,
-    RowFetcher,
-    RowLoader,
-    StagingTable,
-    expected_row_width,
-)
+from encoder_service.integrations.vllm.fetch import RowFetcher
+from encoder_service.integrations.vllm.options import ConnectorOptions
+from encoder_service.integrations.vllm.staging import Need, StagingTable
+from encoder_service.integrations.vllm.worker import ItemLoad, RowLoader
+from encoder_service.models import configs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,7 +74,7 @@ class EncoderServiceConnector(ECConnectorBase):
     --ec-transfer-config '{"ec_connector": "EncoderServiceConnector", "ec_role": "ec_consumer",
       "ec_connector_module_path": "encoder_service.integrations.vllm",
       "ec_connector_extra_config": {"url": "http://encoder:8000", "auth_token": "..."}}'
-    (`encoder_service.integrations.vllm.ec_transfer_config(url, ...)` writes it; options: transfer.py).
+    (`encoder_service.integrations.vllm.ec_transfer_config(url, ...)` writes it; options: options.py).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
@@ -89,7 +85,7 @@ class EncoderServiceConnector(ECConnectorBase):
         ec = vllm_config.ec_transfer_config
         self.options = ConnectorOptions.from_extra_config(ec.ec_connector_extra_config)
         model_config = vllm_config.model_config
-        self.row_width = expected_row_width(model_config.hf_config) if model_config is not None else None
+        self.row_width = configs.row_width(model_config.hf_config.to_dict()) if model_config is not None else None
         self.table: StagingTable | None = None
         self.loader: RowLoader | None = None
         if model_config is not None:

@@ -9,7 +9,9 @@ the encode).
 
 POST /v1/chat/completions: every `{"type": "image_url", "image_url": {"url": ...}}` part (a data: URL, or an
 http(s) URL the encoder fetches itself: its --allow-url-hosts) goes to our `encode` (one call per chat
-request; it answers before the ViT runs), and is replaced by the metadata-only part vLLM's consumer takes
+request, answered once the ViT has run: an image that fails to decode or encode is the caller's error
+answer here, with our error's kind, message and status, before vLLM is called), and is replaced by the
+metadata-only part vLLM's consumer takes
 
     {"type": "image_embeds", "image_embeds": {"image_grid_thw": [t, h, w]}, "uuid": "<our id>"}
 
@@ -20,109 +22,29 @@ The connector releases the encode's pins when vLLM finishes the request; when vL
 outright (an HTTP error status), the proxy releases them itself.
 GET /v1/models and /health are passed through (/health also asks the encoder's /health/ready over HTTP).
 
-Every flag has an env twin, ENCODER_PROXY_<FLAG> (the flag wins).
+Every flag has an env twin, ENCODER_PROXY_<FLAG> (the flag wins): settings.py, PROXY_OPTIONS.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`request: Request`,
 # imported inside make_app) at definition time.
-import argparse
 import base64
 import binascii
 import copy
+import hmac
 import logging
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from encoder_service import errors
-from encoder_service.client.base import ImageSource
+from encoder_service.client import AsyncEncoderClient, ImageSource
 from encoder_service.integrations.vllm import PARAMS_KEY
-from encoder_service.settings import _choice, _positive, flag
+from encoder_service.protocol.errors import http_status
+from encoder_service.settings import ProxySettings
 
 log = logging.getLogger("encoder_service.vllm_proxy")
 
 IMAGE_TYPES = ("image_url",)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "te",
                "trailer", "upgrade", "proxy-authenticate", "proxy-authorization"}
-
-
-# ---- settings ---------------------------------------------------------------------------------------------
-def _port(text: str) -> int:
-    v = int(text)
-    if not 0 < v <= 65535:
-        raise ValueError(f"port must be in 1..65535, got {text!r}")
-    return v
-
-
-def _url(text: str) -> str:
-    if not str(text).startswith(("http://", "https://", "grpc://")):
-        raise ValueError(f"must start with http://, https:// or grpc://, got {text!r}")
-    return str(text).rstrip("/")
-
-
-def _http_url(text: str) -> str:
-    url = _url(text)
-    if url.startswith("grpc://"):
-        raise ValueError(f"vLLM speaks HTTP: give http://host:port, got {text!r}")
-    return url
-
-
-# name -> (parser, default, help), as settings.OPTIONS; flag --name-with-dashes, env ENCODER_PROXY_NAME.
-OPTIONS = {
-    "encoder_url": (_url, None, "encoder service: http://host:port or grpc://host:port (required)"),
-    "vllm_url": (_http_url, None, "the vLLM prefill/decode instance: http://host:port (required)"),
-    "host": (str, "127.0.0.1", "bind address"),
-    "port": (_port, "8100", "port"),
-    "api_key": (str, None, "bearer token the proxy's callers must send (checked before any encode); default: "
-                           "none, every caller is served"),
-    "auth_token": (str, None, "the encoder service's bearer token (its --auth-token)"),
-    "vllm_api_key": (str, None, "bearer token for vLLM (its --api-key); default: the caller's Authorization"),
-    "timeout_s": (_positive(float), "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
-    "log_level": (_choice(("critical", "error", "warning", "info", "debug")), "info", "log level"),
-}
-
-
-@dataclass(frozen=True)
-class ProxySettings:
-    encoder_url: str
-    vllm_url: str
-    host: str = "127.0.0.1"
-    port: int = 8100
-    api_key: str | None = field(default=None, repr=False)
-    auth_token: str | None = field(default=None, repr=False)
-    vllm_api_key: str | None = field(default=None, repr=False)
-    timeout_s: float = 600.0
-    log_level: str = "info"
-
-
-def env_name(name: str) -> str:
-    return "ENCODER_PROXY_" + name.upper()
-
-
-def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
-    for name, (_, default, help_text) in OPTIONS.items():
-        shown = f" (default {default})" if default else ""
-        parser.add_argument(flag(name), dest=name, default=None, metavar=name.upper(),
-                            help=f"{help_text}{shown} [env {env_name(name)}]")
-
-
-def resolve_proxy(ns: argparse.Namespace, env: Mapping[str, str]) -> ProxySettings:
-    """Flag > env > default, each value parsed once; ValueError naming the flag and its env twin."""
-    values = {}
-    for name, (parse, default, _) in OPTIONS.items():
-        raw = getattr(ns, name, None)
-        if raw is None and env.get(env_name(name), "") != "":
-            raw = env[env_name(name)]
-        if raw is None:
-            raw = default
-        if raw is None:
-            if name in ("encoder_url", "vllm_url"):
-                raise ValueError(f"{flag(name)} / {env_name(name)} is required")
-            continue
-        try:
-            values[name] = parse(raw)
-        except ValueError as exc:
-            raise ValueError(f"{flag(name)} / {env_name(name)}: {exc}") from None
-    return ProxySettings(**values)
 
 
 # ---- the rewrite ------------------------------------------------------------------------------------------
@@ -187,6 +109,23 @@ def _error(status: int, message: str, kind: str):
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+def _encoder_error(exc: errors.EncoderServiceError):
+    """A failed encode as the caller's answer, in OpenAI's error shape: the status the encoder answered
+    (over HTTP; else the status of the error's kind), our message, and the kind as the error's type."""
+    status = exc.status if isinstance(getattr(exc, "status", None), int) else http_status(exc)
+    return _error(status, f"encoder service: {exc.message}", exc.kind)
+
+
+def _caller_refused(authorization: str | None, api_key: bytes | None) -> str | None:
+    """Why a caller is refused (None: it is served): without `Authorization: Bearer <the proxy's --api-key>`."""
+    if api_key is None:
+        return None
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return "missing API key: send 'Authorization: Bearer <key>'"
+    return None if hmac.compare_digest(given.strip().encode(), api_key) else "wrong API key"
+
+
 def _upstream_headers(request, settings: ProxySettings) -> dict:
     headers = {"content-type": "application/json", "accept-encoding": "identity"}
     if settings.vllm_api_key:
@@ -202,6 +141,13 @@ def _passed_headers(response) -> dict:
     return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
+def _encoder_client(settings: ProxySettings) -> AsyncEncoderClient:
+    if settings.encoder_url.startswith("grpc://"):
+        return AsyncEncoderClient.grpc(settings.encoder_url.removeprefix("grpc://"), token=settings.auth_token,
+                                       timeout=settings.timeout_s)
+    return AsyncEncoderClient.http(settings.encoder_url, token=settings.auth_token, timeout=settings.timeout_s)
+
+
 def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
     """The proxy's FastAPI app. `encoder` (an AsyncEncoderClient) and `upstream` (an httpx.AsyncClient for
     vLLM) are built from `settings` when not given; the app closes what it built."""
@@ -212,11 +158,16 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
     from fastapi.responses import Response, StreamingResponse
     from starlette.background import BackgroundTask
 
-    from encoder_service.api.auth import BearerAuth
-    from encoder_service.api.errors import http_status
-    from encoder_service.client import AsyncEncoderClient
-
     own = []
+    clients = {"encoder": encoder}
+
+    def the_encoder() -> AsyncEncoderClient:
+        """The encoder's client, built on first use when not given: on the server's loop, which uvicorn starts
+        after make_app (a gRPC channel works only on the loop it was made on)."""
+        if clients["encoder"] is None:
+            clients["encoder"] = _encoder_client(settings)
+            own.append(clients["encoder"].close)
+        return clients["encoder"]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -227,34 +178,24 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
                 await closer()
 
     app = FastAPI(title="encoder-service vllm-proxy", lifespan=lifespan)
-    if encoder is None:
-        if settings.encoder_url.startswith("grpc://"):
-            encoder = AsyncEncoderClient.grpc(settings.encoder_url.removeprefix("grpc://"), token=settings.auth_token,
-                                              timeout=settings.timeout_s)
-        else:
-            encoder = AsyncEncoderClient.http(settings.encoder_url, token=settings.auth_token,
-                                              timeout=settings.timeout_s)
-        own.append(encoder.close)
     if upstream is None:
         upstream = httpx.AsyncClient(base_url=settings.vllm_url, timeout=httpx.Timeout(settings.timeout_s,
                                                                                       connect=10.0))
         own.append(upstream.aclose)
-    app.state.encoder, app.state.upstream = encoder, upstream
-    auth = BearerAuth(settings.api_key)
+    api_key = settings.api_key.encode() if settings.api_key else None
 
     def refused(request: Request):
         """A 401 answer unless the caller sent the proxy's --api-key (None: let it through)."""
-        try:
-            auth.check(request.headers.get("authorization"))
-        except errors.Unauthenticated as exc:
-            answer = _error(401, str(exc), "authentication_error")
-            answer.headers["www-authenticate"] = "Bearer"
-            return answer
-        return None
+        why = _caller_refused(request.headers.get("authorization"), api_key)
+        if why is None:
+            return None
+        answer = _error(401, why, "authentication_error")
+        answer.headers["www-authenticate"] = "Bearer"
+        return answer
 
     async def release(ids: list[str]) -> None:
         try:
-            await encoder.release(ids)
+            await the_encoder().release(ids)
         except Exception as exc:  # noqa: BLE001 - pins end at their lease anyway
             log.warning("release of %d ids failed: %s", len(ids), exc)
 
@@ -272,12 +213,15 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
         try:
             parts = image_parts(body)
             if parts:
-                infos = await encoder.encode([image_source(p) for p in parts])
+                # wait=True: the answer comes once the ViT has run, so an image that fails to decode or encode
+                # fails here, with our reason, and never reaches vLLM (whose front end would answer a failed
+                # item with a bare 500: docs/vllm.md). What it costs: vLLM's own request handling no longer
+                # overlaps the ViT; the connector's fetch waited for the ViT anyway.
+                infos = await the_encoder().encode([image_source(p) for p in parts], wait=True)
                 ids = sorted({i.id for i in infos})
                 body = rewrite(body, infos)
         except errors.EncoderServiceError as exc:
-            status = http_status(exc)
-            return _error(status, f"encoder service: {exc}", "invalid_request_error" if status < 500 else exc.kind)
+            return _encoder_error(exc)
         upstream_request = upstream.build_request("POST", "/v1/chat/completions", json=body,
                                                   headers=_upstream_headers(request, settings))
         try:

@@ -1,0 +1,173 @@
+"""Fetching, scheduler side: an item's rows from the encoder service into a range of our arenas (arenas.py),
+over shared memory (the encoder writes into our file) or a socket (our client writes what it brings)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from urllib.parse import urlsplit
+
+import torch
+
+from encoder_service import errors
+from encoder_service.client import EncoderClient
+from encoder_service.client.grpc_transport import GrpcTransport
+from encoder_service.client.http import HttpTransport
+from encoder_service.client.shm import ShmBuffers
+from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
+from encoder_service.integrations.vllm.options import ConnectorOptions
+from encoder_service.integrations.vllm.worker import ShmRows
+from encoder_service.protocol.dtypes import torch_dtype
+
+log = logging.getLogger("encoder_service.integrations.vllm")
+
+
+class ItemUnavailable(Exception):
+    """An item's rows can't be had (unknown or evicted id, encoder down, wrong width or row count)."""
+
+
+class RowFetcher:
+    """Fetches items' rows from the encoder service into our arenas (scheduler side; also the benchmark's).
+
+    Thread-safe: `fetch` blocks (call it from worker threads). `mode` is "shm" (the encoder writes into our
+    file), "http" or "grpc" (our client writes what the socket brings). With shm "auto", an encoder that
+    can't reach our files (another container's /dev/shm) turns the fetcher to the socket once, logged.
+    """
+
+    def __init__(self, options: ConnectorOptions, expected_width: int | None = None):
+        self.options, self.expected_width = options, expected_width
+        self._buffers = ShmBuffers(options.shm_dir)
+        self.arenas = RowArenas(self._buffers, options.arena_bytes, options.fetch_timeout_s)
+        self._lock = threading.Lock()
+        self._clients: dict[bool, object] = {}  # shm? -> EncoderClient
+        self._meta: dict | None = None
+        self._shm: bool | None = None if options.shm == "auto" else options.shm == "on"
+
+    @property
+    def mode(self) -> str:
+        return "shm" if self._shm else self.options.transport
+
+    def _client(self, shm: bool):
+        with self._lock:
+            if shm not in self._clients:
+                o = self.options
+                if o.transport == "grpc":
+                    transport = GrpcTransport(urlsplit(o.url).netloc, token=o.auth_token)
+                else:
+                    transport = HttpTransport(o.url, token=o.auth_token)
+                self._clients[shm] = EncoderClient(transport, timeout=o.fetch_timeout_s,
+                                                   shm=self._buffers if shm else None)
+            return self._clients[shm]
+
+    def metadata(self) -> dict:
+        """The encoder's /v1/metadata, checked once against the model: row width, a row dtype we know."""
+        if self._meta is not None:
+            return self._meta
+        try:
+            meta = self._client(False).metadata()
+        except errors.EncoderServiceError as exc:
+            raise ItemUnavailable(f"encoder service at {self.options.url} unreachable: {exc}") from None
+        width, family = int(meta["row_width"]), meta.get("family")
+        if self.expected_width is not None and width != self.expected_width:
+            raise ItemUnavailable(
+                f"encoder service at {self.options.url} serves {family} ({meta.get('model')}) rows {width} wide "
+                f"(layout {meta.get('layout')}); this model takes rows {self.expected_width} wide: serve the "
+                "same checkpoint family on both sides")
+        torch_dtype(meta["dtype"])
+        if self._shm is None:
+            self._shm = bool(meta.get("shm_fetch")) and _is_this_host(urlsplit(self.options.url).hostname or "")
+        log.info("encoder service %s (%s, rows %d wide, %s): fetching over %s", self.options.url, family, width,
+                 meta["dtype"], self.mode)
+        self._meta = meta
+        return meta
+
+    def fetch(self, item_id: str, num_rows: int) -> StagedRows:
+        """Item `item_id`'s rows, exactly `num_rows` of them, staged in an arena; ItemUnavailable else."""
+        meta = self.metadata()
+        width, dtype = int(meta["row_width"]), meta["dtype"]
+        # One row more than planned: an item with more rows than vLLM planned shows as num_rows + 1.
+        span = num_rows + 1
+        arena, start = self.arenas.take(span, width, dtype)
+        ok = False
+        try:
+            got = self._fetch_into(item_id, num_rows, arena.rows[start:start + span])
+            if got != num_rows:
+                more = "more than " if got > num_rows else ""
+                raise ItemUnavailable(
+                    f"item {item_id!r} has {more}{min(got, num_rows)} rows at the encoder service, vLLM planned "
+                    f"{num_rows} placeholder tokens for it: the image_grid_thw sent to vLLM must be the one our "
+                    "encode answered, and both sides must use the same merge size")
+            ok = True
+        except ItemUnavailable:
+            raise
+        except errors.NotFound as exc:
+            raise ItemUnavailable(f"item {item_id!r} is not at the encoder service ({exc}): unknown, or evicted "
+                                  "after its lease; the request's image uuid must be the id our encode answered, "
+                                  "and vLLM keeps a uuid only when the request has no mm_processor_kwargs and the "
+                                  "server no --media-io-kwargs for images") from None
+        except errors.EncoderServiceError as exc:
+            raise ItemUnavailable(f"fetch of item {item_id!r} from {self.options.url} failed: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the wire, a file: the request fails, the engine goes on
+            raise ItemUnavailable(f"fetch of item {item_id!r} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            if not ok:  # the encoder may still write a timed-out fetch: the range rests a while
+                self.arenas.give(arena, start, span, quarantine=True)
+        offset = start * arena.rows.stride(0) * arena.rows.element_size()
+        ref = ShmRows(arena.name, self.options.shm_dir, offset, num_rows, width, dtype)
+        return StagedRows(item_id, arena.rows[start:start + num_rows], ref, arena, start, span)
+
+    def drop(self, staged: StagedRows) -> None:
+        """The item's range back to its arena (no worker may read it any more)."""
+        self.arenas.give(staged.arena, staged.start, staged.span)
+
+    def _fetch_into(self, item_id: str, num_rows: int, out: torch.Tensor) -> int:
+        shm = bool(self._shm)
+        try:
+            result = self._client(shm).fetch([(item_id, 0)], 0, num_rows + 1, out=out)
+        except (errors.InvalidInput, errors.FailedPrecondition) as exc:
+            if not (shm and self.options.shm == "auto" and "shm" in str(exc)):
+                raise
+            log.warning("encoder service %s can't write into our shared memory (%s); fetching over the socket "
+                        "from now on", self.options.url, exc)
+            self._shm = False
+            result = self._client(False).fetch([(item_id, 0)], 0, num_rows + 1, out=out)
+        segments = [s for s in result.segments if s.id == item_id]
+        if len(segments) != 1 or segments[0].row_start != 0 or segments[0].position != 0:
+            raise ItemUnavailable(f"fetch of item {item_id!r}: unexpected segments {result.segments}")
+        return segments[0].num_rows
+
+    def release(self, ids: list[str]) -> None:
+        try:
+            self._client(False).release(ids)
+        except Exception as exc:  # noqa: BLE001 - pins end at their lease anyway
+            log.debug("release of %d ids at %s failed: %s", len(ids), self.options.url, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.arenas.close()
+        self._buffers.close()  # unlinks every file (tensors still viewing them keep their mappings)
+
+
+def _is_this_host(host: str) -> bool:
+    """`host` is loopback or one of this machine's names / addresses (so its /dev/shm may be ours)."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        if host == "localhost":
+            return True
+    try:
+        ours = {socket.gethostname(), socket.getfqdn()}
+        addresses = {a[4][0] for name in ours for a in socket.getaddrinfo(name, None)}
+        return host in ours or any(a[4][0] in addresses for a in socket.getaddrinfo(host, None))
+    except OSError:
+        return False
