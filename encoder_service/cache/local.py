@@ -13,9 +13,12 @@ evict an id in the middle of a chunked prefill. A pin is a lease: a count and a 
     encode taking back the pin it just made: its request failed or left) a live one. At zero the entry goes
     back to the LRU (most recently used end).
   - at the deadline the pin goes whatever the count (a client that never releases cannot leak pins).
-Fetches carry no holder's name: a re-fetch of every row by one reader (or a prompt with the image twice)
-counts as another reader's, and may end a second request's pin early. Its rows then stay in the LRU, most
-recently used, like any released id's.
+Fetches and releases carry no holder's name, so two guesses err each on its own side:
+  - a re-fetch of every row by one reader (or a prompt with the image twice) counts as another reader's, and
+    may end a second request's pin early; its rows then stay in the LRU, most recently used, as a released
+    id's do;
+  - a release that no full fetch of its client came before (a request that gave up) while such a record of
+    another client's exists drops that record: the live pin then lasts until a full fetch or its lease.
 A key can be pinned before its entry exists (the core answers `encode` before the ViT runs): the pin
 then reserves `nbytes`, the expected size, and the entry takes the reserved place when it arrives.
 Pinned bytes are bounded by `max_pinned_bytes`; a pin over the bound raises `Overloaded` (HTTP 429)
@@ -206,7 +209,7 @@ class LocalTier:
             return 0
         if pin.rows is None or pin.rows.num_rows != num_rows:
             pin.rows = _RowCounts(num_rows)
-        for start, end in _merged(ranges):
+        for start, end in _merged((max(0, start), min(end, num_rows)) for start, end in ranges):
             pin.rows.add(start, end)
         ended = min(pin.rows.take_full(), pin.holders)
         if ended:
