@@ -8,7 +8,8 @@ evict an id in the middle of a chunked prefill. A pin is a lease: a count and a 
     key has been delivered k more times, k holders end (their readers have every row: a client that
     fetches all rows and never releases holds its pin only until then). Such a holder is remembered
     (`_Ended`, until its lease would have ended) so that its client's own later `release` drops that
-    record, not the pin of another request for the same image.
+    record, not the pin of another request for the same image, and so that the id stays leased for the
+    store (`leased_keys`: written to Redis again after an outage, as the pinned ones are).
   - `release` (a client's) drops one holder, one a full fetch ended first, else a live one; `unpin` (an
     encode taking back the pin it just made: its request failed or left) a live one. At zero the entry goes
     back to the LRU (most recently used end).
@@ -248,10 +249,11 @@ class LocalTier:
             self._end_pin(key)
         return True
 
-    def pinned_keys(self) -> list[str]:
-        """The keys whose entry is here and pinned (leased)."""
+    def leased_keys(self) -> list[str]:
+        """The keys whose entry is here and whose lease has not ended: pinned, or pinned until a full fetch
+        ended the pin (remembered until its lease's end, `_Ended`)."""
         self._expire_leases()
-        return list(self._pinned)
+        return list(self._pinned) + [key for key in self._ended if key not in self._pinned and key in self._lru]
 
     def is_pinned(self, key: str) -> bool:
         self._expire_leases()

@@ -223,11 +223,13 @@ class EmbeddingStore:
 
     async def _reshare_after_outages(self) -> None:
         """Each time Redis comes back after an outage, share every id leased here (a restarted Redis is empty:
-        other replicas' fetches of ids this one accepted must find them again). Bounded: only pinned ids."""
+        other replicas' fetches of ids this one accepted must find them again): those pinned, and those whose
+        pin a full fetch ended within their lease (cache/local.py: leased_keys). Bounded: only ids in the
+        local tier."""
         while True:
             await self.redis.recovered()
             try:
-                shared = await self.share(self.local.pinned_keys())
+                shared = await self.share(self.local.leased_keys())
             except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
                 log.warning("sharing the leased ids again after a Redis outage failed", exc_info=True)
                 continue

@@ -223,3 +223,18 @@ def test_the_pins_full_error_says_what_to_do():
     for words in ("3072 bytes of embeddings are pinned (1 ids)", "2048 more would pass --max-pinned-bytes (4096)",
                   "delivered every one of its rows", "release", "--lease-s", "raise --max-pinned-bytes"):
         assert words in message, (words, message)
+
+
+def test_leased_keys_keep_a_fully_fetched_id_until_its_lease_ends():
+    """What the store writes to Redis again after an outage: other replicas may still fetch such an id."""
+    clock = FakeClock()
+    tier = LocalTier(40 * KIB, 12 * KIB, clock=clock)
+    for key in ("fetched", "released", "pinned"):
+        tier.put(key, entry(4))
+        tier.pin(key, 10)
+    tier.delivered("fetched", 4, [(0, 4)])
+    tier.delivered("released", 4, [(0, 4)])
+    tier.release("released")
+    assert sorted(tier.leased_keys()) == ["fetched", "pinned"]
+    clock.now += 10.1
+    assert tier.leased_keys() == []
