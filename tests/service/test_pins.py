@@ -33,7 +33,6 @@ def pins_service(request, tiny_checkpoint, tmp_path_factory) -> RunningService:
     ckpt = tiny_checkpoint("qwen2_5_vl")
     shm_dir = tmp_path_factory.mktemp("pins-shm")
     svc = RunningService(make_settings(ckpt, *PINS, "--shm-fetch", "--shm-dir", str(shm_dir)), ckpt)
-    svc.shm_dir = str(shm_dir)
     request.addfinalizer(svc.close)
     return svc
 
@@ -48,7 +47,7 @@ def pin_stats(svc) -> dict:
 def client(svc, how: str):
     """An async client: "http", "grpc", or "grpc+shm" (rows through a shared-memory file)."""
     transport, _, shm = how.partition("+")
-    return async_client(svc, transport, **({"shm": True, "shm_dir": svc.shm_dir} if shm else {}))
+    return async_client(svc, transport, **({"shm": True, "shm_dir": svc.settings.server.shm_dir} if shm else {}))
 
 
 @pytest.mark.parametrize("how", ["http", "grpc", "grpc+shm"])
