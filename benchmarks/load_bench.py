@@ -12,8 +12,10 @@ service's own build_core).
   2. encode under load: distinct 720p JPEGs (distinct pixels and bytes per request: no cache hits), one
      image per HTTP request (`POST /v1/encode?wait=true`, AsyncEncoderClient, a keep-alive connection
      per worker; with --flow e2e each request also fetches all of its image's rows into a preallocated
-     tensor and releases the id, as an LLM server does), closed loop at concurrency 1, 4, 16, 64 (spread over
-     --clients load-generator processes), each level bounded in requests and seconds;
+     tensor and releases the id, as an LLM server does; --flow e2e-norelease the same without the release,
+     as a client that never calls it), closed loop at concurrency 1, 4, 16, 64 (spread over --clients
+     load-generator processes), each level bounded in requests and seconds (with --duration-s, in seconds
+     only: every request sends other bytes, one of a few JPEGs with the request's number in a comment);
      images/s, p50/p99 latency, and from the service's /metrics over the level: mean images per ViT batch,
      mean time from a batch's launch to its rows on the host (batches overlap: the engine launches the next
      one while the previous one's rows are copied), mean preprocess and queue ms. Target: the best level reaches >= 90% of (1).
@@ -29,6 +31,8 @@ are all started and bounded here.
 
     python benchmarks/load_bench.py            # GPU (H100: about 2-3 minutes)
     python benchmarks/load_bench.py --family qwen3_vl --flow e2e --levels 64 --clients 4   # issue 20's end to end
+    python benchmarks/load_bench.py --flow e2e-norelease --levels 64 --clients 4 --duration-s 420 \
+        --cache-bytes default   # issue 20's client that never releases, against the service's default cache
     python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
     python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
     python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
@@ -44,12 +48,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +63,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import children  # noqa: E402
 from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.images import make_jpegs  # noqa: E402
+from benchmarks.common.images import make_jpegs, stamped  # noqa: E402
 from benchmarks.common.load import closed_loop, scrape  # noqa: E402
 from benchmarks.common.models import NAMES, REAL, build_checkpoint  # noqa: E402
 from benchmarks.common.report import setup_info, write_result  # noqa: E402
@@ -66,7 +72,8 @@ from benchmarks.common.stats import percentile  # noqa: E402
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 LEVELS = (1, 4, 16, 64)
-FLOWS = ("encode", "e2e")  # encode wait=true; e2e: encode wait=true, fetch all rows, release
+# encode wait=true; e2e: encode wait=true, fetch all rows, release; e2e-norelease: the same without the release
+FLOWS = ("encode", "e2e", "e2e-norelease")
 ENCODE_SIZE, FETCH_SIZE = (1280, 720), (1920, 1080)
 SERVICE_TARGET = 0.90  # service images/s >= 90% of model-only
 FETCH_TARGET_MS = 3.0  # p50 of a whole cached 1080p entry on loopback
@@ -80,6 +87,7 @@ CONFIGS = {
 }
 # Image index ranges (each image's content is a function of its index): never shared between phases.
 MODEL_ONLY_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_000_000, 4_000_000
+STAMPED_BASES = 8  # with --duration-s: JPEGs per level and load generator that every request's bytes come from
 
 
 # ---- load generator (child process) -----------------------------------------------------------------------
@@ -108,7 +116,8 @@ def merged_level(concurrency: int, parts: list[dict], before: dict, after: dict)
                cache_hits=sum(p["hits"] for p in parts), num_tokens=sorted({t for p in parts for t in p["tokens"]}),
                wall_s=wall, images_per_s=done / wall if wall else 0.0, p50_ms=percentile(latencies, 50),
                p99_ms=percentile(latencies, 99), mean_ms=float(np.mean(latencies)) if latencies else float("nan"),
-               time_capped=done + len(errors) < sum(p["images"] for p in parts), clients=len(parts))
+               time_capped=any(p["images"] is None for p in parts)
+               or done + len(errors) < sum(p["images"] for p in parts), clients=len(parts))
     return row | server_side(before, after, wall)
 
 
@@ -174,26 +183,36 @@ def client_main(config_path: str, part: int) -> int:
     counts = {int(c): n for c, n in cfg["requests"].items()}  # JSON keys are strings
     t0 = time.perf_counter()
     warm = make_jpegs(ENCODE_SIZE, range(WARMUP_BASE + part, WARMUP_BASE + cfg["warmup"], parts))
+    endless = cfg.get("duration_s") is not None  # time-bounded levels: every request stamps one of a few JPEGs
     images, at = {}, LEVEL_BASE
     for c in cfg["levels"]:
-        images[c] = make_jpegs(ENCODE_SIZE, range(at + part, at + counts[c], parts))
-        at += counts[c]
+        n = STAMPED_BASES * parts if endless else counts[c]
+        images[c] = make_jpegs(ENCODE_SIZE, range(at + part, at + n, parts))
+        at += n
     sizes = [len(b) for level in images.values() for b in level]
     print(f"client {part}: {len(sizes)} + {len(warm)} distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs "
           f"(mean {np.mean(sizes) / 1e3:.0f} kB) made in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    def level(imgs, workers):
+    def level(imgs, workers, count):
         return asyncio.run(closed_loop([dict(http=job["http"], grpc=job["grpc"])], imgs, workers, cfg["level_s"],
-                                       cfg["request_timeout_s"], job["flow"], job["transport"]))
+                                       cfg["request_timeout_s"], job["flow"], job["transport"], count=count))
+
+    def stream(c: int) -> Iterable[bytes]:
+        """Level c's images: its JPEGs once each, or with --duration-s without end, each request's bytes its
+        own (its number in a JPEG comment: a new cache key, the same pixels and decode work)."""
+        if not endless:
+            return images[c]
+        bases = images[c]
+        return (stamped(bases[i % len(bases)], f"level {c} client {part} request {i}") for i in itertools.count())
 
     if warm:
-        level(warm, min(4, len(warm)))
+        level(warm, min(4, len(warm)), len(warm))
     print(json.dumps(dict(ready=True, jpeg_kb=float(np.mean(sizes) / 1e3))), flush=True)
     for line in sys.stdin:
         command = line.split()
         if command[0] == "level":
             c = int(command[1])
-            result = level(images[c], max(1, children.share(c, part, parts)))
+            result = level(stream(c), max(1, children.share(c, part, parts)), None if endless else len(images[c]))
         else:
             try:
                 fetch_rows, checks = fetch_bench(job["http"], job["grpc"], cfg)
@@ -301,7 +320,9 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
     lines = ["# Load benchmark (service on 127.0.0.1: uvicorn + grpc.aio, in process)", "",
              ", ".join(f"{k}: {v}" for k, v in setup.items()), ""]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
-    what = ("encode wait=true, fetch of all its rows, release" if setup.get("flow") == "e2e" else "encode wait=true")
+    what = {"e2e": "encode wait=true, fetch of all its rows, release",
+            "e2e-norelease": "encode wait=true, fetch of all its rows, never a release"}.get(setup.get("flow"),
+                                                                                             "encode wait=true")
     lines += [f"## Under load: distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs, one image per request ({what}; "
               f"{setup.get('transport')} client, {setup.get('clients')} load-generator processes)", "",
               "| concurrency | requests | errors | images/s | % of model-only | p50 ms | p99 ms | images / ViT batch "
@@ -350,7 +371,13 @@ def main() -> int:
                         help="the vision tower (default %(default)s)")
     parser.add_argument("--flow", default="encode", choices=FLOWS,
                         help="per request: encode wait=true (default), or e2e: that, a fetch of all the image's rows "
-                             "and release")
+                             "and release; e2e-norelease: e2e without the release")
+    parser.add_argument("--duration-s", type=float,
+                        help="run each level this long, every request with other bytes (default: the mode's request "
+                             "counts, 30 s at most per level)")
+    parser.add_argument("--cache-bytes",
+                        help="the service's --cache-bytes, or 'default' for the service's own default (default: "
+                             f"{CONFIGS['full']['cache_bytes']}, --small {CONFIGS['small']['cache_bytes']})")
     parser.add_argument("--transport", default="http", choices=("http", "grpc"),
                         help="the load generators' client (default http)")
     parser.add_argument("--clients", type=int, default=1,
@@ -364,7 +391,12 @@ def main() -> int:
     from encoder_service.api.service import bind_socket, build_core
 
     device, dtype = bench_device(args.small, parser)
-    cfg = CONFIGS["small" if args.small else "full"] | dict(levels=args.levels)
+    cfg = CONFIGS["small" if args.small else "full"] | dict(levels=args.levels, duration_s=args.duration_s)
+    if args.duration_s is not None:
+        cfg |= dict(level_s=args.duration_s,  # every level runs its time, then its load generators end
+                    client_limit_s=cfg["client_limit_s"] + len(args.levels) * (args.duration_s + 60))
+    if args.cache_bytes is not None:
+        cfg["cache_bytes"] = None if args.cache_bytes == "default" else args.cache_bytes
     t_start = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -379,7 +411,8 @@ def main() -> int:
         t_ckpt = time.perf_counter()
         http_sock = bind_socket("127.0.0.1", 0)
         settings = service_settings(
-            checkpoint, device, dtype, http_sock, "--cache-bytes", cfg["cache_bytes"],  # every encoded id stays pinned
+            checkpoint, device, dtype, http_sock,
+            *(("--cache-bytes", cfg["cache_bytes"]) if cfg["cache_bytes"] else ()),  # room for every id encoded
             "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
             "--attention", args.attention, *(("--preprocess", args.preprocess) if args.preprocess else ()))
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
@@ -390,6 +423,8 @@ def main() -> int:
         setup = setup_info(device, dtype, args.small) | dict(
             model=f"tiny {args.family} (encoder_service/testing/tiny.py)" if args.small else
             f"{NAMES[args.family]} vision tower", flow=args.flow, transport=args.transport, clients=args.clients,
+            duration_s=args.duration_s, cache_bytes=settings.cache.cache_bytes,
+            max_pinned_bytes=settings.cache.max_pinned_bytes, lease_s=settings.cache.lease_s,
             runner=runner["runner"], graphs=runner.get("graphs", 0), batch_tokens=settings.engine.batch_tokens,
             max_queue=settings.engine.max_queue, cpu_count=os.cpu_count(),
             attention=f"{args.attention}: {runner.get('attention', {}).get('selected', {})}",

@@ -259,8 +259,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
     "cache_bytes": (_non_negative(parse_size), "4GiB", "in-process host LRU size"),
     "hash": (_choice(HASHES), "blake3", "content hash of image bytes"),
-    "lease_s": (_positive(float), "300", "how long an encoded id stays pinned until fetched"),
-    "max_pinned_bytes": (_non_negative(parse_size), None, "bound on pinned entries (half of --cache-bytes)"),
+    "lease_s": (_positive(float), "300", "how long an encoded id stays pinned at most: a fetch of all its rows "
+                                         "or its release ends the pin sooner"),
+    "max_pinned_bytes": (_non_negative(parse_size), None, "bound on pinned entries: images encoded and not yet "
+                                                          "fetched in full (half of --cache-bytes)"),
     "cuda_graphs": (parse_bool, None, "capture CUDA graphs (on, GPU only)"),
     "graph_buckets": (parse_buckets, ",".join(map(str, DEFAULT_BUCKETS)), "patch-token buckets"),
     "batch_tokens": (_positive(int), "16384", "patch-token budget of one ViT batch"),

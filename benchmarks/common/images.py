@@ -38,6 +38,15 @@ def distinct_jpeg(base: np.ndarray, index: int) -> bytes:
     return buf.getvalue()
 
 
+def stamped(jpeg_bytes: bytes, stamp: str) -> bytes:
+    """`jpeg_bytes` with `stamp` in a comment segment (COM) right after the start-of-image marker: other bytes
+    (another cache key), the same pixels and decode work."""
+    if jpeg_bytes[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG (no start-of-image marker)")
+    text = stamp.encode()
+    return jpeg_bytes[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + jpeg_bytes[2:]
+
+
 def make_jpegs(size: tuple[int, int], indices, seed: int = 0) -> list[bytes]:
     """distinct_jpeg of one photo of `size` for each index, made on a few threads."""
     base = photo(*size, seed=seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -22,11 +23,14 @@ def scrape(url: str) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
-async def closed_loop(targets: list[dict], images: list[bytes], workers: int, level_s: float, timeout_s: float,
+async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int, level_s: float, timeout_s: float,
                       flow: str = "e2e", transport: str = "http", cross: bool = False, verify_every: int = 0,
-                      worker_offset: int = 0) -> dict:
-    """`targets`: [{"http": url, "grpc": host:port}] per replica. Runs until the images run out or `level_s`
-    has passed (requests in flight then finish, each bounded by `timeout_s`). `verify_every` n > 0: every
+                      worker_offset: int = 0, count: int | None = None) -> dict:
+    """`targets`: [{"http": url, "grpc": host:port}] per replica. Runs until the `count` images run out (None:
+    `images` is an endless stream) or `level_s` has passed (requests in flight then finish, each bounded by
+    `timeout_s`). `flow`: "encode" (wait=true), "e2e" (that, a fetch of all the image's rows into the worker's
+    reused buffer, release) or "e2e-norelease" (e2e without the release: a client that never calls it). A 429
+    is waited out as its Retry-After says. `verify_every` n > 0: every
     n-th crossing fetch is fetched again on the encoding replica and compared bit for bit (the same encode's
     rows through Redis and from the encoder's own tier: a difference is a wrong row). `worker_offset`: this
     process's first worker number (so that processes spread their workers' encodes over the replicas)."""
@@ -34,6 +38,7 @@ async def closed_loop(targets: list[dict], images: list[bytes], workers: int, le
     import torch
 
     from encoder_service.client import AsyncEncoderClient
+    from encoder_service.errors import Overloaded
 
     limits = httpx.Limits(max_connections=workers + 4, max_keepalive_connections=workers + 4)
     clients = [AsyncEncoderClient.http(t["http"], timeout=timeout_s, limits=limits) if transport == "http" else
@@ -63,7 +68,7 @@ async def closed_loop(targets: list[dict], images: list[bytes], workers: int, le
                 try:
                     (info,) = await encoder.encode([data], wait=True)
                     t1 = time.perf_counter()
-                    if flow == "e2e":
+                    if flow != "encode":
                         if out is None or out.shape[0] < info.num_tokens:
                             out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype))
                         rows = out[:info.num_tokens]
@@ -74,9 +79,12 @@ async def closed_loop(targets: list[dict], images: list[bytes], workers: int, le
                             own = await encoder.fetch([(info.id, 0)], 0, info.num_tokens)
                             rec["verified"] += 1
                             rec["wrong_rows"] += not torch.equal(own.rows, rows)
-                        await encoder.release([info.id])
+                        if flow == "e2e":
+                            await encoder.release([info.id])
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     rec["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
+                    if isinstance(exc, Overloaded):  # a 429: wait as its Retry-After says (a client's manners)
+                        await asyncio.sleep(max(0.0, min(exc.retry_after_s, deadline - time.perf_counter())))
                     continue
                 rec["latencies"].append((time.perf_counter() - t0) * 1e3)
                 rec["encode_ms"].append((t1 - t0) * 1e3)
@@ -89,5 +97,5 @@ async def closed_loop(targets: list[dict], images: list[bytes], workers: int, le
     finally:
         for client in clients:
             await client.close()
-    return rec | dict(tokens=sorted(tokens), t0=start, t1=time.time(), images=len(images), cpu_s=cpu_s,
+    return rec | dict(tokens=sorted(tokens), t0=start, t1=time.time(), images=count, cpu_s=cpu_s,
                       loop_cpu_s=loop_cpu_s)

@@ -15,7 +15,9 @@
     await store.wait_for(key, timeout_s)          -> Settled            a wait for another replica's encode
     await store.input(key)                        -> bytes | None       an accepted image's bytes kept in Redis
     await store.share(keys)                       -> int                local hits other replicas can read again
-    store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.release(key) -> bool
+    store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.unpin(key) -> bool (an encode's own)
+    store.delivered(key, num_rows, ranges) -> int  a fetch's rows: full deliveries end holders
+    store.release(key) -> bool                     a client's release
     store.stats()                                 -> dict (flat counters)
 
 `key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; Redis when
@@ -35,11 +37,14 @@ for every id leased here each time Redis comes back after an outage (a restarted
 Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
      full), then the id's flight fills it in the background. The pin reserves the bytes until the entry lands.
-  2. `fetch` chunks: `read_rows` (an id still in flight is read from its flight). Fetching does NOT unpin: a chunked prefill
-     reads an image over several chunks, and only the caller knows which chunk is its last.
-  3. The pin ends at `release(key)` (the client's "done" for that id, optional) or when the lease expires,
-     whichever comes first. Pins are counted per holder: two requests encoding the same image each
-     hold one.
+  2. `fetch` chunks: `read_rows` (an id still in flight is read from its flight), then `delivered` with the
+     rows the fetch sent: a chunked prefill reads an image over several chunks, and once every row has been
+     delivered (since the pin began) one holder ends, so a client that fetches all rows and never releases
+     holds its pin only that long. Only this replica's pins: a fetch served by another replica (Redis)
+     ends nothing here.
+  3. Else the pin ends at `release(key)` (the client's "done" for that id, optional) or when the lease
+     expires, whichever comes first. Pins are counted per holder: two requests encoding the same image each
+     hold one. An encode that fails or is left before its answer gives its own pin back (`unpin`).
 """
 
 from __future__ import annotations
@@ -218,11 +223,13 @@ class EmbeddingStore:
 
     async def _reshare_after_outages(self) -> None:
         """Each time Redis comes back after an outage, share every id leased here (a restarted Redis is empty:
-        other replicas' fetches of ids this one accepted must find them again). Bounded: only pinned ids."""
+        other replicas' fetches of ids this one accepted must find them again): those pinned, and those whose
+        pin a full fetch ended within their lease (cache/local.py: leased_keys). Bounded: only ids in the
+        local tier."""
         while True:
             await self.redis.recovered()
             try:
-                shared = await self.share(self.local.pinned_keys())
+                shared = await self.share(self.local.leased_keys())
             except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
                 log.warning("sharing the leased ids again after a Redis outage failed", exc_info=True)
                 continue
@@ -236,7 +243,17 @@ class EmbeddingStore:
         `nbytes` reserves room when the entry is not there yet. Raises Overloaded when pins are full."""
         self.local.pin(_name(key), self.lease_s if lease_s is None else lease_s, nbytes)
 
+    def unpin(self, key: Key) -> bool:
+        """Give back a pin an encode just took (its request failed or its caller left)."""
+        return self.local.unpin(_name(key))
+
+    def delivered(self, key: Key, num_rows: int, ranges: Iterable[tuple[int, int]]) -> int:
+        """A fetch delivered rows `ranges` of `key` (of `num_rows`): holders whose every row is delivered end
+        (cache/local.py). Returns how many ended."""
+        return self.local.delivered(_name(key), num_rows, ranges)
+
     def release(self, key: Key) -> bool:
+        """A client is done with `key`: one holder of it ends (one a full fetch ended already, first)."""
         return self.local.release(_name(key))
 
     def stats(self) -> dict:

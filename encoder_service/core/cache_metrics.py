@@ -56,7 +56,10 @@ STORE: dict[str, Stat] = {
     "local_too_big": _counter("encoder_cache_local_too_big",
                               "Entries not cached because they are larger than the whole tier (--cache-bytes)"),
     "local_lease_expired": _counter("encoder_cache_lease_expiries",
-                                    "Pins (leases) ended by their deadline (--lease-s) rather than by a release"),
+                                    "Pins (leases) ended by their deadline (--lease-s) rather than by a release "
+                                    "or a full fetch"),
+    "local_fetch_ended": _counter("encoder_cache_pins_ended_by_fetch",
+                                  "Pin holders ended because fetches delivered every row of their id"),
     "local_pin_refused": _counter("encoder_cache_pin_refusals",
                                   "Pins refused at --max-pinned-bytes (429; 400 when the request's pins could "
                                   "never fit)"),
@@ -64,6 +67,8 @@ STORE: dict[str, Stat] = {
     "local_used_bytes": _gauge("encoder_cache_local_used_bytes", "Bytes of the entries in the host LRU tier"),
     "local_capacity_bytes": _gauge("encoder_cache_local_capacity_bytes", "Size of the host LRU tier (--cache-bytes)"),
     "local_pinned_keys": _gauge("encoder_cache_pinned_ids", "Ids pinned (leased): their entry present or encoding"),
+    "local_ended_keys": _gauge("encoder_cache_fetch_ended_ids",
+                               "Ids whose pin holders a full fetch ended, remembered for their clients' releases"),
     "local_pinned_bytes": _gauge("encoder_cache_pinned_bytes",
                                  "Bytes pinned: entries, and reservations for the rows still encoding"),
     "local_max_pinned_bytes": _gauge("encoder_cache_max_pinned_bytes", "Bound on pinned bytes (--max-pinned-bytes)"),

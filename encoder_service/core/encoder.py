@@ -16,6 +16,8 @@ flight, else by the cache entry's header, else, with Redis, by the header of the
 encoding once they land: handoff.py); the store reads only those (waiting for images still encoding). One
 `timeout_s` covers the waits and the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
 client's shared-memory file instead of the result (shm_writer.py).
+Pins: each id is pinned from its encode until a fetch has delivered every one of its rows (per row, since the
+pin began: chunked fetches add up), the caller releases it, or its lease ends; rows stay in the LRU after.
 release: drop the encode pins of ids the caller is done with (leases end early).
 videos: `encode(videos=...)` goes to video_encode.py (the same steps per frame group: each group its own
 flight and entry); fetch and release take frame group ids (`<video id>#<g>`: `key_of`), and a group of a
@@ -309,7 +311,7 @@ class EncoderCore:
             for permit in permits.values():
                 permit.release()
             for name in pinned:
-                self.store.release(name)
+                self.store.unpin(name)
             never = self._never_pinnable(sizes, first_index)
             if never is not None:
                 raise never from None
@@ -376,7 +378,7 @@ class EncoderCore:
         """The caller left before its answer: its images are not wanted by it any more, nor pinned for it."""
         for name, flight in flights.items():
             self.flights.leave(flight)
-            self.store.release(name)
+            self.store.unpin(name)
 
     # ---- fetch -----------------------------------------------------------------------------------------
     async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
@@ -432,12 +434,25 @@ class EncoderCore:
                 raise errors.EncoderServiceError("cached rows do not match this model's row size")
             written = await self.shm.write(mapping, shm.offset, [(at, p) for (at, _), p in zip(places, parts)])
             timings["shm_ms"] = (time.perf_counter() - t_read) * 1e3
+            self._delivered(keys, segments, sizes)
             return FetchResult(rows=None, shm_bytes=written, **common)
         if len(parts) == 1:  # one image in the chunk: its rows are already one contiguous view, no copy
             rows = parts[0]
         else:
             rows = torch.cat(parts) if parts else torch.empty((0, self.spec.row_width), dtype=self.loaded.dtype)
+        self._delivered(keys, segments, sizes)
         return FetchResult(rows=rows.contiguous(), **common)
+
+    def _delivered(self, keys: dict[str, CacheKey], segments: list[Segment], sizes: dict[str, int]) -> None:
+        """The fetch has every segment's rows: per id, the rows it delivered (an id placed twice in the prompt
+        counts once) go to the store, where a pin whose every row was delivered since it began loses a holder
+        (cache/local.py: delivered). A client that fetches all rows and never releases holds its pins only
+        until then; this replica's pins only (a fetch on another replica, through Redis, ends none here)."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for s in segments:
+            ranges.setdefault(s.id, []).append((s.row_start, s.row_end))
+        for public_id, delivered in ranges.items():
+            self.store.delivered(keys[public_id], sizes[public_id], delivered)
 
     def _check_id_count(self, what: str, n: int) -> None:
         limit = self.settings.limits.max_images * 16  # ids of a whole prompt, not of one encode request

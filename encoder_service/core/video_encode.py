@@ -139,7 +139,7 @@ class VideoEncoder:
             for reservation in reservations.values():
                 reservation.close()
             for k in pinned:
-                self.store.release(k)
+                self.store.unpin(k)
             never = self._never_pinnable(sizes, first_index)
             if never is not None:
                 raise never from None
@@ -186,7 +186,7 @@ class VideoEncoder:
             self.video_flights.leave(vf)
         for p in unique.values():
             for k in p.group_keys():
-                self.store.release(k)
+                self.store.unpin(k)
 
     def _rows(self, hits: list[Entry | None], vf: VideoFlight | None) -> torch.Tensor:
         """The video's rows [num_tokens, row_width]: its groups' entries one after the other."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from encoder_service.cache import local
 from encoder_service.cache.entry import Entry
 from encoder_service.cache.local import LocalTier
 from encoder_service.errors import Overloaded
@@ -111,3 +112,129 @@ def test_pin_before_the_entry_exists_reserves_bytes():
 def test_max_pinned_must_fit_in_capacity():
     with pytest.raises(ValueError):
         LocalTier(10, 11)
+
+
+def test_a_full_fetch_ends_one_holder_and_the_entry_stays_cached():
+    tier = LocalTier(40 * KIB, 8 * KIB)
+    tier.put("a", entry(4, 1))
+    tier.pin("a", 60)
+    assert tier.delivered("a", 4, [(0, 4)]) == 1
+    assert not tier.is_pinned("a") and tier.pinned_bytes == 0 and tier.counters["fetch_ended"] == 1
+    got = tier.get("a")  # an ordinary LRU entry now, most recently used
+    assert got is not None and torch.equal(got.tensor, entry(4, 1).tensor)
+    assert tier.delivered("a", 4, [(0, 4)]) == 0  # not pinned: nothing to end
+    assert tier.release("a")  # the client's own release after its fetch: the ended holder's, counted
+    assert not tier.release("a")
+
+
+def test_chunked_fetches_add_up_and_end_the_pin_only_after_the_last_rows():
+    tier = LocalTier(40 * KIB, 8 * KIB)
+    tier.pin("a", 60, nbytes=4 * KIB)  # pinned at encode time, before the rows exist
+    assert tier.delivered("a", 4, [(2, 3)]) == 0
+    assert tier.delivered("a", 4, [(0, 2), (1, 2)]) == 0  # overlapping ranges of one fetch: each row once
+    assert tier.delivered("a", 4, [(2, 3)]) == 0  # a re-fetch of a row: row 3 is still missing
+    assert tier.is_pinned("a")
+    assert tier.delivered("a", 4, [(3, 4)]) == 1 and not tier.is_pinned("a")
+
+
+def test_two_holders_end_one_per_full_delivery():
+    tier = LocalTier(40 * KIB, 8 * KIB)
+    tier.put("a", entry(4))
+    tier.pin("a", 60)
+    tier.pin("a", 60)  # two requests encoded the same image
+    assert tier.delivered("a", 4, [(0, 4)]) == 1 and tier.is_pinned("a")  # one of them read every row
+    # The other reads in two chunks, a third request (which pins no more) reads half: no second full delivery.
+    assert tier.delivered("a", 4, [(0, 2)]) == 0 and tier.delivered("a", 4, [(0, 2)]) == 0
+    assert tier.is_pinned("a")
+    assert tier.delivered("a", 4, [(2, 4)]) == 1 and not tier.is_pinned("a")
+
+
+def test_interleaved_chunks_of_two_readers_end_both_holders():
+    tier = LocalTier(40 * KIB, 8 * KIB)
+    tier.put("a", entry(4))
+    tier.pin("a", 60)
+    tier.pin("a", 60)
+    assert tier.delivered("a", 4, [(0, 2)]) == 0  # reader 1, chunk 1
+    assert tier.delivered("a", 4, [(0, 2)]) == 0  # reader 2, chunk 1
+    assert tier.delivered("a", 4, [(2, 4)]) == 1  # reader 1, chunk 2: every row delivered once
+    assert tier.is_pinned("a")
+    assert tier.delivered("a", 4, [(2, 4)]) == 1 and not tier.is_pinned("a")  # reader 2, chunk 2
+
+
+def test_a_release_after_a_full_fetch_does_not_end_another_requests_pin():
+    tier = LocalTier(40 * KIB, 8 * KIB)
+    tier.put("a", entry(4))
+    tier.pin("a", 60)
+    assert tier.delivered("a", 4, [(0, 4)]) == 1  # request 1 read every row: its pin ended
+    tier.pin("a", 60)  # request 2 encodes the same image
+    assert tier.release("a")  # request 1's release, late: it drops request 1's ended holder
+    assert tier.is_pinned("a")  # request 2's pin stands
+    assert tier.release("a") and not tier.is_pinned("a")
+    assert tier.stats()["ended_keys"] == 0
+
+
+def test_unpin_gives_back_a_live_holder_not_an_ended_one():
+    tier = LocalTier(40 * KIB, 8 * KIB)
+    tier.put("a", entry(4))
+    tier.pin("a", 60)
+    tier.delivered("a", 4, [(0, 4)])
+    tier.pin("a", 60)  # a new encode pins ...
+    assert tier.unpin("a") and not tier.is_pinned("a")  # ... and gives its pin back (its request failed)
+    assert tier.release("a")  # the ended holder is still there for its client's release
+    assert not tier.unpin("a") and not tier.release("a")
+
+
+def test_ended_holders_are_forgotten_with_their_lease_and_bounded(monkeypatch):
+    clock = FakeClock()
+    tier = LocalTier(40 * KIB, 8 * KIB, clock=clock)
+    tier.put("a", entry(4))
+    tier.pin("a", 5)
+    tier.delivered("a", 4, [(0, 4)])
+    clock.now += 5.1
+    assert tier.stats()["ended_keys"] == 0 and not tier.release("a")  # as a pin whose lease ended
+    assert tier.counters["lease_expired"] == 0  # the pin itself ended by the fetch
+
+    monkeypatch.setattr(local, "ENDED_KEPT", 2)
+    for k in range(3):
+        tier.pin(f"k{k}", 60, nbytes=1)
+        assert tier.delivered(f"k{k}", 1, [(0, 1)]) == 1
+    assert tier.stats()["ended_keys"] == 2 and not tier.release("k0")  # the oldest went
+    assert tier.release("k1") and tier.release("k2")
+
+
+def test_row_counts_take_whole_deliveries_and_merge_steps():
+    counts = local._RowCounts(10)
+    for start, end in [(0, 3), (3, 10), (5, 7), (0, 10)]:
+        counts.add(start, end)
+    assert counts.take_full() == 2  # every row twice; rows 5 and 6 a third time
+    assert counts.starts == [0, 5, 7] and counts.counts == [0, 1, 0]
+    assert counts.take_full() == 0
+    counts.add(0, 5)
+    counts.add(7, 10)
+    assert counts.take_full() == 1 and counts.starts == [0] and counts.counts == [0]
+
+
+def test_the_pins_full_error_says_what_to_do():
+    tier = LocalTier(40 * KIB, 4 * KIB)
+    tier.pin("a", 60, nbytes=3 * KIB)
+    with pytest.raises(Overloaded) as exc:
+        tier.pin("b", 60, nbytes=2 * KIB)
+    message = str(exc.value)
+    for words in ("3072 bytes of embeddings are pinned (1 ids)", "2048 more would pass --max-pinned-bytes (4096)",
+                  "delivered every one of its rows", "release", "--lease-s", "raise --max-pinned-bytes"):
+        assert words in message, (words, message)
+
+
+def test_leased_keys_keep_a_fully_fetched_id_until_its_lease_ends():
+    """What the store writes to Redis again after an outage: other replicas may still fetch such an id."""
+    clock = FakeClock()
+    tier = LocalTier(40 * KIB, 12 * KIB, clock=clock)
+    for key in ("fetched", "released", "pinned"):
+        tier.put(key, entry(4))
+        tier.pin(key, 10)
+    tier.delivered("fetched", 4, [(0, 4)])
+    tier.delivered("released", 4, [(0, 4)])
+    tier.release("released")
+    assert sorted(tier.leased_keys()) == ["fetched", "pinned"]
+    clock.now += 10.1
+    assert tier.leased_keys() == []
