@@ -465,9 +465,9 @@ def aggregate(job_path: Path, job: dict, cfg: dict, checks: list[str], p: int) -
         for procs in fetchers.values():
             _close(procs)
     for variant, got in runs.items():
-        rows.append(dict(variant=variant, processes=p, gb_s=percentile([g for g, _, _ in got], 50),
-                         best_gb_s=max(g for g, _, _ in got), server_cpu_s_per_gb=percentile([c for _, c, _ in got], 50),
-                         server_sys_s_per_gb=percentile([k for _, _, k in got], 50)))
+        gb_s, cpu, system = zip(*got)
+        rows.append(dict(variant=variant, processes=p, gb_s=percentile(gb_s, 50), best_gb_s=max(gb_s),
+                         server_cpu_s_per_gb=percentile(cpu, 50), server_sys_s_per_gb=percentile(system, 50)))
     return rows
 
 
@@ -645,7 +645,8 @@ def main() -> int:
                 machine=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only",
                 cpu_count=os.cpu_count(), python=sys.version.split()[0], torch=torch.__version__,
                 sizes="small" if args.small else "real",
-                entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB" for k, v in entries.items()},
+                entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB"
+                         for k, v in entries.items()},
                 rounds=cfg["rounds"], processes=list(cfg["processes"]), setup_s=round(time.perf_counter() - t_start, 1))
             aggregates = {f"aggregate x{p}": p for p in cfg["processes"]}
             report = Report(setup, job["first"], ["single", "concurrent", *aggregates, "encode"], t_start)

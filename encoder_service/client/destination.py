@@ -50,11 +50,8 @@ class StagingBuffers:
         with self._lock:
             self._idle.append((pinned, buf))
             self._idle.sort(key=lambda e: e[1].numel())
-            while len(self._idle) > self._max_idle or self.idle_bytes() > self._max_idle_bytes:
+            while len(self._idle) > self._max_idle or sum(b.numel() for _, b in self._idle) > self._max_idle_bytes:
                 del self._idle[0]
-
-    def idle_bytes(self) -> int:
-        return sum(buf.numel() for _, buf in self._idle)
 
     def idle(self) -> list[torch.Tensor]:
         """The idle buffers, smallest first (what a test or a benchmark inspects)."""

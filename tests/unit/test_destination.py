@@ -23,16 +23,15 @@ def exact_sizes(monkeypatch):
     monkeypatch.setattr(destination, "STAGING_ROUND_BYTES", 64)
 
 
-def fetch(buffers: StagingBuffers, n: int, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def fetch(buffers: StagingBuffers, n: int, seed: int) -> None:
     """One staged fetch of `n` bf16 rows (two segments) into a float32 `out` at rows [2, 2 + n)."""
     rows = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     header = WireHeader.of([Segment("a", 2, 0, n // 2), Segment("b", 2 + n // 2, 0, n - n // 2)], rows, "main")
-    out = torch.zeros(n + 4, WIDTH) if out is None else out
+    out = torch.zeros(n + 4, WIDTH)
     with Destination(out, 0, buffers) as dest:
         dest.writer(header).write(rows.view(torch.uint8).numpy().tobytes())
         got = dest.finish()
     assert got is out and torch.equal(out[2:2 + n], rows.float()) and not out[:2].any() and not out[2 + n:].any()
-    return out
 
 
 def test_fetches_of_changing_sizes_each_get_a_buffer_that_fits():
