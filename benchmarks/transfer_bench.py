@@ -11,13 +11,14 @@ cache, the model is not what is measured. Clients run in other processes (this s
      variants interleaved: curl (one keep-alive connection, body to /dev/null, its own time_total), the HTTP
      client (raw socket; one stream, and split over `fetch_streams` connections), its async twin, gRPC
      (rows picked up over HTTP; on the stream in 1 and 4 MiB messages), httpx (the clients' path before
-     issue 20), shared memory (alloc_rows); with CUDA also into a CUDA tensor (pinned staging, one copy).
+     issue 20), shared memory (alloc_rows); with CUDA also into a CUDA tensor (a pinned staging buffer, or a
+     shared-memory staging file, then one copy).
      Median ms, GB/s, x curl, the client process's CPU ms per fetch.
   2. 16 fetches of the smaller entry at once from one client process (async clients, which read on
      threads; the blocking client from 16 threads; and, for reference, the other asyncio design: reads on the
      event loop with loop.sock_recv_into).
   3. aggregate: P client processes (and P curls) fetching the smaller entry at once; GB/s in all, and the
-     server process's CPU seconds per GB sent.
+     server process's CPU seconds per GB sent (and the kernel's part of them).
   4. encode under fetch load: encodes of the smaller size (wait=true) one at a time, alone and while P
      processes fetch.
 Every fetched tensor is compared with the encode's own rows; the script exits 1 when one differs or a client
@@ -27,8 +28,9 @@ fails.
     python benchmarks/transfer_bench.py --small   # CI: narrower rows, few rounds (tests/service/test_transfer_bench.py)
     N=30 P=4,16 python benchmarks/transfer_bench.py   # rounds per variant; client processes of phases 3 and 4
 
-Prints a markdown table; writes benchmarks/results/transfer_bench-<date>-<commit>.json and
-$OUT/transfer_bench.md (benchmarks/common/report.py).
+Prints each phase's table as soon as the phase ends, and after each rewrites
+benchmarks/results/transfer_bench-<date>-<commit>.json and $OUT/transfer_bench.md (benchmarks/common/report.py):
+a run cut short (a device's time limit) leaves what it measured, and names the phases not run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -128,7 +131,8 @@ def _variants(job: dict, loop) -> list[tuple[str, object, bool, str]]:
     if torch.cuda.is_available():
         v += [("http to cuda", EncoderClient.http(url, fetch_streams=1), False, "cuda"),
               ("http to cuda, split", EncoderClient.http(url), False, "cuda"),
-              ("grpc to cuda, split", EncoderClient.grpc(grpc), False, "cuda")]
+              ("grpc to cuda, split", EncoderClient.grpc(grpc), False, "cuda"),
+              ("http + shm to cuda", EncoderClient.http(url, **shm), False, "cuda")]
     return v
 
 
@@ -179,9 +183,7 @@ def single(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
         for vname, client, _, kind in variants:
             if vname in failed:
                 continue
-            out = outs[vname] if kind != "alloc" else None
-            streams = len(split_points(0, n, out, client.fetch_streams)) if not vname.endswith("shm, alloc_rows out") \
-                else 0
+            streams = 0 if "shm" in vname else len(split_points(0, n, outs[vname], client.fetch_streams))
             s = _stats(ms[vname], nbytes, cpu[vname])
             rows.append(dict(entry=name, variant=vname, streams=streams, **s, vs_curl=s["gb_s"] / base["gb_s"]))
     for _, client, is_async, _ in variants:
@@ -321,11 +323,15 @@ def concurrent(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
     return rows
 
 
-def client_main(job_path: str) -> int:
+CLIENT_PHASES = {"single": single, "concurrent": concurrent}  # run in a client process of their own
+
+
+def client_main(job_path: str, phase: str) -> int:
+    """Phase 1 or 2 in this process; writes {"rows", "checks"} to the job's result file of that phase."""
     job = json.loads(Path(job_path).read_text())
-    cfg, checks = job["cfg"], []
-    result = dict(single=single(job, cfg, checks), concurrent=concurrent(job, cfg, checks), checks=checks)
-    Path(job["result"]).write_text(json.dumps(result))
+    checks: list[str] = []
+    rows = CLIENT_PHASES[phase](job, job["cfg"], checks)
+    Path(job["result"].format(phase=phase)).write_text(json.dumps(dict(rows=rows, checks=checks)))
     return 0
 
 
@@ -415,38 +421,53 @@ def _close(procs: list[subprocess.Popen]) -> None:
         proc.wait(timeout=60)
 
 
-def aggregate(job_path: Path, job: dict, cfg: dict, checks: list[str]) -> list[dict]:
+def _server_cpu() -> tuple[float, float]:
+    """This process's (user, system) CPU seconds: the server's (the main thread only waits). System time is
+    the kernel's send path (every byte copied into socket buffers), which how Python hands over the bytes
+    hardly changes."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+def _per_gb(cpu0: tuple[float, float], nbytes: int) -> tuple[float, float]:
+    """(CPU seconds in all, system seconds) per GB of `nbytes` sent since `cpu0`."""
+    (u0, k0), (u1, k1) = cpu0, _server_cpu()
+    return (u1 - u0 + k1 - k0) / (nbytes / 1e9), (k1 - k0) / (nbytes / 1e9)
+
+
+def aggregate(job_path: Path, job: dict, cfg: dict, checks: list[str], p: int) -> list[dict]:
     """P processes fetching at once, next to P curls, in interleaved rounds (median); with the server
-    process's CPU time per GB sent (this process is the server: its own thread only waits)."""
+    process's CPU time per GB sent, in all and the kernel's part."""
     entry, rows = job["entries"][job["first"]], []
     count = cfg["aggregate_fetches"]
     curl_args = ["curl", "-s", "--fail", "-H", "content-type: application/json", "--data-binary",
                  f"@{entry['body_file']}", *(["-o", "/dev/null", job["http"] + "/v1/fetch"] * count)]
-    for p in cfg["processes"]:
-        fetchers = {kind: _fetchers(job_path, kind, p, count) for kind in AGGREGATE_CLIENTS}
+    fetchers = {kind: _fetchers(job_path, kind, p, count) for kind in AGGREGATE_CLIENTS}
+    try:
         runs = {AGGREGATE_CLIENTS[kind]: [] for kind in fetchers} | {"curl": []}
         for _ in range(cfg["concurrent_rounds"]):
             for kind, procs in fetchers.items():
-                cpu0 = time.process_time()
+                cpu0 = _server_cpu()
                 _tell(procs, "go")
                 reports = _reports(procs)
                 total = sum(r["bytes"] for r in reports)
                 wall = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)
-                runs[AGGREGATE_CLIENTS[kind]].append((total / wall / 1e9, (time.process_time() - cpu0) / (total / 1e9)))
+                runs[AGGREGATE_CLIENTS[kind]].append((total / wall / 1e9, *_per_gb(cpu0, total)))
                 if not all(r["ok"] for r in reports):
                     checks.append(f"aggregate {kind} x{p}: rows differ from the encode's")
-            t0, cpu0 = time.time(), time.process_time()
+            t0, cpu0 = time.time(), _server_cpu()
             curls = [subprocess.Popen(curl_args) for _ in range(p)]
             if any(c.wait(timeout=600) for c in curls):
                 checks.append(f"aggregate curl x{p}: a curl failed")
             total = p * count * entry["bytes"]
-            runs["curl"].append((total / (time.time() - t0) / 1e9, (time.process_time() - cpu0) / (total / 1e9)))
+            runs["curl"].append((total / (time.time() - t0) / 1e9, *_per_gb(cpu0, total)))
+    finally:
         for procs in fetchers.values():
             _close(procs)
-        for variant, got in runs.items():
-            rows.append(dict(variant=variant, processes=p, gb_s=percentile([g for g, _ in got], 50),
-                             best_gb_s=max(g for g, _ in got),
-                             server_cpu_s_per_gb=percentile([c for _, c in got], 50)))
+    for variant, got in runs.items():
+        gb_s, cpu, system = zip(*got)
+        rows.append(dict(variant=variant, processes=p, gb_s=percentile(gb_s, 50), best_gb_s=max(gb_s),
+                         server_cpu_s_per_gb=percentile(cpu, 50), server_sys_s_per_gb=percentile(system, 50)))
     return rows
 
 
@@ -475,41 +496,107 @@ def encode_under_load(job_path: Path, job: dict, cfg: dict, checks: list[str]) -
 
 
 # ---- report -----------------------------------------------------------------------------------------------
-def markdown(setup: dict, result: dict, checks: list[str]) -> str:
-    lines = ["# Rows at wire speed: fetch of cached entries, client next to curl (service in process, 127.0.0.1)",
-             "", ", ".join(f"{k}: {v}" for k, v in setup.items()), "",
-             "## One fetch at a time into a preallocated tensor (median of the rounds; x curl: GB/s over curl's)",
+def _single_table(rows: list[dict], first: str) -> list[str]:
+    lines = ["## One fetch at a time into a preallocated tensor (median of the rounds; x curl: GB/s over curl's)",
              "", "| entry | client | streams | median ms | p90 ms | best ms | GB/s | x curl | client CPU ms |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["single"]:
+    for r in rows:
         cpu = "" if r.get("client_cpu_ms") is None else f"{r['client_cpu_ms']:.1f}"
         lines.append(f"| {r['entry']} | {r['variant']} | {r['streams'] or 'shm'} | {r['p50_ms']:.1f} "
                      f"| {r['p90_ms']:.1f} | {r['min_ms']:.1f} | {r['gb_s']:.2f} | {r['vs_curl']:.2f} | {cpu} |")
-    first = result["single"][0]["entry"] if result["single"] else "?"
-    lines += ["", f"## {CONCURRENT} fetches of the {first} entry at once from one client process", "",
-              "| client | GB/s in all (median) | best |", "|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['gb_s']:.2f} | {r['best_gb_s']:.2f} |" for r in result["concurrent"]]
-    lines += ["", f"## Aggregate: client processes fetching the {first} entry at once", "",
-              "| client | processes | GB/s in all (median) | best | server CPU s per GB |", "|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['processes']} | {r['gb_s']:.2f} | {r['best_gb_s']:.2f} "
-              f"| {r['server_cpu_s_per_gb']:.3f} |" for r in result["aggregate"]]
-    lines += ["", f"## Encode latency ({first} JPEGs, wait=true, one at a time) alone and under fetch load", "",
-              "| fetch load | encodes | p50 ms | p90 ms | GB fetched meanwhile |", "|---|---|---|---|---|"]
-    lines += [f"| {r['fetch_load']} | {r['encodes']} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['fetched_gb']:.1f} |"
-              for r in result["encode"]]
-    lines += ["", "Checks: " + ("all passed" if not checks else "; ".join(checks))]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _concurrent_table(rows: list[dict], first: str) -> list[str]:
+    return [f"## {CONCURRENT} fetches of the {first} entry at once from one client process", "",
+            "| client | GB/s in all (median) | best |", "|---|---|---|",
+            *(f"| {r['variant']} | {r['gb_s']:.2f} | {r['best_gb_s']:.2f} |" for r in rows)]
+
+
+def _aggregate_table(rows: list[dict], first: str) -> list[str]:
+    return [f"## Aggregate: client processes fetching the {first} entry at once", "",
+            "| client | processes | GB/s in all (median) | best | server CPU s per GB | of which system (kernel) |",
+            "|---|---|---|---|---|---|",
+            *(f"| {r['variant']} | {r['processes']} | {r['gb_s']:.2f} | {r['best_gb_s']:.2f} "
+              f"| {r['server_cpu_s_per_gb']:.3f} | {r['server_sys_s_per_gb']:.3f} |" for r in rows)]
+
+
+def _encode_table(rows: list[dict], first: str) -> list[str]:
+    return [f"## Encode latency ({first} JPEGs, wait=true, one at a time) alone and under fetch load", "",
+            "| fetch load | encodes | p50 ms | p90 ms | GB fetched meanwhile |", "|---|---|---|---|---|",
+            *(f"| {r['fetch_load']} | {r['encodes']} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['fetched_gb']:.1f} |"
+              for r in rows)]
+
+
+TABLES = {"single": _single_table, "concurrent": _concurrent_table, "aggregate": _aggregate_table,
+          "encode": _encode_table}
+
+
+class Report:
+    """The run's results as its phases end: each phase's table printed at once (flushed), the JSON and the
+    markdown rewritten (benchmarks/common/report.py), so a run cut short by a timeout still leaves what it
+    measured; `pending` names the phases still to come."""
+
+    def __init__(self, setup: dict, first: str, pending: list[str], t_start: float):
+        self.setup, self.first, self.pending, self._start = setup, first, pending, t_start
+        self.result: dict[str, list[dict]] = {}
+        self.checks: list[str] = []
+
+    def phase(self, label: str, table: str, run) -> None:
+        """`run(checks) -> rows` as phase `label`, its rows added to `table`; a phase that raises is a check
+        and the next one still runs."""
+        seen = len(self.checks)
+        try:
+            rows = run(self.checks)
+        except Exception as exc:  # noqa: BLE001 - keep what was measured, report the failure
+            self.checks.append(f"phase {label}: {type(exc).__name__}: {exc}"[:300])
+            rows = []
+        self.result.setdefault(table, []).extend(rows)
+        self.pending.remove(label)
+        print("\n".join(["", *TABLES[table](rows, self.first)]), flush=True)
+        if len(self.checks) > seen:
+            print("Checks failed in this phase: " + "; ".join(self.checks[seen:]), flush=True)
+        self.save()
+
+    def head(self) -> list[str]:
+        return ["# Rows at wire speed: fetch of cached entries, client next to curl (service in process, 127.0.0.1)",
+                "", ", ".join(f"{k}: {v}" for k, v in self.setup.items())]
+
+    def markdown(self) -> str:
+        lines = [*self.head(), ""]
+        for table, rows in self.result.items():
+            lines += [*TABLES[table](rows, self.first), ""]
+        if self.pending:
+            lines += ["Not run (yet): " + ", ".join(self.pending), ""]
+        lines.append("Checks: " + ("all passed" if not self.checks else "; ".join(self.checks)))
+        return "\n".join(lines) + "\n"
+
+    def save(self) -> None:
+        self.setup["total_s"] = round(time.perf_counter() - self._start, 1)
+        write_result("transfer_bench", self.setup, dict(self.result, goals=GOALS, failed_checks=self.checks,
+                                                         not_run=self.pending), self.markdown())
+
+
+def _client_phase(job_path: Path, job: dict, phase: str, checks: list[str]) -> list[dict]:
+    """Phase 1 or 2 in a client process of its own (the clients' CPU time is theirs alone)."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client", str(job_path), phase],
+                          timeout=1200, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"the client process failed (exit {proc.returncode})")
+    got = json.loads(Path(job["result"].format(phase=phase)).read_text())
+    checks += got["checks"]
+    return got["rows"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="narrower rows, few rounds (CI)")
-    parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)
+    parser.add_argument("--client", nargs=2, metavar=("JOB_JSON", "PHASE"), help=argparse.SUPPRESS)
     parser.add_argument("--fetcher", nargs=3, metavar=("JOB_JSON", "KIND", "COUNT"), help=argparse.SUPPRESS)
     parser.add_argument("--encoder", nargs=3, metavar=("JOB_JSON", "COUNT", "BASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        return client_main(args.client)
+        return client_main(*args.client)
     if args.fetcher:
         return fetcher_main(args.fetcher[0], args.fetcher[1], int(args.fetcher[2]))
     if args.encoder:
@@ -528,7 +615,6 @@ def main() -> int:
     if os.environ.get("P"):
         cfg["processes"] = tuple(int(p) for p in os.environ["P"].split(","))
     t_start = time.perf_counter()
-    checks: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoint = tmp / "checkpoint"
@@ -553,34 +639,28 @@ def main() -> int:
                                          body_file=str(body_file))
             job_path = tmp / "job.json"
             job = dict(http=svc.url, grpc=svc.grpc_address, shm_dir=settings.server.shm_dir, cfg=cfg,
-                       entries=entries, first=next(iter(entries)), result=str(tmp / "client.json"))
+                       entries=entries, first=next(iter(entries)), result=str(tmp / "client-{phase}.json"))
             job_path.write_text(json.dumps(job))
-            t_setup = time.perf_counter()
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client", str(job_path)],
-                                  timeout=1200, check=False)
-            result = json.loads(Path(job["result"]).read_text()) if proc.returncode == 0 else None
-            if result is None:
-                checks.append(f"the client process failed (exit {proc.returncode})")
-                result = dict(single=[], concurrent=[], checks=[])
-            checks += result.pop("checks")
-            for phase, run in (("aggregate", aggregate), ("encode", encode_under_load)):
-                try:
-                    result[phase] = run(job_path, job, cfg, checks)
-                except Exception as exc:  # noqa: BLE001 - keep what was measured, report the failure
-                    checks.append(f"phase {phase}: {type(exc).__name__}: {exc}"[:300])
-                    result[phase] = []
+            setup = stamp() | dict(
+                machine=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only",
+                cpu_count=os.cpu_count(), python=sys.version.split()[0], torch=torch.__version__,
+                sizes="small" if args.small else "real",
+                entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB"
+                         for k, v in entries.items()},
+                rounds=cfg["rounds"], processes=list(cfg["processes"]), setup_s=round(time.perf_counter() - t_start, 1))
+            aggregates = {f"aggregate x{p}": p for p in cfg["processes"]}
+            report = Report(setup, job["first"], ["single", "concurrent", *aggregates, "encode"], t_start)
+            print("\n".join(report.head()), flush=True)
+            for phase in CLIENT_PHASES:
+                report.phase(phase, phase, lambda checks, phase=phase: _client_phase(job_path, job, phase, checks))
+            for label, p in aggregates.items():
+                report.phase(label, "aggregate", lambda checks, p=p: aggregate(job_path, job, cfg, checks, p))
+            report.phase("encode", "encode", lambda checks: encode_under_load(job_path, job, cfg, checks))
         finally:
             svc.close()
-    setup = stamp() | dict(
-        machine=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only", cpu_count=os.cpu_count(),
-        python=sys.version.split()[0], torch=torch.__version__, sizes="small" if args.small else "real",
-        entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB" for k, v in entries.items()},
-        rounds=cfg["rounds"], processes=list(cfg["processes"]), setup_s=round(t_setup - t_start, 1),
-        total_s=round(time.perf_counter() - t_start, 1))
-    report = markdown(setup, result, checks)
-    write_result("transfer_bench", setup, dict(result, goals=GOALS, failed_checks=checks), report)
-    print(report)
-    return 1 if checks else 0
+    report.save()
+    print("\nChecks: " + ("all passed" if not report.checks else "; ".join(report.checks)), flush=True)
+    return 1 if report.checks else 0
 
 
 if __name__ == "__main__":

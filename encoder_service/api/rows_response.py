@@ -4,9 +4,12 @@ Starlette's Response sends one `bytes` body, so the rows would be copied into it
 a StreamingResponse sends chunked, which plain HTTP/1.1 readers handle worse than a Content-Length body.
 `RowsResponse` announces Content-Length, sends the small prefix (wire header), then the rows as memoryview
 slices of SEND_BYTES, each its own ASGI body message. uvicorn's httptools protocol writes each slice to the
-transport as is (asyncio keeps a memoryview of what the socket did not take yet: no copy); its h11 protocol
-frames each slice with one copy of that slice. Between slices uvicorn waits for the transport to drain, so
-a connection holds about one slice of unsent bytes and the loop serves other requests in between.
+transport as is; its h11 protocol frames each slice with one copy of that slice. What the socket did not take
+yet, asyncio keeps as a memoryview on Python >= 3.12 (no copy) but copies into a bytearray on 3.11. Between
+slices uvicorn waits for the transport to drain, so a connection holds about one slice of unsent bytes and the
+loop serves other requests in between. Measured as server CPU per GB sent, slices cost within 10% of one
+whole-body message on 3.12 with httptools and under half of it on 3.11 or with h11 (which copy a whole body
+once more); most of that CPU is the kernel's send path (system time) either way.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from encoder_service.client.destination import Destination, PinnedBuffers
+from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
@@ -206,7 +206,7 @@ class EncoderClient:
         self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
-        self._pinned = PinnedBuffers()
+        self._staging_buffers = StagingBuffers()
         self._threads: ThreadPoolExecutor | None = None  # the extra streams of split fetches (made on first use)
         self._threads_lock = threading.Lock()  # fetch may be called from several threads
 
@@ -277,7 +277,7 @@ class EncoderClient:
             plan.close(ok)
 
     def _fetch_part(self, items, start: int, end: int, out: torch.Tensor | None) -> FetchedRows:
-        with Destination(out, start, self._pinned) as dest:
+        with Destination(out, start, self._staging_buffers) as dest:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
     def release(self, ids) -> int:
@@ -306,7 +306,7 @@ class EncoderClient:
                 self._threads.shutdown(wait=True)
             self._transport.close()
         finally:
-            self._pinned.close()
+            self._staging_buffers.close()
             if self._shm is not None:
                 self._shm.close()
 
@@ -326,7 +326,7 @@ class AsyncEncoderClient:
         self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None
-        self._pinned = PinnedBuffers()
+        self._staging_buffers = StagingBuffers()
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
@@ -388,7 +388,7 @@ class AsyncEncoderClient:
             plan.close(ok)
 
     async def _fetch_part(self, items, start: int, end: int, out: torch.Tensor | None) -> FetchedRows:
-        with Destination(out, start, self._pinned) as dest:
+        with Destination(out, start, self._staging_buffers) as dest:
             return _result(start, end, await self._transport.fetch(items, start, end, dest, self.timeout))
 
     async def release(self, ids) -> int:
@@ -411,7 +411,7 @@ class AsyncEncoderClient:
         try:
             await self._transport.close()
         finally:
-            self._pinned.close()
+            self._staging_buffers.close()
             if self._shm is not None:
                 self._shm.close()
 

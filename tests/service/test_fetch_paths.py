@@ -5,12 +5,15 @@ reference is the encode's own answer (return_embeddings), compared byte for byte
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
 
 from encoder_service.client import AsyncEncoderClient, EncoderClient, PromptLayout
 from encoder_service.client import base as client_base
+from encoder_service.client import destination
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes as png
 
@@ -124,6 +127,37 @@ async def test_async_paths_give_the_encodes_bytes(shm_service_qwen3, shm_dir, pa
                 if chunk.segments:
                     _check(chunk, layout, full, out_kind)
         _check_path(c, svc, path, before)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one stream", "split"])
+@pytest.mark.parametrize("path", [p for p in PATHS if not p.endswith("shm")])
+def test_staged_fetches_of_changing_sizes_reuse_the_clients_buffers(service_qwen3, path, split, monkeypatch):
+    """An `out` the rows can't land in directly (on a GPU a CUDA one; here float16) is staged in a host
+    buffer the client reuses: fetches that grow and shrink, one at a time and from threads at once, each get
+    their rows, a repeated fetch takes no new buffer, and the idle buffers stay bounded."""
+    monkeypatch.setattr(destination, "STAGING_ROUND_BYTES", 64)  # every size a buffer of its own size
+    if split:
+        monkeypatch.setattr(client_base, "SPLIT_BYTES", 1)
+    with _client(service_qwen3, path, False, None, fetch_streams=3) as c:
+        small, large = c.encode([png(32, 32, 54), png(128, 96, 55)], return_embeddings=True)
+        assert large.num_tokens >= 3 * small.num_tokens
+
+        def fetch(info) -> None:
+            out = torch.zeros(info.num_tokens, info.row_width, dtype=torch.float16)
+            assert c.fetch([(info.id, 0)], 0, info.num_tokens, out=out).rows is out
+            assert torch.equal(out, info.embedding.to(torch.float16))
+
+        for info in (small, large, large, small, large):
+            fetch(info)
+        c.fetch_streams = 1  # one fetch at a time (split streams overlap more or less: as many buffers)
+        fetch(large)
+        kept = {id(b) for b in c._staging_buffers.idle()}
+        fetch(large)
+        assert {id(b) for b in c._staging_buffers.idle()} == kept
+        c.fetch_streams = 3
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(fetch, [small, large] * 6))
+        assert 0 < len(c._staging_buffers.idle()) <= destination.STAGING_IDLE
 
 
 def test_split_fetch_answers_like_one_fetch(service_qwen3, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from encoder_service import errors
-from encoder_service.client.destination import Destination, PinnedBuffers
+from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.http import HttpTransport
 from encoder_service.client.raw_http import Cancel, NotRaw, RawHttp, read_fetch
 from encoder_service.protocol import wire
@@ -97,7 +97,7 @@ def serve(request):
 
 
 def fetch(raw: RawHttp, out=None, cancel=None):
-    dest = Destination(out, 0, PinnedBuffers())
+    dest = Destination(out, 0, StagingBuffers())
     header, _ = raw.post("/v1/fetch", b"{}", 10, read_fetch(dest.writer), cancel=cancel)
     return header, dest.finish()
 
@@ -177,7 +177,7 @@ def test_an_unexpected_answer_turns_the_transport_to_httpx(serve):
     transport = HttpTransport(f"http://127.0.0.1:{serve(script).port}")
     try:
         for _ in range(2):
-            header, rows = transport.fetch([("a", 0)], 0, 6, Destination(None, 0, PinnedBuffers()), 10)
+            header, rows = transport.fetch([("a", 0)], 0, 6, Destination(None, 0, StagingBuffers()), 10)
             assert header == HEADER and torch.equal(rows, ROWS)
             assert transport._raw.raw is None
     finally:
