@@ -208,7 +208,7 @@ def loadgen_main(job_path: str, part: int) -> int:
         if cmd["op"] == "level":
             result = asyncio.run(closed_loop(cmd["targets"], images, cmd["workers"], cmd["level_s"], cmd["timeout_s"],
                                              cross=cmd["cross"], verify_every=cmd["verify_every"],
-                                             worker_offset=cmd["worker_offset"]))
+                                             worker_offset=cmd["worker_offset"], count=len(images)))
         elif cmd["op"] == "latency":
             n = cmd["count"] // 3
             result = asyncio.run(cross_latency(cmd["targets"], images[:n], images[n:], cmd["timeout_s"]))
