@@ -177,6 +177,7 @@ _CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for c in m['content'] %}"
     "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' or 'video' in c or 'video_url' in c %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -1,7 +1,7 @@
 """The examples of README.md and docs/vllm.md, run as written against real servers: the README's encode requests
 (curl: multipart, binary, JSON; of images and of videos), its client loops (HTTP, gRPC, shared memory), its
-chunked prefill of a video (a tiny checkpoint for the model named), and docs/vllm.md's chat request
-(curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one edit: the documented addresses become
+chunked prefill of a video (a tiny checkpoint for the model named), and docs/vllm.md's chat requests, of an
+image and of a video (curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one edit: the documented addresses become
 the test servers' (tests/support/docs_blocks.py reads the `<!-- docs-test: NAME -->` blocks).
 """
 
@@ -118,30 +118,49 @@ def test_readme_shared_memory_loop(shm_default_dir_service, tmp_path, monkeypatc
     assert not svc.pinned(namespace["infos"][0].id)  # the example released it
 
 
-def test_vllm_doc_chat_request(auth_service, tmp_path):
-    """docs/vllm.md's request, through the documented proxy command, with a photo whose base64 is too long to
-    be one command-line argument (the example inlined it once: "Argument list too long")."""
-    files = example_files(tmp_path)
+def through_documented_proxy(block_name: str, service, tmp_path: Path) -> tuple[str, dict]:
+    """(the answer, the body vLLM got) of docs/vllm.md's request `block_name`, run in `tmp_path` through the
+    documented proxy command, to a stand-in vLLM."""
     vllm = StandInVllm()
     port = free_port()
-    argv = documented("proxy").replaced({"--encoder-url": auth_service.url, "--vllm-url": vllm.url,
+    argv = documented("proxy").replaced({"--encoder-url": service.url, "--vllm-url": vllm.url,
                                          "--host": "127.0.0.1", "--port": str(port), "--auth-token": AUTH_TOKEN})
     proxy = ServiceProcess(encoder_service_argv(*argv[1:], python=sys.executable), f"http://127.0.0.1:{port}/health",
                            tmp_path / "proxy.log", name="vllm-proxy")
     try:
         proxy.wait_ready(120)
-        answer = run_shell(documented_block("chat-request", VLLM_DOC, DOC_PROXY, f"http://127.0.0.1:{port}"),
+        answer = run_shell(documented_block(block_name, VLLM_DOC, DOC_PROXY, f"http://127.0.0.1:{port}"),
                            tmp_path)
     finally:
         proxy.stop()
         vllm.shutdown()
+    (forwarded,) = vllm.bodies
+    return answer, forwarded
+
+
+def test_vllm_doc_chat_request(auth_service, tmp_path):
+    """docs/vllm.md's request, through the documented proxy command, with a photo whose base64 is too long to
+    be one command-line argument (the example inlined it once: "Argument list too long")."""
+    files = example_files(tmp_path)
+    answer, forwarded = through_documented_proxy("chat-request", auth_service, tmp_path)
     events = [e for e in answer.split("\n\n") if e]
     assert len(events) == CHUNKS + 1 and events[-1] == "data: [DONE]", answer[:500]
     with sync_client(auth_service, "http", token=AUTH_TOKEN) as client:
         (photo,) = client.encode([files["photo.jpg"]])
-    (forwarded,) = vllm.bodies
     assert forwarded["messages"][0]["content"][0] == {
         "type": "image_embeds", "image_embeds": {"image_grid_thw": list(photo.grid_thw)}, "uuid": photo.id}
+
+
+def test_vllm_doc_chat_video_request(auth_service, tmp_path):
+    """docs/vllm.md's video request (the encoder's family here: Qwen2-VL, whose part is the grid alone)."""
+    files = video_files(tmp_path)
+    answer, forwarded = through_documented_proxy("chat-video-request", auth_service, tmp_path)
+    assert json.loads(answer)["choices"][0]["message"]["content"] == "ok"
+    with sync_client(auth_service, "http", token=AUTH_TOKEN) as client:
+        (clip,) = client.encode_videos([files["clip.mp4"]], fps=2)
+    assert forwarded["messages"][0]["content"][0] == {
+        "type": "video_embeds", "video_embeds": {"video_grid_thw": list(clip.video_grid_thw)}, "uuid": clip.id}
+    assert clip.num_frames == 4 and "mm_processor_kwargs" not in forwarded
 
 
 def video_files(directory: Path) -> dict[str, bytes]:

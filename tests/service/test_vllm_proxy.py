@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -19,17 +21,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from encoder_service import errors
 from encoder_service import settings as settings_module
 from encoder_service.client.errors import remote_error
+from encoder_service.client.types import VideoInfo
 from encoder_service.integrations.vllm import ec_transfer_config, proxy
 from encoder_service.protocol.errors import KINDS
 from encoder_service.settings import ProxySettings, Settings
+from tests.support.clients import sync_client
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.images import image_bytes as png
 from tests.support.images import truncated_jpeg
 from tests.support.ports import free_port
+from tests.support.video_cases import frame_images, make_clip
 from tests.support.vllm_docs import DOC_TOKEN, DOC_URL, doc_ec_transfer_config, documented
 from tests.support.vllm_stand_in import StandInVllm
 
 pytestmark = pytest.mark.timeout(60)
+
+CLIP = make_clip("mp4_h264", frames=5, width=128, height=96)  # 5 frames: 3 frame groups, the last padded
 
 
 def data_url(data: bytes) -> str:
@@ -96,7 +103,71 @@ def test_rewrite():
         with pytest.raises(errors.InvalidInput):
             proxy.image_source(bad)
     with pytest.raises(errors.InvalidInput, match="messages"):
-        proxy.image_parts({})
+        proxy.media_parts({})
+
+
+def video_url(data: bytes | list[bytes], media_type: str = "video/mp4") -> dict:
+    """A video_url part: a container file, or frames as vLLM's JPEG sequence (comma-separated base64)."""
+    if isinstance(data, list):
+        payload, media_type = ",".join(base64.b64encode(f).decode() for f in data), "video/jpeg"
+    else:
+        payload = base64.b64encode(data).decode()
+    return {"type": "video_url", "video_url": {"url": f"data:{media_type};base64,{payload}"}}
+
+
+def chat_with(*parts: dict, **extra) -> dict:
+    return {"model": "m", **extra, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]}
+
+
+def npy(text: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def video_info(family: str, **fields) -> VideoInfo:
+    qwen3 = family == "qwen3_vl"
+    return VideoInfo(**{"id": "v:u:a", "video_grid_thw": (3, 4, 6), "num_tokens": 18, "tokens_per_group": 6,
+                        "num_frames": 6, "sampled_fps": 30.0, "second_per_grid_t": None if qwen3 else 2 / 30,
+                        "group_timestamps": (0.25, 1.0, 1.75) if qwen3 else None, "row_width": 48,
+                        "hidden_size": 48, "layout": "main", "dtype": "float32", "cached": False, **fields})
+
+
+def test_rewrite_videos():
+    """A video part becomes a video_embeds part with what the family's vLLM model needs besides the grid; the
+    video options are taken out of the request; the ids follow the prompt's order, images and videos alike."""
+    image = type("Info", (), {"id": "i", "grid_thw": (1, 4, 4)})()
+    body = chat_with(video_url(b"v"), {"type": "image_url", "image_url": {"url": data_url(b"x")}},
+                     mm_processor_kwargs={"fps": 1, "num_frames": 8, "do_sample_frames": True, "max_pixels": 9},
+                     media_io_kwargs={"video": {"fps": 3}})
+    assert proxy.video_options(body) == ({"fps": 1, "num_frames": 8, "sample_frames": True}, 3)
+    assert proxy.video_options(chat_with()) == ({}, proxy.JPEG_SEQUENCE_FPS)
+    wanted = {"qwen2_vl": set(), "qwen2_5_vl": {"second_per_grid_ts"}, "qwen3_vl": {"timestamps"}}
+    for family, extra in wanted.items():
+        out = proxy.rewrite(body, [video_info(family), image], family)
+        video, image_part = out["messages"][0]["content"][:2]
+        assert video["type"] == "video_embeds" and video["uuid"] == "v:u:a" and image_part["uuid"] == "i"
+        assert video["video_embeds"].keys() == {"video_grid_thw"} | extra
+        assert video["video_embeds"]["video_grid_thw"] == [3, 4, 6]
+        assert out["ec_transfer_params"] == {"encoder_service": {"ids": ["v:u:a", "i"]}}
+        assert out["mm_processor_kwargs"] == {"max_pixels": 9} and "media_io_kwargs" not in out
+    seconds = npy(proxy.rewrite(body, [video_info("qwen2_5_vl"), image], "qwen2_5_vl")["messages"][0]["content"][0]
+                  ["video_embeds"]["second_per_grid_ts"])
+    assert seconds.shape == () and seconds.dtype == np.float32 and seconds == np.float32(2 / 30)
+    assert proxy.rewrite(body, [video_info("qwen3_vl"), image], "qwen3_vl")["messages"][0]["content"][0][
+        "video_embeds"]["timestamps"] == [0.25, 1.0, 1.75]
+    with pytest.raises(errors.InvalidInput, match="videos of qwen2_vl, qwen2_5_vl, qwen3_vl only; the encoder serves"):
+        proxy.rewrite(body, [video_info("qwen3_vl"), image], "llava")
+    options = {"fps": 2}
+    assert proxy.video_source(video_url(b"mp4"), options, 1).data == b"mp4"
+    frames = proxy.video_source(video_url([b"a", b"b"]), options, 3)
+    assert (frames.frames, frames.frames_fps, frames.fps) == ((b"a", b"b"), 3, 2)
+    assert proxy.video_source({"video_url": {"url": "https://h/v.mp4"}}, {}, 1).url == "https://h/v.mp4"
+    for bad in [{"video_url": {}}, {"video_url": {"url": "data:video/mp4,xx"}}, {"video_url": {"url": "file:///v"}},
+                {"video_url": {"url": "data:video/mp4;base64,@@"}},
+                {"video_url": {"url": "data:video/jpeg;base64,AA==,@@"}}]:
+        with pytest.raises(errors.InvalidInput):
+            proxy.video_source(bad, {}, 1)
+    with pytest.raises(errors.InvalidInput, match="mm_processor_kwargs must be an object"):
+        proxy.video_options(chat_with(mm_processor_kwargs=[1]))
 
 
 def stand_in_vllm(seen: list) -> FastAPI:
@@ -142,6 +213,67 @@ async def test_proxy_forwards_rewritten(proxied, service):
     assert r.status_code == 200 and r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
     plain = body_with(text="no images")
     assert (await client.post("/v1/chat/completions", json=plain)).status_code == 200 and seen[-1][0] == plain
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+async def test_proxy_forwards_videos(service, service_qwen3, family):
+    """Videos (an MP4 file and a JPEG sequence) and an image in one chat request: each is encoded (the same ids
+    as our client's encode of the same item with the same options) and forwarded as an embeds part with the
+    family's metadata; the video options are taken out; every item stays pinned for the connector."""
+    svc = service if family == "qwen2_5_vl" else service_qwen3
+    seen = []
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
+    app = proxy.make_app(ProxySettings(encoder_url=svc.url, vllm_url="http://vllm"), upstream=upstream)
+    image, frames = png(112, 84, 530), frame_images(3, height=64, width=96, fmt="JPEG")
+    body = chat_with(video_url(CLIP), {"type": "image_url", "image_url": {"url": data_url(image)}},
+                     video_url(frames), mm_processor_kwargs={"do_sample_frames": False},
+                     media_io_kwargs={"video": {"fps": 4}})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    forwarded = seen[-1][0]
+    with sync_client(svc, "http") as c:
+        (clip,) = c.encode_videos([CLIP], sample_frames=False)
+        (sequence,) = c.encode_videos([frames], sample_frames=False, frames_fps=4)
+        (img,) = c.encode([image])
+        c.release([clip.id, sequence.id, img.id])  # the pins of this encode; the proxy's stay
+    clip_part, image_part, sequence_part = forwarded["messages"][0]["content"][:3]
+    assert image_part == proxy.embeds_part(img)
+    for part, info in [(clip_part, clip), (sequence_part, sequence)]:
+        assert part["type"] == "video_embeds" and part["uuid"] == info.id
+        meta = part["video_embeds"]
+        assert meta["video_grid_thw"] == list(info.video_grid_thw)
+        if family == "qwen3_vl":
+            assert meta.keys() == {"video_grid_thw", "timestamps"} and meta["timestamps"] == list(info.group_timestamps)
+        else:
+            assert meta.keys() == {"video_grid_thw", "second_per_grid_ts"}
+            assert npy(meta["second_per_grid_ts"]) == np.float32(info.second_per_grid_t)
+    assert sequence.num_frames == 3 and sequence.sampled_fps == 4 and clip.num_frames == 5
+    assert forwarded["ec_transfer_params"] == {"encoder_service": {"ids": [clip.id, img.id, sequence.id]}}
+    assert "mm_processor_kwargs" not in forwarded and "media_io_kwargs" not in forwarded
+    assert all(svc.pinned(i) for i in (img.id, clip.group_id(clip.num_groups - 1), sequence.group_id(1)))
+
+
+async def test_proxy_video_errors(service):
+    """A video that does not decode is the caller's 400 naming it; vLLM never sees the request, and the pins
+    of the request's images that did encode are released."""
+    seen = []
+    upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
+    app = proxy.make_app(ProxySettings(encoder_url=service.url, vllm_url="http://vllm"), upstream=upstream)
+    image = png(112, 84, 540)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
+        r = await client.post("/v1/chat/completions", json=chat_with(
+            {"type": "image_url", "image_url": {"url": data_url(image)}}, video_url(b"not a video")))
+        error = r.json()["error"]
+        assert (r.status_code, error["type"]) == (400, "invalid_input") and "video 0: " in error["message"], error
+        r = await client.post("/v1/chat/completions", json=chat_with({"type": "video_url", "video_url": {
+            "url": "file:///etc/passwd"}}))
+        assert r.status_code == 400 and "data: or http(s) URL" in r.json()["error"]["message"]
+    assert seen == []
+    with sync_client(service, "http") as c:
+        (img,) = c.encode([image])
+        c.release([img.id])
+    assert not service.pinned(img.id)
 
 
 async def test_proxy_api_key(service):

@@ -28,8 +28,11 @@ from encoder_service.models.configs import row_width
 from tests.support.clients import sync_client
 from tests.support.images import image_bytes as png
 from tests.support.ports import free_port
+from tests.support.video_cases import make_clip
 
 pytestmark = pytest.mark.timeout(90)
+
+VIDEO = make_clip("mp4_h264", frames=5, width=128, height=96)  # 5 frames: 3 frame groups, the last padded
 
 
 def width_of(svc) -> int:
@@ -144,6 +147,50 @@ def test_staged_rows_equal_the_clients_fetch(request, fixture, transport, shm, s
         loader.close()
         table.close()
     assert not any(os.path.exists(shm_dir / n) for n in names)
+
+
+@pytest.mark.parametrize("transport,shm", [("http", "on"), ("grpc", "off")])
+@pytest.mark.parametrize("fixture", ["shm_service", "shm_service_qwen3"])
+def test_staged_video_equals_its_groups(request, fixture, transport, shm, shm_dir):
+    """A video is one vLLM item: all its frame groups' rows, group after group, equal to the client's fetch of
+    the groups; a plan that cuts the rows into other groups fails the request with the reason."""
+    svc = request.getfixturevalue(fixture)
+    with sync_client(svc, "http") as client:
+        (video,) = client.encode_videos([VIDEO], sample_frames=False)
+        want = client.fetch(video.fetch_items(0), 0, video.num_tokens).rows
+    t, per_group = video.num_groups, video.tokens_per_group
+    assert t == 3 and want.shape == (video.num_tokens, width_of(svc))
+    table = table_for(svc, transport, shm, shm_dir)
+    loader = RowLoader("cpu")
+    try:
+        need = Need("vllm-video", video.id, video.num_tokens, t)
+        assert wait_staged(table, "r", [need])
+        table.allocated("r", need.identifier, need.num_rows)
+        (load,) = table.end_step()
+        assert torch.equal(loader.load(load, width_of(svc)), want)
+    finally:
+        loader.close()
+        table.close()
+    cases = {  # request -> (its plan: rows, groups; the reason it fails)
+        "more groups": ((t + 1) * per_group, t + 1, "is not at the encoder service"),
+        "larger groups": (2 * video.num_tokens, t, f"has {per_group} rows at the encoder service, vLLM planned "
+                                                   f"{2 * per_group} a group"),
+        "smaller groups": (t * (per_group // 2), t, "overlap"),
+        "image plan": (video.num_tokens, None, "is a video: fetch names its frame groups"),
+    }
+    table, loader = table_for(svc, transport, shm, shm_dir), RowLoader("cpu")
+    try:
+        for request_id, (rows, groups, why) in cases.items():
+            assert not wait_staged(table, request_id, [Need(request_id, video.id, rows, groups)]), request_id
+            assert why in table.why(request_id), (request_id, table.why(request_id))
+        # fewer groups than the video has: its first groups (each group is encoded on its own)
+        assert wait_staged(table, "prefix", [Need("prefix", video.id, (t - 1) * per_group, t - 1)])
+        table.allocated("prefix", "prefix", (t - 1) * per_group)
+        (load,) = table.end_step()
+        assert torch.equal(loader.load(load, width_of(svc)), want[:(t - 1) * per_group])
+    finally:
+        loader.close()
+        table.close()
 
 
 def test_fetch_ahead_is_bounded(shm_service, shm_dir):

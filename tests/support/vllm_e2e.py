@@ -6,8 +6,9 @@ with the commands of docs/vllm.md ("On a CPU"), and what a chat client sends the
   - `VllmServer(checkpoint, log, ec_transfer_config=None, *extra)`: the documented command (`cpu-aggregated`,
     or `cpu-consumer` with our connector) run by this venv's python on a free port, plus `extra` flags;
     `pids()`, its process tree.
-  - `chat(images, ...)`, `embeds_chat([(id, grid), ...], ...)`: chat bodies with images as data: URLs, or as the
-    metadata-only parts the proxy sends (our ids); greedy, with each token's id and logprob.
+  - `chat(images, ...)`, `video_chat(frames, ...)`, `embeds_chat([(id, grid), ...], ...)`: chat bodies with
+    images as data: URLs, a video as vLLM's frame sequence, or images as the metadata-only parts the proxy
+    sends (our ids); greedy, with each token's id and logprob.
   - `answer(response)`, `streamed_answer(url, body)`: an `Answer` (token ids, logprobs) from a chat answer.
 """
 
@@ -107,6 +108,14 @@ def chat(images: list[bytes], text: str = "what is it", stream: bool = False, ma
     """A chat request as a client sends it: the images as data: URLs, then the text; greedy."""
     parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
     return _body(parts, text, stream, max_tokens)
+
+
+def video_chat(frames: list[bytes], text: str = "what happens", max_tokens: int = 8) -> dict:
+    """A chat request with one video as vLLM's frame sequence (`data:video/jpeg;base64,<frame>,<frame>,...`;
+    vLLM opens each frame as an image, whatever its format), then the text; greedy."""
+    payload = ",".join(base64.b64encode(f).decode() for f in frames)
+    return _body([{"type": "video_url", "video_url": {"url": "data:video/jpeg;base64," + payload}}], text, False,
+                 max_tokens)
 
 
 def embeds_chat(items: list[tuple[str, tuple[int, int, int]]], text: str = "what is it", stream: bool = False,

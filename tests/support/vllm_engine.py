@@ -5,6 +5,8 @@ documented command; vLLM's own objects around a stand-in model runner. Nothing h
     docs/vllm.md, this test's ports (free ones unless given), model, token and shared-memory dir
     (encoder_process.py: run by the main venv on this checkout's code; `wait_ready()`, `stop()`), and
     `client()`.
+  - `ProxyProcess(encoder_url, vllm_url, log, api_key)`: `encoder-service vllm-proxy`, the documented command
+    with this test's URLs, port, token and callers' key; `.url`.
   - `ec_config(url, **options)`: the documented --ec-transfer-config with this test's URL and token.
   - `VllmInstance(checkpoint, ec_config)`: what a vLLM prefill/decode instance runs around the model, on CPU,
     all vLLM's own objects: VllmConfig, the chat front end (ChatCompletionRequest -> OnlineRenderer ->
@@ -47,6 +49,20 @@ class EncoderProcess(ServiceProcess):
 
         return EncoderClient.http(self.url, token=TOKEN) if transport == "http" else \
             EncoderClient.grpc(self.grpc, token=TOKEN)
+
+
+class ProxyProcess(ServiceProcess):
+    """`encoder-service vllm-proxy` (the documented command, our URLs and port) in a subprocess."""
+
+    def __init__(self, encoder_url: str, vllm_url: str, log_path: Path, api_key: str):
+        from tests.support.vllm_docs import documented
+
+        port = free_port()
+        argv = documented("proxy").replaced({"--encoder-url": encoder_url, "--vllm-url": vllm_url,
+                                             "--host": "127.0.0.1", "--port": str(port), "--auth-token": TOKEN,
+                                             "--api-key": api_key})
+        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(encoder_service_argv(*argv[1:]), self.url + "/health", log_path, name="vllm-proxy")
 
 
 def ec_config(url: str, **extra) -> dict:

@@ -31,12 +31,14 @@ class FakeFetcher:
         self.gates: dict[str, threading.Event] = {}
         self.outcome: dict[str, str | None] = {}
         self.fetched, self.dropped, self.released = [], [], []
+        self.groups: dict[str, int | None] = {}  # item -> the frame groups it was fetched with
         self.arenas = None
         self._started = threading.Condition()
 
-    def fetch(self, item_id: str, num_rows: int) -> StagedRows:
+    def fetch(self, item_id: str, num_rows: int, groups: int | None = None) -> StagedRows:
         with self._started:
             self.fetched.append(item_id)
+            self.groups[item_id] = groups
             self._started.notify_all()
         self.gates.setdefault(item_id, threading.Event()).wait(10)
         if self.outcome.get(item_id):
@@ -133,7 +135,14 @@ def test_row_count_mismatch_and_wait_timeout():
     table.ensure("r", [Need("A", "a", 2)])
     settle(table)
     assert not table.ensure("other", [Need("A2", "a", 3)])  # staged with 2 rows, this placeholder has 3
-    assert "staged with 2 rows" in table.why("other")
+    assert "staged as 2 rows, this request's placeholder has 3 rows" in table.why("other")
+    fetcher.finish("v")
+    table.ensure("r", [Need("V", "v", 8, groups=2)])
+    settle(table)
+    assert not table.ensure("regrouped", [Need("V2", "v", 8, groups=4)])  # the same rows cut another way
+    assert "staged as 8 rows in 2 frame groups" in table.why("regrouped") and "8 rows in 4 frame groups" in \
+        table.why("regrouped")
+    assert fetcher.groups == {"a": None, "v": 2}
     assert not table.ensure("slow", [Need("S", "s", 1)])
     clock.now = 4.0
     assert not table.ensure("slow", [Need("S", "s", 1)]) and table.why("slow") is None

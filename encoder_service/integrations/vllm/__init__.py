@@ -1,4 +1,5 @@
-"""vLLM integration: an EC connector that feeds vLLM's encoder cache from encoder_service, and a chat front end.
+"""vLLM integration: an EC connector that feeds vLLM's encoder cache from encoder_service (images and videos),
+and a chat front end.
 
 vLLM is an optional extra (`pip install -e '.[vllm]'` in a checkout of this repository): this package imports
 without it; vLLM is imported only when the connector class is used (vLLM's factory does
@@ -8,11 +9,13 @@ without it; vLLM is imported only when the connector class is used (vLLM's facto
                 the vLLM-free machinery below (benchmarks/connector_bench.py drives that directly)
   options.py    ConnectorOptions: `ec_connector_extra_config`
   staging.py    scheduler side: StagingTable, the books (what is staged for whom, fetch ahead, each step's loads)
-  fetch.py      scheduler side: RowFetcher, an item's rows from the encoder into an arena (shm or a socket)
+  fetch.py      scheduler side: RowFetcher, an item's rows from the encoder into an arena (shm or a socket); a
+                video's: all its frame groups' rows, group after group (vLLM caches a video as one item)
   arenas.py     scheduler side: RowArenas, ranges of rows in a few large shared-memory files
   worker.py     worker side: ShmRows / ItemLoad (where staged rows are), RowLoader (their copy to the device)
   proxy.py      `encoder-service vllm-proxy`: OpenAI chat requests -> our encode -> vLLM with metadata-only
-                image_embeds parts whose uuid is our id
+                image_embeds / video_embeds parts whose uuid is our id (a video's: its grid and what its
+                family's prompt and M-RoPE need besides, `video_metadata`)
 
 On the vLLM prefill/decode instance:
 
@@ -65,7 +68,7 @@ from encoder_service.integrations.vllm.options import ConnectorOptions
 
 CONNECTOR = "EncoderServiceConnector"
 MODULE = "encoder_service.integrations.vllm"
-PARAMS_KEY = "encoder_service"  # request.ec_transfer_params[PARAMS_KEY] = {"ids": [our id of each image, in order]}
+PARAMS_KEY = "encoder_service"  # request.ec_transfer_params[PARAMS_KEY] = {"ids": [our id of each item, in order]}
 
 
 def ec_transfer_config(url: str, **extra) -> dict:

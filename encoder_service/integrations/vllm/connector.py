@@ -13,11 +13,15 @@ Scheduler side (EngineCore process)          -> staging.StagingTable
 Worker side (each worker)                    -> worker.RowLoader
   start_load_caches(encoder_cache)              staged rows -> the worker's device -> encoder_cache[identifier]
 
-Our id is the item's `uuid` in the chat request: vLLM keeps a client uuid as the identifier when the request
-has no `mm_processor_kwargs` and the server no image `--media-io-kwargs` (and no tower LoRA). Otherwise the
-identifier is a hash; then the ids must come in `ec_transfer_params` (the proxy always sends them):
-`{"encoder_service": {"ids": [id of image 0, id of image 1, ...]}}`, in the order of the request's images.
-Without them such a request fails with a clear error (the hash is unknown to the encoder).
+Items are images and videos. Our id is the item's `uuid` in the chat request: vLLM keeps a client uuid as the
+identifier when the request has no `mm_processor_kwargs` and the server no `--media-io-kwargs` for the item's
+modality (and no tower LoRA). Otherwise the identifier is a hash; then the ids must come in
+`ec_transfer_params` (the proxy always sends them): `{"encoder_service": {"ids": [id of item 0, ...]}}`, in
+the order of the request's items (prompt order, images and videos alike). Without them such a request fails
+with a clear error (the hash is unknown to the encoder).
+
+A video is one vLLM item (one identifier, one encoder-cache entry: all its rows) and several of ours: its
+frame groups, whose count vLLM has from the part's `video_grid_thw` (`frame_groups`); fetch.py fetches them.
 """
 
 from __future__ import annotations
@@ -40,8 +44,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+MODALITIES = ("image", "video")  # what the encoder service serves
+
+
 class ItemMapError(ValueError):
-    """A request's images can't be mapped to our ids."""
+    """A request's items can't be mapped to our ids."""
 
 
 @dataclass
@@ -56,20 +63,32 @@ def item_ids(request: Request) -> list[str]:
     """Our id of each of the request's multimodal items (same order as `request.mm_features`)."""
     features = request.mm_features
     for f in features:
-        if f.modality != "image":
-            raise ItemMapError(f"item {f.identifier!r} is a {f.modality}: the encoder service serves images only")
+        if f.modality not in MODALITIES:
+            raise ItemMapError(f"item {f.identifier!r} is {f.modality}: the encoder service serves images and "
+                               "videos only")
     params = (request.ec_transfer_params or {}).get(PARAMS_KEY)
     if params is None:
         return [f.identifier for f in features]
     ids = params.get("ids") if isinstance(params, dict) else None
     if not isinstance(ids, list) or len(ids) != len(features) or not all(isinstance(i, str) for i in ids):
-        raise ItemMapError(f"ec_transfer_params[{PARAMS_KEY!r}]['ids'] must list one id per image "
+        raise ItemMapError(f"ec_transfer_params[{PARAMS_KEY!r}]['ids'] must list one id per image or video "
                            f"({len(features)}), got {ids!r}")
     return ids
 
 
+def frame_groups(feature) -> int | None:
+    """A video item's frame groups (its video_grid_thw's t, as vLLM parsed it from the request); None for an
+    image."""
+    if feature.modality != "video":
+        return None
+    grid = feature.data.get("video_grid_thw") if feature.data is not None else None
+    if grid is None:
+        raise ItemMapError(f"video {feature.identifier!r} reached the scheduler without its video_grid_thw")
+    return int(grid.data[0])
+
+
 class EncoderServiceConnector(ECConnectorBase):
-    """vLLM EC connector (role ec_consumer) that takes image embeddings from encoder_service.
+    """vLLM EC connector (role ec_consumer) that takes image and video embeddings from encoder_service.
 
     --ec-transfer-config '{"ec_connector": "EncoderServiceConnector", "ec_role": "ec_consumer",
       "ec_connector_module_path": "encoder_service.integrations.vllm",
@@ -99,16 +118,10 @@ class EncoderServiceConnector(ECConnectorBase):
     # ---- scheduler side ---------------------------------------------------------------------------------
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         try:
-            ids = item_ids(request)
+            needs = _needs(request, num_computed_tokens)
         except ItemMapError as exc:
             self.table.fail(request.request_id, str(exc))
             return False
-        needs = []
-        for index, (feature, item_id) in enumerate(zip(request.mm_features, ids)):
-            pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens:
-                continue  # already in the KV cache
-            needs.append(Need(feature.identifier, item_id, request.get_num_encoder_embeds(index)))
         return self.table.ensure(request.request_id, needs)
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -154,6 +167,18 @@ class EncoderServiceConnector(ECConnectorBase):
             self.table.close()
         if self.loader is not None:
             self.loader.close()
+
+
+def _needs(request: Request, num_computed_tokens: int) -> list[Need]:
+    """The request's items not yet in the KV cache: vLLM's identifier, our id, the rows vLLM planned, and a
+    video's frame groups."""
+    needs = []
+    for index, (feature, item_id) in enumerate(zip(request.mm_features, item_ids(request))):
+        pos = feature.mm_position
+        if pos.offset + pos.length > num_computed_tokens:
+            needs.append(Need(feature.identifier, item_id, request.get_num_encoder_embeds(index),
+                              frame_groups(feature)))
+    return needs
 
 
 def _worker_device() -> torch.device:

@@ -1,5 +1,9 @@
 """Fetching, scheduler side: an item's rows from the encoder service into a range of our arenas (arenas.py),
-over shared memory (the encoder writes into our file) or a socket (our client writes what it brings)."""
+over shared memory (the encoder writes into our file) or a socket (our client writes what it brings).
+
+vLLM's encoder cache holds an image's rows, or a video's: all its frame groups' rows, group after group
+(Qwen3-VL's timestamp text between groups is not in it). The encoder caches a video per frame group, so a
+video is fetched as its groups' items, `<video id>#<g>` at row g * tokens_per_group, in one call."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.worker import ShmRows
 from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.video_info import GROUP_SEP
 
 log = logging.getLogger("encoder_service.integrations.vllm")
 
@@ -83,30 +88,32 @@ class RowFetcher:
         self._meta = meta
         return meta
 
-    def fetch(self, item_id: str, num_rows: int) -> StagedRows:
-        """Item `item_id`'s rows, exactly `num_rows` of them, staged in an arena; ItemUnavailable else."""
+    def fetch(self, item_id: str, num_rows: int, groups: int | None = None) -> StagedRows:
+        """Item `item_id`'s rows, exactly `num_rows` of them, staged in an arena; ItemUnavailable else.
+        `groups`: a video's frame groups, each num_rows / groups rows (None: an image)."""
         meta = self.metadata()
         width, dtype = int(meta["row_width"]), meta["dtype"]
+        items, per_item = fetch_items(item_id, num_rows, groups)
         # One row more than planned: an item with more rows than vLLM planned shows as num_rows + 1.
         span = num_rows + 1
         arena, start = self.arenas.take(span, width, dtype)
         ok = False
         try:
-            got = self._fetch_into(item_id, num_rows, arena.rows[start:start + span])
+            got = self._fetch_into(item_id, items, per_item, arena.rows[start:start + span])
             if got != num_rows:
                 more = "more than " if got > num_rows else ""
                 raise ItemUnavailable(
                     f"item {item_id!r} has {more}{min(got, num_rows)} rows at the encoder service, vLLM planned "
-                    f"{num_rows} placeholder tokens for it: the image_grid_thw sent to vLLM must be the one our "
-                    "encode answered, and both sides must use the same merge size")
+                    f"{num_rows} placeholder tokens for it: the {_grid_key(groups)} sent to vLLM must be the one "
+                    "our encode answered, and both sides must use the same merge size")
             ok = True
         except ItemUnavailable:
             raise
         except errors.NotFound as exc:
             raise ItemUnavailable(f"item {item_id!r} is not at the encoder service ({exc}): unknown, or evicted "
-                                  "after its lease; the request's image uuid must be the id our encode answered, "
-                                  "and vLLM keeps a uuid only when the request has no mm_processor_kwargs and the "
-                                  "server no --media-io-kwargs for images") from None
+                                  "after its lease; the request's image or video uuid must be the id our encode "
+                                  "answered, and vLLM keeps a uuid only when the request has no mm_processor_kwargs "
+                                  "and the server no --media-io-kwargs for its modality") from None
         except errors.EncoderServiceError as exc:
             raise ItemUnavailable(f"fetch of item {item_id!r} from {self.options.url} failed: "
                                   f"{type(exc).__name__}: {exc}") from None
@@ -123,21 +130,28 @@ class RowFetcher:
         """The item's range back to its arena (no worker may read it any more)."""
         self.arenas.give(staged.arena, staged.start, staged.span)
 
-    def _fetch_into(self, item_id: str, num_rows: int, out: torch.Tensor) -> int:
+    def _fetch_into(self, item_id: str, items: list[tuple[str, int]], per_item: int, out: torch.Tensor) -> int:
+        """Rows [0, len(out)) of `items` into `out`; how many rows the item has there (checked: one segment per
+        fetch item, at its offset from its row 0, each but the last `per_item` rows)."""
         shm = bool(self._shm)
         try:
-            result = self._client(shm).fetch([(item_id, 0)], 0, num_rows + 1, out=out)
+            result = self._client(shm).fetch(items, 0, out.shape[0], out=out)
         except (errors.InvalidInput, errors.FailedPrecondition) as exc:
             if not (shm and self.options.shm == "auto" and "shm" in str(exc)):
                 raise
             log.warning("encoder service %s can't write into our shared memory (%s); fetching over the socket "
                         "from now on", self.options.url, exc)
             self._shm = False
-            result = self._client(False).fetch([(item_id, 0)], 0, num_rows + 1, out=out)
-        segments = [s for s in result.segments if s.id == item_id]
-        if len(segments) != 1 or segments[0].row_start != 0 or segments[0].position != 0:
+            result = self._client(False).fetch(items, 0, out.shape[0], out=out)
+        segments = list(result.segments)
+        if [(s.id, s.position, s.row_start) for s in segments] != [(i, at, 0) for i, at in items]:
             raise ItemUnavailable(f"fetch of item {item_id!r}: unexpected segments {result.segments}")
-        return segments[0].num_rows
+        for s in segments[:-1]:
+            if s.num_rows != per_item:
+                raise ItemUnavailable(
+                    f"frame group {s.id!r} has {s.num_rows} rows at the encoder service, vLLM planned {per_item} "
+                    "a group: the video_grid_thw sent to vLLM must be the one our encode answered")
+        return sum(s.num_rows for s in segments)
 
     def release(self, ids: list[str]) -> None:
         try:
@@ -155,6 +169,21 @@ class RowFetcher:
                 pass
         self.arenas.close()
         self._buffers.close()  # unlinks every file (tensors still viewing them keep their mappings)
+
+
+def fetch_items(item_id: str, num_rows: int, groups: int | None) -> tuple[list[tuple[str, int]], int]:
+    """(the fetch items of a vLLM item's rows [0, num_rows), rows per item): an image is its id at row 0; a
+    video of `groups` frame groups is its groups' ids one after the other."""
+    if groups is None:
+        return [(item_id, 0)], num_rows
+    if groups <= 0 or num_rows % groups:
+        raise ItemUnavailable(f"video {item_id!r}: vLLM planned {num_rows} rows in {groups} frame groups")
+    per_group = num_rows // groups
+    return [(f"{item_id}{GROUP_SEP}{g}", g * per_group) for g in range(groups)], per_group
+
+
+def _grid_key(groups: int | None) -> str:
+    return "image_grid_thw" if groups is None else "video_grid_thw"
 
 
 def _is_this_host(host: str) -> bool:

@@ -19,20 +19,27 @@ log = logging.getLogger("encoder_service.integrations.vllm")
 
 @dataclass(frozen=True)
 class Need:
-    """An item a request still needs: vLLM's key, our id, and the rows vLLM planned for its placeholder."""
+    """An item a request still needs: vLLM's key, our id, the rows vLLM planned for its placeholder, and for a
+    video its frame groups (None: an image)."""
 
     identifier: str
     item_id: str
     num_rows: int
+    groups: int | None = None
 
 
 PENDING, READY = "pending", "ready"
+
+
+def _shape(item) -> str:
+    return f"{item.num_rows} rows" + ("" if item.groups is None else f" in {item.groups} frame groups")
 
 
 @dataclass(eq=False)
 class _Entry:
     item_id: str
     num_rows: int
+    groups: int | None
     nbytes: int  # estimated until staged
     state: str = PENDING
     staged: StagedRows | None = None
@@ -83,9 +90,9 @@ class StagingTable:
             entry.waiting.add(request_id)
             if entry.state != READY:
                 ready = False
-            elif entry.num_rows != need.num_rows:
-                self.fail(request_id, f"item {need.item_id!r} was staged with {entry.num_rows} rows, this "
-                                      f"request's placeholder has {need.num_rows}")
+            elif (entry.num_rows, entry.groups) != (need.num_rows, need.groups):
+                self.fail(request_id, f"item {need.item_id!r} was staged as {_shape(entry)}, this request's "
+                                      f"placeholder has {_shape(need)}")
                 return False
         if ready:
             self._since.pop(request_id, None)
@@ -170,7 +177,7 @@ class StagingTable:
         ahead = self._ahead_bytes()
         if ahead and ahead + nbytes > self.options.max_staged_bytes:
             return None
-        entry = _Entry(need.item_id, need.num_rows, nbytes)
+        entry = _Entry(need.item_id, need.num_rows, need.groups, nbytes)
         self._entries[need.item_id] = entry
         self.counters["fetches"] += 1
         self._pool.submit(self._fetch, entry)
@@ -178,7 +185,7 @@ class StagingTable:
 
     def _fetch(self, entry: _Entry) -> None:
         try:
-            result = self.fetcher.fetch(entry.item_id, entry.num_rows)
+            result = self.fetcher.fetch(entry.item_id, entry.num_rows, entry.groups)
         except ItemUnavailable as exc:
             result = exc
         except Exception as exc:  # noqa: BLE001 - reported as the item's failure, not lost on a thread

@@ -20,12 +20,9 @@ require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from tests.support.encoder_process import ServiceProcess, encoder_service_argv  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
-from tests.support.vllm_engine import TOKEN, ec_config  # noqa: E402
+from tests.support.vllm_engine import ProxyProcess, ec_config  # noqa: E402
 from tests.support.vllm_stand_in import CHUNKS, StandInVllm  # noqa: E402
-from tests.support.vllm_docs import documented  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 GAP_S = 0.4  # between the stand-in's streamed events
@@ -36,16 +33,11 @@ CALLER = {"authorization": "Bearer caller-key"}  # the proxy's --api-key, as its
 def front(encoders, tmp_path_factory):
     """(proxy URL, stand-in vLLM) with the proxy in front of the Qwen2.5-VL encoder."""
     vllm = StandInVllm(gap_s=GAP_S)
-    port = free_port()
-    argv = documented("proxy").replaced({
-        "--encoder-url": encoders["qwen2_5_vl"].url, "--vllm-url": vllm.url, "--host": "127.0.0.1",
-        "--port": str(port), "--auth-token": TOKEN, "--api-key": "caller-key"})
-    url = f"http://127.0.0.1:{port}"
-    proxy = ServiceProcess(encoder_service_argv(*argv[1:]), url + "/health",
-                           tmp_path_factory.mktemp("proxy") / "proxy.log", name="vllm-proxy")
+    proxy = ProxyProcess(encoders["qwen2_5_vl"].url, vllm.url, tmp_path_factory.mktemp("proxy") / "proxy.log",
+                         api_key="caller-key")
     try:
         proxy.wait_ready(120)
-        yield url, vllm
+        yield proxy.url, vllm
     finally:
         proxy.stop()
         vllm.shutdown()

@@ -1,6 +1,8 @@
 """The same greedy answer from a vLLM server that encodes images itself and from a language-only vLLM server
 fed by our encoder (its connector, behind our proxy): one image, two images in both orders, a streamed answer;
 each lane: the connector over HTTP taking the rows through shared memory, and over gRPC without shared memory.
+And one video (on the HTTP lane: its frame groups' rows through shared memory, its M-RoPE time step from the
+proxy's second_per_grid_ts).
 
 Both servers run the same checkpoint in float32; vLLM's vision tower and ours differ only by float32 rounding
 (about 1e-6), so the tokens must be equal and the logprobs agree to float32 noise (LOGPROB_TOL).
@@ -16,7 +18,16 @@ from tests.support.engine_tier import require
 require("vllm.entrypoints.openai.api_server", "scripts/tiers/vllm-e2e.sh")
 
 from tests.support.images import image_bytes as png  # noqa: E402
-from tests.support.vllm_e2e import ANSWER_S, CALLER, Answer, answer, chat, streamed, streamed_answer  # noqa: E402
+from tests.support.vllm_e2e import (  # noqa: E402
+    ANSWER_S,
+    CALLER,
+    Answer,
+    answer,
+    chat,
+    streamed,
+    streamed_answer,
+    video_chat,
+)
 
 pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers (READY_S)
 
@@ -28,6 +39,10 @@ LOGPROB_TOL = 5e-4
 # with transformers' torchvision processor, our encoder on the CPU with the PIL one (--preprocess pil), and the
 # two differ after a resize (our --preprocess torchvision is vLLM's, bit for bit: the torchvision tier).
 A, B, C = png(112, 84, 11), png(84, 140, 12), png(56, 112, 13)
+# A video of 4 such frames (2 frame groups), lossless (PNG) in vLLM's JPEG-sequence form: vLLM's own video
+# processor and our encoder see the same pixels. Its frame rate is vLLM's default for a sequence, 1 fps, so
+# Qwen2.5-VL's second_per_grid_ts is 2 on both sides (the proxy sends ours).
+FRAMES = [png(112, 84, 20 + k) for k in range(4)]
 
 
 def ask(url: str, body: dict, headers: dict | None = None) -> Answer:
@@ -61,3 +76,9 @@ def test_streamed(stack, lane):
     status, events = streamed(getattr(stack, lane).proxy_url, chat([C], text="and this", stream=True), CALLER)
     assert status == 200
     assert_same(reference, streamed_answer(events))
+
+
+def test_one_video(stack):
+    reference = ask(stack.aggregated.url, video_chat(FRAMES))
+    assert reference != ask(stack.aggregated.url, video_chat(FRAMES[::-1]))  # the frames' order matters
+    assert_same(reference, ask(stack.http.proxy_url, video_chat(FRAMES), CALLER))
