@@ -5,7 +5,8 @@ with a video's frame groups where an image's one entry is:
   ids                a caller id sent with another video (bytes or sampling) than it names: Conflict (409),
                      checked on its frame group 0 (here: its entry, its video's or group's flight; Redis: the
                      content tag another replica recorded), before anything is admitted
-  hits               each group in the local tier (store.peek) is cached; the rest are the video's todo
+  hits               each group in the local tier (store.peek) is cached; the rest are the video's todo (a
+                     flight of the video here that will not encode all of them is waited out first)
   admit              a video with groups to encode and not in flight here reserves engine room for its window
                      (engine.py: Reservation), all or none over the request's videos (429 when the queue is
                      full); every group is pinned for its lease (its bytes, or its rows still to come: 429 when
@@ -37,6 +38,8 @@ from encoder_service.core.video_flights import VideoFlight, VideoFlights
 from encoder_service.core.videos import ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Reservation
 from encoder_service.protocol.video_info import VideoInfo
+
+REJOINS = 3  # lookups of a request whose groups a flight in progress will not encode (each waits that flight out)
 
 
 class VideoEncoder:
@@ -71,8 +74,7 @@ class VideoEncoder:
                 raise conflict(p.key).prefixed(f"video {i}: ")
             first_index.setdefault(p.key.name, i)
         await self._check_contents(unique, first_index)
-        hits = {name: [self.store.peek(k) for k in p.group_keys()] for name, p in unique.items()}
-        todo = {name: tuple(g for g, entry in enumerate(hits[name]) if entry is None) for name in unique}
+        hits, todo = await self._lookup(unique, timeout_s, t0)
         reservations = self._admit_and_pin(unique, hits, todo, first_index)
         self.metrics.cache_hits.labels(tier="local").inc(sum(e is not None for h in hits.values() for e in h))
         marking = self.handoff.mark(
@@ -102,6 +104,27 @@ class VideoEncoder:
                 result.embeddings = [rows[p.key.name] for p in probed]
         timings["total_ms"] = (time.perf_counter() - t0) * 1e3
         return result
+
+    async def _lookup(self, unique: dict[str, ProbedVideo], timeout_s: float | None, t0: float
+                      ) -> tuple[dict[str, list[Entry | None]], dict[str, tuple[int, ...]]]:
+        """(each video's groups in the local tier, None where missing; the missing groups: its todo). A video in
+        flight here that will not encode a group this request misses (it was cached when that flight started
+        and evicted since) is waited for, then looked up again: a request joins a flight only for groups the
+        flight encodes."""
+        for _ in range(REJOINS):
+            hits = {name: [self.store.peek(k) for k in p.group_keys()] for name, p in unique.items()}
+            todo = {name: tuple(g for g, entry in enumerate(hits[name]) if entry is None) for name in unique}
+            behind = [vf.task for name in unique if (vf := self.video_flights.get(name)) is not None
+                      and not set(todo[name]) <= set(vf.todo)]
+            if not behind:
+                return hits, todo
+            left = None if not timeout_s else max(0.0, timeout_s - (time.perf_counter() - t0))
+            _, pending = await asyncio.wait(behind, timeout=left)  # never cancels them: others wait too
+            if pending:
+                raise errors.DeadlineExceeded(f"encode did not finish within timeout_s={timeout_s} (an encode of "
+                                              "the same video was still running)")
+        raise errors.Overloaded("the request's videos lost frame groups to eviction while they were being "
+                                "encoded, again and again: the cache is too small for them")
 
     async def _check_contents(self, unique: dict[str, ProbedVideo], first_index: dict[str, int]) -> None:
         """A caller id sent with another video than it names is a Conflict; a video's groups all carry its
