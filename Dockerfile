@@ -91,8 +91,10 @@ COPY --from=build /opt/venv /opt/venv
 # ENCODER_HOST: bind all interfaces inside a container (the CLI's default is loopback).
 # HF_HOME: the hub cache; mount a volume here (the chart does) so downloads survive restarts.
 # HOME=/tmp: libraries that write under ~ (triton, torch) land on the writable /tmp.
+# ENCODER_GIT_COMMIT: the commit encoder_build_info reports (an installed package has no .git to read it from).
 ENV PATH=/opt/venv/bin:$PATH \
     HOME=/tmp \
+    ENCODER_GIT_COMMIT=${VCS_REF} \
     ENCODER_HOST=0.0.0.0 \
     ENCODER_HTTP_PORT=8000 \
     ENCODER_GRPC_PORT=50051 \

@@ -152,6 +152,7 @@ class LimitSettings:
     max_image_bytes: int
     max_pixels: int
     allow_url_hosts: tuple[str, ...]  # empty: url images refused
+    max_fetch_bytes: int = 4 << 30  # rows one socket fetch gathers from several items
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,9 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
     "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),
     "max_pixels": (_positive(int), "67108864", "decoded pixels (checked from the header)"),
+    "max_fetch_bytes": (_positive(parse_size), "4GiB", "rows one fetch gathers from several images or frame groups "
+                                                        "over a socket (one item's are not copied; shm writes into "
+                                                        "the client's file)"),
     "allow_url_hosts": (parse_hosts, "", "comma-separated hosts url images and videos may name (none: URLs off)"),
     "max_videos": (_positive(int), "4", "videos per request"),
     "max_video_bytes": (_positive(parse_size), "64MiB", "one encoded video (a file, or its frames' images together)"),
@@ -326,6 +330,7 @@ PROXY_OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "auth_token": (str, None, "the encoder service's bearer token (its --auth-token)"),
     "vllm_api_key": (str, None, "bearer token for vLLM (its --api-key); default: the caller's Authorization"),
     "timeout_s": (_positive(float), "600", "timeout of one encode, and of vLLM's answer (read between chunks)"),
+    "max_body_bytes": (_positive(parse_size), "64MiB", "a chat request's body (read whole before its encode)"),
     "log_level": (_choice(("critical", "error", "warning", "info", "debug")), "info", "log level"),
 }
 
@@ -340,6 +345,7 @@ class ProxySettings:
     auth_token: str | None = field(default=None, repr=False)
     vllm_api_key: str | None = field(default=None, repr=False)
     timeout_s: float = 600.0
+    max_body_bytes: int = 64 << 20
     log_level: str = "info"
 
 
@@ -461,7 +467,7 @@ def _build(v: dict) -> Settings:
                               batch_tokens=v["batch_tokens"], max_queue=v["max_queue"], attention=v["attention"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
                              max_image_bytes=v["max_image_bytes"], max_pixels=v["max_pixels"],
-                             allow_url_hosts=v["allow_url_hosts"]),
+                             allow_url_hosts=v["allow_url_hosts"], max_fetch_bytes=v["max_fetch_bytes"]),
         video=VideoSettings(**{name: v[name] for name in _VIDEO_OPTIONS}),
     )
 

@@ -4,10 +4,12 @@ client/grpc_transport.py)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from encoder_service import errors
 from encoder_service.protocol import image_info, video_info
 from encoder_service.ranges import Segment
 
@@ -40,9 +42,28 @@ class VideoSource:
 
     OPTIONS = ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")
 
+    def __post_init__(self):
+        """Each option's type (the wire's: a finite double, an int64, a bool): a wrong one is InvalidInput here,
+        on every transport, rather than a TypeError from a message builder. The server checks the values."""
+        for name, value in self.options().items():
+            kind = _OPTION_KINDS.get(name, "an integer")
+            if kind == "true or false":
+                ok = isinstance(value, bool)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                ok = False
+            elif kind == "a finite number":
+                ok = math.isfinite(value)
+            else:
+                ok = isinstance(value, int) and -2**63 <= value < 2**63
+            if not ok:
+                raise errors.InvalidInput(f"video option {name}={value!r}: expected {kind}")
+
     def options(self) -> dict:
         """The options that are set, by name."""
         return {name: getattr(self, name) for name in self.OPTIONS if getattr(self, name) is not None}
+
+
+_OPTION_KINDS = {"fps": "a finite number", "frames_fps": "a finite number", "sample_frames": "true or false"}
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class EncoderCore:
                       "hash": s.cache.hash, "lease_s": s.cache.lease_s},
             "limits": {"max_images": s.limits.max_images, "max_body_bytes": s.limits.max_body_bytes,
                        "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
-                       "url_images": bool(s.limits.allow_url_hosts)},
+                       "max_fetch_bytes": s.limits.max_fetch_bytes, "url_images": bool(s.limits.allow_url_hosts)},
             "shm_fetch": self.shm is not None,
             "video": self._video_metadata(),
         }
@@ -401,6 +401,11 @@ class EncoderCore:
         except TimeoutError:
             raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
+        if shm is None and len(segments) > 1:  # gathered into one new tensor (below): bounded
+            nbytes, limit = sum(s.num_rows for s in segments) * self._row_bytes, self.settings.limits.max_fetch_bytes
+            if nbytes > limit:
+                raise errors.LimitExceeded("bytes of rows the fetch gathers", nbytes, f"{limit} (--max-fetch-bytes)",
+                                           hint="fetch the prompt chunk by chunk")
         if deadline.dont_wait:  # rows still encoding are not ready (cached ones, here or in Redis, are)
             encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights
                                or self.videos.video_flights.encoding(keys[s.id])})

@@ -47,6 +47,7 @@ from typing import Any
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled, other_content
+from encoder_service.cache.video_keys import VIDEO_PREFIX
 from encoder_service.core.images import Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine, Job, Permit
@@ -213,7 +214,8 @@ class Flights:
 
 
 def conflict(key: CacheKey) -> errors.Conflict:
-    return errors.Conflict(f"id {key.id!r} already names other image bytes (an id names one image: send these "
+    what = "video" if key.id.startswith(VIDEO_PREFIX) else "image"
+    return errors.Conflict(f"id {key.id!r} already names other {what} bytes (an id names one {what}: send these "
                            "under another id)")
 
 

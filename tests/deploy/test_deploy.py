@@ -150,6 +150,7 @@ def test_dockerfile_contract():
     assert "/health/live" in health and '"python"' in health and "curl" not in health
     env = dockerfile.runtime_env()
     assert env["ENCODER_HOST"] == "0.0.0.0" and env["HF_HOME"] == "/models/hf-cache"
+    assert env.pop("ENCODER_GIT_COMMIT") == "${VCS_REF}"  # encoder_build_info's commit, not a flag
     assert {n for n in env if n.startswith("ENCODER_")} <= readme_env_vars()
     assert "DEBIAN_FRONTEND" not in env  # a build setting (ARG), not the runtime's
     labels = " ".join(v for k, v in runtime if k == "LABEL")

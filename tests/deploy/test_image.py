@@ -192,6 +192,16 @@ def test_labels_name_the_version_and_the_commit(image_config):
         assert subprocess.run([*git, "diff", "--quiet", commit, "--", *inputs]).returncode == 0, revision
 
 
+def test_build_info_names_the_commit(service, image_config):
+    """The running service's encoder_build_info carries the image's commit (ENCODER_GIT_COMMIT from VCS_REF:
+    the installed package has no .git of its own)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(service.url + "/metrics", timeout=10).text
+    (info,) = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "encoder_build_info"]
+    assert info.labels["commit"] == image_config["Labels"]["org.opencontainers.image.revision"], info.labels
+
+
 def test_runtime_stage_has_no_build_tools_or_caches(service):
     root = service.rootfs
     for tool in BUILD_TOOLS:

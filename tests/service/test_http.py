@@ -477,6 +477,31 @@ def test_pins_full_is_429_and_pins_that_can_never_fit_are_400(request, tiny_chec
             g.encode([image_bytes(120, 120, 58)])
 
 
+def test_a_fetch_gathering_rows_over_max_fetch_bytes_is_400(request, tiny_checkpoint):
+    """One id placed many times in a chunk makes the server gather its rows that many times: bounded by
+    --max-fetch-bytes (400 naming it, on both transports), while one item's rows (no copy) and a fetch under
+    the bound are served."""
+    from encoder_service import errors
+    from encoder_service.client import EncoderClient
+    from tests.support.service import RunningService, make_settings
+
+    ckpt = tiny_checkpoint("qwen2_5_vl")
+    svc = RunningService(make_settings(ckpt, "--max-fetch-bytes", "2KiB"), ckpt)
+    request.addfinalizer(svc.close)
+    with client(svc) as c:
+        info = encode_json(c, [image_bytes(64, 64, 61)], wait=True).json()["images"][0]
+        n, iid = info["num_tokens"], info["id"]  # 4 rows x 48 x 4 bytes = 768 B
+        items = [{"id": iid, "offset": k * n} for k in range(3)]
+        assert c.post("/v1/fetch", json={"items": items[:2], "start": 0, "end": 2 * n}).status_code == 200
+        r = c.post("/v1/fetch", json={"items": items, "start": 0, "end": 3 * n})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "bytes of rows the fetch gathers is 2304, over the limit of 2048 (--max-fetch-bytes)"), r.text
+        assert_still_serving(c)
+    with EncoderClient.grpc(svc.grpc_address) as g:
+        with pytest.raises(errors.InvalidInput, match="--max-fetch-bytes"):
+            g.fetch([(iid, k * n) for k in range(3)], 0, 3 * n)
+
+
 def test_wait_timeout_is_504_and_the_encode_goes_on(service):
     data = image_bytes(110, 70, 777)
     with client(service) as c:

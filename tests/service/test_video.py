@@ -277,7 +277,7 @@ def test_replicas_share_the_groups_through_redis(tiny_checkpoint, redis_server):
                                           return_embeddings=True)
             assert again.id == info.id and b.sample("encoder_images_encoded_total") == 0  # A's groups, from Redis
             assert_close(again.embedding, expected)
-            with pytest.raises(errors.Conflict, match="shared-clip"):
+            with pytest.raises(errors.Conflict, match="shared-clip.* already names other video bytes"):
                 on_b.encode_videos([VideoSource(data=WEBM, caller_id="shared-clip")])
             with pytest.raises(errors.NotFound):
                 on_b.fetch([("v:u:never-encoded#0", 0)], 0, 4)

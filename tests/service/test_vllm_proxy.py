@@ -170,6 +170,12 @@ def test_rewrite_videos():
         proxy.video_options(chat_with(mm_processor_kwargs=[1]))
 
 
+def option_name(kwargs: dict) -> str:
+    """The encode option a video kwarg of the request becomes (its name in the proxy's error)."""
+    (name,) = kwargs
+    return proxy.VIDEO_KWARGS[name]
+
+
 def stand_in_vllm(seen: list) -> FastAPI:
     app = FastAPI()
 
@@ -254,21 +260,33 @@ async def test_proxy_forwards_videos(service, service_qwen3, family):
     assert all(svc.pinned(i) for i in (img.id, clip.group_id(clip.num_groups - 1), sequence.group_id(1)))
 
 
-async def test_proxy_video_errors(service):
-    """A video that does not decode is the caller's 400 naming it; vLLM never sees the request, and the pins
-    of the request's images that did encode are released."""
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+async def test_proxy_video_errors(service, transport):
+    """A video that does not decode, or options of the wrong type, are the caller's 400 naming them; a body
+    over --max-body-bytes is a 413; vLLM never sees the request, and the pins of the request's images that did
+    encode are released."""
     seen = []
+    url = service.url if transport == "http" else "grpc://" + service.grpc_address
     upstream = httpx.AsyncClient(transport=httpx.ASGITransport(stand_in_vllm(seen)), base_url="http://vllm")
-    app = proxy.make_app(ProxySettings(encoder_url=service.url, vllm_url="http://vllm"), upstream=upstream)
+    app = proxy.make_app(ProxySettings(encoder_url=url, vllm_url="http://vllm", max_body_bytes=1 << 20),
+                         upstream=upstream)
     image = png(112, 84, 540)
+    image_part = {"type": "image_url", "image_url": {"url": data_url(image)}}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://proxy") as client:
-        r = await client.post("/v1/chat/completions", json=chat_with(
-            {"type": "image_url", "image_url": {"url": data_url(image)}}, video_url(b"not a video")))
+        r = await client.post("/v1/chat/completions", json=chat_with(image_part, video_url(b"not a video")))
         error = r.json()["error"]
         assert (r.status_code, error["type"]) == (400, "invalid_input") and "video 0: " in error["message"], error
         r = await client.post("/v1/chat/completions", json=chat_with({"type": "video_url", "video_url": {
             "url": "file:///etc/passwd"}}))
         assert r.status_code == 400 and "data: or http(s) URL" in r.json()["error"]["message"]
+        for kwargs in [{"fps": "two"}, {"num_frames": 1.5}, {"num_frames": 2**70}, {"do_sample_frames": 1}]:
+            r = await client.post("/v1/chat/completions", json=chat_with(
+                image_part, video_url(CLIP), mm_processor_kwargs=kwargs))
+            error = r.json()["error"]
+            assert (r.status_code, error["type"]) == (400, "invalid_input"), error
+            assert f"video option {option_name(kwargs)}=" in error["message"], error
+        r = await client.post("/v1/chat/completions", json=chat_with(video_url(b"x" * (1 << 20))))
+        assert (r.status_code, r.json()["error"]["type"]) == (413, "payload_too_large"), r.text
     assert seen == []
     with sync_client(service, "http") as c:
         (img,) = c.encode([image])

@@ -39,6 +39,7 @@ import binascii
 import copy
 import hmac
 import io
+import json
 import logging
 from typing import Sequence
 
@@ -232,6 +233,19 @@ def _encoder_error(exc: errors.EncoderServiceError):
     return _error(status, f"encoder service: {exc.message}", exc.kind)
 
 
+async def _body(request, limit: int) -> bytes:
+    """The request's body, at most `limit` bytes (PayloadTooLarge past it: never buffered beyond)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise errors.PayloadTooLarge("request body bytes (Content-Length)", int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise errors.PayloadTooLarge("request body bytes", f"over {limit}", limit)
+    return bytes(body)
+
+
 def _caller_refused(authorization: str | None, api_key: bytes | None) -> str | None:
     """Why a caller is refused (None: it is served): without `Authorization: Bearer <the proxy's --api-key>`."""
     if api_key is None:
@@ -334,7 +348,7 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
             if videos:
                 family = video_family(await encoder_family())
                 video_infos = await the_encoder().encode_videos(videos, wait=True)
-        except errors.EncoderServiceError:
+        except Exception:  # noqa: BLE001 - any failure: the images' pins go, then the error is answered
             if image_infos:
                 await release(sorted({i.id for i in image_infos}))
             raise
@@ -352,7 +366,9 @@ def make_app(settings: ProxySettings, *, encoder=None, upstream=None):
         if (denied := refused(request)) is not None:
             return denied
         try:
-            body = await request.json()
+            body = json.loads(await _body(request, settings.max_body_bytes))
+        except errors.PayloadTooLarge as exc:
+            return _error(413, str(exc), exc.kind)
         except ValueError:
             return _error(400, "the body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):

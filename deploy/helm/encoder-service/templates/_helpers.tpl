@@ -135,6 +135,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_MAX_BODY_BYTES" $srv.maxBodyBytes)
     (list "ENCODER_MAX_IMAGE_BYTES" $srv.maxImageBytes)
     (list "ENCODER_MAX_PIXELS" $srv.maxPixels)
+    (list "ENCODER_MAX_FETCH_BYTES" $srv.maxFetchBytes)
     (list "ENCODER_ALLOW_URL_HOSTS" (join "," ($srv.allowUrlHosts | default list)))
     (list "ENCODER_MAX_VIDEOS" $srv.maxVideos)
     (list "ENCODER_MAX_VIDEO_BYTES" $srv.maxVideoBytes)
