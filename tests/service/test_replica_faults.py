@@ -42,6 +42,7 @@ from tests.support.images import image_bytes, png_with_text
 from tests.support.redis_server import RedisServer
 from tests.support.reference import assert_close, reference_rows
 from tests.support.service import RunningService, running
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -204,12 +205,10 @@ def test_a_replica_killed_mid_encode_leaves_no_fetch_hanging(tmp_path, tiny_chec
             # Waiting on B before the kill: HTTP without timeout_s, gRPC without a deadline.
             http_b, grpc_b = EncoderClient.http(b.url, timeout=None), EncoderClient.grpc(b.grpc_address, timeout=None)
             waiting = [pool.submit(c.fetch, [(info.id, 0)], 0, info.num_tokens) for c in (http_b, grpc_b)]
-            deadline = time.monotonic() + WAIT_S
-            while b.metrics(("encoder_cache_redis_pending_waits_total",)).get(
-                    "encoder_cache_redis_pending_waits_total", 0) < waits + 2:
-                assert time.monotonic() < deadline and not any(f.done() for f in waiting), \
-                    [f.result() for f in waiting if f.done()]
-                time.sleep(0.05)
+            wait_for(lambda: any(f.done() for f in waiting) or b.metrics(("encoder_cache_redis_pending_waits_total",))
+                     .get("encoder_cache_redis_pending_waits_total", 0) >= waits + 2, "B's two fetches to wait", WAIT_S,
+                     poll_s=0.05)
+            assert not any(f.done() for f in waiting), [f.result() for f in waiting if f.done()]
         finally:
             os.kill(a.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -257,10 +256,8 @@ def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_c
         (info,) = on_a.encode([data])
         waits = b.sample("encoder_cache_redis_pending_waits_total")
         waiting = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
-        deadline = time.monotonic() + WAIT_S
-        while b.sample("encoder_cache_redis_pending_waits_total") == waits:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: b.sample("encoder_cache_redis_pending_waits_total") != waits, "B's fetch to wait", WAIT_S,
+                 poll_s=0.02)
         redis_server.pause()
         try:
             gate.set()  # A's encode finishes while Redis does not answer

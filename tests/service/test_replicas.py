@@ -37,6 +37,7 @@ from tests.support.clients import sync_client
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.redis_server import RedisServer
 from tests.support.service import RunningService, running
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,14 +78,6 @@ def held_decode(svc: RunningService):
         del backend.preprocess  # the class's method again
 
 
-def eventually(predicate, timeout_s: float = WAIT_S) -> None:
-    """Bounded wait for a state another thread changes (the service's loop)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def in_redis(url: str, svc: RunningService, id_: str) -> bool:
     name = key_from_id(id_, svc.core.model_fp, svc.core.settings.cache.hash).name
     with redis.Redis.from_url(url) as direct:
@@ -101,9 +94,9 @@ def test_a_fetch_on_b_waits_for_the_encode_still_running_on_a(replicas, shared_r
         (info,) = on_a.encode([data])  # answered at once; A's engine holds the image
         waits = b.sample(PENDING_WAITS)
         fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
-        eventually(lambda: b.sample(PENDING_WAITS) > waits)  # B's fetch sleeps on its subscription...
+        wait_for(lambda: b.sample(PENDING_WAITS) > waits, "B's fetch to sleep on its subscription", WAIT_S)
         name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
-        assert name in a.core.flights and not in_redis(shared_redis.url, a, info.id)  # ...A's encode runs on
+        assert name in a.core.flights and not in_redis(shared_redis.url, a, info.id)  # while A's encode runs on
         assert not fetching.done()
         gate.set()
         from_b = fetching.result(WAIT_S).rows
@@ -138,7 +131,7 @@ def test_a_failed_encode_on_a_is_its_error_on_b_not_404(replicas, transport):
         (info,) = on_a.encode([truncated_jpeg(seed=3 if transport == "http" else 4)])  # the header reads fine
         waits = b.sample(PENDING_WAITS)
         fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
-        eventually(lambda: b.sample(PENDING_WAITS) > waits)
+        wait_for(lambda: b.sample(PENDING_WAITS) > waits, "B's fetch to wait", WAIT_S)
         gate.set()  # A decodes now, and fails
         with pytest.raises(errors.InvalidInput) as failed:
             fetching.result(WAIT_S)
