@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service.protocol import image_info, video_info
+from encoder_service.protocol.video_request import VideoRequest
 from encoder_service.ranges import Segment
 
 
@@ -22,27 +23,8 @@ class ImageSource:
 
 
 @dataclass(frozen=True)
-class VideoSource:
-    """One video as sent: exactly one of `data` (a container file's bytes: MP4, MOV, MKV, WebM), `frames` (each
-    an image file's bytes, in order) or `url`; the options are transformers' video processor's (None: the
-    checkpoint's), `frames_fps` the rate of `frames` (None: unknown)."""
-
-    data: bytes | None = None
-    frames: tuple[bytes, ...] | None = None
-    url: str | None = None
-    caller_id: str | None = None
-    fps: float | None = None
-    num_frames: int | None = None
-    sample_frames: bool | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    frames_fps: float | None = None
-
-    OPTIONS = ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")
-
-    def options(self) -> dict:
-        """The options that are set, by name."""
-        return {name: getattr(self, name) for name in self.OPTIONS if getattr(self, name) is not None}
+class VideoSource(VideoRequest):
+    """One video as sent (protocol/video_request.py: its source, id and options)."""
 
 
 @dataclass(frozen=True)
