@@ -24,7 +24,6 @@ import collections
 import contextlib
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +40,7 @@ from tests.support.encoder_process import Replica
 from tests.support.images import image_bytes, png_with_text
 from tests.support.redis_server import RedisServer
 from tests.support.reference import assert_close, reference_rows
-from tests.support.service import RunningService, running
+from tests.support.service import RunningService, held_decode, running
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -225,24 +224,6 @@ def test_a_replica_killed_mid_encode_leaves_no_fetch_hanging(tmp_path, tiny_chec
 
 
 # ---- Redis paused while a replica encodes ----------------------------------------------------------------
-@contextlib.contextmanager
-def held_decode(svc: RunningService):
-    """The replica's engine holds every image at its decode step until the yielded gate is set."""
-    gate = threading.Event()
-    backend = svc.core.images.backend
-
-    def preprocess(*args, _preprocess=backend.preprocess):
-        assert gate.wait(WAIT_S), "the test never opened the gate"
-        return _preprocess(*args)
-
-    backend.preprocess = preprocess
-    try:
-        yield gate
-    finally:
-        gate.set()
-        del backend.preprocess
-
-
 def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_checkpoint, redis_server):
     """Before: A's rows, finished while Redis stalled, were dropped, and B's fetch hung for the whole lease
     (299 s). Now they wait in A's backlog, and B's fetches (the project's client, which retries the 503s of
@@ -251,7 +232,7 @@ def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_c
     a = running(request, checkpoint, "--redis-url", redis_server.url)
     b = running(request, checkpoint, "--redis-url", redis_server.url)
     data = image_bytes(96, 64, seed=4242)
-    with held_decode(a) as gate, EncoderClient.http(a.url, timeout=WAIT_S) as on_a, \
+    with held_decode(a, WAIT_S) as gate, EncoderClient.http(a.url, timeout=WAIT_S) as on_a, \
             EncoderClient.grpc(b.grpc_address, timeout=WAIT_S) as on_b, ThreadPoolExecutor(2) as pool:
         (info,) = on_a.encode([data])
         waits = b.sample("encoder_cache_redis_pending_waits_total")
