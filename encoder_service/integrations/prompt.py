@@ -124,12 +124,6 @@ class VisionPrompt:
         """The slots with at least one placeholder in the chunk `[start, end)`, in prompt order."""
         return [s for s in self.slots if s.offset < end and s.end > start]
 
-    @property
-    def placeholder_items(self) -> list[tuple[str, int, int]]:
-        """`(id, offset, num_tokens)` per image and per video frame group: the items of `encoder_service.ranges`
-        (client.iter_chunks' PromptLayout)."""
-        return [item for s in self.slots for item in s.fetch_items()]
-
     def fetch_items(self, slots: Sequence[Slot] | None = None, start: int = 0,
                     end: int | None = None) -> list[tuple[str, int]]:
         """`(id, offset)` pairs, the `items` argument of the service's `fetch`: the images' and the frame
