@@ -32,6 +32,7 @@ from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
+from encoder_service.protocol.video_request import OPTIONS
 
 log = logging.getLogger(__name__)
 # What grpc.aio raises from a write to a call its client has ended (not exported by grpc itself).
@@ -212,8 +213,7 @@ def _image_input(img: pb.Image) -> ImageInput:
 def _video_input(video: pb.Video) -> VideoInput:
     """Unset options are None (the checkpoint's); no source: the core's InvalidInput, as for HTTP."""
     source = video.WhichOneof("source")
-    options = {name: getattr(video, name) if video.HasField(name) else None
-               for name in ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")}
+    options = {name: getattr(video, name) if video.HasField(name) else None for name in OPTIONS}
     return VideoInput(data=video.data if source == "data" else None,
                       frames=tuple(video.frames.images) if source == "frames" else None,
                       url=video.url if source == "url" else None, caller_id=video.caller_id or None, **options)

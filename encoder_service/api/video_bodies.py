@@ -15,10 +15,7 @@ from __future__ import annotations
 from encoder_service.api import bodies
 from encoder_service.core.types import VideoInput
 from encoder_service.errors import InvalidInput
-
-# Option -> the type of its value (bool options: sample_frames).
-OPTIONS = {"fps": float, "num_frames": int, "sample_frames": bool, "min_pixels": int, "max_pixels": int,
-           "frames_fps": float}
+from encoder_service.protocol.video_request import OPTIONS
 
 
 def json_video(index: int, video) -> VideoInput:

@@ -11,6 +11,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.protocol import image_info, video_info
+from encoder_service.protocol.video_request import OPTIONS, VideoRequest
 from encoder_service.ranges import Segment
 
 
@@ -24,46 +25,26 @@ class ImageSource:
 
 
 @dataclass(frozen=True)
-class VideoSource:
-    """One video as sent: exactly one of `data` (a container file's bytes: MP4, MOV, MKV, WebM), `frames` (each
-    an image file's bytes, in order) or `url`; the options are transformers' video processor's (None: the
-    checkpoint's), `frames_fps` the rate of `frames` (None: unknown)."""
-
-    data: bytes | None = None
-    frames: tuple[bytes, ...] | None = None
-    url: str | None = None
-    caller_id: str | None = None
-    fps: float | None = None
-    num_frames: int | None = None
-    sample_frames: bool | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    frames_fps: float | None = None
-
-    OPTIONS = ("fps", "num_frames", "sample_frames", "min_pixels", "max_pixels", "frames_fps")
+class VideoSource(VideoRequest):
+    """One video as sent (protocol/video_request.py: its source, id and options)."""
 
     def __post_init__(self):
-        """Each option's type (the wire's: a finite double, an int64, a bool): a wrong one is InvalidInput here,
-        on every transport, rather than a TypeError from a message builder. The server checks the values."""
+        """Each option's type as the wire carries it (OPTIONS: a finite double, an int64, a bool): a wrong one is
+        InvalidInput here, on every transport, rather than a TypeError from a message builder. The server
+        checks the values."""
         for name, value in self.options().items():
-            kind = _OPTION_KINDS.get(name, "an integer")
-            if kind == "true or false":
-                ok = isinstance(value, bool)
-            elif isinstance(value, bool) or not isinstance(value, (int, float)):
-                ok = False
-            elif kind == "a finite number":
-                ok = math.isfinite(value)
+            kind = OPTIONS[name]
+            if kind is bool or isinstance(value, bool):
+                ok = kind is bool and isinstance(value, bool)
+            elif kind is float:
+                ok = isinstance(value, (int, float)) and math.isfinite(value)
             else:
                 ok = isinstance(value, int) and -2**63 <= value < 2**63
             if not ok:
-                raise errors.InvalidInput(f"video option {name}={value!r}: expected {kind}")
-
-    def options(self) -> dict:
-        """The options that are set, by name."""
-        return {name: getattr(self, name) for name in self.OPTIONS if getattr(self, name) is not None}
+                raise errors.InvalidInput(f"video option {name}={value!r}: expected {_KIND_NAMES[kind]}")
 
 
-_OPTION_KINDS = {"fps": "a finite number", "frames_fps": "a finite number", "sample_frames": "true or false"}
+_KIND_NAMES = {float: "a finite number", int: "an integer", bool: "true or false"}
 
 
 @dataclass(frozen=True)

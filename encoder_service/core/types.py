@@ -11,6 +11,7 @@ import torch
 
 from encoder_service.protocol.image_info import ImageInfo
 from encoder_service.protocol.video_info import VideoInfo
+from encoder_service.protocol.video_request import VideoRequest
 from encoder_service.ranges import Segment
 
 
@@ -22,21 +23,9 @@ class ImageInput:  # exactly one of data / url
 
 
 @dataclass(frozen=True)
-class VideoInput:
-    """Exactly one of data (a container file: MP4, MOV, MKV, WebM), frames (each an image file's bytes, in
-    order) or url (of a container file). The options are transformers' video processor's (preprocessing/
-    video.py: VideoOptions); frames_fps is the frame rate of a list of frames (None: unknown)."""
-
-    data: bytes | None = None
-    frames: tuple[bytes, ...] | None = None
-    url: str | None = None
-    caller_id: str | None = None  # optional caller-supplied id (the video namespace, "v:u:<id>")
-    fps: float | None = None
-    num_frames: int | None = None
-    sample_frames: bool | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    frames_fps: float | None = None
+class VideoInput(VideoRequest):
+    """One video of an encode request, as a transport read it (protocol/video_request.py: its source, id and
+    options; what the options mean: preprocessing/video.py, VideoOptions)."""
 
 
 @dataclass

@@ -16,6 +16,8 @@ every other module is one op family:
                    CUDA paths, and the per-layout backend table + policy (--attention) over
                    attention_triton.py (our Triton window kernel) and attention_fa4.py (optional FlashAttention-4)
   - pos_embed.py:  Qwen3's learned position embedding, 4 bilinear taps weighted and added
+  - thread_policy.py: the policy in force on a thread (attention's, the MLP kernels'): `use_policy`'s, else
+                   one default
 
 The towers (models/) call these from their own forward. Nothing here imports models/ or runtime/.
 """

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from encoder_service.ops import attention_fa4, attention_triton
 from encoder_service.ops.attention_triton import SHORT_SEGMENT_MAX
 from encoder_service.ops.fast_path import HALF_PRECISION, triton
+from encoder_service.ops.thread_policy import ThreadPolicy
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -433,8 +434,7 @@ def _compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
 
 # ---- the active policy ----------------------------------------------------------------------------
 
-_local = threading.local()
-_default: AttentionPolicy | None = None
+_policy: ThreadPolicy[AttentionPolicy] = ThreadPolicy(AttentionPolicy)
 
 
 class _Labels(threading.local):
@@ -446,24 +446,12 @@ _labels = _Labels()
 
 def active_policy() -> AttentionPolicy:
     """The policy `use_policy` made active on this thread, else the default (auto, created on first use)."""
-    policy = getattr(_local, "policy", None)
-    if policy is not None:
-        return policy
-    global _default
-    if _default is None:
-        _default = AttentionPolicy()
-    return _default
+    return _policy.active()
 
 
-@contextlib.contextmanager
-def use_policy(policy: AttentionPolicy):
+def use_policy(policy: AttentionPolicy) -> contextlib.AbstractContextManager[AttentionPolicy]:
     """Run the towers' attention under `policy` on this thread (a runner around its forward and capture)."""
-    previous = getattr(_local, "policy", None)
-    _local.policy = policy
-    try:
-        yield policy
-    finally:
-        _local.policy = previous
+    return _policy.use(policy)
 
 
 @contextlib.contextmanager

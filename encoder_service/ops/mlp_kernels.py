@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from encoder_service.ops import quack_gemm, swiglu_gemm_triton
 from encoder_service.ops.fast_path import HALF_PRECISION, tl, triton
+from encoder_service.ops.thread_policy import ThreadPolicy
 
 log = logging.getLogger(__name__)
 
@@ -300,31 +301,18 @@ def _compare(out: torch.Tensor, ref: torch.Tensor) -> str:
 
 # ---- the active policy ------------------------------------------------------------------------------
 
-_local = threading.local()
-_default: MlpKernelPolicy | None = None
+_policy: ThreadPolicy[MlpKernelPolicy] = ThreadPolicy(MlpKernelPolicy)
 
 
 def active_policy() -> MlpKernelPolicy:
     """The policy `use_policy` made active on this thread, else the default (auto, created on first use)."""
-    policy = getattr(_local, "policy", None)
-    if policy is not None:
-        return policy
-    global _default
-    if _default is None:
-        _default = MlpKernelPolicy()
-    return _default
+    return _policy.active()
 
 
-@contextlib.contextmanager
-def use_policy(policy: MlpKernelPolicy):
+def use_policy(policy: MlpKernelPolicy) -> contextlib.AbstractContextManager[MlpKernelPolicy]:
     """Run the towers' MLPs under `policy` on this thread (around a forward or a graph capture: the captured
     graph keeps the kernels it recorded)."""
-    previous = getattr(_local, "policy", None)
-    _local.policy = policy
-    try:
-        yield policy
-    finally:
-        _local.policy = previous
+    return _policy.use(policy)
 
 
 def run(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

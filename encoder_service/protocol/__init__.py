@@ -3,6 +3,8 @@ server's but `ranges` and `errors`):
 
   wire.py           the fetch payload: header + raw little-endian rows (HTTP octet-stream, safetensors, gRPC)
   image_info.py     what encode answers per image, to and from its HTTP JSON
+  video_info.py     what encode answers per video, to and from its HTTP JSON; its frame groups' fetch items
+  video_request.py  what a request asks of one video: source, caller id, options (one table for every transport)
   grpc_messages.py  encoder.v1 messages <-> wire headers and encode answers; gRPC trailing-metadata keys
   errors.py         the error-kind table: kind -> HTTP status, gRPC code, the exception a client raises
   proto/            the stubs generated from proto/encoder.proto (scripts/gen_proto.sh)

@@ -11,7 +11,6 @@ answers only the wire header. Where the rows go (`row_bytes` = row_width x dtype
 from __future__ import annotations
 
 import re
-import secrets
 from dataclasses import dataclass
 
 from encoder_service.ranges import Segment
@@ -26,11 +25,6 @@ class ShmTarget:
     name: str  # encoder-fetch-<32 hex>, a file directly in the server's shm dir
     offset: int  # byte offset of the first row (packed) or of row `start` (by_position)
     by_position: bool = False
-
-
-def new_name() -> str:
-    """A fresh file name for a client's file (128 random bits)."""
-    return PREFIX + secrets.token_hex(16)
 
 
 def placements(segments: list[Segment], start: int, row_bytes: int, by_position: bool) -> list[tuple[int, int]]:

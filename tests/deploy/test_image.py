@@ -38,6 +38,7 @@ from tests.deploy import dockerfile
 from tests.deploy.chart import ROOT, encoder_container, encoder_deployment, env_of, render
 from tests.support.images import image_bytes
 from tests.support.ports import free_port
+from tests.support.waits import wait_for
 from tests.support.reference import assert_close, reference_rows
 
 IMAGE = os.environ.get("ENCODER_IMAGE", "")
@@ -112,16 +113,14 @@ class Running:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the container exited {self.proc.returncode}:\n{self.log_tail()}"
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"not ready in {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+        wait_for(self._ready, lambda: f"the container to be ready:\n{self.log_tail()}", READY_TIMEOUT_S, poll_s=0.3)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, f"the container exited {self.proc.returncode}:\n{self.log_tail()}"
+        try:
+            return httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def service_pid(self) -> int:
         """The service's process: the deepest process under `buildah run` (buildah-chroot-runtime, then

@@ -25,6 +25,7 @@ from encoder_service.api import grpc_server
 from encoder_service.client import AsyncEncoderClient, EncoderClient
 from tests.support.images import image_bytes, png_with_text
 from tests.support.service import RunningService, running
+from tests.support.waits import async_wait_for, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,13 +33,6 @@ MAX_QUEUE = 32
 PER_ROUND = 25  # more than half the queue: a round's leftovers would make the next round's requests 429
 ROUNDS = 40  # 1,000 disconnects
 WAIT_S = 30.0
-
-
-def eventually(predicate, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not reached in time"
-        time.sleep(0.01)
 
 
 def held_gpu(svc: RunningService) -> threading.Event:
@@ -77,16 +71,14 @@ def test_1000_http_disconnects_give_back_their_queue_slots(request, tiny_checkpo
                                                  headers={"content-type": "image/png"}))
                  for n in range(k * PER_ROUND, (k + 1) * PER_ROUND)]
         # Every request is admitted and waits (some images may sit with the held GPU stage, off the queue).
-        deadline = time.monotonic() + WAIT_S
-        while len(svc.core.flights) < PER_ROUND and not any(c.done() for c in calls):
-            assert time.monotonic() < deadline, "the round's requests were not all admitted in time"
-            await asyncio.sleep(0.01)
+        await async_wait_for(lambda: len(svc.core.flights) >= PER_ROUND or any(c.done() for c in calls),
+                             "the round's requests to be admitted", WAIT_S)
         for call in calls:  # the clients leave: their connections close
             call.cancel()
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, httpx.Response):
                 statuses[result.status_code] = statuses.get(result.status_code, 0) + 1
-        await asyncio.to_thread(eventually, lambda: leftovers(svc) == empty, f"round {k}'s work given back")
+        await asyncio.to_thread(wait_for, lambda: leftovers(svc) == empty, f"round {k}'s work given back", WAIT_S)
 
     async def rounds() -> None:
         limits = httpx.Limits(max_connections=PER_ROUND, max_keepalive_connections=0)
@@ -121,15 +113,15 @@ def test_cancelled_grpc_encodes_give_back_their_queue_slots(request, tiny_checkp
             for k in range(4):
                 calls = [asyncio.create_task(client.encode([png_with_text(base, n)], wait=True))
                          for n in range(k * PER_ROUND, (k + 1) * PER_ROUND)]
-                deadline = time.monotonic() + WAIT_S
-                while len(svc.core.flights) < PER_ROUND:
-                    assert time.monotonic() < deadline and not any(c.done() for c in calls)
-                    await asyncio.sleep(0.01)
+                await async_wait_for(lambda: len(svc.core.flights) >= PER_ROUND or any(c.done() for c in calls),
+                                     "the round's requests to be admitted", WAIT_S)
+                assert not any(c.done() for c in calls)  # each waits (the GPU stage is held)
                 for call in calls:
                     call.cancel()
                 await asyncio.gather(*calls, return_exceptions=True)
                 empty = {"queued": 0, "permits": 0, "flights": 0, "pinned": 0}
-                await asyncio.to_thread(eventually, lambda: leftovers(svc) == empty, f"round {k}'s work given back")
+                await asyncio.to_thread(wait_for, lambda: leftovers(svc) == empty, f"round {k}'s work given back",
+                                        WAIT_S)
 
     try:
         asyncio.run(rounds())
@@ -169,7 +161,8 @@ def test_grpc_fetches_cancelled_by_their_clients_are_cancelled_not_internal(serv
                 await asyncio.gather(*(one(k) for k in range(50)))
 
     asyncio.run(cancelled_fetches())
-    eventually(lambda: service.sample("encoder_in_flight_requests") == 0, "the server's side of the cancellations")
+    wait_for(lambda: service.sample("encoder_in_flight_requests") == 0, "the server's side of the cancellations",
+             WAIT_S)
     assert outcome("internal") == internal
     errors_logged = [r for r in caplog.records if r.name == "encoder_service.api.grpc_server" and
                      r.levelno >= logging.ERROR]

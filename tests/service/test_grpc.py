@@ -27,6 +27,7 @@ from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from tests.support.images import image_bytes, truncated_jpeg
+from tests.support.waits import async_wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,10 +92,7 @@ async def test_client_disconnect_mid_stream_leaves_the_server_serving(service, m
             assert (await call.read()).WhichOneof("part") == "header"
             await channel.close()
         # The server ends each handler as cancelled (bounded wait: it learns of the disconnect asynchronously)
-        for _ in range(200):
-            if cancelled_fetches() - before >= 4:
-                break
-            await asyncio.sleep(0.05)
+        await async_wait_for(lambda: cancelled_fetches() - before >= 4, "the 4 fetches cancelled", 10, poll_s=0.05)
         assert cancelled_fetches() - before == 4
         # ... early, not after sending everything: flow control keeps it near the reader. (A stream whose
         # client left right after the header may be cancelled before it starts on the rows: 2 to 4 entries.)
@@ -190,17 +188,13 @@ async def test_clients_leaving_mid_call_are_cancelled_not_errors(service, monkey
                                                 end=info.num_tokens), timeout=30)]
             core = service.core
             flight = core.flights.get(key_from_id(info.id, core.model_fp, core.settings.cache.hash).name)
-            for _ in range(200):  # both wait on the image's flight: two more waiters than the first encode
-                if flight.waiters == 3:
-                    break
-                await asyncio.sleep(0.05)
+            # Both wait on the image's flight: two more waiters than the first encode.
+            await async_wait_for(lambda: flight.waiters >= 3, "both calls to join the flight", 10, poll_s=0.05)
             assert flight.waiters == 3
             for call in calls:
                 call.cancel()
-            for _ in range(200):
-                if cancelled() == (before[0] + 1, before[1] + 1):
-                    break
-                await asyncio.sleep(0.05)
+            await async_wait_for(lambda: cancelled() == (before[0] + 1, before[1] + 1), "both calls cancelled", 10,
+                                 poll_s=0.05)
     finally:
         decoding.set()
     assert cancelled() == (before[0] + 1, before[1] + 1)

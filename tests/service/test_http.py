@@ -24,6 +24,7 @@ from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from tests.support.images import image_bytes, png_header_only, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
+from tests.support.waits import wait_for
 
 
 TIMEOUT = httpx.Timeout(30.0)
@@ -543,10 +544,8 @@ def test_a_client_gone_mid_upload_is_cancelled_not_an_error(service, caplog):
             s.sendall(f"POST /v1/encode HTTP/1.1\r\nHost: t\r\nContent-Type: {ctype}\r\n"
                       "Content-Length: 100000\r\n\r\n".encode() + b"--xyz\r\n" + b"a" * 1000)
             time.sleep(0.2)  # the server reads the body; then the client goes away with 98% of it unsent
-    for _ in range(200):  # the server learns of it asynchronously
-        if cancelled() - before >= 3:
-            break
-        time.sleep(0.05)
+    # The server learns of it asynchronously.
+    wait_for(lambda: cancelled() - before >= 3, "the 3 uploads cancelled", 10, poll_s=0.05)
     assert cancelled() - before == 3
     assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r for r in caplog.records if r.name == "encoder_service.api.http" and "disconnected" in r.getMessage()]

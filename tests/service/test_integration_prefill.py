@@ -30,6 +30,7 @@ from encoder_service.integrations import (
     mrope_position_ids,
 )
 from encoder_service.testing.tiny import build_tiny_checkpoint
+from tests.support.reference import rel_err
 from tests.support.service import RunningService, make_settings
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -75,10 +76,6 @@ def _prompt_parts(infos, vocab_low: int, seed: int) -> list:
     for i, info in enumerate(infos):
         parts += [info, _text(1 + (5 * i) % 9, vocab_low, g)]
     return parts + [_text(4, vocab_low, g)]
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,7 +172,7 @@ def test_chunked_prefill_matches_transformers(setup, transport, prompt_name):
             setup.service.fetch_log.clear()
             result = chunked_prefill(setup.model, prompt, counted_fetch, chunk_size)
 
-            err = _rel_err(result.logits, reference)
+            err = rel_err(result.logits, reference)
             print(f"{setup.family} {transport} {prompt_name} seq_len={prompt.seq_len} chunk={chunk_size}: "
                   f"rel err {err:.2e}")
             assert result.logits.shape == reference.shape
@@ -207,12 +204,12 @@ def test_detects_wrong_integration(setup, monkeypatch):
             fetched = client.fetch(items, start, end)
             return dataclasses.replace(fetched, rows=torch.roll(fetched.rows, 1, 0))
 
-        errors = {"shifted rows": _rel_err(chunked_prefill(setup.model, prompt, shifted_fetch, chunk_size).logits,
+        errors = {"shifted rows": rel_err(chunked_prefill(setup.model, prompt, shifted_fetch, chunk_size).logits,
                                            reference)}
         with monkeypatch.context() as m:  # text-style positions 0..seq_len-1 on all three axes
             m.setattr(prefill_module, "mrope_position_ids",
                       lambda p, merge, **_: (torch.arange(p.seq_len).expand(3, -1).clone(), 0))
-            errors["1-D positions"] = _rel_err(chunked_prefill(setup.model, prompt, client.fetch, chunk_size).logits,
+            errors["1-D positions"] = rel_err(chunked_prefill(setup.model, prompt, client.fetch, chunk_size).logits,
                                                reference)
         if setup.family == "qwen3_vl":
             def main_only(items, start, end):
@@ -221,7 +218,7 @@ def test_detects_wrong_integration(setup, monkeypatch):
                 rows[:, setup.model.config.text_config.hidden_size:] = 0  # keep [main], zero [ds_1..ds_3]
                 return dataclasses.replace(fetched, rows=rows)
 
-            errors["no deepstack"] = _rel_err(chunked_prefill(setup.model, prompt, main_only, chunk_size).logits,
+            errors["no deepstack"] = rel_err(chunked_prefill(setup.model, prompt, main_only, chunk_size).logits,
                                               reference)
     print(setup.family, errors)
     assert all(e > 20 * REL_TOL for e in errors.values()), errors
@@ -243,7 +240,7 @@ def test_decode_after_prefill_matches_transformers(setup):
         reference = setup.model(input_ids=full_ids, pixel_values=pixels["pixel_values"],
                                 image_grid_thw=pixels["image_grid_thw"],
                                 mm_token_type_ids=(full_ids == setup.token_ids.image_token_id).int()).logits[0]
-    err = _rel_err(torch.cat([result.logits, ours]), reference[-3:])
+    err = rel_err(torch.cat([result.logits, ours]), reference[-3:])
     print(f"{setup.family} decode after prefill: rel err {err:.2e}")
     assert err <= REL_TOL, err
 

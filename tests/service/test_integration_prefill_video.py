@@ -28,6 +28,7 @@ from encoder_service.preprocessing import (
 )  # fmt: skip
 from encoder_service.testing.tiny import build_tiny_checkpoint
 from tests.support.images import image_bytes
+from tests.support.reference import rel_err
 from tests.support.service import RunningService, make_settings
 from tests.support.video_cases import make_clip
 
@@ -101,10 +102,6 @@ def _prompt(setup, image, video):
                         timestamp_tokens=timestamp_tokens)
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_chunked_prefill_of_a_video_matches_transformers(setup, transport):
     with setup.client(transport) as client:
@@ -130,7 +127,7 @@ def test_chunked_prefill_of_a_video_matches_transformers(setup, transport):
                 return client.fetch(items, start, end)
 
             result = chunked_prefill(setup.model, prompt, fetch, chunk_size)
-            err = _rel_err(result.logits, reference)
+            err = rel_err(result.logits, reference)
             print(f"{setup.family} {transport} chunk {chunk_size}: seq_len {prompt.seq_len}, rel err {err:.2e}")
             assert result.logits.shape == reference.shape and err <= REL_TOL, err
             # Each chunk asked for the groups (and the image) it overlaps, no more; every row came once.
@@ -164,17 +161,17 @@ def test_wrong_video_layouts_are_caught(setup):
                 cursor += seg.num_rows
             return dataclasses.replace(fetched, rows=rows)
 
-        errors["groups swapped"] = _rel_err(chunked_prefill(setup.model, prompt, swapped, 9).logits, reference)
+        errors["groups swapped"] = rel_err(chunked_prefill(setup.model, prompt, swapped, 9).logits, reference)
         if setup.family == "qwen2_5_vl":
             flat = dataclasses.replace(prompt, slots=tuple(
                 dataclasses.replace(s, second_per_grid_t=0.1) if s.id == video.id else s for s in prompt.slots))
-            errors["time steps of 0.1 s"] = _rel_err(chunked_prefill(setup.model, flat, client.fetch, 9).logits,
+            errors["time steps of 0.1 s"] = rel_err(chunked_prefill(setup.model, flat, client.fetch, 9).logits,
                                                    reference)
         else:
             no_text = build_prompt([[5, 6, 7], image, [8, 9], video, [10, 11, 12, 13]], setup.token_ids,
                                    timestamp_tokens=lambda text: [])
             logits = chunked_prefill(setup.model, no_text, client.fetch, 9).logits
-            errors["no timestamps"] = _rel_err(logits[-4:], reference[-4:])
+            errors["no timestamps"] = rel_err(logits[-4:], reference[-4:])
     print(setup.family, errors)
     assert all(e > 20 * REL_TOL for e in errors.values()), errors
 

@@ -24,7 +24,6 @@ import collections
 import contextlib
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +40,8 @@ from tests.support.encoder_process import Replica
 from tests.support.images import image_bytes, png_with_text
 from tests.support.redis_server import RedisServer
 from tests.support.reference import assert_close, reference_rows
-from tests.support.service import RunningService, running
+from tests.support.service import RunningService, held_decode, running
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,6 +52,7 @@ PROBE_INTERVAL_S = RedisTier.__init__.__kwdefaults__["probe_max_s"]  # the servi
 FETCH_TIMEOUT_S = 15.0  # each call's deadline: the clients retry inside it
 KILL_BOUND_S = 10.0
 WAIT_S = 30.0
+PENDING_WAITS = "encoder_cache_redis_pending_waits_total"  # B's fetches asleep on a marker of A's
 
 
 class Load:
@@ -199,17 +200,16 @@ def test_a_replica_killed_mid_encode_leaves_no_fetch_hanging(tmp_path, tiny_chec
         try:
             landed, marker = entry_state(redis_server.url, fingerprint, info.id)
             assert not landed and is_pending(marker), "A finished before it was stopped: give it a longer backlog"
-            waits = b.metrics(("encoder_cache_redis_pending_waits_total",)).get(
-                "encoder_cache_redis_pending_waits_total", 0)
+            def pending_waits() -> float:
+                return b.metrics((PENDING_WAITS,)).get(PENDING_WAITS, 0)
+
+            waits = pending_waits()
             # Waiting on B before the kill: HTTP without timeout_s, gRPC without a deadline.
             http_b, grpc_b = EncoderClient.http(b.url, timeout=None), EncoderClient.grpc(b.grpc_address, timeout=None)
             waiting = [pool.submit(c.fetch, [(info.id, 0)], 0, info.num_tokens) for c in (http_b, grpc_b)]
-            deadline = time.monotonic() + WAIT_S
-            while b.metrics(("encoder_cache_redis_pending_waits_total",)).get(
-                    "encoder_cache_redis_pending_waits_total", 0) < waits + 2:
-                assert time.monotonic() < deadline and not any(f.done() for f in waiting), \
-                    [f.result() for f in waiting if f.done()]
-                time.sleep(0.05)
+            wait_for(lambda: any(f.done() for f in waiting) or pending_waits() >= waits + 2, "B's two fetches to wait",
+                     WAIT_S, poll_s=0.05)
+            assert not any(f.done() for f in waiting), [f.result() for f in waiting if f.done()]
         finally:
             os.kill(a.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -226,24 +226,6 @@ def test_a_replica_killed_mid_encode_leaves_no_fetch_hanging(tmp_path, tiny_chec
 
 
 # ---- Redis paused while a replica encodes ----------------------------------------------------------------
-@contextlib.contextmanager
-def held_decode(svc: RunningService):
-    """The replica's engine holds every image at its decode step until the yielded gate is set."""
-    gate = threading.Event()
-    backend = svc.core.images.backend
-
-    def preprocess(*args, _preprocess=backend.preprocess):
-        assert gate.wait(WAIT_S), "the test never opened the gate"
-        return _preprocess(*args)
-
-    backend.preprocess = preprocess
-    try:
-        yield gate
-    finally:
-        gate.set()
-        del backend.preprocess
-
-
 def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_checkpoint, redis_server):
     """Before: A's rows, finished while Redis stalled, were dropped, and B's fetch hung for the whole lease
     (299 s). Now they wait in A's backlog, and B's fetches (the project's client, which retries the 503s of
@@ -252,15 +234,12 @@ def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_c
     a = running(request, checkpoint, "--redis-url", redis_server.url)
     b = running(request, checkpoint, "--redis-url", redis_server.url)
     data = image_bytes(96, 64, seed=4242)
-    with held_decode(a) as gate, EncoderClient.http(a.url, timeout=WAIT_S) as on_a, \
+    with held_decode(a, WAIT_S) as gate, EncoderClient.http(a.url, timeout=WAIT_S) as on_a, \
             EncoderClient.grpc(b.grpc_address, timeout=WAIT_S) as on_b, ThreadPoolExecutor(2) as pool:
         (info,) = on_a.encode([data])
-        waits = b.sample("encoder_cache_redis_pending_waits_total")
+        waits = b.sample(PENDING_WAITS)
         waiting = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
-        deadline = time.monotonic() + WAIT_S
-        while b.sample("encoder_cache_redis_pending_waits_total") == waits:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: b.sample(PENDING_WAITS) != waits, "B's fetch to wait", WAIT_S, poll_s=0.02)
         redis_server.pause()
         try:
             gate.set()  # A's encode finishes while Redis does not answer

@@ -20,8 +20,6 @@ A's engine is held at its decode step (`held_decode`) so that "still running" is
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +34,8 @@ from encoder_service.client import AsyncEncoderClient
 from tests.support.clients import sync_client
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.redis_server import RedisServer
-from tests.support.service import RunningService, running
+from tests.support.service import RunningService, held_decode, running
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,33 +57,6 @@ def replicas(request, tiny_checkpoint, shared_redis) -> tuple[RunningService, Ru
             running(request, checkpoint, "--redis-url", shared_redis.url))
 
 
-@contextlib.contextmanager
-def held_decode(svc: RunningService):
-    """The replica's engine holds every image at its decode step (a CPU thread) until the yielded gate is
-    set: its encodes are still running, for as long as the test needs."""
-    gate = threading.Event()
-    backend = svc.core.images.backend  # what the engine's prepare stage decodes with
-
-    def preprocess(*args, _preprocess=backend.preprocess):
-        assert gate.wait(WAIT_S), "the test never opened the gate"
-        return _preprocess(*args)
-
-    backend.preprocess = preprocess
-    try:
-        yield gate
-    finally:
-        gate.set()
-        del backend.preprocess  # the class's method again
-
-
-def eventually(predicate, timeout_s: float = WAIT_S) -> None:
-    """Bounded wait for a state another thread changes (the service's loop)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def in_redis(url: str, svc: RunningService, id_: str) -> bool:
     name = key_from_id(id_, svc.core.model_fp, svc.core.settings.cache.hash).name
     with redis.Redis.from_url(url) as direct:
@@ -96,14 +68,14 @@ def test_a_fetch_on_b_waits_for_the_encode_still_running_on_a(replicas, shared_r
     a, b = replicas
     data = image_bytes(112, 84, seed=1 if transport == "http" else 2)
     misses = b.sample("encoder_cache_misses_total")
-    with held_decode(a) as gate, sync_client(a, transport) as on_a, sync_client(b, transport) as on_b, \
+    with held_decode(a, WAIT_S) as gate, sync_client(a, transport) as on_a, sync_client(b, transport) as on_b, \
             ThreadPoolExecutor(1) as pool:
         (info,) = on_a.encode([data])  # answered at once; A's engine holds the image
         waits = b.sample(PENDING_WAITS)
         fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
-        eventually(lambda: b.sample(PENDING_WAITS) > waits)  # B's fetch sleeps on its subscription...
+        wait_for(lambda: b.sample(PENDING_WAITS) > waits, "B's fetch to sleep on its subscription", WAIT_S)
         name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
-        assert name in a.core.flights and not in_redis(shared_redis.url, a, info.id)  # ...A's encode runs on
+        assert name in a.core.flights and not in_redis(shared_redis.url, a, info.id)  # while A's encode runs on
         assert not fetching.done()
         gate.set()
         from_b = fetching.result(WAIT_S).rows
@@ -115,7 +87,7 @@ def test_a_fetch_on_b_waits_for_the_encode_still_running_on_a(replicas, shared_r
 
 def test_timeout_zero_on_b_answers_at_once_while_a_encodes(replicas):
     a, b = replicas
-    with held_decode(a) as gate, httpx.Client(base_url=a.url, timeout=WAIT_S) as on_a, \
+    with held_decode(a, WAIT_S) as gate, httpx.Client(base_url=a.url, timeout=WAIT_S) as on_a, \
             httpx.Client(base_url=b.url, timeout=WAIT_S) as on_b:
         r = on_a.post("/v1/encode", content=image_bytes(64, 64, seed=7), headers={"content-type": "image/png"})
         info = r.json()["images"][0]
@@ -133,12 +105,12 @@ def test_timeout_zero_on_b_answers_at_once_while_a_encodes(replicas):
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 def test_a_failed_encode_on_a_is_its_error_on_b_not_404(replicas, transport):
     a, b = replicas
-    with held_decode(a) as gate, sync_client(a, transport) as on_a, sync_client(b, transport) as on_b, \
+    with held_decode(a, WAIT_S) as gate, sync_client(a, transport) as on_a, sync_client(b, transport) as on_b, \
             ThreadPoolExecutor(1) as pool:
         (info,) = on_a.encode([truncated_jpeg(seed=3 if transport == "http" else 4)])  # the header reads fine
         waits = b.sample(PENDING_WAITS)
         fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
-        eventually(lambda: b.sample(PENDING_WAITS) > waits)
+        wait_for(lambda: b.sample(PENDING_WAITS) > waits, "B's fetch to wait", WAIT_S)
         gate.set()  # A decodes now, and fails
         with pytest.raises(errors.InvalidInput) as failed:
             fetching.result(WAIT_S)

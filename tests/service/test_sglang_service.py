@@ -22,6 +22,7 @@ from encoder_service.core import ImageInput
 from tests.support.images import image_bytes
 from tests.support.service import running
 from tests.support.sglang_header import walk
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,6 +108,16 @@ def check_push(svc, frames, req_id, images, *, num_parts=1, part_idx=0):
     assert torch.equal(got, rows)  # bit for bit
 
 
+def encode_open(svc, req_id: str) -> bool:
+    """Whether the part's /encode has arrived (read on the service's loop: the part table is confined to it)."""
+
+    async def read() -> bool:
+        part = svc.service._sglang_protocol.sessions.get(req_id)
+        return part is not None and part.encoding
+
+    return svc.call(read)
+
+
 def post_encode_in_thread(svc, body):
     out = {}
 
@@ -149,8 +160,10 @@ def test_scheduler_transport_registration_after_encode(sglang_service, pull):
     before = images_encoded(svc)
     rid = f"{uuid.uuid4().hex}_local_part_1"
     t, out = post_encode_in_thread(svc, encode_body(rid, [base64.b64encode(a).decode()], num_parts=2, part_idx=1))
-    time.sleep(0.3)
-    assert t.is_alive() and pull.empty(0.1)  # waiting for the registration
+    wait_for(lambda: encode_open(svc, rid), "the /encode to arrive")
+    # Waiting for the registration: no event marks it. 0.3 s lets a push sent without one arrive (the image is
+    # cached: its rows are ready at once); a slower machine can only hide such a push, never fail this.
+    assert t.is_alive() and pull.empty(0.3)
     assert register(svc, rid, pull.address).status_code == 200
     check_push(svc, pull.recv(), rid, [a], num_parts=2, part_idx=1)
     t.join(30)
@@ -165,8 +178,10 @@ def test_every_tp_rank_gets_a_copy(sglang_service):
         rid = f"{uuid.uuid4().hex}_local_part_0"
         t, out = post_encode_in_thread(svc, encode_body(rid, [data_uri(a)]))
         register(svc, rid, ranks[0].address, count=2)
-        time.sleep(0.2)
-        assert ranks[0].empty(0.1)  # 1 of 2 ranks: nothing yet
+        wait_for(lambda: encode_open(svc, rid), "the /encode to arrive")
+        # 1 of 2 ranks: nothing yet. No event marks the wait for the second: 0.3 s lets a push sent to the
+        # first alone arrive (a slower machine can only hide one, never fail this).
+        assert ranks[0].empty(0.3)
         register(svc, rid, ranks[1].address, count=2)
         first, second = ranks[0].recv(), ranks[1].recv()
         assert first == second
@@ -236,7 +251,7 @@ def test_a_reused_req_id_is_409_and_does_not_disturb_the_first(sglang_service, p
     a, b = image_bytes(48, 48, seed=108), image_bytes(64, 48, seed=109)
     rid = f"{uuid.uuid4().hex}_local_part_0"
     t, out = post_encode_in_thread(svc, encode_body(rid, [data_uri(a)]))
-    time.sleep(0.3)  # the first one waits for its rank
+    wait_for(lambda: encode_open(svc, rid), "the first /encode to arrive")  # it waits for its rank
     for images in ([b], [a]):
         r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_uri(d) for d in images]), timeout=60)
         assert r.status_code == 409 and f"req_id {rid!r} is already being encoded" in r.json()["message"], r.text
@@ -313,10 +328,7 @@ def test_a_client_gone_mid_upload_is_cancelled_not_an_error(sglang_service, capl
         s.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100000\r\n\r\n" + b"{" * 1000)
         time.sleep(0.2)  # the server reads the body; then the client goes away with 99% of it unsent
-    for _ in range(200):  # the server learns of it asynchronously
-        if cancelled() > before:
-            break
-        time.sleep(0.05)
+    wait_for(lambda: cancelled() > before, "the upload cancelled", 10, poll_s=0.05)  # the server learns of it later
     assert cancelled() - before == 1
     assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
 

@@ -30,6 +30,7 @@ from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes as png
 
 from tests.support.clients import async_client, sync_client
+from tests.support.waits import async_wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -290,11 +291,9 @@ async def test_writer_never_unmaps_under_a_copy(tmp_path):
         task = asyncio.ensure_future(writer.write(m, 0, [(0, rows)]))
         await asyncio.sleep(0)
         task.cancel()
-        for _ in range(500):  # bounded: the copy (if it started) takes well under a second
-            if m.mm.closed:
-                break
-            await asyncio.sleep(0.01)
-        assert m.mm.closed and m.users == 0
+        # The copy (if it started) takes well under a second.
+        await async_wait_for(lambda: m.mm.closed, "the evicted mapping closed", 5)
+        assert m.users == 0
         again = writer.check(ShmTarget(files[0].name, 0), 1 << 20)  # mapped afresh
         assert await writer.write(again, 0, [(0, rows)]) == 1 << 20
         assert torch.equal(files[0].data.view(torch.float32).view(-1, 64), rows)

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.support.ports import free_port
+from tests.support.waits import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,19 +63,20 @@ class ServiceProcess:
 
     def wait_ready(self, timeout_s: float = 240.0):
         """Returns self once `ready_url` answers 200 (polled: a child starting has nothing to subscribe to)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.ready_url, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.name}: {self.ready_url} not ready in {timeout_s:g} s:\n{self.log_tail()}")
+        try:
+            wait_for(self._ready, f"{self.name}: {self.ready_url} to answer 200", timeout_s, poll_s=0.2)
+        except (RuntimeError, AssertionError) as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.log_tail()}") from None
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited {self.proc.returncode}")
+        try:
+            return httpx.get(self.ready_url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc.poll() is None:

@@ -11,10 +11,10 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from tests.support.ports import free_port
+from tests.support.waits import wait_for
 
 
 def find_redis_server() -> str:
@@ -57,19 +57,22 @@ class RedisServer:
             "--maxmemory-policy", self.policy, "--protected-mode", "yes", "--loglevel", "warning",
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:  # bounded wait for the port to accept
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+        try:
+            wait_for(self._answers, f"redis-server to answer on port {self.port}", timeout_s, poll_s=0.02)
+        except AssertionError as exc:
+            self.stop()
+            raise RuntimeError(str(exc)) from None
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -35,6 +35,11 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4)
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of `a` from the reference `b`, over b's largest magnitude (logits: one scale)."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
 def reference_video_rows(checkpoint: Path, video, options=None) -> torch.Tensor:
     """[num_tokens, row_width] float32: the tower of `checkpoint` on the whole video (a file's bytes, or its
     frames) in one call, grid (t, h, w), its frame groups preprocessed as the service does (torch ops on the

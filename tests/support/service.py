@@ -6,13 +6,15 @@ The fixtures that start them are in tests/service/conftest.py. A `RunningService
 (http://127.0.0.1:port), `.grpc_address` (127.0.0.1:port), `.sglang_url` (with --sglang-protocol: SGLang's
 encoder protocol, api/sglang/), `.core` (the EncoderCore), `.checkpoint`, `.settings`, `.call(coro_fn)` to run
 a coroutine on the service's loop (the core's asyncio objects belong to that loop), and `.sample(name, labels)`
-to read a metric there.
+to read a metric there. `held_decode(svc)` holds its images at their decode step while a test needs them
+still encoding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from pathlib import Path
 
@@ -92,3 +94,23 @@ def running(request, checkpoint: Path, *extra: str) -> RunningService:
     svc = RunningService(make_settings(checkpoint, *extra), checkpoint)
     request.addfinalizer(svc.close)
     return svc
+
+
+@contextlib.contextmanager
+def held_decode(svc: RunningService, timeout_s: float = 60.0):
+    """The service's engine holds every image at its decode step (a CPU thread) until the yielded gate is set
+    (at the latest on leaving): its encodes are still running, for as long as the test needs (`timeout_s` at
+    most: then the decode fails the test)."""
+    gate = threading.Event()
+    backend = svc.core.images.backend  # what the engine's prepare stage decodes with
+
+    def preprocess(*args, _preprocess=backend.preprocess):
+        assert gate.wait(timeout_s), "the test never opened the gate"
+        return _preprocess(*args)
+
+    backend.preprocess = preprocess
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del backend.preprocess  # the class's method again

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from encoder_service.cache import EmbeddingStore, Entry
@@ -15,6 +13,7 @@ FAST = dict(socket_timeout_s=0.3, connect_timeout_s=0.3, probe_min_s=0.05, probe
 # The default timeouts, for tests that load the machine (hundreds of concurrent operations, dozens of new
 # connections at once): on two shared cores the loop's lag alone can pass 0.3 s, which would read as "down".
 LOADED = dict(socket_timeout_s=2.0, connect_timeout_s=1.0)
+STATE_WAIT_S = 5.0  # bound on a background state change (the tier's probe, a subscription): FAST makes them quick
 
 
 def make_entry(seed: int, num_rows=300, row_width=256, layout="main", dtype=torch.bfloat16) -> Entry:
@@ -26,12 +25,3 @@ async def open_store(url: str, local_bytes: int = 64 * MIB, **redis_options) -> 
     store = EmbeddingStore(local_bytes, redis_url=url, redis_ttl_s=600, redis_options={**FAST, **redis_options})
     await store.start()
     return store
-
-
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    """Bounded wait for a background state change (the tier's probe)."""
-    for _ in range(int(timeout_s / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")

@@ -15,7 +15,8 @@ import torch
 from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
 from encoder_service.cache.handoff import marker_name
 from encoder_service.errors import ImageDecodeError, Unavailable
-from tests.support.stores import LOADED, make_entry, open_store, wait_until
+from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
+from tests.support.waits import async_wait_for
 
 LONG_S = 30.0  # a fetch's timeout far longer than any wake-up below
 
@@ -47,7 +48,7 @@ async def accepted_and_awaited(a: EmbeddingStore, b: EmbeddingStore, key: str) -
     waits = b.stats()["redis_pending_waits"]
     assert await a.mark_pending([key])
     waiting = asyncio.create_task(b.wait_for(key, LONG_S))
-    await wait_until(lambda: b.stats()["redis_pending_waits"] > waits)
+    await async_wait_for(lambda: b.stats()["redis_pending_waits"] > waits, "B's wait to subscribe", STATE_WAIT_S)
     return waiting
 
 
@@ -64,7 +65,9 @@ async def test_a_fetch_elsewhere_is_woken_when_the_rows_land(redis_server):
         entry, gate = make_entry(1), asyncio.Event()
         waiting = await accepted_and_awaited(a, b, "k")
         encode = asyncio.create_task(encoded(a, "k", entry, gate))
-        await asyncio.sleep(0.5)  # B waits while A encodes
+        # B waits while A encodes (the gate holds A's rows: nothing can land). B is subscribed already
+        # (accepted_and_awaited saw its wait): 0.5 s lets a B that answers without the message show it.
+        await asyncio.sleep(0.5)
         assert not waiting.done()
         gate.set()
         landed = time.monotonic()
@@ -150,7 +153,7 @@ async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
             with redis.Redis.from_url(redis_server.url) as direct:
                 return sum(int(c["sub"]) for c in direct.client_list())
 
-        await wait_until(lambda: subscriptions() == 0)  # the UNSUBSCRIBEs reached Redis
+        await async_wait_for(lambda: subscriptions() == 0, "the UNSUBSCRIBEs to reach Redis", STATE_WAIT_S)
         assert await b.wait_for("never", LONG_S) is Settled.NOT_PENDING  # and the connection still works
         waiting = await accepted_and_awaited(a, b, "k0")
         a.put("k0", make_entry(7))
@@ -209,12 +212,12 @@ async def test_an_owner_that_gives_up_releases_the_image_to_a_waiter(redis_serve
     async with replicas(redis_server.url) as (a, b):
         assert await a.mark_pending(["k", "j"], inputs={"k": b"k bytes", "j": b"j bytes"})
         waiting = asyncio.create_task(b.wait_for("k", LONG_S))
-        await wait_until(lambda: b.stats()["redis_pending_waits"] == 1)
+        await async_wait_for(lambda: b.stats()["redis_pending_waits"] == 1, "B's first wait", STATE_WAIT_S)
         a.failed("k", Unavailable("the service is shutting down"))
         assert await asyncio.wait_for(waiting, 1.0) is Settled.ORPHANED
         assert await b.input("k") == b"k bytes"
         waiting = asyncio.create_task(b.wait_for("j", LONG_S))
-        await wait_until(lambda: b.stats()["redis_pending_waits"] == 2)
+        await async_wait_for(lambda: b.stats()["redis_pending_waits"] == 2, "B's second wait", STATE_WAIT_S)
         await a.close()  # "j" still claimed: released
         assert await asyncio.wait_for(waiting, 1.0) is Settled.ORPHANED
 
@@ -232,15 +235,19 @@ async def test_claims_and_rows_of_an_outage_are_marked_and_settled_once_redis_is
         assert not marked and not a.redis.up
         a.put("early", make_entry(1))  # finished during the outage: queued
         redis_server.start()
-        await wait_until(lambda: b.redis.up)
+        await async_wait_for(lambda: b.redis.up, "B's tier up again", STATE_WAIT_S)
         assert await b.wait_for("unknown", LONG_S) is Settled.UNAVAILABLE  # within B's recovery grace
-        await wait_until(lambda: a.redis.up)
+        await async_wait_for(lambda: a.redis.up, "A's tier up again", STATE_WAIT_S)
         await a.redis.flush()
         assert await b.wait_for("early", LONG_S) is Settled.LANDED
         assert torch.equal(await b.read_rows("early", 0, 300), make_entry(1).tensor)
-        await wait_until(lambda: redis.Redis.from_url(redis_server.url).exists(marker_name("late")) == 1)
+        with redis.Redis.from_url(redis_server.url) as direct:
+            await async_wait_for(lambda: direct.exists(marker_name("late")) == 1, "A's queued claim on 'late'",
+                                 STATE_WAIT_S)
+        waits = b.stats()["redis_pending_waits"]
         waiting = asyncio.create_task(b.wait_for("late", LONG_S))  # A's claim, marked again: B waits
-        await asyncio.sleep(0.5)
+        await async_wait_for(lambda: waiting.done() or b.stats()["redis_pending_waits"] > waits, "B's wait",
+                             STATE_WAIT_S)
         assert not waiting.done()
         a.put("late", make_entry(2))
         assert await asyncio.wait_for(waiting, 2.0) is Settled.LANDED
@@ -335,7 +342,7 @@ async def test_512_concurrent_waits_share_one_subscriber_connection(redis_server
         assert await a.mark_pending(keys)
         encodes = [asyncio.create_task(encoded(a, key, entries[key], gate)) for key in keys]
         waits = [asyncio.create_task(b.wait_for(keys[i % 64], LONG_S)) for i in range(512)]
-        await wait_until(lambda: b.stats()["redis_pending_waits"] == 512)
+        await async_wait_for(lambda: b.stats()["redis_pending_waits"] == 512, "the 512 waits", STATE_WAIT_S)
         with redis.Redis.from_url(redis_server.url) as direct:
             subscribers = [c for c in direct.client_list() if int(c["sub"]) > 0]
         assert len(subscribers) == 1 and int(subscribers[0]["sub"]) == 64  # one connection, one channel per id

@@ -13,7 +13,8 @@ import redis.asyncio as aioredis
 import torch
 
 from encoder_service.cache.entry import HEADER_LEN, EntryHeader
-from tests.support.stores import LOADED, make_entry, open_store, wait_until
+from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
+from tests.support.waits import async_wait_for
 
 CASES = [  # (num_rows, row_width, layout, dtype): Qwen2.5 'main' and Qwen3 [main|ds1|ds2|ds3] stand-ins
     (300, 256, "main", torch.bfloat16),
@@ -197,14 +198,14 @@ async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
     assert stats["redis_writes_dropped"] == 0 and stats["redis_queued_bytes"] > 0  # the backlog
     assert log_count(caplog, "redis tier unavailable") == 1  # once, not per request
     redis_server.start()
-    await wait_until(lambda: store.redis.up)
+    await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
     assert log_count(caplog, "reachable again") == 1
     store.put("c", make_entry(3))  # writes resume
     await store.redis.flush()
     other = await open_store(redis_server.url)
     for key, seed in [("c", 3), ("a", 1)] + [(f"b{i}", 100 + i) for i in range(20)]:
         if key == "a":  # written again by the store once it saw Redis back
-            await wait_until(lambda: store.stats()["reshared"] == 1)
+            await async_wait_for(lambda: store.stats()["reshared"] == 1, "the entry written again", STATE_WAIT_S)
             await store.redis.flush()
         got = await other.get(key)
         assert got is not None and torch.equal(got.tensor, make_entry(seed).tensor), key
@@ -220,11 +221,11 @@ async def test_rows_finished_while_redis_stops_answering_are_written_after(redis
     try:
         for i in range(10):
             store.put(f"k{i}", make_entry(i))
-        await wait_until(lambda: not store.redis.up)  # the first write timed out
+        await async_wait_for(lambda: not store.redis.up, "the tier down", STATE_WAIT_S)  # the first write timed out
         await asyncio.sleep(2.0)
     finally:
         redis_server.resume()
-    await wait_until(lambda: store.redis.up)
+    await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
     await store.redis.flush()
     other = await open_store(redis_server.url)
     for i in range(10):
@@ -245,7 +246,7 @@ async def test_the_backlog_is_bounded_and_what_it_drops_is_counted(redis_server)
     stats = store.stats()
     assert stats["redis_writes_dropped_full"] == 2 and stats["redis_queued_bytes"] == 3 * entry.nbytes
     redis_server.start()
-    await wait_until(lambda: store.redis.up)
+    await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
     await store.redis.flush()
     with redis.Redis.from_url(redis_server.url) as direct:
         assert [direct.exists(f"k{i}") for i in range(5)] == [1, 1, 1, 0, 0]  # the first three, in order
@@ -265,7 +266,7 @@ async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
         assert await asyncio.wait_for(store.read_rows("x", 0, 1), timeout=0.1) is None
     finally:
         redis_server.resume()
-    await wait_until(lambda: store.redis.up)
+    await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
     assert torch.equal(await store.redis.read_rows("a", 0, 2), make_entry(1).tensor[:2])
     assert log_count(caplog, "redis tier unavailable") == 1
     await store.close()
@@ -308,7 +309,7 @@ async def test_the_oom_pause_probes_sooner_and_backs_off_while_redis_stays_full(
         store.put(f"k{i}", make_entry(i))
         await store.redis.flush()
         pauses.append(store.redis._oom_pause_s)
-        await wait_until(lambda: not store.stats()["redis_writes_paused"], timeout_s=3.0)
+        await async_wait_for(lambda: not store.stats()["redis_writes_paused"], "the OOM pause to end", 3.0)
     assert pauses == [0.5, 1.0, 2.0, 2.0]
     direct.config_set("maxmemory", "64mb")  # the operator makes room
     store.put("late", make_entry(9))
@@ -338,7 +339,7 @@ async def test_unreachable_at_start_then_comes_up(caplog):
         store.put("a", make_entry(1))
         assert torch.equal((await store.get("a")).tensor, make_entry(1).tensor)
         server.start()
-        await wait_until(lambda: store.redis.up)
+        await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
         store.put("b", make_entry(2))
         await store.redis.flush()
         assert (await store.redis.get("b")) is not None
@@ -466,7 +467,7 @@ async def test_restart_recovers_within_one_probe_interval_and_then_reads_succeed
     await asyncio.sleep(4 * probe_max_s)  # the probe's backoff reaches its cap
     redis_server.start()
     answering = time.monotonic()
-    await wait_until(lambda: store.redis.up)
+    await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
     assert time.monotonic() - answering < probe_max_s + 0.25  # the next probe: one interval, plus its PING
     _put(redis_server.url, entries)
     await _get_all(store, entries)  # the first reads after recovery: no stale connection left to fail on

@@ -31,6 +31,7 @@ from encoder_service.engine.engine import Engine
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
+from tests.support.waits import async_wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,14 +54,6 @@ def images_encoded(core) -> float:
 def cache_misses(core) -> float:
     """Flights that found the rows in no tier and encoded them."""
     return core.metrics.registry.get_sample_value("encoder_cache_misses_total") or 0.0
-
-
-async def until(condition, what: str) -> None:
-    for _ in range(int(WAIT_S / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"waited {WAIT_S}s for {what}")
 
 
 async def fetch_all(core, info) -> torch.Tensor:
@@ -163,7 +156,7 @@ async def hold_the_gpu(core) -> None:
     await core.encode(inputs(image_bytes(56, 56, 1)))
     assert await asyncio.to_thread(core.runner.entered.acquire, True, WAIT_S)
     await core.encode(inputs(image_bytes(56, 56, 2)))
-    await until(lambda: core.engine.queue_depth == 0 and core.engine.permits == 0, "the waiting batch")
+    await async_wait_for(lambda: core.engine.queue_depth == 0 and core.engine.permits == 0, "the waiting batch", WAIT_S)
 
 
 async def test_a_request_for_an_id_in_flight_joins_it(make_core):
@@ -173,11 +166,11 @@ async def test_a_request_for_an_id_in_flight_joins_it(make_core):
     data = image_bytes(84, 84, 3)
     name = key_of(core, data).name
     (first,) = (await core.encode(inputs(data))).images
-    await until(lambda: core.engine.queue_depth == 1, "the image to queue")  # the queue is full now
+    await async_wait_for(lambda: core.engine.queue_depth == 1, "the image to queue", WAIT_S)  # the queue is full now
     with pytest.raises(errors.Overloaded, match="encode queue is full"):
         await core.encode(inputs(image_bytes(84, 84, 4)))
     joined = asyncio.create_task(core.encode(inputs(data), wait=True))  # needs no queue room: joins
-    await until(lambda: core.flights.get(name).waiters == 2, "the second request to join the flight")
+    await async_wait_for(lambda: core.flights.get(name).waiters == 2, "the second request to join the flight", WAIT_S)
     assert core.engine.permits == 0 and core.engine.queue_depth == 1
     core.runner.gate.set()
     (second,) = (await asyncio.wait_for(joined, WAIT_S)).images
@@ -192,18 +185,18 @@ async def test_waiters_leaving_drop_the_queued_image(make_core):
     gone, kept = image_bytes(70, 70, 5), image_bytes(98, 70, 6)
     gone_key, kept_key = key_of(core, gone), key_of(core, kept)
     requests = [asyncio.create_task(core.encode(inputs(data), wait=True)) for data in (gone, kept)]
-    await until(lambda: core.engine.queue_depth == 2, "both images to queue")
+    await async_wait_for(lambda: core.engine.queue_depth == 2, "both images to queue", WAIT_S)
     kept_flight = core.flights.get(kept_key.name)
     reading = asyncio.create_task(core.fetch([FetchItem(kept_key.id, 0)], 0, kept_flight.num_tokens,
                                              timeout_s=WAIT_S))
-    await until(lambda: kept_flight.waiters == 2, "the fetch to wait for the kept image")
+    await async_wait_for(lambda: kept_flight.waiters == 2, "the fetch to wait for the kept image", WAIT_S)
     for task in requests:  # both callers leave; a fetch still waits for the kept image
         task.cancel()
     await asyncio.gather(*requests, return_exceptions=True)
     # Nobody wants the dropped image: its flight ends and its queue slot returns at once (issue 22 item 3),
     # not when the next batch is built.
     assert gone_key.name not in core.flights and kept_flight.waiters == 1
-    await until(lambda: core.engine.queue_depth == 1, "the dropped image to leave the queue")
+    await async_wait_for(lambda: core.engine.queue_depth == 1, "the dropped image to leave the queue", WAIT_S)
     core.runner.gate.set()
     rows = (await asyncio.wait_for(reading, WAIT_S)).rows
     assert rows.shape == (kept_flight.num_tokens, 48)
@@ -277,10 +270,10 @@ async def test_a_cancelled_waiter_does_not_cancel_the_encode_others_wait_for(mak
     encoded = images_encoded(core)
     data = image_bytes(76, 76, 16)
     first = asyncio.create_task(core.encode(inputs(data), wait=True))
-    await until(lambda: key_of(core, data).name in core.flights, "the first request's flight")
+    await async_wait_for(lambda: key_of(core, data).name in core.flights, "the first request's flight", WAIT_S)
     flight = core.flights.get(key_of(core, data).name)
     second = asyncio.create_task(core.encode(inputs(data), wait=True))
-    await until(lambda: flight.waiters == 2, "the second request to join")
+    await async_wait_for(lambda: flight.waiters == 2, "the second request to join", WAIT_S)
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
     assert first.cancelled() and flight.waiters == 1
@@ -337,7 +330,7 @@ async def test_a_failed_encode_is_remembered_for_fetch(make_core):
     core = await make_core()
     truncated = truncated_jpeg(5)
     (info,) = (await core.encode(inputs(truncated))).images
-    await until(lambda: key_of(core, truncated).name not in core.flights, "the encode to fail")
+    await async_wait_for(lambda: key_of(core, truncated).name not in core.flights, "the encode to fail", WAIT_S)
     for _ in range(2):  # remembered, not a 404
         with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{info.id}' failed: .*trunc"):
             await core.fetch([FetchItem(info.id, 0)], 0, 4)
@@ -448,7 +441,7 @@ async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, r
         await b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=0.2)
     assert time.monotonic() - t0 < 2
     fetching = asyncio.create_task(b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S))
-    await until(lambda: b.store.stats()["redis_pending_waits"] == 2, "B's fetch waiting")
+    await async_wait_for(lambda: b.store.stats()["redis_pending_waits"] == 2, "B's fetch waiting", WAIT_S)
     a.runner.gate.set()
     rows = (await asyncio.wait_for(fetching, WAIT_S)).rows
     assert torch.equal(rows, (await a.fetch([FetchItem(info.id, 0)], 0, 4)).rows)
@@ -462,7 +455,8 @@ async def test_a_fetch_stops_waiting_elsewhere_when_another_of_its_ids_is_unknow
                                            timeout_s=WAIT_S))
     with pytest.raises(errors.NotFound, match="'cd"):
         await asyncio.wait_for(fetching, 5)
-    await until(lambda: b.store.stats()["redis_pending_channels"] == 0, "the wait for the other id cancelled")
+    await async_wait_for(lambda: b.store.stats()["redis_pending_channels"] == 0,
+                         "the wait for the other id cancelled", WAIT_S)
     redis_server.kill()
     with pytest.raises(errors.Unavailable, match="Redis tier"):  # not here, and Redis cannot tell: 503
         await b.fetch([FetchItem("ef" * 16, 0)], 0, 4, timeout_s=WAIT_S)
@@ -495,9 +489,10 @@ async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_
     data = image_bytes(64, 64, 43)
     key = key_of(core, data)
     encoding = asyncio.create_task(core.encode(inputs(data)))
-    await until(lambda: key.name in core.flights, "the flight")
+    await async_wait_for(lambda: key.name in core.flights, "the flight", WAIT_S)
     fetching = asyncio.create_task(core.fetch([FetchItem(key.id, 0)], 0, 4, timeout_s=WAIT_S))
-    await asyncio.sleep(0.1)
+    await async_wait_for(lambda: fetching.done() or core.flights.get(key.name).waiters == 2, "the fetch's wait",
+                         WAIT_S)
     assert not fetching.done()  # waiting for the flight, not answered 404
     gate.set()
     await encoding

@@ -4,11 +4,9 @@ own: a fake fetcher stands in for the encoder (tests/service/test_vllm_transfer.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from encoder_service.integrations.vllm.fetch import ItemUnavailable, RowFetcher
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.staging import Need, StagingTable
 from encoder_service.integrations.vllm.worker import ShmRows
+from tests.support.waits import wait_for
 
 
 class FakeFetcher:
@@ -248,7 +247,4 @@ def test_a_killed_engine_cores_arena_in_dev_shm_goes_when_its_server_exits(tmp_p
     """In /dev/shm the arena is the resource tracker's: it goes once the killed process's parent has exited
     (the tracker exits after it: a bounded wait), with no new start needed."""
     name = killed_engine_core(tmp_path, "/dev/shm")
-    deadline = time.monotonic() + 30
-    while os.path.exists(os.path.join("/dev/shm", name)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(os.path.join("/dev/shm", name))
+    wait_for(lambda: not os.path.exists(os.path.join("/dev/shm", name)), f"/dev/shm/{name} to go", 30, poll_s=0.05)

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import subprocess
-import time
 import types
 import urllib.error
 import urllib.request
@@ -37,6 +36,7 @@ os.environ.setdefault("SGLANG_ENCODER_RECV_TIMEOUT", "60")
 # Not plain "sglang": tests/engines is on sys.path (its conftest), so this directory passes for a namespace
 # package of that name where SGLang is not installed.
 from tests.support.engine_tier import require  # noqa: E402
+from tests.support.waits import wait_for  # noqa: E402
 
 require("sglang.srt", "scripts/tiers/sglang.sh")
 
@@ -229,19 +229,21 @@ def via_scheduler(server_args, hf_config, encoder_urls: list[str], images: list[
         assert obj.need_wait_for_mm_inputs and ready is not None
         recv_req = tokenized(obj, prompt, tok_recv.mm_processor._tokenizer)
         ready.set()  # the tokenizer sets it once the request is on its way to the scheduler
-        pending, deadline = [recv_req], time.monotonic() + 90
-        while time.monotonic() < deadline:
+        pending, got = [recv_req], {}
+
+        def received() -> bool:
+            """One turn of the scheduler's receiver on what came since the last (first: the request)."""
             # The TokenizerManager forwards a failed /encode to the scheduler as an EncoderDispatchErrorReq.
-            pending += [dispatch_errors.pop() for _ in list(dispatch_errors)]
-            out, aborts = sched_recv.process_waiting_requests(pending)  # registers, drains the PULL socket
-            pending = []
-            if aborts:
-                return None, (aborts[0][1], aborts[0][2])
-            if out:
-                assert out[0] is recv_req
-                return recv_req.mm_inputs, None
-            time.sleep(0.01)
-        raise AssertionError("SGLang's receiver got nothing in 90 s")
+            turn = pending + [dispatch_errors.pop() for _ in list(dispatch_errors)]
+            pending.clear()
+            got["out"], got["aborts"] = sched_recv.process_waiting_requests(turn)  # registers, drains the PULL socket
+            return bool(got["out"] or got["aborts"])
+
+        wait_for(received, "SGLang's receiver to get the rows or an abort", 90)
+        if got["aborts"]:
+            return None, (got["aborts"][0][1], got["aborts"][0][2])
+        assert got["out"][0] is recv_req
+        return recv_req.mm_inputs, None
     finally:
         sched_recv.scheduler_recv_socket.close(0)
 
