@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from tests.support.clients import sync_client
 from tests.support.images import image_bytes as png
 from tests.support.ports import free_port
 from tests.support.video_cases import make_clip
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,14 +48,15 @@ def table_for(svc, transport: str, shm: str, shm_dir, width: int | None = None, 
 
 def wait_staged(table: StagingTable, request_id: str, needs: list[Need], timeout: float = 30.0) -> bool:
     """ensure() every 10 ms as vLLM's steps would; True once staged, False once the request is failed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if table.ensure(request_id, needs):
-            return True
-        if table.why(request_id) is not None:
-            return False
-        time.sleep(0.01)
-    raise AssertionError(f"{request_id} neither staged nor failed in {timeout} s")
+    staged = False
+
+    def settled() -> bool:
+        nonlocal staged
+        staged = table.ensure(request_id, needs)
+        return staged or table.why(request_id) is not None
+
+    wait_for(settled, f"{request_id} staged or failed", timeout)
+    return staged
 
 
 def test_package_without_vllm():
@@ -253,10 +254,7 @@ def test_finish_releases_the_pins(shm_service, shm_dir):
         try:
             assert wait_staged(table, "r", [Need(a.id, a.id, a.num_tokens), Need(b.id, b.id, b.num_tokens)])
             table.finished("r", [a.id, b.id, a.id])
-            deadline = time.monotonic() + 10
-            while (shm_service.pinned(a.id) or shm_service.pinned(b.id)) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert not shm_service.pinned(a.id) and not shm_service.pinned(b.id)
+            wait_for(lambda: not shm_service.pinned(a.id) and not shm_service.pinned(b.id), "both pins released", 10)
         finally:
             table.close()
 

@@ -18,11 +18,11 @@ documented command; vLLM's own objects around a stand-in model runner. Nothing h
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv
 from tests.support.ports import free_port
+from tests.support.waits import wait_for
 
 TOKEN = "tier-token-42"
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -170,12 +170,14 @@ class VllmInstance:
         for r in requests:
             self.scheduler.add_request(r)
         wanted = {r.request_id for r in requests}
-        deadline = time.monotonic() + timeout_s
-        while not wanted <= set(self.finish):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not finished in {timeout_s} s: {sorted(wanted - set(self.finish))}")
+
+        def finished() -> bool:  # one step of the engine loop; fetches complete on the connector's threads between
+            if wanted <= set(self.finish):
+                return True
             self.step()
-            time.sleep(0.005)  # the engine loop: fetches complete on the connector's threads meanwhile
+            return False
+
+        wait_for(finished, lambda: f"requests finished: {sorted(wanted - set(self.finish))}", timeout_s, poll_s=0.005)
         return {r: self.finish[r] for r in sorted(wanted)}
 
     def close(self) -> None:

@@ -74,8 +74,9 @@ async def test_eviction_under_pressure_is_a_miss_never_a_wrong_answer(redis_serv
         assert rows is None or torch.equal(rows, entry.tensor[100:300])
         assert whole is None or torch.equal(whole.tensor, entry.tensor)
         present += whole is not None
-    assert 0 < present < len(entries)  # Redis evicted some (24 MB into 8 MB), kept some
-    assert await reader.get("k0") is None  # the oldest went first
+    # Redis evicted some (24 MB into 8 MB), kept some. Which ones is Redis's approximate LRU (it samples a few
+    # keys per eviction), not a promise of ours: no assertion on the order.
+    assert 0 < present < len(entries)
     assert reader.stats()["redis_corrupt"] == 0
     await writer.close()
     await reader.close()

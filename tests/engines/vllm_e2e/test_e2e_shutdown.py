@@ -5,8 +5,6 @@ it stops the servers."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.support.engine_tier import require
@@ -14,6 +12,7 @@ from tests.support.engine_tier import require
 require("vllm.entrypoints.openai.api_server", "scripts/tiers/vllm-e2e.sh")
 
 from tests.support.vllm_e2e import SHM_DIR, staging_files  # noqa: E402
+from tests.support.waits import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)  # the first test waits for the servers (READY_S)
 
@@ -27,7 +26,6 @@ def test_no_staging_file_is_left(stack):
         lane.vllm.stop()
         log = lane.vllm.log_path.read_text(errors="replace")
         assert "force killing remaining process EngineCore" in log, lane.vllm.log_tail()  # vLLM's default
-    deadline = time.monotonic() + 30  # the tracker unlinks them as it exits, just after its API server
-    while staging_files(SHM_DIR, pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert staging_files(SHM_DIR, pids) == []
+    # the tracker unlinks them as it exits, just after its API server
+    wait_for(lambda: staging_files(SHM_DIR, pids) == [], lambda: f"staging files unlinked: {staging_files(SHM_DIR, pids)}",
+             30, poll_s=0.1)
