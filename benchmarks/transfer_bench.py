@@ -226,6 +226,13 @@ def _concurrent_threads(client, entry: dict, ref, rounds: int, checks: list[str]
     return gb_s
 
 
+def _some(got):
+    """A read's bytes (or count), never nothing: the server closing mid-answer ends the read loop."""
+    if not got:
+        raise ConnectionError("the server closed the connection mid-answer")
+    return got
+
+
 class LoopReader:
     """The other asyncio design, kept as a reference: one fetch per keep-alive socket read on the event loop
     itself (loop.sock_recv_into, no threads) into a RowWriter. Not the client's path: measured against it."""
@@ -252,11 +259,11 @@ class LoopReader:
                                       b"content-length: %d\r\n\r\n" % len(body) + body)
         buf = bytearray()
         while b"\r\n\r\n" not in buf:  # the head and whatever came with it (small reads: bounded by the head)
-            buf += await loop.sock_recv(sock, 65536)
+            buf += _some(await loop.sock_recv(sock, 65536))
         head, rest = bytes(buf).split(b"\r\n\r\n", 1)
         length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
         while len(rest) < 4 or len(rest) < 4 + int.from_bytes(rest[:4], "little"):
-            rest += await loop.sock_recv(sock, 65536)
+            rest += _some(await loop.sock_recv(sock, 65536))
         pos = 0
 
         def read(n):
@@ -267,7 +274,7 @@ class LoopReader:
         writer = wire.RowWriter(wire.read_http_header(read, length), out)
         writer.write(rest[pos:])
         while writer.remaining:
-            writer.advance(await loop.sock_recv_into(sock, writer.next_view()))
+            writer.advance(_some(await loop.sock_recv_into(sock, writer.next_view())))
         self._idle.append(sock)
         return writer.finish()
 

@@ -42,7 +42,6 @@ from contextlib import contextmanager
 
 import torch
 
-ROWS_Q3 = (880, 16384)  # Qwen3 720p: 3520 / 4 tokens x (1 + 3 deepstack) x 4096
 ROWS_Q25 = (1196, 3584)  # Qwen2.5 720p: 4784 / 4 tokens x 3584
 # The service's runner and engine settings that decide batches and routes (settings.py, make_runner): a batch of
 # >= 8192 patches that its bucket pads by > 5% runs eagerly (three 720p images: 10560 in the 14400 graph); the

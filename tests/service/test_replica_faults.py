@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(180)
 
 CONCURRENCY = 12
 PAIRS = {"before": 32, "outage": 32, "after": 32}
-OUTAGE_S = {"kill": 2.0, "pause": 3.0}  # a pause must outlast the 2 s socket timeout to be an outage
+OUTAGE_S = {"kill": 2.0, "pause": 5.0}  # a pause must outlast the 2 s socket timeout to be an outage
 PROBE_INTERVAL_S = RedisTier.__init__.__kwdefaults__["probe_max_s"]  # the service's (no flag changes it)
 FETCH_TIMEOUT_S = 15.0  # each call's deadline: the clients retry inside it
 KILL_BOUND_S = 10.0
@@ -240,10 +240,12 @@ def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_c
         waits = b.sample(PENDING_WAITS)
         waiting = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
         wait_for(lambda: b.sample(PENDING_WAITS) != waits, "B's fetch to wait", WAIT_S, poll_s=0.02)
+        encoded = a.sample("encoder_images_encoded_total")
         redis_server.pause()
         try:
-            gate.set()  # A's encode finishes while Redis does not answer
-            time.sleep(5.0)
+            gate.set()  # A's encode finishes while Redis does not answer: its write goes to the backlog
+            wait_for(lambda: a.sample("encoder_images_encoded_total") > encoded and redis_state(a) != "up",
+                     "A's encode done and its Redis tier down", WAIT_S, poll_s=0.05)
         finally:
             redis_server.resume()
         resumed = time.monotonic()

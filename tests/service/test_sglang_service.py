@@ -19,7 +19,7 @@ import zmq
 
 from encoder_service.cache import make_key
 from encoder_service.core import ImageInput
-from tests.support.images import image_bytes
+from tests.support.images import data_url, image_bytes
 from tests.support.service import running
 from tests.support.sglang_header import walk
 from tests.support.waits import wait_for
@@ -64,9 +64,6 @@ def pull():
     yield p
     p.close()
 
-
-def data_uri(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def encode_body(req_id, items, *, num_parts=1, part_idx=0, embedding_port=None) -> dict:
@@ -146,7 +143,7 @@ def test_scheduler_transport_registration_first_and_dedup(sglang_service, pull):
     before = images_encoded(svc)
     rid = f"{uuid.uuid4().hex}_local_part_0"
     assert register(svc, rid, pull.address).status_code == 200  # the rank registers before /encode
-    r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_uri(a), data_uri(b), data_uri(a)]),
+    r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_url(a), data_url(b), data_url(a)]),
                    timeout=60)
     assert r.status_code == 200 and r.json() is None  # SGLang's encoder answers `null`
     check_push(svc, pull.recv(), rid, [a, b, a])
@@ -176,7 +173,7 @@ def test_every_tp_rank_gets_a_copy(sglang_service):
     try:
         a = image_bytes(50, 50, seed=104)
         rid = f"{uuid.uuid4().hex}_local_part_0"
-        t, out = post_encode_in_thread(svc, encode_body(rid, [data_uri(a)]))
+        t, out = post_encode_in_thread(svc, encode_body(rid, [data_url(a)]))
         register(svc, rid, ranks[0].address, count=2)
         wait_for(lambda: encode_open(svc, rid), "the /encode to arrive")
         # 1 of 2 ranks: nothing yet. No event marks the wait for the second: 0.3 s lets a push sent to the
@@ -199,7 +196,7 @@ def test_an_encode_leaves_no_pins_behind(sglang_service, pull):
     svc = sglang_service
     a = image_bytes(62, 46, seed=109)
     rid = uuid.uuid4().hex + "_local_part_0"
-    r = httpx.post(f"{svc.sglang_url}/encode", timeout=60, json=encode_body(rid, [data_uri(a)] * 2,
+    r = httpx.post(f"{svc.sglang_url}/encode", timeout=60, json=encode_body(rid, [data_url(a)] * 2,
                                                                           embedding_port=pull.port))
     assert r.status_code == 200 and len(pull.recv()) == 2
     name = make_key(a, svc.core.model_fp, svc.core.settings.cache.hash).name
@@ -215,7 +212,7 @@ def test_tokenizer_transport(sglang_service_qwen3, pull):
     images = [image_bytes(70, 50, seed=105), image_bytes(33, 90, seed=106)]
     rid = uuid.uuid4().hex + "_local_part_0"
     r = httpx.post(f"{svc.sglang_url}/encode", timeout=60,
-                   json=encode_body(rid, [data_uri(b) for b in images], embedding_port=pull.port))
+                   json=encode_body(rid, [data_url(b) for b in images], embedding_port=pull.port))
     assert r.status_code == 200
     frames = pull.recv()
     check_push(svc, frames, rid, images)
@@ -227,7 +224,7 @@ def test_error_reaches_registered_and_late_ranks(sglang_service, pull):
     svc = sglang_service
     rid = f"{uuid.uuid4().hex}_local_part_0"
     register(svc, rid, pull.address, count=2)
-    bad = data_uri(b"not an image at all")
+    bad = data_url(b"not an image at all")
     r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [bad]), timeout=60)
     assert r.status_code == 400
     body = r.json()
@@ -250,10 +247,10 @@ def test_a_reused_req_id_is_409_and_does_not_disturb_the_first(sglang_service, p
     svc = sglang_service
     a, b = image_bytes(48, 48, seed=108), image_bytes(64, 48, seed=109)
     rid = f"{uuid.uuid4().hex}_local_part_0"
-    t, out = post_encode_in_thread(svc, encode_body(rid, [data_uri(a)]))
+    t, out = post_encode_in_thread(svc, encode_body(rid, [data_url(a)]))
     wait_for(lambda: encode_open(svc, rid), "the first /encode to arrive")  # it waits for its rank
     for images in ([b], [a]):
-        r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_uri(d) for d in images]), timeout=60)
+        r = httpx.post(f"{svc.sglang_url}/encode", json=encode_body(rid, [data_url(d) for d in images]), timeout=60)
         assert r.status_code == 409 and f"req_id {rid!r} is already being encoded" in r.json()["message"], r.text
     register(svc, rid, pull.address)
     check_push(svc, pull.recv(), rid, [a])  # the rows, not an error header
@@ -279,7 +276,7 @@ def test_error_to_the_tokenizer_port(sglang_service, pull):
 @pytest.mark.parametrize("change, status, needle", [
     (dict(mm_items=["aGk="] * 9), 400, "number of images in the request is 9, over the limit of 8"),
     (dict(mm_items=["https://example.com/a.png"]), 400, "url images are disabled"),
-    (dict(mm_items=[data_uri(b"\x00" * (3 << 20))]), 413, "request body"),
+    (dict(mm_items=[data_url(b"\x00" * (3 << 20))]), 413, "request body"),
     (dict(modality="AUDIO"), 400, "images and videos"),
     (dict(part_idx=3), 400, "part_idx must be in [0, 1)"),
     (dict(num_parts="1"), 400, "bad JSON body"),
@@ -301,7 +298,7 @@ def test_vanished_receiver_fails_in_bounded_time(sglang_service):
         rid = uuid.uuid4().hex + "_local_part_0"
         t0 = time.monotonic()
         r = httpx.post(f"{svc.sglang_url}/encode", timeout=60,
-                       json=encode_body(rid, [data_uri(image_bytes(30, 30, seed=107))], embedding_port=port))
+                       json=encode_body(rid, [data_url(image_bytes(30, 30, seed=107))], embedding_port=port))
         assert r.status_code == 503 and "timed out" in r.json()["message"]
         assert time.monotonic() - t0 < 20
     finally:

@@ -27,6 +27,7 @@ from encoder_service.protocol.errors import KINDS
 from encoder_service.settings import ProxySettings, Settings
 from tests.support.clients import sync_client
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv
+from tests.support.images import data_url
 from tests.support.images import image_bytes as png
 from tests.support.images import truncated_jpeg
 from tests.support.ports import free_port
@@ -38,9 +39,6 @@ pytestmark = pytest.mark.timeout(60)
 
 CLIP = make_clip("mp4_h264", frames=5, width=128, height=96)  # 5 frames: 3 frame groups, the last padded
 
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def body_with(*urls: str, text: str = "hi", **extra) -> dict:

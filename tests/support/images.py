@@ -3,6 +3,7 @@ bytes for the same pixels."""
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import zlib
@@ -47,3 +48,8 @@ def png_with_text(png: bytes, n: int) -> bytes:
     """`png`'s pixels under other bytes: a tEXt chunk naming `n` after the signature (8 bytes) and IHDR (25).
     A new cache key per `n` without encoding another PNG."""
     return png[:33] + png_chunk(b"tEXt", b"n\x00" + str(n).encode()) + png[33:]
+
+
+def data_url(png: bytes) -> str:
+    """A PNG's bytes as a data: URL (the image_url a chat request carries)."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()

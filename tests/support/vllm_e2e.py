@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.encoder_process import ServiceProcess
+from tests.support.images import data_url
 from tests.support.ports import free_port
 from tests.support.vllm_docs import documented
 
@@ -93,9 +94,6 @@ class VllmServer(ServiceProcess):
                 todo += [int(c) for c in task.read_text().split()]
         return found
 
-
-def data_url(image: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(image).decode()
 
 
 def _body(parts: list[dict], text: str, stream: bool, max_tokens: int) -> dict:

@@ -105,12 +105,12 @@ def test_errors_another_try_would_repeat_are_raised_at_once():
 
 def test_retries_stay_inside_the_callers_timeout():
     with scripted(unavailable()) as (url, seen):  # never recovers
-        with EncoderClient.http(url, timeout=0.5, retry=RetryPolicy(tries=2, first_backoff_s=0.05,
+        with EncoderClient.http(url, timeout=2.0, retry=RetryPolicy(tries=2, first_backoff_s=0.05,
                                                                     max_backoff_s=0.1)) as client:
             t0 = time.monotonic()
             with pytest.raises(errors.Unavailable):
                 client.metadata()
-            assert time.monotonic() - t0 < 0.5 + 2.0  # the deadline ends the tries
+            assert time.monotonic() - t0 < 2.0 + 2.0  # the deadline ends the tries
         assert len(seen) > 2  # with a timeout, as many tries as fit in it
     with scripted(unavailable()) as (url, seen):
         with EncoderClient.http(url, timeout=None, retry=RetryPolicy(tries=3, first_backoff_s=0.01,

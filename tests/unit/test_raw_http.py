@@ -82,7 +82,10 @@ def _requests(conn):
         head, buf = buf.split(b"\r\n\r\n", 1)
         length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
         while len(buf) < length:
-            buf += conn.recv(65536)
+            data = conn.recv(65536)
+            if not data:  # the client closed mid-body
+                return
+            buf += data
         yield head, buf[:length]
         buf = buf[length:]
 

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from tests.support import docs_blocks  # noqa: E402
 from tests.support.encoder_process import ROOT, ServiceProcess, encoder_service_argv, main_python  # noqa: E402
-from tests.support.images import image_bytes  # noqa: E402
+from tests.support.images import data_url, image_bytes  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -190,9 +190,6 @@ def noise_png(i: int, seed: int) -> bytes:
     w, h = SIZES[i % len(SIZES)]
     return image_bytes(w, h, seed * 100 + i)
 
-
-def data_uri(b: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(b).decode()
 
 
 def prompt_for(n: int, pad: str = "<|image_pad|>") -> str:
@@ -357,7 +354,7 @@ def test_embeddings_bit_for_bit(family, backend, encoder, model_dir):
     for n in (1, 3):
         seed = 100 * FAMILIES.index(family) + 10 * BACKENDS.index(backend) + n  # fresh images each case
         images = [noise_png(i, seed) for i in range(n)]
-        mm_inputs, error = run_sglang(backend, model, enc, [data_uri(b) for b in images])
+        mm_inputs, error = run_sglang(backend, model, enc, [data_url(b) for b in images])
         assert error is None and mm_inputs is not None, error
         check_embeddings(mm_inputs, enc.rows(images), hf_config, family)
 
@@ -379,10 +376,10 @@ def test_image_sent_twice_is_encoded_once(encoder, model_dir):
     hf_config = hf_config_of(model)
     a, b = noise_png(0, seed=7001), noise_png(1, seed=7001)
     before = enc.images_encoded()
-    mm_inputs, error = run_sglang("zmq_to_scheduler", model, enc, [data_uri(a), data_uri(b), data_uri(a)])
+    mm_inputs, error = run_sglang("zmq_to_scheduler", model, enc, [data_url(a), data_url(b), data_url(a)])
     assert error is None
     assert enc.images_encoded() - before == 2  # `a` twice in one request: one encode
-    mm_again, error = run_sglang("zmq_to_tokenizer", model, enc, [data_uri(b), data_uri(a)])
+    mm_again, error = run_sglang("zmq_to_tokenizer", model, enc, [data_url(b), data_url(a)])
     assert error is None and enc.images_encoded() - before == 2  # a second request: cache hits only
     ours = enc.rows([a, b])
     check_embeddings(mm_inputs, [ours[0], ours[1], ours[0]], hf_config, "qwen3_vl")
@@ -398,7 +395,7 @@ def test_two_encoder_urls_parts_reassembled(backend, encoder, model_dir):
     urls = [enc.url, enc.url.replace("127.0.0.1", "localhost")]
     encodes = 'encoder_requests_total{method="encode",outcome="ok",transport="sglang"}'
     before = enc.metric(encodes)
-    mm_inputs, error = run_sglang(backend, model, enc, [data_uri(b) for b in images], urls=urls)
+    mm_inputs, error = run_sglang(backend, model, enc, [data_url(b) for b in images], urls=urls)
     assert error is None and mm_inputs is not None, error
     assert enc.metric(encodes) - before == 2  # one /encode per part
     check_embeddings(mm_inputs, enc.rows(images), hf_config_of(model), "qwen3_vl")

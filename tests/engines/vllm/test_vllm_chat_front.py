@@ -6,7 +6,6 @@ our encode answered, and the rows reach encoder_cache. Streamed answers pass thr
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 
@@ -20,6 +19,7 @@ require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from tests.support.images import data_url  # noqa: E402
 from tests.support.images import image_bytes as png  # noqa: E402
 from tests.support.vllm_engine import ProxyProcess, ec_config  # noqa: E402
 from tests.support.vllm_stand_in import CHUNKS, StandInVllm  # noqa: E402
@@ -42,9 +42,6 @@ def front(encoders, tmp_path_factory):
         proxy.stop()
         vllm.shutdown()
 
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def chat_body(images: list[bytes], text: str, **extra) -> dict:
