@@ -128,7 +128,7 @@ def test_an_id_nobody_encoded_is_404_on_b_at_once(replicas, transport):
         t0 = time.monotonic()
         with pytest.raises(errors.NotFound, match="no live replica is encoding it"):
             on_b.fetch([("ab" * 16, 0)], 0, 4)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 10  # at once, not after the client's timeout
 
 
 def test_128_concurrent_fetches_of_ids_b_has_only_in_redis(replicas, shared_redis):

@@ -439,7 +439,7 @@ async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, r
         await b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=0)
     with pytest.raises(errors.DeadlineExceeded, match="within timeout_s=0.2"):
         await b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=0.2)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 10  # the timeouts ended them (else they'd wait for the gate: the test's timeout)
     fetching = asyncio.create_task(b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S))
     await async_wait_for(lambda: b.store.stats()["redis_pending_waits"] == 2, "B's fetch waiting", WAIT_S)
     a.runner.gate.set()
