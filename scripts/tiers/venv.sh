@@ -45,6 +45,18 @@ tier_done() {  # marks the venv complete (only after every install of the tier s
   mv "$VENV/.tier-stamp.pending" "$VENV/.tier-stamp"
 }
 
+tier_install_cached() {  # NAME LOCK PINS...: PINS and LOCK with --no-deps, from a wheel cache kept across rebuilds
+  local name="$1" lock="$2"; shift 2
+  local wheels="${TIER_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/encoder-service/wheels}"
+  local done="$wheels/.$name-$(echo "$@" | cat - "$lock" | sha256sum | cut -c1-16)"  # these wheels are there
+  if [ ! -e "$done" ]; then
+    mkdir -p "$wheels"
+    tier_pip download -q --no-deps --only-binary=:all: -d "$wheels" "$@" -r "$lock"
+    touch "$done"
+  fi
+  tier_pip install -q --no-deps --no-index --find-links "$wheels" "$@" -r "$lock"
+}
+
 tier_shim_torchvision() {
   local sp
   sp="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -25,14 +25,7 @@ export ENCODER_MAIN_PYTHON="${ENCODER_MAIN_PYTHON:-$ROOT/.venv/bin/python}"
 
 tier_venv vllm scripts/tiers/vllm.sh "$LOCK"
 if [ "$TIER_FRESH" = 1 ]; then
-  WHEELS="${TIER_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/encoder-service/wheels}"
-  DONE="$WHEELS/.vllm-$(echo "${PINS[@]}" | cat - "$LOCK" | sha256sum | cut -c1-16)"  # these wheels are there
-  if [ ! -e "$DONE" ]; then
-    mkdir -p "$WHEELS"
-    tier_pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${PINS[@]}" -r "$LOCK"
-    touch "$DONE"
-  fi
-  tier_pip install -q --no-deps --no-index --find-links "$WHEELS" "${PINS[@]}" -r "$LOCK"
+  tier_install_cached vllm "$LOCK" "${PINS[@]}"
   tier_shim_torchvision
   SP="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   find "$SP/vllm" -name '*.so' -delete
