@@ -27,6 +27,7 @@ fails.
     python benchmarks/transfer_bench.py           # the GPU machine (after `source scripts/gpu/env.sh`) or any
     python benchmarks/transfer_bench.py --small   # CI: narrower rows, few rounds (tests/service/test_transfer_bench.py)
     N=30 P=4,16 python benchmarks/transfer_bench.py   # rounds per variant; client processes of phases 3 and 4
+    python benchmarks/transfer_bench.py --send-threads 0   # the rows written by the event loop (api/socket_send.py)
 
 Prints each phase's table as soon as the phase ends, and after each rewrites
 benchmarks/results/transfer_bench-<date>-<commit>.json and $OUT/transfer_bench.md (benchmarks/common/report.py):
@@ -598,6 +599,8 @@ def _client_phase(job_path: Path, job: dict, phase: str, checks: list[str]) -> l
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="narrower rows, few rounds (CI)")
+    parser.add_argument("--send-threads", type=int, default=None,
+                        help="the service's --send-threads (default: its default; 0: the event loop sends)")
     parser.add_argument("--client", nargs=2, metavar=("JOB_JSON", "PHASE"), help=argparse.SUPPRESS)
     parser.add_argument("--fetcher", nargs=3, metavar=("JOB_JSON", "KIND", "COUNT"), help=argparse.SUPPRESS)
     parser.add_argument("--encoder", nargs=3, metavar=("JOB_JSON", "COUNT", "BASE"), help=argparse.SUPPRESS)
@@ -629,7 +632,9 @@ def main() -> int:
         build(checkpoint, cfg["out_hidden"])
         sock = bind_socket("127.0.0.1", 0)
         settings = service_settings(checkpoint, torch.device("cpu"), torch.bfloat16, sock, "--cache-bytes", "4GiB",
-                                    "--max-pixels", "20000000", "--shm-fetch")
+                                    "--max-pixels", "20000000", "--shm-fetch",
+                                    *(["--send-threads", str(args.send_threads)] if args.send_threads is not None
+                                      else []))
         svc = in_process_service(settings, sock)
         try:
             entries = {}
@@ -654,7 +659,9 @@ def main() -> int:
                 sizes="small" if args.small else "real",
                 entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB"
                          for k, v in entries.items()},
-                rounds=cfg["rounds"], processes=list(cfg["processes"]), setup_s=round(time.perf_counter() - t_start, 1))
+                rounds=cfg["rounds"], processes=list(cfg["processes"]),
+                rows_sent_by=f"{settings.server.send_threads} threads" if svc.service.threaded_sends
+                else "the event loop", setup_s=round(time.perf_counter() - t_start, 1))
             aggregates = {f"aggregate x{p}": p for p in cfg["processes"]}
             report = Report(setup, job["first"], ["single", "concurrent", *aggregates, "encode"], t_start)
             print("\n".join(report.head()), flush=True)

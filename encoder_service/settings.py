@@ -121,6 +121,7 @@ class ServerSettings:
     access_log: bool = False  # one INFO line per request (api/requests.py), on every transport
     shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
+    send_threads: int = 8  # threads writing fetched rows onto HTTP sockets (api/socket_send.py); 0: the loop
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
     sglang_protocol: bool = False
     sglang_port: int = 8100
@@ -296,6 +297,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "access_log": (parse_bool, "false", "log one line per request (transport, method, outcome, seconds, request id)"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
     "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
+    "send_threads": (_non_negative(int), "8", "threads that write fetched rows onto HTTP sockets, several "
+                                              "fetches at once (0: the event loop writes them)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
                                              "on --sglang-port: unauthenticated, private networks only"),
     "sglang_port": (_port, "8100", "port of the SGLang protocol (its /encode, /scheduler_receive_url, /health)"),
@@ -458,7 +461,7 @@ def _build(v: dict) -> Settings:
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               access_log=v["access_log"],
-                              shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"],
+                              shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"], send_threads=v["send_threads"],
                               sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
                             cache_bytes=v["cache_bytes"], hash=v["hash"], lease_s=v["lease_s"],

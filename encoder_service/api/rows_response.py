@@ -9,7 +9,9 @@ yet, asyncio keeps as a memoryview on Python >= 3.12 (no copy) but copies into a
 slices uvicorn waits for the transport to drain, so a connection holds about one slice of unsent bytes and the
 loop serves other requests in between. Measured as server CPU per GB sent, slices cost within 10% of one
 whole-body message on 3.12 with httptools and under half of it on 3.11 or with h11 (which copy a whole body
-once more); most of that CPU is the kernel's send path (system time) either way.
+once more); most of that CPU is the kernel's send path (system time) either way. So when uvicorn serves with
+httptools, a pool thread writes the rows on the socket instead (api/socket_send.py: several fetches' copies
+run at once, off the loop); the slices are the fallback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from encoder_service.api.socket_send import EXTENSION, GONE, NOT_TAKEN, SENT
 
 # Rows per body message: about what a loopback socket takes in one send, so most slices go to the kernel at
 # once; large enough that the per-message cost (an await, a transport write) is negligible.
@@ -33,5 +37,11 @@ class RowsResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         rows, last = self._rows, max(0, len(self._rows) - SEND_BYTES)
         await send({"type": "http.response.body", "body": self._prefix, "more_body": bool(len(rows))})
+        writer = scope.get("extensions", {}).get(EXTENSION)
+        outcome = await writer.write(rows) if writer is not None and len(rows) else NOT_TAKEN
+        if outcome == SENT:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if outcome in (SENT, GONE):
+            return
         for lo in range(0, len(rows), SEND_BYTES):
             await send({"type": "http.response.body", "body": rows[lo:lo + SEND_BYTES], "more_body": lo < last})

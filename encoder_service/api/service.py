@@ -18,6 +18,7 @@ import uvicorn
 
 from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import install_log_ids
+from encoder_service.api.socket_send import SocketSend
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
 from encoder_service.settings import Settings, format_size
@@ -87,6 +88,7 @@ class Service:
         self._sglang_sock = sglang_sock
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
+        self._socket_send: SocketSend | None = None
         self._sglang: _Uvicorn | None = None
         self._sglang_task: asyncio.Task | None = None
         self._sglang_protocol = None
@@ -127,8 +129,8 @@ class Service:
 
         s = self.settings.server
         sock = self._http_sock or bind_socket(s.host, s.http_port)
-        self._http, self._http_task, self.http_address = await self._serve(create_app(self.core, pickups), sock,
-                                                                           "HTTP")
+        self._socket_send = SocketSend(create_app(self.core, pickups), s.send_threads)
+        self._http, self._http_task, self.http_address = await self._serve(self._socket_send, sock, "HTTP")
 
     async def _start_sglang(self) -> None:
         """SGLang's encoder protocol on its own port (unauthenticated: SGLang sends no credentials)."""
@@ -159,6 +161,10 @@ class Service:
         host, port = sock.getsockname()[:2]
         return server, task, f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
 
+    @property
+    def threaded_sends(self) -> bool:
+        return self._socket_send is not None and self._socket_send.active
+
     async def wait_closed(self) -> None:
         """Returns when a server exits by itself (it should not) — the CLI races this with SIGTERM."""
         tasks = [t for t in (self._http_task, self._sglang_task) if t is not None]
@@ -184,6 +190,8 @@ class Service:
         for task in (self._http_task, self._sglang_task):
             if task is not None:
                 await task
+        if self._socket_send is not None:
+            self._socket_send.close()
         if self._sglang_protocol is not None:
             await self._sglang_protocol.close()
         if self.core is not None:
@@ -214,7 +222,8 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         f"limits: max_images={s.limits.max_images} max_body={format_size(s.limits.max_body_bytes)} "
         f"max_image={format_size(s.limits.max_image_bytes)} max_pixels={s.limits.max_pixels} "
         f"url_hosts={','.join(s.limits.allow_url_hosts) or 'off'}",
-        f"http: {service.http_address or 'off'}  grpc: {service.grpc_address or 'off'}  "
+        f"http: {service.http_address or 'off'} (rows written by "
+        f"{f'{s.server.send_threads} threads' if service.threaded_sends else 'the event loop'})  grpc: {service.grpc_address or 'off'}  "
         f"auth: {'bearer token' if s.server.auth_token else 'off'}",
         "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
                                if service.sglang_address else "off"),

@@ -1,0 +1,127 @@
+"""Fetched rows written by pool threads straight onto the connection's socket, so several fetches' bytes leave
+the process at once.
+
+One asyncio loop writes every HTTP response, and sending costs the server about 0.3 CPU seconds per GB (most
+of it the kernel's copy into the socket): one loop tops out near 3 GB/s however many clients read, and while
+it sends it runs nothing else (the encodes' bookkeeping included). A blocking `sendall` releases the GIL, so N
+threads make N kernel copies at once.
+
+`SocketSend(app, threads)` wraps the ASGI app uvicorn runs. For each HTTP request served by uvicorn's httptools
+protocol it puts a `RowWriter` in `scope["extensions"]`; `RowsResponse` (api/rows_response.py) sends the status
+line, headers and wire header through ASGI as always, then hands the rows (a memoryview of the cache entry, no
+copy) to `RowWriter.write`:
+  1. wait until the transport holds no unsent bytes (the headers went to the kernel);
+  2. a pool thread writes the rows with `sendall` on a dup of the connection's file descriptor (non-blocking,
+     so with a timeout: SEND_TIMEOUT_S in all); HTTP/1.1 sends one response at a time on a connection, so the
+     loop writes nothing there meanwhile;
+  3. the protocol's count of body bytes still due drops by what the thread sent, and the response ends with an
+     empty body message through ASGI.
+A send error or timeout closes the connection (the client sees a short body, as with any dropped connection).
+
+uvicorn's ASGI interface has no "write these bytes from a thread", so this reads two attributes of its
+httptools protocol's per-request cycle: `transport` and `expected_content_length` (checked once, at
+start-up, on the class). Anything else - the h11 protocol, another server, an in-process test client - gets
+no writer, and RowsResponse sends through ASGI. So does a fetch when every thread is busy (a slow reader holds
+its thread until it reads or times out; the others keep the loop path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("encoder_service")
+
+EXTENSION = "encoder_service.row_writer"
+SENT, GONE, NOT_TAKEN = "sent", "gone", "not taken"  # RowWriter.write's outcomes
+MIN_BYTES = 1 << 20  # smaller rows go through ASGI: a thread hand-off costs ~0.1 ms
+SEND_TIMEOUT_S = 60.0  # a whole row write; 67 MB at 10 Mbit/s would take 54 s
+DRAIN_POLL_S, DRAIN_WAIT_S = 0.001, 1.0  # waiting for the headers to leave; else the loop path
+
+
+def httptools_cycle() -> type | None:
+    """uvicorn's httptools request cycle, when uvicorn serves HTTP with it and it has what RowWriter uses."""
+    try:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+    except ImportError:  # httptools not installed
+        return None
+    if AutoHTTPProtocol is not HttpToolsProtocol:
+        return None
+    probe = RequestResponseCycle.__init__.__code__.co_names
+    return RequestResponseCycle if {"transport", "expected_content_length"} <= set(probe) else None
+
+
+class SocketSend:
+    """ASGI middleware: hands each HTTP request on uvicorn's httptools protocol a RowWriter (module docstring)."""
+
+    def __init__(self, app: ASGIApp, threads: int):
+        self.app = app
+        self._cycle_type = httptools_cycle() if threads > 0 else None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="row-send") if self._cycle_type else None
+        self._free = threading.BoundedSemaphore(threads) if self._cycle_type else None
+        if threads > 0 and self._cycle_type is None:
+            log.info("fetched rows are written on the event loop: uvicorn serves HTTP without httptools")
+
+    @property
+    def active(self) -> bool:
+        return self._pool is not None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cycle = getattr(send, "__self__", None)
+        if self._pool is not None and scope["type"] == "http" and type(cycle) is self._cycle_type:
+            scope.setdefault("extensions", {})[EXTENSION] = RowWriter(cycle, self._pool, self._free)
+        await self.app(scope, receive, send)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RowWriter:
+    """Writes one response's rows from a pool thread; see the module docstring for the steps."""
+
+    def __init__(self, cycle, pool: ThreadPoolExecutor, free: threading.BoundedSemaphore):
+        self._cycle, self._pool, self._free = cycle, pool, free
+
+    async def write(self, rows: memoryview) -> str:
+        """SENT: the rows went out, end the response; GONE: the connection closed, send nothing more;
+        NOT_TAKEN: nothing was written (small rows, headers not drained, every thread busy): send via ASGI."""
+        transport = self._cycle.transport
+        if len(rows) < MIN_BYTES or not await _drained(transport) or not self._free.acquire(blocking=False):
+            return NOT_TAKEN
+        try:
+            if transport.is_closing():
+                return GONE
+            fd = transport.get_extra_info("socket").fileno()
+            await asyncio.get_running_loop().run_in_executor(self._pool, _sendall, fd, rows)
+        except OSError as e:  # the peer left, or it stopped reading for SEND_TIMEOUT_S
+            log.info("fetch rows not delivered, closing the connection: %s", e)
+            transport.close()
+            await asyncio.sleep(0)  # the protocol's connection_lost runs: uvicorn sees the client gone
+            return GONE
+        finally:
+            self._free.release()
+        self._cycle.expected_content_length -= len(rows)
+        return SENT
+
+
+async def _drained(transport) -> bool:
+    """Waits (up to DRAIN_WAIT_S) until the transport holds no unsent bytes."""
+    for _ in range(int(DRAIN_WAIT_S / DRAIN_POLL_S)):
+        if transport.is_closing() or not transport.get_write_buffer_size():
+            return True
+        await asyncio.sleep(DRAIN_POLL_S)
+    return False
+
+
+def _sendall(fd: int, rows: memoryview) -> None:
+    with socket.socket(fileno=os.dup(fd)) as sock:  # a dup: closing ours leaves the transport's socket open
+        sock.settimeout(SEND_TIMEOUT_S)  # the file is non-blocking already (asyncio's); this adds the bound
+        sock.sendall(rows)

@@ -1,0 +1,172 @@
+"""Fetched rows written by pool threads on the connection's socket (api/socket_send.py): the same bytes as the
+encode's own rows on every HTTP-carried path, on a kept-alive connection too; a client that stops reading
+holds one thread and nothing else, until it leaves or the send times out; `--send-threads 0` is the loop path.
+
+The rows are a Qwen3-VL-shaped checkpoint's (benchmarks/transfer_bench.py: a tiny tower, rows 4096 x 4 bf16 =
+32 KiB): a 640x360 JPEG's entry is 7.2 MB, over MIN_BYTES and over what loopback socket buffers hold."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+
+import pytest
+
+from benchmarks.common.images import jpeg
+from benchmarks.transfer_bench import build
+from encoder_service.api import socket_send
+from encoder_service.client import EncoderClient
+from encoder_service.protocol import wire
+from tests.support.service import running
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class SendSpy:
+    """Wraps the real `_sendall`: counts the thread writes that start and how each ended."""
+
+    def __init__(self, real):
+        self.real, self.started, self.ended = real, [], []
+        self.lock = threading.Lock()
+
+    def __call__(self, fd: int, rows: memoryview) -> None:
+        with self.lock:
+            self.started.append(len(rows))
+        try:
+            self.real(fd, rows)
+        except OSError as e:
+            self.ended.append(e)
+            raise
+        self.ended.append(None)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("wide-rows")
+    build(directory, 4096)
+    return directory
+
+
+@pytest.fixture
+def spy(monkeypatch) -> SendSpy:
+    s = SendSpy(socket_send._sendall)
+    monkeypatch.setattr(socket_send, "_sendall", s)
+    return s
+
+
+def _encode(svc, seed: int):
+    with EncoderClient.http(svc.url, timeout=60) as c:
+        (info,) = c.encode([jpeg(640, 360, seed=seed)], wait=True, return_embeddings=True)
+    return info
+
+
+def _fetch_json(info) -> bytes:
+    return json.dumps({"items": [{"id": info.id, "offset": 0}], "start": 0, "end": info.num_tokens}).encode()
+
+
+def test_uvicorn_serves_with_httptools_and_the_cycle_has_what_the_writer_uses():
+    """httptools is a dependency; a uvicorn release that renamed what RowWriter reads fails here, not silently."""
+    assert socket_send.httptools_cycle() is not None
+
+
+def test_rows_written_by_threads_equal_the_encodes_on_every_http_path(request, wide_checkpoint, spy):
+    svc = running(request, wide_checkpoint, "--send-threads", "2", "--max-pixels", "20000000")
+    assert svc.service.threaded_sends
+    info = _encode(svc, seed=1)
+    want = wire.row_bytes(info.embedding)
+    assert len(want) > socket_send.MIN_BYTES
+    with EncoderClient.http(svc.url, timeout=60) as c:
+        got_http = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+    with EncoderClient.grpc(svc.grpc_address, timeout=60) as c:  # the rows picked up over HTTP
+        got_grpc = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+    for got in (got_http, got_grpc):
+        assert bytes(wire.row_bytes(got)) == bytes(want)
+    assert len(spy.started) == 2 and spy.ended == [None, None]
+
+    # One kept-alive connection: two fetches, then a small request, each answer whole.
+    host, port = svc.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        for _ in range(2):
+            conn.request("POST", "/v1/fetch", body=_fetch_json(info), headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            body = resp.read()
+            assert resp.status == 200 and len(body) == int(resp.headers["content-length"])
+            assert body[-len(want):] == bytes(want)
+        conn.request("GET", "/health/ready")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    assert len(spy.started) == 4
+
+
+def test_send_threads_zero_is_the_loop_path(request, wide_checkpoint, spy):
+    svc = running(request, wide_checkpoint, "--send-threads", "0", "--max-pixels", "20000000")
+    assert not svc.service.threaded_sends
+    info = _encode(svc, seed=2)
+    with EncoderClient.http(svc.url, timeout=60) as c:
+        got = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+    assert bytes(wire.row_bytes(got)) == bytes(wire.row_bytes(info.embedding))
+    assert spy.started == []
+
+
+def _stalled_fetch(svc, info) -> socket.socket:
+    """A client that sends a fetch, then reads only the status line: the rows stop in the socket buffers."""
+    host, port = svc.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    body = _fetch_json(info)
+    sock.sendall(b"POST /v1/fetch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n" % len(body) + body)
+    assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_a_client_that_stops_reading_holds_one_thread_until_it_leaves_or_times_out(
+        request, wide_checkpoint, spy, monkeypatch):
+    svc = running(request, wide_checkpoint, "--send-threads", "1", "--max-pixels", "20000000")
+    info = _encode(svc, seed=3)
+    want = bytes(wire.row_bytes(info.embedding))
+
+    def fetch_ok() -> bool:
+        with EncoderClient.http(svc.url, timeout=30) as c:
+            return bytes(wire.row_bytes(c.fetch([(info.id, 0)], 0, info.num_tokens).rows)) == want
+
+    def thread_fetch_again(started: int) -> None:
+        """The thread is free once the loop has seen its error: a later fetch is written by it, whole."""
+        wait_for(lambda: fetch_ok() and len(spy.started) > started, "a fetch written by the thread again")
+        wait_for(lambda: len(spy.ended) == len(spy.started), "that write to end")
+        assert spy.ended[started:] == [None] * (len(spy.started) - started)
+
+    # 1. It leaves: the thread's send fails, the thread is free again, the service serves on.
+    stalled = _stalled_fetch(svc, info)
+    wait_for(lambda: len(spy.started) == 1, "the stalled fetch's rows in the send thread")
+    assert fetch_ok()  # the only thread is busy: this one went through the loop
+    assert len(spy.started) == 1 and spy.ended == []
+    stalled.close()  # unread bytes in its buffer: the kernel resets the connection
+    wait_for(lambda: len(spy.ended) == 1, "the send thread to see the client gone")
+    assert isinstance(spy.ended[0], OSError)
+    thread_fetch_again(1)
+
+    # 2. It stays but never reads: the send gives up after SEND_TIMEOUT_S and closes the connection.
+    monkeypatch.setattr(socket_send, "SEND_TIMEOUT_S", 1.0)
+    n = len(spy.started)
+    stalled = _stalled_fetch(svc, info)
+    try:
+        wait_for(lambda: len(spy.ended) == n + 1, "the send to time out")
+        assert isinstance(spy.ended[-1], TimeoutError)
+        thread_fetch_again(len(spy.started))
+        stalled.settimeout(30)
+        with contextlib.suppress(ConnectionResetError):  # what was sent, then the end: the server closed it
+            for _ in range(len(want) // 4096 + 10):
+                if not stalled.recv(1 << 20):
+                    break
+            else:
+                pytest.fail("the timed-out connection is still open")
+    finally:
+        stalled.close()
