@@ -382,6 +382,8 @@ def main() -> int:
                         help="the load generators' client (default http)")
     parser.add_argument("--clients", type=int, default=1,
                         help="load-generator processes sharing each level's workers (default 1)")
+    parser.add_argument("--send-threads", type=int, default=None,
+                        help="the service's --send-threads (default: its default; 0: the event loop sends the rows)")
     parser.add_argument("--client", metavar="JOB_JSON", help=argparse.SUPPRESS)  # a load generator (child)
     parser.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -414,7 +416,8 @@ def main() -> int:
             checkpoint, device, dtype, http_sock,
             *(("--cache-bytes", cfg["cache_bytes"]) if cfg["cache_bytes"] else ()),  # room for every id encoded
             "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
-            "--attention", args.attention, *(("--preprocess", args.preprocess) if args.preprocess else ()))
+            "--attention", args.attention, *(("--preprocess", args.preprocess) if args.preprocess else ()),
+            *(("--send-threads", str(args.send_threads)) if args.send_threads is not None else ()))
         core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
         t_core = time.perf_counter()
         runner = core.runner.describe()
@@ -437,6 +440,8 @@ def main() -> int:
         t_model = time.perf_counter()
 
         svc = in_process_service(settings, http_sock, core=core)
+        setup["rows_sent_by"] = (f"{settings.server.send_threads} threads" if svc.service.threaded_sends
+                                 else "the event loop")
         try:
             print(f"service up: {svc.url} grpc {svc.grpc_address}", flush=True)
             job = dict(http=svc.url, grpc=svc.grpc_address, cfg=cfg, flow=args.flow, transport=args.transport,
