@@ -211,6 +211,7 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
 
         memory = f", GPU memory allocated {format_size(torch.cuda.memory_allocated(core.loaded.device))}"
     runner = core.runner.describe()
+    sender = f"{s.server.send_threads} threads" if service.threaded_sends else "the event loop"
     return "\n  ".join([
         f"encoder_service ready in {total_s:.1f}s (model load {load_s:.1f}s)",
         f"model: {s.model.model} family={spec.family} model_type={spec.model_type} fingerprint={core.model_fp}",
@@ -222,8 +223,7 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         f"limits: max_images={s.limits.max_images} max_body={format_size(s.limits.max_body_bytes)} "
         f"max_image={format_size(s.limits.max_image_bytes)} max_pixels={s.limits.max_pixels} "
         f"url_hosts={','.join(s.limits.allow_url_hosts) or 'off'}",
-        f"http: {service.http_address or 'off'} (rows written by "
-        f"{f'{s.server.send_threads} threads' if service.threaded_sends else 'the event loop'})  grpc: {service.grpc_address or 'off'}  "
+        f"http: {service.http_address or 'off'} (rows written by {sender})  grpc: {service.grpc_address or 'off'}  "
         f"auth: {'bearer token' if s.server.auth_token else 'off'}",
         "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
                                if service.sglang_address else "off"),
