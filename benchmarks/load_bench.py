@@ -440,8 +440,7 @@ def main() -> int:
         t_model = time.perf_counter()
 
         svc = in_process_service(settings, http_sock, core=core)
-        setup["rows_sent_by"] = (f"{settings.server.send_threads} threads" if svc.service.threaded_sends
-                                 else "the event loop")
+        setup["rows_sent_by"] = svc.service.rows_written_by
         try:
             print(f"service up: {svc.url} grpc {svc.grpc_address}", flush=True)
             job = dict(http=svc.url, grpc=svc.grpc_address, cfg=cfg, flow=args.flow, transport=args.transport,

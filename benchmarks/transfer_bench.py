@@ -660,8 +660,7 @@ def main() -> int:
                 entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB"
                          for k, v in entries.items()},
                 rounds=cfg["rounds"], processes=list(cfg["processes"]),
-                rows_sent_by=f"{settings.server.send_threads} threads" if svc.service.threaded_sends
-                else "the event loop", setup_s=round(time.perf_counter() - t_start, 1))
+                rows_sent_by=svc.service.rows_written_by, setup_s=round(time.perf_counter() - t_start, 1))
             aggregates = {f"aggregate x{p}": p for p in cfg["processes"]}
             report = Report(setup, job["first"], ["single", "concurrent", *aggregates, "encode"], t_start)
             print("\n".join(report.head()), flush=True)

@@ -38,7 +38,7 @@ class RowsResponse(Response):
         rows, last = self._rows, max(0, len(self._rows) - SEND_BYTES)
         await send({"type": "http.response.body", "body": self._prefix, "more_body": bool(len(rows))})
         writer = scope.get("extensions", {}).get(EXTENSION)
-        outcome = await writer.write(rows) if writer is not None and len(rows) else NOT_TAKEN
+        outcome = await writer.write(rows) if writer is not None else NOT_TAKEN
         if outcome == SENT:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         if outcome in (SENT, GONE):

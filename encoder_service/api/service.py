@@ -165,6 +165,11 @@ class Service:
     def threaded_sends(self) -> bool:
         return self._socket_send is not None and self._socket_send.active
 
+    @property
+    def rows_written_by(self) -> str:
+        """Who writes fetched rows onto HTTP sockets (the startup summary, the benchmarks' setup)."""
+        return f"{self.settings.server.send_threads} threads" if self.threaded_sends else "the event loop"
+
     async def wait_closed(self) -> None:
         """Returns when a server exits by itself (it should not) — the CLI races this with SIGTERM."""
         tasks = [t for t in (self._http_task, self._sglang_task) if t is not None]
@@ -211,7 +216,6 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
 
         memory = f", GPU memory allocated {format_size(torch.cuda.memory_allocated(core.loaded.device))}"
     runner = core.runner.describe()
-    sender = f"{s.server.send_threads} threads" if service.threaded_sends else "the event loop"
     return "\n  ".join([
         f"encoder_service ready in {total_s:.1f}s (model load {load_s:.1f}s)",
         f"model: {s.model.model} family={spec.family} model_type={spec.model_type} fingerprint={core.model_fp}",
@@ -223,7 +227,8 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         f"limits: max_images={s.limits.max_images} max_body={format_size(s.limits.max_body_bytes)} "
         f"max_image={format_size(s.limits.max_image_bytes)} max_pixels={s.limits.max_pixels} "
         f"url_hosts={','.join(s.limits.allow_url_hosts) or 'off'}",
-        f"http: {service.http_address or 'off'} (rows written by {sender})  grpc: {service.grpc_address or 'off'}  "
+        f"http: {service.http_address or 'off'} (rows written by {service.rows_written_by})  "
+        f"grpc: {service.grpc_address or 'off'}  "
         f"auth: {'bearer token' if s.server.auth_token else 'off'}",
         "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
                                if service.sglang_address else "off"),
