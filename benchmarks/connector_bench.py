@@ -209,12 +209,20 @@ def run_family(family: str, small: bool, device, dtype, n: int, tmp: Path, index
                                        device=str(device if device.type == "cpu" else "cuda:0"),
                                        dtype=str(dtype).removeprefix("torch."), checkpoint=str(checkpoint), n=n,
                                        image_base=1_000_000 * (index + 1), result=str(result))))
+        before = core.shm.stats()
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--side", str(job)], timeout=1800,
                               check=False)
         if not result.exists():
             return dict(family=family, rows=[], setup_s=setup_s), [f"{family}: the vLLM side failed (exit "
                                                                    f"{proc.returncode})"]
         out = json.loads(result.read_text())
+        after = core.shm.stats()
+        writes = after["writes"] - before["writes"]
+        for row in out["rows"]:  # only the shm mode's fetches had the encoder write into our files
+            if row["mode"] == "shm" and writes:
+                seconds, nbytes = (after[k] - before[k] for k in ("copy_seconds", "written_bytes"))
+                row["server_copy"] = dict(writes=writes, mean_ms=seconds / writes * 1e3,
+                                          gb_s=nbytes / seconds / 1e9 if seconds else None)
         return dict(family=family, rows=out["rows"], setup_s=setup_s, runner=core.runner.describe().get("runner")), \
             out["checks"]
     finally:
@@ -222,6 +230,13 @@ def run_family(family: str, small: bool, device, dtype, n: int, tmp: Path, index
         del core
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _copy_cell(copy: dict | None) -> str:
+    if copy is None:
+        return "-"
+    rate = f", {copy['gb_s']:.1f} GB/s" if copy["gb_s"] else ""
+    return f"{copy['mean_ms']:.2f} ms{rate} ({copy['writes']} writes)"
 
 
 def markdown(setup: dict, families: list[dict], checks: list[str]) -> str:
@@ -233,15 +248,17 @@ def markdown(setup: dict, families: list[dict], checks: list[str]) -> str:
              "Milliseconds, median (p90). cold: a new image each time (the ViT runs inside 'staged'); warm: the "
              "image cached at the encoder; device copy: staged rows to the device alone.", "",
              "| family | rows travel by | rows x width | MB | cold encode | cold staged | cold on device | cold total "
-             "| warm staged | warm on device | warm total | copy, registered | copy, pageable |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| warm staged | warm on device | warm total | copy, registered | copy, pageable | encoder's copy into "
+             "shm, mean of cold and warm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for fam in families:
         for r in fam["rows"]:
             c, w, d = r["cold"], r["warm"], r["device_copy"]
             lines.append(f"| {fam['name']} | {r['mode']} | {r['rows']} x {r['row_width']} {r['dtype']} "
                          f"| {r['mbytes']:.3g} | {s(c['encode'])} | {s(c['staged'])} | {s(c['device'])} "
                          f"| {s(c['total'])} | {s(w['staged'])} | {s(w['device'])} | {s(w['total'])} "
-                         f"| {s(d['pinned']) if 'pinned' in d else 'n/a'} | {s(d['pageable'])} |")
+                         f"| {s(d['pinned']) if 'pinned' in d else 'n/a'} | {s(d['pageable'])} "
+                         f"| {_copy_cell(r.get('server_copy'))} |")
     lines += ["", "Checks: " + ("all passed" if not checks else "; ".join(checks))]
     return "\n".join(lines) + "\n"
 

@@ -21,8 +21,12 @@ A send error or timeout closes the connection (the client sees a short body, as 
 uvicorn's ASGI interface has no "write these bytes from a thread", so this reads two attributes of its
 httptools protocol's per-request cycle: `transport` and `expected_content_length` (checked once, at
 start-up, on the class). Anything else - the h11 protocol, another server, an in-process test client - gets
-no writer, and RowsResponse sends through ASGI. So does a fetch when every thread is busy (a slow reader holds
-its thread until it reads or times out; the others keep the loop path).
+no writer, and RowsResponse sends through ASGI.
+
+When every thread is busy a fetch waits for one, up to QUEUE_WAIT_S: readers that keep up free a thread in
+tens of milliseconds, and a fetch sent by the loop meanwhile would cap every connection at the loop's rate
+(16 concurrent fetches against 8 threads sent half their rows through the loop). Past the wait the fetch takes
+the loop path: readers that stall hold their threads until they read or time out, the others go on.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import asyncio
 import logging
 import os
 import socket
-import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -43,6 +47,7 @@ SENT, GONE, NOT_TAKEN = "sent", "gone", "not taken"  # RowWriter.write's outcome
 MIN_BYTES = 1 << 20  # smaller rows go through ASGI: a thread hand-off costs ~0.1 ms
 SEND_TIMEOUT_S = 60.0  # a whole row write; 67 MB at 10 Mbit/s would take 54 s
 DRAIN_POLL_S, DRAIN_WAIT_S = 0.001, 1.0  # waiting for the headers to leave; else the loop path
+QUEUE_WAIT_S = 0.25  # waiting for a free thread; else the loop path
 
 
 def httptools_cycle() -> type | None:
@@ -65,7 +70,7 @@ class SocketSend:
         self.app = app
         self._cycle_type = httptools_cycle() if threads > 0 else None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="row-send") if self._cycle_type else None
-        self._free = threading.BoundedSemaphore(threads) if self._cycle_type else None
+        self._free = FreeThreads(threads) if self._cycle_type else None
         if threads > 0 and self._cycle_type is None:
             log.info("fetched rows are written on the event loop: uvicorn serves HTTP without httptools")
 
@@ -84,17 +89,60 @@ class SocketSend:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class FreeThreads:
+    """The send threads not writing, counted on the event loop: `take` waits in line for one, up to a bound.
+
+    Not asyncio.wait_for over a Semaphore: a timeout that fires as the permit arrives would lose the permit
+    (one thread fewer for good). Here a permit goes to a waiter's future, and a waiter cancelled after its
+    permit came gives it back."""
+
+    def __init__(self, n: int):
+        self._free = n
+        self._line: deque[asyncio.Future] = deque()
+
+    async def take(self, wait_s: float) -> bool:
+        if self._free and not self._line:
+            self._free -= 1
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._line.append(waiter)
+        timer = loop.call_later(wait_s, self._give_up, waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self.give()
+            raise
+        finally:
+            timer.cancel()
+            if waiter in self._line:
+                self._line.remove(waiter)
+
+    def _give_up(self, waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_result(False)
+
+    def give(self) -> None:
+        while self._line:
+            waiter = self._line.popleft()
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        self._free += 1
+
+
 class RowWriter:
     """Writes one response's rows from a pool thread; see the module docstring for the steps."""
 
-    def __init__(self, cycle, pool: ThreadPoolExecutor, free: threading.BoundedSemaphore):
+    def __init__(self, cycle, pool: ThreadPoolExecutor, free: FreeThreads):
         self._cycle, self._pool, self._free = cycle, pool, free
 
     async def write(self, rows: memoryview) -> str:
         """SENT: the rows went out, end the response; GONE: the connection closed, send nothing more;
-        NOT_TAKEN: nothing was written (small rows, headers not drained, every thread busy): send via ASGI."""
+        NOT_TAKEN: nothing was written (small rows, headers not drained, no thread free in time): send via ASGI."""
         transport = self._cycle.transport
-        if len(rows) < MIN_BYTES or not await _drained(transport) or not self._free.acquire(blocking=False):
+        if len(rows) < MIN_BYTES or not await _drained(transport) or not await self._free.take(QUEUE_WAIT_S):
             return NOT_TAKEN
         try:
             if transport.is_closing():
@@ -107,7 +155,7 @@ class RowWriter:
             await asyncio.sleep(0)  # the protocol's connection_lost runs: uvicorn sees the client gone
             return GONE
         finally:
-            self._free.release()
+            self._free.give()
         self._cycle.expected_content_length -= len(rows)
         return SENT
 
@@ -119,6 +167,15 @@ async def _drained(transport) -> bool:
             return True
         await asyncio.sleep(DRAIN_POLL_S)
     return False
+
+
+async def _acquired(free: asyncio.BoundedSemaphore) -> bool:
+    """A thread of ours, waiting up to QUEUE_WAIT_S for one."""
+    try:
+        await asyncio.wait_for(free.acquire(), QUEUE_WAIT_S)
+        return True
+    except TimeoutError:
+        return False
 
 
 def _sendall(fd: int, rows: memoryview) -> None:

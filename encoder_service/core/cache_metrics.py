@@ -156,6 +156,9 @@ SHM: dict[str, Stat] = {
     "opens": _counter("encoder_shm_opens", "Client shared-memory files opened and mapped"),
     "evictions": _counter("encoder_shm_mapping_evictions", "Mappings closed to stay under the open-file bound"),
     "writes": _counter("encoder_shm_writes", "Fetches whose rows were written into a client's file"),
+    "written_bytes": _counter("encoder_shm_written_bytes", "Bytes of rows written into clients' files"),
+    "copy_seconds": _counter("encoder_shm_copy_seconds", "Time the copies into clients' files took (bytes / "
+                             "this = the copy's rate)"),
     "open": _gauge("encoder_shm_open_mappings", "Client files mapped now"),
 }
 

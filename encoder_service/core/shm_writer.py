@@ -26,6 +26,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,7 +82,7 @@ class ShmWriter:
         self._open: OrderedDict[tuple, _Mapping] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shm-copy")
-        self.counters = dict(opens=0, evictions=0, writes=0)
+        self.counters = dict(opens=0, evictions=0, writes=0, written_bytes=0, copy_seconds=0.0)
 
     def check(self, target: ShmTarget, extent: int) -> _Mapping:
         """Validate `target` for a write of `extent` bytes from its offset; the mapping, with one more user
@@ -165,7 +166,10 @@ class ShmWriter:
             raise
         future.add_done_callback(lambda _: self.release(m))
         self.counters["writes"] += 1
-        return await asyncio.wrap_future(future)
+        written, seconds = await asyncio.wrap_future(future)
+        self.counters["written_bytes"] += written
+        self.counters["copy_seconds"] += seconds
+        return written
 
     def stats(self) -> dict:
         with self._lock:
@@ -181,8 +185,9 @@ class ShmWriter:
         os.close(self._dir_fd)
 
 
-def _copy(m: _Mapping, offset: int, pieces: list[tuple[int, torch.Tensor]], directory: str) -> int:
+def _copy(m: _Mapping, offset: int, pieces: list[tuple[int, torch.Tensor]], directory: str) -> tuple[int, float]:
     """Pool thread: each piece's rows as raw bytes into the mapping at offset + at; no concatenation.
+    Returns (bytes written, seconds the copies took).
 
     A file with holes gets its range allocated first: a sized tmpfs file can be sparse, and a store into a
     page the filesystem can't back (a full /dev/shm: Docker's default is 64 MiB) would kill the process with
@@ -194,10 +199,10 @@ def _copy(m: _Mapping, offset: int, pieces: list[tuple[int, torch.Tensor]], dire
         except OSError as exc:
             raise FailedPrecondition(f"shm file {m.key[0]}: no room for {extent} bytes in {directory} "
                                      f"({exc.strerror}); give the shared-memory mount more space") from None
-    total = 0
+    total, t0 = 0, time.perf_counter()
     for at, rows in pieces:
         src = rows.detach().reshape(-1).view(torch.uint8)  # contiguous rows: a view
         lo = offset + at
         m.bytes[lo:lo + src.numel()].copy_(src)
         total += src.numel()
-    return total
+    return total, time.perf_counter() - t0

@@ -88,6 +88,7 @@ def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path)
             assert client.fetch([(ids[-1], 0)], 0, 4).rows.shape == (4, 48)
         m = scrape(c)
         assert m["encoder_shm_writes_total"] == m["encoder_shm_opens_total"] == 1
+        assert m["encoder_shm_written_bytes_total"] == 4 * 48 * 4 and m["encoder_shm_copy_seconds_total"] > 0
 
         statuses = []
         for k in range(16, 22):  # no releases, no waits: 4 KiB of pins fill up at the 6th image

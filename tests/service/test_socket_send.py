@@ -168,3 +168,29 @@ def test_a_client_that_stops_reading_holds_one_thread_until_it_leaves_or_times_o
                 pytest.fail("the timed-out connection is still open")
     finally:
         stalled.close()
+
+
+def test_free_threads_queue_waiters_in_order_time_them_out_and_never_lose_a_thread():
+    import asyncio
+
+    async def main():
+        free = socket_send.FreeThreads(1)
+        assert await free.take(0.01)  # the only thread
+        assert not await free.take(0.01)  # none came back in time: the loop path
+        first = asyncio.ensure_future(free.take(5))
+        second = asyncio.ensure_future(free.take(5))
+        await asyncio.sleep(0)
+        free.give()  # to the first in line
+        assert await first and not second.done()
+        free.give()
+        assert await second
+        # A waiter cancelled just as its thread came gives it back: the next take finds it at once.
+        third = asyncio.ensure_future(free.take(5))
+        await asyncio.sleep(0)
+        free.give()
+        third.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await third
+        assert await free.take(0) and not await free.take(0.01)
+
+    asyncio.run(main())
