@@ -28,6 +28,7 @@ fails.
     python benchmarks/transfer_bench.py --small   # CI: narrower rows, few rounds (tests/service/test_transfer_bench.py)
     N=30 P=4,16 python benchmarks/transfer_bench.py   # rounds per variant; client processes of phases 3 and 4
     python benchmarks/transfer_bench.py --send-threads 0   # the rows written by the event loop (api/socket_send.py)
+    python benchmarks/transfer_bench.py --queue-wait-s 0   # a fetch finding every send thread busy takes the loop
 
 Prints each phase's table as soon as the phase ends, and after each rewrites
 benchmarks/results/transfer_bench-<date>-<commit>.json and $OUT/transfer_bench.md (benchmarks/common/report.py):
@@ -601,6 +602,9 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="narrower rows, few rounds (CI)")
     parser.add_argument("--send-threads", type=int, default=None,
                         help="the service's --send-threads (default: its default; 0: the event loop sends)")
+    parser.add_argument("--queue-wait-s", type=float, default=None,
+                        help="how long a fetch waits for a busy send thread before the loop sends it "
+                             "(api/socket_send.py: QUEUE_WAIT_S; default: that)")
     parser.add_argument("--client", nargs=2, metavar=("JOB_JSON", "PHASE"), help=argparse.SUPPRESS)
     parser.add_argument("--fetcher", nargs=3, metavar=("JOB_JSON", "KIND", "COUNT"), help=argparse.SUPPRESS)
     parser.add_argument("--encoder", nargs=3, metavar=("JOB_JSON", "COUNT", "BASE"), help=argparse.SUPPRESS)
@@ -616,10 +620,13 @@ def main() -> int:
 
     import torch
 
+    from encoder_service.api import socket_send
     from encoder_service.api.service import bind_socket
     from encoder_service.client import EncoderClient
     from encoder_service.protocol import wire
 
+    if args.queue_wait_s is not None:  # the service runs in this process
+        socket_send.QUEUE_WAIT_S = args.queue_wait_s
     cfg = dict(CONFIGS["small" if args.small else "full"])
     cfg["rounds"] = int(os.environ.get("N", cfg["rounds"]))
     if os.environ.get("P"):
@@ -660,7 +667,8 @@ def main() -> int:
                 entries={k: f"{v['rows']} x {v['row_width']} bf16 = {v['bytes'] / 1e6:.1f} MB"
                          for k, v in entries.items()},
                 rounds=cfg["rounds"], processes=list(cfg["processes"]),
-                rows_sent_by=svc.service.rows_written_by, setup_s=round(time.perf_counter() - t_start, 1))
+                rows_sent_by=svc.service.rows_written_by, queue_wait_s=socket_send.QUEUE_WAIT_S,
+                setup_s=round(time.perf_counter() - t_start, 1))
             aggregates = {f"aggregate x{p}": p for p in cfg["processes"]}
             report = Report(setup, job["first"], ["single", "concurrent", *aggregates, "encode"], t_start)
             print("\n".join(report.head()), flush=True)
