@@ -32,6 +32,7 @@ MAX_ERROR_BODY_BYTES = 1 << 20  # an error answer's JSON; larger is not ours
 MAX_IDLE = 64  # keep-alive sockets kept for reuse (one per fetch in flight is open at a time)
 READ_THREADS = 32  # an async transport's threads for these reads (each blocks in recv_into, GIL released)
 OCTET = "application/octet-stream"
+JSON = "application/json"
 
 
 class NotRaw(Exception):
@@ -300,14 +301,26 @@ def read_fetch(writer_for: Callable[[wire.WireHeader], wire.RowWriter]):
     return read
 
 
-async def in_thread(threads, fn: Callable[[Cancel], T], dest) -> T:
+def read_json(response: Response) -> dict:
+    """A `RawHttp.post` reader for a small JSON answer (an shm fetch's header: the rows are in the file)."""
+    ctype = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != JSON or response.length > MAX_ERROR_BODY_BYTES:
+        raise NotRaw(f"a {response.length}-byte {ctype!r} answer where a JSON header was expected")
+    try:
+        return json.loads(response.read_exact(response.length))
+    except ValueError as exc:
+        raise wire.WireError(f"not an shm fetch answer: {exc!r}") from None
+
+
+async def in_thread(threads, fn: Callable[[Cancel], T], dest=None) -> T:
     """`fn(cancel)`, a blocking fetch, on one of `threads`. When the awaiting task is cancelled the fetch's
     socket is shut down (its read ends at once instead of filling the buffer after we returned) and its
-    staging buffer (`dest`, client/destination.py) is abandoned, not reused."""
+    staging buffer (`dest`, client/destination.py; None: the fetch has none) is abandoned, not reused."""
     cancel = Cancel()
     try:
         return await asyncio.get_running_loop().run_in_executor(threads, fn, cancel)
     except asyncio.CancelledError:
         cancel.fire()
-        dest.abandon()
+        if dest is not None:
+            dest.abandon()
         raise

@@ -220,3 +220,33 @@ def test_cancel_stops_a_stalled_read(serve):
     cancel.fire()
     reader.join(10)
     assert not reader.is_alive() and isinstance(failure[0], (errors.Unavailable, wire.WireError))
+
+
+def test_shm_fetch_answers_are_read_on_the_plain_socket_and_httpx_takes_what_it_cannot_read(serve):
+    """An shm fetch's JSON header (the rows went into the client's file) is read by the raw reader on a
+    kept-alive socket; a chunked answer, which our server never sends, turns the transport to httpx."""
+    shm_answer = json.dumps(HEADER.to_dict() | {"shm_bytes": ROWS.numel() * 4}).encode()
+    replies = iter([answer(shm_answer, ctype="application/json")] * 2
+                   + [answer(shm_answer, ctype="application/json", extra="transfer-encoding: chunked\r\n")])
+    heads = []
+
+    def script(conn, requests):
+        for head, body in requests:
+            heads.append(head)
+            assert json.loads(body)["shm"] == {"name": "n", "offset": 0}
+            reply = next(replies, None)
+            conn.sendall(reply if reply is not None else
+                         answer(shm_answer, ctype="application/json"))
+
+    server = serve(script)
+    transport = HttpTransport(f"http://127.0.0.1:{server.port}")
+    try:
+        for _ in range(2):
+            assert transport.fetch_shm([("a", 0)], 0, 6, {"name": "n", "offset": 0}, 10) == (HEADER, 96)
+        assert transport._raw.raw is not None and server.connections == 1
+        assert all(b"accept: application/json" in h for h in heads)
+        # The third answer says chunked: not read raw; httpx asks again (a fourth request) and reads it.
+        assert transport.fetch_shm([("a", 0)], 0, 6, {"name": "n", "offset": 0}, 10) == (HEADER, 96)
+        assert transport._raw.raw is None and len(heads) == 4
+    finally:
+        transport.close()
