@@ -25,7 +25,7 @@ no writer, and RowsResponse sends through ASGI.
 
 When every thread is busy a fetch waits for one, up to QUEUE_WAIT_S: readers that keep up free a thread in
 tens of milliseconds, and a fetch sent by the loop meanwhile would cap every connection at the loop's rate
-(16 concurrent fetches against 8 threads sent half their rows through the loop). Past the wait the fetch takes
+(16 concurrent fetches against 8 threads sent about half their rows through the loop). Past the wait the fetch takes
 the loop path: readers that stall hold their threads until they read or time out, the others go on.
 """
 
@@ -167,15 +167,6 @@ async def _drained(transport) -> bool:
             return True
         await asyncio.sleep(DRAIN_POLL_S)
     return False
-
-
-async def _acquired(free: asyncio.BoundedSemaphore) -> bool:
-    """A thread of ours, waiting up to QUEUE_WAIT_S for one."""
-    try:
-        await asyncio.wait_for(free.acquire(), QUEUE_WAIT_S)
-        return True
-    except TimeoutError:
-        return False
 
 
 def _sendall(fd: int, rows: memoryview) -> None:
