@@ -205,15 +205,19 @@ def loadgen_main(job_path: str, part: int) -> int:
         cmd = json.loads(line)
         pool = pools[cmd["size"]]
         images = pool[cmd["start"]:cmd["start"] + cmd["count"]]
-        if cmd["op"] == "level":
-            result = asyncio.run(closed_loop(cmd["targets"], images, cmd["workers"], cmd["level_s"], cmd["timeout_s"],
-                                             cross=cmd["cross"], verify_every=cmd["verify_every"],
-                                             worker_offset=cmd["worker_offset"], count=len(images)))
-        elif cmd["op"] == "latency":
-            n = cmd["count"] // 3
-            result = asyncio.run(cross_latency(cmd["targets"], images[:n], images[n:], cmd["timeout_s"]))
-        else:
-            result = asyncio.run(kill_burst(*cmd["targets"], images, cmd["wait_s"]))
+        try:
+            if cmd["op"] == "level":
+                result = asyncio.run(closed_loop(cmd["targets"], images, cmd["workers"], cmd["level_s"],
+                                                 cmd["timeout_s"], cross=cmd["cross"], verify_every=cmd["verify_every"],
+                                                 worker_offset=cmd["worker_offset"], count=len(images)))
+            elif cmd["op"] == "latency":
+                n = cmd["count"] // 3
+                result = asyncio.run(cross_latency(cmd["targets"], images[:n], images[n:], cmd["timeout_s"]))
+            else:
+                result = asyncio.run(kill_burst(*cmd["targets"], images, cmd["wait_s"]))
+        except Exception as exc:  # noqa: BLE001 - the parent reports why the phase failed
+            print(children.failure(exc), flush=True)
+            continue
         print(json.dumps(result), flush=True)
     return 0
 
@@ -484,7 +488,7 @@ class Run:
         targets = [r.target for r in replicas[:n]]
         workers = workers or self.cfg["workers"] * n
         parts = len(self.loadgens)
-        before = [r.metrics() for r in replicas[:n]]
+        before = [_counters(r) for r in replicas[:n]]
         offset = 0
         for k, proc in enumerate(self.loadgens):
             share = children.share(workers, k, parts)
@@ -495,7 +499,7 @@ class Run:
             offset += share
         limit = self.cfg["level_s"] + self.cfg["request_timeout_s"] + 40
         got = [children.answer(proc, self.budget.bound(limit)) for proc in self.loadgens]
-        after = [r.metrics() for r in replicas[:n]]
+        after = [_counters(r) for r in replicas[:n]]
         return merged(got, before, after, workers)
 
     def _ask(self, part: int, cmd: dict, limit_s: float) -> dict:
@@ -584,6 +588,14 @@ def _metadata(url: str) -> dict:
         return client.metadata()
 
 
+DROPPED = "encoder_cache_redis_dropped_writes_total"  # labelled by reason: not in a replica's unlabelled metrics
+
+
+def _counters(replica) -> dict[str, float]:
+    """A replica's unlabelled counters, and the Redis writes it dropped for any reason."""
+    return replica.metrics() | replica.metrics([DROPPED])
+
+
 def merged(parts: list[dict], before: list[dict], after: list[dict], workers: int) -> dict:
     """One level's row from its load generators' raw results and each replica's /metrics around it."""
     lat = [ms for p in parts for ms in p["latencies"]]
@@ -603,7 +615,7 @@ def merged(parts: list[dict], before: list[dict], after: list[dict], workers: in
         cache_hits=sum(p["hits"] for p in parts), num_tokens=sorted({t for p in parts for t in p["tokens"]}),
         time_capped=len(lat) + sum(len(p["errors"]) for p in parts) < sum(p["images"] for p in parts),
         encoded_per_replica=delta("encoder_images_encoded_total"),
-        redis_writes_dropped=sum(delta("encoder_cache_redis_dropped_writes_total")),
+        redis_writes_dropped=sum(delta(DROPPED)),
         loadgen_loop_cores=max(p["loop_cpu_s"] / wall for p in parts),
         loadgen_cores=sum(p["cpu_s"] for p in parts) / wall)
 

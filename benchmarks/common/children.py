@@ -23,13 +23,21 @@ def tell(proc: subprocess.Popen, line: str) -> None:
 
 def answer(proc: subprocess.Popen, deadline: float) -> dict:
     """The child's next line (JSON), by `deadline` (time.monotonic()); else the child is killed (it hung) and
-    RuntimeError says so."""
+    RuntimeError says so. A child whose command failed answers {"failed": why} (`failure`): RuntimeError too."""
     ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
     line = proc.stdout.readline() if ready else ""
     if not line:
         proc.kill()
         raise RuntimeError(f"{' '.join(proc.args[1:3])} gave no answer (exit {proc.poll()})")
-    return json.loads(line)
+    got = json.loads(line)
+    if "failed" in got:
+        raise RuntimeError(f"{' '.join(proc.args[1:3])} failed: {got['failed']}")
+    return got
+
+
+def failure(exc: BaseException) -> str:
+    """What a child answers when its command raised `exc` (it stays up for the next one)."""
+    return json.dumps(dict(failed=f"{type(exc).__name__}: {exc}"[:500]))
 
 
 def finish(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:

@@ -10,6 +10,7 @@ of its load-generator processes. `scrape`: the unlabelled samples of a service's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable
 
@@ -64,7 +65,7 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
                 n += 1
                 other = cross and len(clients) > 1 and n % 2 == 0
                 encoder, fetcher = clients[home], clients[(home + other) % len(clients)]
-                t0 = time.perf_counter()
+                t0, info = time.perf_counter(), None
                 try:
                     (info,) = await encoder.encode([data], wait=True)
                     t1 = time.perf_counter()
@@ -83,6 +84,9 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
                             await encoder.release([info.id])
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     rec["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
+                    if info is not None and flow == "e2e":  # encoded, then the fetch failed: give the pin back
+                        with contextlib.suppress(Exception):
+                            await encoder.release([info.id])
                     if isinstance(exc, Overloaded):  # a 429: wait as its Retry-After says (a client's manners)
                         await asyncio.sleep(max(0.0, min(exc.retry_after_s, deadline - time.perf_counter())))
                     continue
