@@ -9,7 +9,13 @@ asked for the same new image at once, and a replica may die (or lose Redis) mid-
     replica to set it encodes the image; one that finds another owner's marker does not encode it too, it
     waits for that replica's rows (core/flight.py). A caller id's marker carries the content tag of its
     bytes (keys.py: content_tag), as its entry's header will: a replica asked to encode the id with other
-    bytes meanwhile sees the conflict (`RedisTier.content_tags`).
+    bytes meanwhile sees the conflict.
+  - A caller id's *binding*: before a replica admits anything of an encode with caller ids, it binds each id
+    to the content tag of its bytes with SET NX of the id's binding, then reads the binding back
+    (`RedisTier.bind_tags`): the first replica to bind an id decides what it names, on every replica; every
+    other replica asked for the id with other bytes answers Conflict (409) before admitting anything, so it
+    claims nothing and keeps no bytes. A binding outlives the id's rows (the Redis TTL backstop, refreshed by
+    each use), and the replicas holding an id write its binding again when Redis lost it (restart, eviction).
   - Liveness: the marker lives `pending_ttl_s` (a few seconds) and its owner renews it every heartbeat while
     it encodes the image or writes its rows (until their lease ends at the latest). A replica that dies or
     loses Redis stops renewing: its markers expire within seconds, and whoever waits learns that the owner
@@ -46,9 +52,9 @@ redis_tier.py) and writes them once Redis is back; a waiter elsewhere may take t
 and both encode it (correct, the work done twice). A marker is a small key: an allkeys-lru Redis may evict
 it, and a waiter then takes the image over (input still there) or answers 404 as it did without markers.
 
-Names: the marker of entry `encsvc:<fp>:<c|u>:<rest>` is `encsvc:<fp>:pending:<c|u>:<rest>` and its input
-`encsvc:<fp>:input:<c|u>:<rest>` (no entry name has `pending` or `input` in the third place, so they never
-collide, and no braces); the marker's channel is the same string as the marker (Redis keeps channel names
+Names: the marker of entry `encsvc:<fp>:<c|u>:<rest>` is `encsvc:<fp>:pending:<c|u>:<rest>`, its input
+`encsvc:<fp>:input:<c|u>:<rest>` and a caller id's binding `encsvc:<fp>:tag:u:<rest>` (no entry name has
+`pending`, `input` or `tag` in the third place, so they never collide, and no braces); the marker's channel is the same string as the marker (Redis keeps channel names
 apart from key names). Names outside that scheme (tests) get `<name>:pending` and `<name>:input`.
 """
 
@@ -113,6 +119,24 @@ def marker_name(name: str) -> str:
 
 def input_name(name: str) -> str:
     return _scheme_name(name, "input")
+
+
+def binding_name(name: str) -> str:
+    """Where a caller id's binding to one content lives: the content tag of the bytes it was first accepted
+    with (16 hex), first come first served across replicas (RedisTier.bind_tags)."""
+    return _scheme_name(name, "tag")
+
+
+def binding_value(content_tag: int) -> bytes:
+    return b"%016x" % content_tag
+
+
+def bound_tag(value: bytes | None) -> int:
+    """The content tag a binding names; 0 when none (or not a binding)."""
+    try:
+        return int(value, 16) if value else 0
+    except ValueError:
+        return 0
 
 
 def pending_value(content_tag: int = 0, owner: str = "") -> bytes:

@@ -249,6 +249,17 @@ class LocalTier:
             self._end_pin(key)
         return True
 
+    def names(self) -> list[str]:
+        """Every key with an entry here."""
+        return [*self._pinned, *self._lru]
+
+    def discard(self, key: str) -> None:
+        """Drop `key`'s entry and pin, whoever holds it (its content is not what the id names any more)."""
+        if key in self._pins:
+            self._end_pin(key)
+        self._ended.pop(key, None)
+        self._drop(key)
+
     def leased_keys(self) -> list[str]:
         """The keys whose entry is here and whose lease has not ended: pinned, or pinned until a full fetch
         ended the pin (remembered until its lease's end, `_Ended`)."""

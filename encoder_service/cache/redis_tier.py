@@ -59,6 +59,7 @@ from encoder_service.cache.handoff import (
 )  # fmt: skip
 from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout, timeout_at
 from encoder_service.cache.subscriber import Subscriber, SubscriberLost
+from encoder_service.errors import Unavailable
 
 log = logging.getLogger("encoder_service.cache.redis")
 
@@ -94,6 +95,7 @@ class RedisTier:
     ):
         self.url = url
         self.ttl_s = ttl_s
+        self._ttl_px = int(ttl_s * 1000)
         self.max_queued_bytes, self.max_queued_notices = max_queued_bytes, max_queued_notices
         self.max_write_tries = max_write_tries
         self.probe_min_s, self.probe_max_s, self.recovery_grace_s = probe_min_s, probe_max_s, recovery_grace_s
@@ -112,6 +114,7 @@ class RedisTier:
         self._up_again = asyncio.Event()  # set while up: the writer waits on it while Redis is away
         self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
         self._epoch = 0  # one more at each recovery: markers written before it are written again
+        self._run_id: str | None = None  # Redis's run id as last seen: another one means it restarted
         self._recovery: asyncio.Future | None = None  # resolved at the next recovery (`recovered`)
         self._oom_pause_s = 0.0  # the current pause after an OOM reply, doubled by each one in a row
         self._writes_paused_until = 0.0  # monotonic; set by an OOM reply to a write
@@ -128,7 +131,7 @@ class RedisTier:
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
-            notices_dropped=0, pending_marked=0, pending_elsewhere=0, pending_settled=0, pending_waits=0,
+            notices_dropped=0, bindings_checked=0, restarts_seen=0, pending_marked=0, pending_elsewhere=0, pending_settled=0, pending_waits=0,
             pending_wakeups=0, pending_timeouts=0, pending_failures=0, pending_orphaned=0,
         )  # fmt: skip
 
@@ -138,9 +141,11 @@ class RedisTier:
         self._tasks["writer"] = asyncio.create_task(self._write_loop(), name="redis-tier-writer")
         self._tasks["heartbeat"] = asyncio.create_task(self._heartbeat_loop(), name="redis-tier-heartbeat")
         try:
-            await self._conns.run("ping")
+            await self._check_restart()  # its run id, from the start: a restart before the first beat counts
         except (*_UNREACHABLE, PoolTimeout) as exc:
             self._mark_down(exc)
+        except RedisError as exc:
+            self._on_error(exc)
 
     async def close(self, drain_s: float = 2.0) -> None:
         """Give queued writes and outcomes up to `drain_s` to land (they are only a cache), release the ids
@@ -375,32 +380,49 @@ class RedisTier:
         self.counters["pending_elsewhere"] += len(elsewhere)
         return Marked(True, frozenset(elsewhere))
 
-    async def content_tags(self, keys: Sequence[str]) -> dict[str, int]:
-        """The content tag recorded in Redis for each of `keys` (caller ids): its entry's header, else its pending
-        marker (another replica encoding it now); keys with neither, or none recorded, are left out. One round
-        trip; {} while down or on an error (then nobody here can tell: the encode goes on)."""
-        if not keys or not self._available():
+    async def bind_tags(self, tags: Mapping[str, int], *, again: bool = False) -> dict[str, int]:
+        """Bind caller ids to one content each, first come first served across replicas (handoff.py): for
+        each name, SET NX of its binding to the content tag in `tags` (for `ttl_s`), then GET it back and
+        refresh its TTL (an id in use stays bound). Returns by name the tag each id is bound to now: this
+        one, or the one another replica bound first (a Conflict for the caller). One round trip. {} while
+        down or on an error: nobody here can tell, and the encode goes on as without Redis (the bindings of
+        what it accepts are written again once Redis is back, `again`).
+        Within `recovery_grace_s` of Redis coming back, other replicas may not have written their ids'
+        bindings again yet: a new binding is not made then (Unavailable: retry), unless `again` (this
+        replica writing again the bindings of ids it holds)."""
+        if not tags or not self._available():
             return {}
+        grace = self._recovering() and not again
+        commands = []
+        for name, tag in tags.items():
+            binding = handoff.binding_name(name)
+            if not grace:
+                commands.append(("set", binding, handoff.binding_value(tag), self._ttl_px, True))
+            commands += [("get", binding), ("pexpire", binding, self._ttl_px)]
         try:
-            replies = await self._conns.pipelined(*(cmd for k in keys for cmd in (
-                ("getrange", k, 0, HEADER_LEN - 1), ("get", marker_name(k)))))
+            replies = await self._conns.pipelined(*commands, raise_on_error=False)
         except PoolTimeout:
             return {}
         except RedisError as exc:
             self._on_error(exc)
             return {}
-        tags = {}
-        for key, raw, marker in zip(keys, replies[::2], replies[1::2]):
-            tag = 0
-            if raw:
-                try:
-                    tag = EntryHeader.parse(raw, key).content_tag
-                except CorruptEntry as exc:
-                    self._on_corrupt(key, exc)
-            tag = tag or handoff.pending_tag(marker)
+        step = 2 if grace else 3
+        bound = {}
+        for name, at in zip(tags, range(0, len(replies), step)):
+            value = replies[at + step - 2]
+            if isinstance(value, RedisError):  # e.g. OOM on the SET: that id stays unbound (can't tell)
+                self._on_error(value, writing=True)
+                continue
+            if isinstance(replies[at], OutOfMemoryError):
+                self._on_error(replies[at], writing=True)
+            tag = handoff.bound_tag(value)
             if tag:
-                tags[key] = tag
-        return tags
+                bound[name] = tag
+            elif grace:
+                raise Unavailable("the shared Redis tier came back moments ago, and the replicas holding caller "
+                                  "ids have not written them again yet: retry")
+        self.counters["bindings_checked"] += len(tags)
+        return bound
 
     async def touch(self, keys: Sequence[str]) -> list[str]:
         """Of `keys` (entries this replica has in its local tier and was asked for again), those Redis no longer
@@ -557,6 +579,7 @@ class RedisTier:
             if not self.up:
                 continue
             try:
+                await self._check_restart()
                 await self._claims.beat(self._epoch, writable=self._not_writing() is None)
             except PoolTimeout:
                 pass  # busy: the next beat, well within pending_ttl_s
@@ -564,6 +587,18 @@ class RedisTier:
                 self._on_error(exc, writing=True)
             except Exception:  # a bug here must not stop the heartbeat silently: log it, keep beating
                 log.exception("redis tier: heartbeat failed")
+
+    async def _check_restart(self) -> None:
+        """A Redis that restarted between two commands of this replica (an idle one: no command failed) is
+        empty all the same: its run id changed. Taken as a recovery, so claims, leased ids and bindings are
+        written again whatever the traffic."""
+        run_id = (await self._conns.run("info", "server")).get("run_id")
+        if self._run_id is not None and run_id != self._run_id:
+            self.counters["restarts_seen"] += 1
+            log.warning("redis tier: Redis at %s restarted (its run id changed): writing this replica's claims, "
+                        "leased ids and bindings again", self.url)
+            self._recovered()
+        self._run_id = run_id
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -655,6 +690,7 @@ class RedisTier:
 
     def _recovered(self) -> None:
         self.up = True
+        self._run_id = None  # the next beat records the run id of the Redis that answers now
         self._up_since = time.monotonic()
         self._epoch += 1
         self._up_again.set()  # the backlog drains

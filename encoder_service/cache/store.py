@@ -11,7 +11,7 @@
     await store.header(key)                       -> EntryHeader | None local, else Redis header only
     await store.read_rows(key, start, end)        -> Tensor | None      local slice, else Redis GETRANGE
     await store.mark_pending(keys, tags=None, inputs=None) -> Marked    claims: other replicas wait for them
-    await store.content_tags(keys)                -> {name: tag}        caller ids' content tags other replicas recorded
+    await store.bind_tags({name: tag})            -> {name: tag}        caller ids bound to one content across replicas
     await store.wait_for(key, timeout_s)          -> Settled            a wait for another replica's encode
     await store.input(key)                        -> bytes | None       an accepted image's bytes kept in Redis
     await store.share(keys)                       -> int                local hits other replicas can read again
@@ -87,25 +87,29 @@ class EmbeddingStore:
         max_pinned_bytes: int | None = None,
         redis_options: dict | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rebind_s: float = 1.0,
+        rebind_batch: int = 1024,
     ):
         self.lease_s = lease_s
         self.local = LocalTier(
             local_bytes, local_bytes // 2 if max_pinned_bytes is None else max_pinned_bytes, clock=clock
         )
         self.redis = RedisTier(redis_url, ttl_s=redis_ttl_s, **(redis_options or {})) if redis_url else None
-        self.counters = dict(reshared=0)
-        self._resharing: asyncio.Task | None = None
+        self.counters = dict(reshared=0, bindings_lost=0)
+        self.rebind_s, self.rebind_batch = rebind_s, rebind_batch
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         if self.redis is not None:
             await self.redis.start()
-            self._resharing = asyncio.create_task(self._reshare_after_outages(), name="reshare-after-outages")
+            self._tasks = [asyncio.create_task(self._reshare_after_outages(), name="reshare-after-outages"),
+                           asyncio.create_task(self._keep_bindings(), name="keep-bindings")]
 
     async def close(self) -> None:
-        if self._resharing is not None:
-            self._resharing.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._resharing
+                await task
         if self.redis is not None:
             await self.redis.close()
 
@@ -179,12 +183,14 @@ class EmbeddingStore:
         return await self.redis.mark_pending(_names(keys), self.lease_s if lease_s is None else lease_s, tags,
                                              inputs)
 
-    async def content_tags(self, keys: Iterable[Key]) -> dict[str, int]:
-        """By name, the content tag other replicas recorded in Redis for these caller ids (their entries, or
-        the pending markers of their encodes now); {} without Redis, or when Redis cannot tell."""
+    async def bind_tags(self, tags: Mapping[str, int]) -> dict[str, int]:
+        """Bind caller ids (name -> the content tag of the bytes a request sent) to one content each across
+        replicas, first come first served (cache/handoff.py): by name, the tag each is bound to now (this one,
+        or another replica's: a Conflict); {} without Redis, or when Redis cannot tell. Unavailable within
+        moments of Redis coming back for an id not bound yet (retry)."""
         if self.redis is None:
             return {}
-        return await self.redis.content_tags(_names(keys))
+        return await self.redis.bind_tags(tags)
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
         """For a fetch that missed every tier (or a flight whose image another replica claimed): wait until
@@ -222,19 +228,60 @@ class EmbeddingStore:
         return len(missing)
 
     async def _reshare_after_outages(self) -> None:
-        """Each time Redis comes back after an outage, share every id leased here (a restarted Redis is empty:
-        other replicas' fetches of ids this one accepted must find them again): those pinned, and those whose
-        pin a full fetch ended within their lease (cache/local.py: leased_keys). Bounded: only ids in the
-        local tier."""
+        """Each time Redis comes back after an outage (or restarted), share every id leased here (a restarted
+        Redis is empty: other replicas' fetches of ids this one accepted must find them again): those pinned,
+        and those whose pin a full fetch ended within their lease (cache/local.py: leased_keys); and bind
+        again every caller id in the local tier. Bounded: only ids in the local tier."""
         while True:
             await self.redis.recovered()
             try:
+                await self.bind_again(self._caller_tags())
                 shared = await self.share(self.local.leased_keys())
             except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
                 log.warning("sharing the leased ids again after a Redis outage failed", exc_info=True)
                 continue
             if shared:
                 log.info("wrote %d leased ids to Redis again after its outage", shared)
+
+    async def _keep_bindings(self) -> None:
+        """Every `rebind_s`, the bindings of the next `rebind_batch` caller ids in the local tier (round robin) are
+        written again where Redis lost them (evicted): an id this replica holds keeps naming its content on
+        every replica. One round trip per batch."""
+        names: list[str] = []
+        while True:
+            await asyncio.sleep(self.rebind_s)
+            if not names:
+                names = list(self._caller_tags())
+            batch, names = names[:self.rebind_batch], names[self.rebind_batch:]
+            try:
+                await self.bind_again(self._caller_tags(batch))
+            except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
+                log.warning("writing caller ids' bindings again failed", exc_info=True)
+
+    def _caller_tags(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        """name -> content tag of the caller ids among `names` (default: every entry) in the local tier."""
+        tags = {}
+        for name in self.local.names() if names is None else names:
+            entry = self.local.peek(name)
+            if entry is not None and entry.header.content_tag:
+                tags[name] = entry.header.content_tag
+        return tags
+
+    async def bind_again(self, tags: Mapping[str, int]) -> list[str]:
+        """Write again the bindings of caller ids this replica holds (`tags`: name -> its entry's tag) where
+        Redis lost them. An id another replica bound to other bytes meanwhile (Redis lost this binding, then
+        accepted the other bytes under the id) is dropped here: Redis's binding is what every replica answers
+        by, so this replica no longer serves the other content under the id. Returns those dropped."""
+        if self.redis is None or not tags:
+            return []
+        bound = await self.redis.bind_tags(tags, again=True)
+        lost = [name for name, tag in bound.items() if tag != tags[name]]
+        for name in lost:
+            self.local.discard(name)
+            log.warning("caller id %s is bound to other bytes in Redis (its binding was lost, then another "
+                        "replica accepted other bytes under it): dropped here", name)
+        self.counters["bindings_lost"] += len(lost)
+        return lost
 
     # ---- leases ---------------------------------------------------------------------------------
 

@@ -47,6 +47,9 @@ STORE: dict[str, Stat] = {
     "reshared": _counter("encoder_cache_reshared",
                          "Entries an encode found in the host LRU tier after Redis had evicted them: written to "
                          "Redis again, so that other replicas can fetch them"),
+    "bindings_lost": _counter("encoder_cache_bindings_lost",
+                              "Caller ids dropped here because Redis lost their binding and another replica "
+                              "bound them to other bytes meanwhile"),
     # host LRU tier and leases (cache/local.py)
     "local_hits": _counter("encoder_cache_local_lookups", _LOOKUPS, result="hit"),
     "local_misses": _counter("encoder_cache_local_lookups", _LOOKUPS, result="miss"),
@@ -149,6 +152,11 @@ STORE: dict[str, Stat] = {
                                           "Connections of the shared pub/sub connection"),
     "redis_subscriber_lost": _counter("encoder_cache_redis_subscriber_lost",
                                       "Losses of the shared pub/sub connection (its waits end at once)"),
+    "redis_restarts_seen": _counter("encoder_cache_redis_restarts_seen",
+                                    "Redis restarts seen by the heartbeat (its run id changed): claims, leased "
+                                    "ids and bindings written again"),
+    "redis_bindings_checked": _counter("encoder_cache_redis_bindings_checked",
+                                       "Caller ids bound (or found bound) to their content in Redis"),
 }
 
 # ShmWriter.stats() key -> metric (core/shm_writer.py); absent without --shm-fetch.

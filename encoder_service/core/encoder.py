@@ -276,18 +276,17 @@ class EncoderCore:
 
     async def _check_contents(self, unique: dict[str, Probed], first_index: dict[str, int]) -> None:
         """An id never names two contents: a caller id sent with other bytes than those its entry or its flight
-        here, or (with Redis) another replica's rows or encode, were made from is a Conflict (409), before
-        anything is admitted. Redis is asked first (one round trip, only for caller ids this replica neither
-        has nor is encoding); what is here is checked after it: nothing is awaited from there until the ids
+        here, or (with Redis) its binding, were made from is a Conflict (409), before anything is admitted.
+        Each caller id is bound in Redis first (one round trip: the first replica to bind an id decides what
+        it names, handoff.py); what is here is checked after it: nothing is awaited from there until the ids
         have joined their flights."""
         callers = {name: p for name, p in unique.items() if p.content_tag}
         if not callers:
             return
-        recorded = await self.handoff.recorded_tags([p.key for name, p in callers.items()
-                                                     if self.store.peek(name) is None and name not in self.flights])
+        bound = await self.handoff.bind_tags({p.key: p.content_tag for p in callers.values()})
         for name, p in callers.items():
             entry, flight = self.store.peek(name), self.flights.get(name)
-            tags = (recorded.get(name, 0), entry.header.content_tag if entry is not None else 0,
+            tags = (bound.get(name, 0), entry.header.content_tag if entry is not None else 0,
                     flight.content_tag if flight is not None else 0)
             if any(other_content(p.content_tag, tag) for tag in tags):
                 raise conflict(p.key).prefixed(f"image {first_index[name]}: ")

@@ -138,6 +138,8 @@ class Flights:
         try:
             marked = await asyncio.shield(after) if after is not None else None
             return await self._fill(flight, data, elsewhere=marked is not None and name in marked.elsewhere)
+        except errors.Conflict:  # the request's failure (its bytes are not what the id names), never the id's
+            raise
         except BaseException as exc:  # cancelled too (every caller left): Redis publishes it, if claimed here
             if after is not None and not after.done():  # once the claim is written, not before
                 after.add_done_callback(lambda _, exc=exc: self._store.failed(flight.key, exc))

@@ -4,9 +4,10 @@ mechanism: claims with a heartbeat, the image bytes beside them, pub/sub outcome
 Behind one Service, an LLM server's `encode` and its `fetch` of the same id may reach different replicas,
 two replicas may be asked for the same new image at once, and a replica may die mid-encode.
 
-  encode (replica A)  `recorded_tags(caller ids)`: before admitting caller ids it neither has nor is encoding,
-                      the content tags other replicas recorded for them (rows in Redis, or an encode under
-                      way), so that an id sent with other bytes than it names is a Conflict on every replica.
+  encode (replica A)  `bind_tags(caller ids)`: before admitting anything, each caller id of the request is
+                      bound in Redis to the content tag of its bytes, first come first served (SET NX): an id
+                      another replica bound to other bytes is a Conflict here, whatever raced, so an id names
+                      one content on every replica (and the loser admits, claims and keeps nothing).
                       `mark(misses, hits)`: the images it admitted to its engine (its misses) are claimed in
                       Redis before it answers, with their bytes, so that a fetch anywhere waits for them and
                       can encode them itself should A die; one that another replica claimed first is not
@@ -76,12 +77,14 @@ class Handoff:
         return self.store.redis is not None
 
     # ---- encode ----------------------------------------------------------------------------------------
-    async def recorded_tags(self, keys: Sequence[CacheKey]) -> dict[str, int]:
-        """By name, the content tags other replicas recorded for these caller ids; {} without Redis, or when
-        Redis cannot tell (down: the encode goes on, as it does without Redis)."""
-        if not self.enabled or not keys:
+    async def bind_tags(self, tags: dict[CacheKey, int]) -> dict[str, int]:
+        """Bind these caller ids (key -> the content tag of the bytes the request sent) in Redis, first come
+        first served across replicas: by name, the tag each id is bound to now (another replica's, where it
+        bound the id first: a Conflict). {} without Redis, or when Redis cannot tell (down: the encode goes
+        on, as it does without Redis). Unavailable right after Redis came back for ids not bound yet."""
+        if not self.enabled or not tags:
             return {}
-        return await self.store.content_tags(keys)
+        return await self.store.bind_tags({key.name: tag for key, tag in tags.items()})
 
     def mark(self, misses: Sequence[Probed | GroupClaim], hits: Sequence[CacheKey]) -> asyncio.Task | None:
         """Start claiming `misses` (each marker with its content tag, an image's bytes beside it: a video's

@@ -4,7 +4,7 @@ with a video's frame groups where an image's one entry is:
   read, probe        videos.py: the bytes, then on CPU threads the header (limits), the plan and the key
   ids                a caller id sent with another video (bytes or sampling) than it names: Conflict (409),
                      checked on its frame group 0 (here: its entry, its video's or group's flight; Redis: the
-                     content tag another replica recorded), before anything is admitted
+                     id's binding, first come first served), before anything is admitted
   hits               each group in the local tier (store.peek) is cached; the rest are the video's todo (a
                      flight of the video here that will not encode all of them is waited out first)
   admit              a video with groups to encode and not in flight here reserves engine room for its window
@@ -132,11 +132,10 @@ class VideoEncoder:
         callers = {name: p.group_keys()[0] for name, p in unique.items() if p.content_tag}
         if not callers:
             return
-        recorded = await self.handoff.recorded_tags([k for name, k in callers.items() if self.store.peek(k) is None
-                                                     and k.name not in self.flights and name not in self.video_flights])
+        bound = await self.handoff.bind_tags({k: unique[name].content_tag for name, k in callers.items()})
         for name, k in callers.items():
             entry, flight, vf = self.store.peek(k), self.flights.get(k.name), self.video_flights.get(name)
-            tags = (recorded.get(k.name, 0), entry.header.content_tag if entry is not None else 0,
+            tags = (bound.get(k.name, 0), entry.header.content_tag if entry is not None else 0,
                     flight.content_tag if flight is not None else 0, vf.video.content_tag if vf is not None else 0)
             if any(other_content(unique[name].content_tag, tag) for tag in tags):
                 raise conflict(unique[name].key).prefixed(f"video {first_index[name]}: ")

@@ -256,3 +256,24 @@ def test_redis_paused_during_an_encode_another_replica_waits_for(request, tiny_c
     assert answered_in < KILL_BOUND_S
     assert all(torch.equal(r, own) for r in rows)
     assert a.sample("encoder_cache_redis_backlog_writes_total") >= 1  # written after the pause, not dropped
+
+
+# ---- Redis restarted while a replica is idle --------------------------------------------------------------
+def test_a_replica_idle_while_redis_restarts_writes_its_leased_ids_again(request, tiny_checkpoint, redis_server):
+    """Before: an idle replica's first command after a restart succeeded on a fresh connection, so it counted no
+    outage and never wrote its leased ids again: other replicas answered 404 for them for good. Its heartbeat
+    now sees Redis's run id change."""
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    a = running(request, checkpoint, "--redis-url", redis_server.url)
+    b = running(request, checkpoint, "--redis-url", redis_server.url)
+    with EncoderClient.http(a.url, timeout=WAIT_S) as on_a, EncoderClient.http(b.url, timeout=WAIT_S) as on_b:
+        infos = on_a.encode([image_bytes(64, 48, seed=9100 + k) for k in range(4)], wait=True)
+        own = [on_a.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+        wait_for(lambda: a.sample("encoder_cache_redis_writes_total") >= 4, "A's rows written to Redis", WAIT_S)
+        redis_server.kill()
+        redis_server.start()  # same port, empty; A sends nothing meanwhile
+        # Seen as a changed run id, or as an outage when a heartbeat fell between the kill and the start.
+        wait_for(lambda: a.sample("encoder_cache_redis_restarts_seen_total")
+                 + a.sample("encoder_cache_redis_down_events_total") >= 1, "A to see the restart", WAIT_S)
+        rows = [on_b.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]  # the client retries B's 503s
+    assert all(torch.equal(r, o) for r, o in zip(rows, own))
