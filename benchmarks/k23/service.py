@@ -38,6 +38,7 @@ import os
 import resource
 import statistics
 import time
+import types
 from contextlib import contextmanager
 
 import torch
@@ -268,6 +269,7 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
             pv = backend.preprocess(data, dtype).pixel_values
             return pv.pin_memory() if pin and pv.device.type == "cpu" else pv
 
+    reader = types.SimpleNamespace(prepare=prepare)  # the jobs' reader (engine/engine.py: Reader)
     batches, wait_ms = [], []
 
     def encode(pvs, grids):
@@ -280,7 +282,7 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
     kept = [] if kept_mode == "all" else collections.deque(maxlen=window)
 
     async def main():
-        engine = Engine(prepare=prepare, encode=encode, batch_tokens=SERVICE_BATCH_TOKENS,
+        engine = Engine(encode=encode, batch_tokens=SERVICE_BATCH_TOKENS,
                         buckets=(SERVICE_LARGEST_BUCKET,), max_queue=256, cpu_threads=threads)
         engine._copier = copier
         await engine.start()
@@ -288,7 +290,7 @@ def engine_run(runner, variant: str, jpegs: list[bytes], loaded, *, concurrency:
 
         async def caller():
             for i in todo:
-                (item,) = engine.submit([Job(jpegs[i], grid)])
+                (item,) = engine.submit([Job(jpegs[i], grid, reader)])
                 rows = (await item.future).rows
                 if rows_mode != "pinned":
                     kept.append(rows)  # as the cache keeps them: all, or the last `window`

@@ -1,16 +1,10 @@
 """EncoderCore: the one core that HTTP and gRPC adapt (api/http.py, api/grpc_server.py).
 
-encode: read each image (images.py: bytes, then on CPU threads the cache key and the size from the header
-alone). A caller id sent with other bytes than it names is a Conflict (409). Ids neither cached nor in
-flight are admitted to the engine queue, all or none (429 when full);
-every id is pinned for its lease (429 when the pins are full; 400 when they could never fit, even with no
-other pin held); the answer (id, grid_thw, num_tokens, ...) goes back before the ViT runs.
-With Redis, the admitted ids are claimed there, with their bytes, before the answer (handoff.py), so that a
-fetch on another replica waits for them (or encodes them itself should this replica die), and local hits
-that Redis evicted are written there again; an image another replica claimed first is not encoded here too.
-Each id rides one flight (flight.py, the one single flight), whose fill reads the store and, on a miss,
-submits the image to the engine (decoded on a CPU thread, encoded on the GPU thread) and puts its rows in
-the store. `wait=True` waits for the rows (and can return them).
+encode: images go to image_encode.py, videos to video_encode.py (twins: read, probe, one content per id,
+hits, admission and pins all or none, claims in Redis, flights, the answer before the ViT runs; the steps
+they share are encode_steps.py). Each id rides one flight (flight.py, the one single flight), whose fill
+reads the store and, on a miss, submits the image to the engine (decoded on a CPU thread, encoded on the
+GPU thread) and puts its rows in the store. `wait=True` waits for the rows (and can return them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image (sized by its
 flight, else by the cache entry's header, else, with Redis, by the header of the rows another replica is
 encoding once they land: handoff.py); the store reads only those (waiting for images still encoding). One
@@ -19,15 +13,14 @@ client's shared-memory file instead of the result (shm_writer.py).
 Pins: each id is pinned from its encode until a fetch has delivered every one of its rows (per row, since the
 pin began: chunked fetches add up), the caller releases it, or its lease ends; rows stay in the LRU after.
 release: drop the encode pins of ids the caller is done with (leases end early).
-videos: `encode(videos=...)` goes to video_encode.py (the same steps per frame group: each group its own
-flight and entry); fetch and release take frame group ids (`<video id>#<g>`: `key_of`), and a group of a
-video whose driver has not reached it yet is sized from the video's plan and waited for (video_flights.py).
+videos: each frame group is its own flight and entry; fetch and release take frame group ids (`<video
+id>#<g>`: `key_of`), and only for those is the video registry asked: a group of a video whose driver has not
+reached it yet is sized from the video's plan and waited for (video_flights.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -35,20 +28,21 @@ from collections.abc import Sequence
 import torch
 
 from encoder_service import errors, preprocessing
-from encoder_service.cache import CacheKey, EmbeddingStore, Entry, key_from_id, model_fingerprint, other_content
+from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, model_fingerprint
 from encoder_service.cache.video_keys import group_key, is_video_id, video_key_from_id
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
-from encoder_service.core.flight import Flight, Flights, Landed, conflict
+from encoder_service.core.flight import Flights
 from encoder_service.core.handoff import Handoff
+from encoder_service.core.image_encode import ImageEncoder
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics, build_labels
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput, VideoInput
 from encoder_service.core.urls import UrlFetcher
 from encoder_service.core.video_encode import VideoEncoder
 from encoder_service.core.video_flights import VideoFlights
-from encoder_service.core.videos import GroupJob, ProbedVideo, VideoReader
-from encoder_service.engine.engine import Engine, Job, Permit
+from encoder_service.core.videos import ProbedVideo, VideoReader
+from encoder_service.engine.engine import Engine, Job
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.shm import ShmTarget, placements
 from encoder_service.protocol.video_info import VideoInfo
@@ -79,7 +73,7 @@ class EncoderCore:
             backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
-        self.engine = Engine(prepare=self._prepare, encode=runner.encode,
+        self.engine = Engine(encode=runner.encode,
                              batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
         self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
@@ -87,6 +81,8 @@ class EncoderCore:
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
         self.handoff = Handoff(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
                                row_bytes=self._row_bytes)
+        self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.handoff, self.metrics,
+                                          max_images=lim.max_images, row_bytes=self._row_bytes, info=self._info)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
@@ -113,15 +109,9 @@ class EncoderCore:
         urls = UrlFetcher(settings.limits.allow_url_hosts, max_bytes=v.max_video_bytes, what="video")
         reader = VideoReader(cfg, limits, urls, video_fp=self.video_fp, hash_algo=hash_algo, device=device,
                              dtype=loaded.dtype)
-        video_flights = VideoFlights(self.flights, self.store, limits, window=v.video_window)
+        video_flights = VideoFlights(self.flights, self.store, reader, window=v.video_window)
         return VideoEncoder(reader, video_flights, self.flights, self.store, self.engine, self.handoff, self.metrics,
                             max_videos=v.max_videos, row_bytes=self._row_bytes, info=self._video_info)
-
-    def _prepare(self, data, grid_thw) -> torch.Tensor:
-        """The engine's prepare stage (a CPU thread): a video's frame group, or an image."""
-        if isinstance(data, GroupJob):
-            return self.videos.reader.prepare(data, grid_thw)
-        return self.images.prepare(data, grid_thw)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self, *, warmup: bool = True) -> None:
@@ -132,7 +122,7 @@ class EncoderCore:
         if warmup:
             t0 = time.perf_counter()
             image = self.images.probe(0, warmup_image(self.spec.factor), None)
-            await self.engine.warm_up(Job(image.data, image.grid_thw), timeout_s=600)
+            await self.engine.warm_up(Job(image.data, image.grid_thw, self.images), timeout_s=600)
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
         self._ready = True
 
@@ -209,132 +199,8 @@ class EncoderCore:
                 raise errors.InvalidInput("a request carries images or videos, not both: send them in two requests")
             return await self.videos.encode(list(videos), wait=wait, return_embeddings=return_embeddings,
                                             timeout_s=timeout_s, t0=t0)
-        n, limit = len(images), self.settings.limits.max_images
-        if n == 0:
-            raise errors.InvalidInput("no images in the request")
-        if n > limit:
-            raise errors.LimitExceeded("number of images in the request", n, limit)
-        wait = wait or return_embeddings
-        datas = await asyncio.gather(*(self.images.read(i, img) for i, img in enumerate(images)))
-        t_read = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        probed: list[Probed] = await asyncio.gather(*(
-            loop.run_in_executor(self.engine.cpu_pool, self.images.probe, i, data, img.caller_id)
-            for i, (data, img) in enumerate(zip(datas, images))))
-        t_probe = time.perf_counter()
-        timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
-
-        unique: dict[str, Probed] = {}
-        first_index: dict[str, int] = {}  # where each id first appears in the request, for error messages
-        for i, p in enumerate(probed):
-            if other_content(p.content_tag, unique.setdefault(p.key.name, p).content_tag):
-                raise conflict(p.key).prefixed(f"image {i}: ")  # one caller id for two images of the request
-            first_index.setdefault(p.key.name, i)
-        await self._check_contents(unique, first_index)
-        hits = {name: self.store.peek(name) for name in unique}
-        for name, entry in hits.items():  # what the id names (an entry from before content tags: unchecked)
-            if entry is not None:
-                unique[name] = dataclasses.replace(unique[name], grid_thw=entry.header.grid_thw,
-                                                   num_tokens=entry.num_rows)
-        permits = self._admit_and_pin(unique, hits, first_index)
-        for entry in hits.values():
-            if entry is not None:
-                self.metrics.cache_hits.labels(tier="local").inc()
-        marking = self.handoff.mark([unique[name] for name in permits],  # None without Redis
-                                    [unique[name].key for name, entry in hits.items() if entry is not None])
-
-        # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).
-        # Nothing is awaited between the admission and the joins: a concurrent request for the same id must
-        # find the flight (or it would be admitted a second time).
-        flights = {name: self.flights.join(p, permits.get(name), after=marking if name in permits else None)
-                   for name, p in unique.items()}
-        if marking is not None:
-            try:  # before answering: once the caller has the ids, a fetch elsewhere must find them pending
-                await asyncio.shield(marking)
-            except asyncio.CancelledError:
-                self._leave(flights)
-                raise
-        infos = [self._info(unique[p.key.name], hits[p.key.name] is not None) for p in probed]
-        result = EncodeResult(images=infos, timings=timings)
-        if wait:
-            not_cached = sum(entry is None for entry in hits.values())
-            if timeout_s == 0 and not_cached:
-                raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {not_cached} of the request's images "
-                                              "are not cached yet (their encode goes on)")
-            # timeout_s=0 here: every id is a local hit, pinned above, so its flight ends without waiting.
-            done = await self._wait_for(flights, timeout_s or None, t0, first_index)
-            # Cached for this request unless its own miss started the flight that ran the encode.
-            ran = {name for name in permits if done[name].encoded}
-            for name in ran:  # the engine's timings of the images this request had encoded
-                timings.update({k: v for k, v in done[name].timings.items() if k.endswith("_ms")})
-            result.images = [dataclasses.replace(i, cached=i.cached or p.key.name not in ran)
-                             for i, p in zip(infos, probed)]
-            if return_embeddings:
-                result.embeddings = [done[p.key.name].entry.tensor for p in probed]
-        timings["total_ms"] = (time.perf_counter() - t0) * 1e3
-        return result
-
-    async def _check_contents(self, unique: dict[str, Probed], first_index: dict[str, int]) -> None:
-        """An id never names two contents: a caller id sent with other bytes than those its entry or its flight
-        here, or (with Redis) its binding, were made from is a Conflict (409), before anything is admitted.
-        Each caller id is bound in Redis first (one round trip: the first replica to bind an id decides what
-        it names, handoff.py); what is here is checked after it: nothing is awaited from there until the ids
-        have joined their flights."""
-        callers = {name: p for name, p in unique.items() if p.content_tag}
-        if not callers:
-            return
-        bound = await self.handoff.bind_tags({p.key: p.content_tag for p in callers.values()})
-        for name, p in callers.items():
-            entry, flight = self.store.peek(name), self.flights.get(name)
-            tags = (bound.get(name, 0), entry.header.content_tag if entry is not None else 0,
-                    flight.content_tag if flight is not None else 0)
-            if any(other_content(p.content_tag, tag) for tag in tags):
-                raise conflict(p.key).prefixed(f"image {first_index[name]}: ")
-
-    def _admit_and_pin(self, unique: dict[str, Probed], hits: dict[str, Entry | None],
-                       first_index: dict[str, int]) -> dict[str, Permit]:
-        """Queue room for the ids neither cached nor in flight (their permits, by name), and a pin on every
-        id for its lease; all or none: Overloaded (429) when the queue or the pins are full, LimitExceeded
-        (400) when the pins could never be granted (`_never_pinnable`)."""
-        misses = [name for name, entry in hits.items() if entry is None and name not in self.flights]
-        permits = dict(zip(misses, self.engine.admit(len(misses))))
-        # What each pin counts against --max-pinned-bytes: the entry's size, or the rows' still to come.
-        sizes = {name: hits[name].nbytes if hits[name] is not None else p.num_tokens * self._row_bytes
-                 for name, p in unique.items()}
-        pinned: list[str] = []
-        try:
-            for name, p in unique.items():
-                self.store.pin(p.key, nbytes=sizes[name])
-                pinned.append(name)
-        except errors.Overloaded as exc:  # nothing of this request stays admitted or pinned
-            for permit in permits.values():
-                permit.release()
-            for name in pinned:
-                self.store.unpin(name)
-            never = self._never_pinnable(sizes, first_index)
-            if never is not None:
-                raise never from None
-            # Pins end as their clients fetch and release, after those images are encoded: no sooner than the
-            # engine's backlog drains.
-            exc.retry_after_s = max(exc.retry_after_s, self.engine.retry_after_s())
-            raise
-        return permits
-
-    def _never_pinnable(self, sizes: dict[str, int], first_index: dict[str, int]) -> errors.LimitExceeded | None:
-        """Why this request's pins could not be granted even with no other pin held (one image over
-        --max-pinned-bytes, or all of them together), else None: they fit once other pins end (429)."""
-        limit = self.store.local.max_pinned_bytes
-        for name, nbytes in sizes.items():
-            if nbytes > limit:
-                return errors.LimitExceeded(
-                    f"image {first_index[name]}: embedding bytes to pin", nbytes, f"{limit} (--max-pinned-bytes)",
-                    hint="this image can never be pinned here: send it smaller, or raise --max-pinned-bytes")
-        total = sum(sizes.values())
-        if total > limit:
-            return errors.LimitExceeded(
-                f"embedding bytes to pin for the request's {len(sizes)} images", total,
-                f"{limit} (--max-pinned-bytes)", hint="they can never be pinned together: send fewer per request")
-        return None
+        return await self.image_encoder.encode(images, wait=wait, return_embeddings=return_embeddings,
+                                               timeout_s=timeout_s, t0=t0)
 
     def _info(self, p: Probed, cached: bool) -> ImageInfo:
         spec = self.spec
@@ -351,33 +217,6 @@ class EncoderCore:
                          sampled_fps=plan.sampled_fps, second_per_grid_t=None if qwen3 else plan.second_per_grid_t,
                          group_timestamps=plan.group_timestamps if qwen3 else None, row_width=spec.row_width,
                          hidden_size=spec.out_hidden_size, layout=spec.layout, dtype=self.dtype, cached=cached)
-
-    async def _wait_for(self, flights: dict[str, Flight], timeout_s: float | None, t0: float,
-                        first_index: dict[str, int]) -> dict[str, Landed]:
-        """name -> what its flight landed, once every one has; a failed image's error names its index."""
-
-        async def landed(name: str, flight: Flight):
-            try:
-                return await asyncio.shield(flight.task)
-            except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets its own copy
-                raise exc.prefixed(f"image {first_index[name]}: ") from None
-
-        try:
-            done = await timeouts.gather_within(timeout_s, *(landed(n, f) for n, f in flights.items()))
-        except TimeoutError:
-            raise errors.DeadlineExceeded(
-                f"encode did not finish within timeout_s={timeout_s} (waited {time.perf_counter() - t0:.3f}s)"
-            ) from None
-        except asyncio.CancelledError:
-            self._leave(flights)
-            raise
-        return dict(zip(flights, done))
-
-    def _leave(self, flights: dict[str, Flight]) -> None:
-        """The caller left before its answer: its images are not wanted by it any more, nor pinned for it."""
-        for name, flight in flights.items():
-            self.flights.leave(flight)
-            self.store.unpin(name)
 
     # ---- fetch -----------------------------------------------------------------------------------------
     async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
@@ -407,7 +246,7 @@ class EncoderCore:
                                            hint="fetch the prompt chunk by chunk")
         if deadline.dont_wait:  # rows still encoding are not ready (cached ones, here or in Redis, are)
             encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights
-                               or self.videos.video_flights.encoding(keys[s.id])})
+                               or (is_video_id(s.id) and self.videos.video_flights.encoding(keys[s.id]))})
             if encoding:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(encoding)} of the chunk's images "
                                               f"are still encoding (first: {encoding[0]!r})")
@@ -476,9 +315,10 @@ class EncoderCore:
         flight = self.flights.get(key.name)
         if flight is not None:
             return flight.num_tokens
-        group_tokens = self.videos.video_flights.group_tokens(key)  # a frame group its video's driver is on
-        if group_tokens is not None:
-            return group_tokens
+        if is_video_id(key.id):  # a frame group its video's driver is on
+            group_tokens = self.videos.video_flights.group_tokens(key)
+            if group_tokens is not None:
+                return group_tokens
         header = await self.store.header(key)
         if header is None:  # another replica's encode: its rows once they land, or taken over here
             return await self.handoff.num_tokens_elsewhere(key, deadline)
@@ -489,7 +329,9 @@ class EncoderCore:
         it waits for the id's pending marker first), else how the id's encode failed here, if it did (its
         flight may have ended since `_num_tokens`), else from the store (local slice, Redis GETRANGE); no
         rows: NotFound."""
-        await self.videos.video_flights.started(key)  # a frame group its video's driver has not reached yet
+        frame_group = is_video_id(key.id)
+        if frame_group:  # its video's driver may not have reached it yet
+            await self.videos.video_flights.started(key)
         with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
@@ -499,7 +341,8 @@ class EncoderCore:
                 rows = landed.entry.rows(seg.row_start, seg.row_end)
             else:  # its flight may have failed since the chunk was sized from it: that failure answers
                 self.flights.raise_failure(key)
-                self.videos.video_flights.raise_failure(key)
+                if frame_group:
+                    self.videos.video_flights.raise_failure(key)
                 rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")

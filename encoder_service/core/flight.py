@@ -119,7 +119,7 @@ class Flights:
             flight.waiters += 1
             return flight
         flight = self._flights[key.name] = Flight(key, image.grid_thw, image.num_tokens, image.content_tag, permit)
-        flight.task = asyncio.create_task(self._fly(flight, image.data, after), name=f"encode {key.id}")
+        flight.task = asyncio.create_task(self._fly(flight, image, after), name=f"encode {key.id}")
         flight.task.add_done_callback(_log_failure)
         return flight
 
@@ -133,11 +133,11 @@ class Flights:
                 del self._flights[flight.key.name]
             flight.task.cancel()
 
-    async def _fly(self, flight: Flight, data: Any, after: asyncio.Future[Marked | None] | None) -> Landed:
+    async def _fly(self, flight: Flight, image: Probed, after: asyncio.Future[Marked | None] | None) -> Landed:
         name = flight.key.name
         try:
             marked = await asyncio.shield(after) if after is not None else None
-            return await self._fill(flight, data, elsewhere=marked is not None and name in marked.elsewhere)
+            return await self._fill(flight, image, elsewhere=marked is not None and name in marked.elsewhere)
         except errors.Conflict:  # the request's failure (its bytes are not what the id names), never the id's
             raise
         except BaseException as exc:  # cancelled too (every caller left): Redis publishes it, if claimed here
@@ -156,7 +156,7 @@ class Flights:
             if self._flights.get(name) is flight:
                 del self._flights[name]
 
-    async def _fill(self, flight: Flight, data: Any, *, elsewhere: bool) -> Landed:
+    async def _fill(self, flight: Flight, image: Probed, *, elsewhere: bool) -> Landed:
         deadline = time.monotonic() + self._lease_s
         while True:
             entry = await self._store.get(flight.key)
@@ -168,9 +168,10 @@ class Flights:
                 return Landed(entry, encoded=False)
             if not elsewhere:
                 break
-            elsewhere = await self._wait_elsewhere(flight, data, deadline)
+            elsewhere = await self._wait_elsewhere(flight, image.data, deadline)
         self._metrics.cache_misses.inc()
-        (item,) = self._engine.submit([Job(data, flight.grid_thw, wanted=flight.wanted, urgent=flight.urgent)],
+        (item,) = self._engine.submit([Job(image.data, flight.grid_thw, image.reader, wanted=flight.wanted,
+                                           urgent=flight.urgent)],
                                       deadline=deadline, permits=None if flight.permit is None else [flight.permit])
         encoded = await item.future  # cancelled with the fill when every waiter leaves: the engine drops it
         # The engine's rows are owned host tensors: the entry takes them without a copy.

@@ -29,8 +29,9 @@ class Probed:
     key: CacheKey
     grid_thw: GridTHW
     num_tokens: int
-    data: Any  # what the engine's prepare takes: an image's bytes (a video's frame group: core/videos.py, GroupJob)
+    data: Any  # what `reader.prepare` takes: an image's bytes (a video's frame group: core/videos.py, GroupJob)
     content_tag: int = 0  # of `data`, under a caller id (cache/keys.py: content_tag); 0 for a content key
+    reader: Any = None  # engine/engine.py: Reader, the engine's prepare stage for `data`
 
 
 class ImageReader:
@@ -63,8 +64,8 @@ class ImageReader:
             raise exc.prefixed(f"image {index}: ") from None
         grid, num_tokens = tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens)
         if caller_id is not None:
-            return Probed(caller_key(caller_id, self._model_fp), grid, num_tokens, data, content_tag(data))
-        return Probed(make_key(data, self._model_fp, self._hash), grid, num_tokens, data)
+            return Probed(caller_key(caller_id, self._model_fp), grid, num_tokens, data, content_tag(data), self)
+        return Probed(make_key(data, self._model_fp, self._hash), grid, num_tokens, data, reader=self)
 
     def prepare(self, data: bytes, grid_thw: GridTHW) -> torch.Tensor:
         """CPU thread (the engine's prepare stage): pixel values [num_patches, patch_dim] in the tower's dtype,

@@ -1,5 +1,6 @@
-"""An encode of videos (EncoderCore.encode with `videos`), step for step as an encode of images (encoder.py),
-with a video's frame groups where an image's one entry is:
+"""An encode of videos (EncoderCore.encode with `videos`), step for step as an encode of images
+(image_encode.py; the steps both share are encode_steps.py), with a video's frame groups where an image's one
+entry is:
 
   read, probe        videos.py: the bytes, then on CPU threads the header (limits), the plan and the key
   ids                a caller id sent with another video (bytes or sampling) than it names: Conflict (409),
@@ -28,9 +29,10 @@ from collections.abc import Callable
 import torch
 
 from encoder_service import errors
-from encoder_service.cache import EmbeddingStore, Entry, other_content
-from encoder_service.core import timeouts
-from encoder_service.core.flight import Flights, conflict
+from encoder_service.cache import EmbeddingStore, Entry
+from encoder_service.cache.video_keys import GROUP_SEP
+from encoder_service.core.encode_steps import check_contents, pin_all, unique_items, wait_all
+from encoder_service.core.flight import Flights
 from encoder_service.core.handoff import GroupClaim, Handoff
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, VideoInput
@@ -67,13 +69,11 @@ class VideoEncoder:
         t_probe = time.perf_counter()
         timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
 
-        unique: dict[str, ProbedVideo] = {}
-        first_index: dict[str, int] = {}
-        for i, p in enumerate(probed):
-            if other_content(p.content_tag, unique.setdefault(p.key.name, p).content_tag):
-                raise conflict(p.key).prefixed(f"video {i}: ")
-            first_index.setdefault(p.key.name, i)
-        await self._check_contents(unique, first_index)
+        unique, first_index = unique_items(probed, "video")
+        # A video's groups all carry its content tag: its group 0's binding answers for it.
+        await check_contents(self.handoff, {name: (p.key, p.group_keys()[0], p.content_tag)
+                                            for name, p in unique.items() if p.content_tag},
+                             self._local_tags, first_index, "video")
         hits, todo = await self._lookup(unique, timeout_s, t0)
         reservations = self._admit_and_pin(unique, hits, todo, first_index)
         self.metrics.cache_hits.labels(tier="local").inc(sum(e is not None for h in hits.values() for e in h))
@@ -96,7 +96,8 @@ class VideoEncoder:
             if timeout_s == 0 and joined:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(joined)} of the request's videos "
                                               "are not cached yet (their encode goes on)")
-            await self._wait_for(unique, joined, timeout_s or None, t0, first_index)
+            await wait_all({name: vf.task for name, vf in joined.items()}, timeout_s or None, t0, first_index,
+                           "video", lambda: self._leave(unique, joined))
             result.videos = [dataclasses.replace(i, cached=i.cached or p.key.name not in reservations)
                              for i, p in zip(infos, probed)]
             if return_embeddings:
@@ -126,81 +127,39 @@ class VideoEncoder:
         raise errors.Overloaded("the request's videos lost frame groups to eviction while they were being "
                                 "encoded, again and again: the cache is too small for them")
 
-    async def _check_contents(self, unique: dict[str, ProbedVideo], first_index: dict[str, int]) -> None:
-        """A caller id sent with another video than it names is a Conflict; a video's groups all carry its
-        content tag, so its group 0 answers for it (encoder.py: _check_contents, for images)."""
-        callers = {name: p.group_keys()[0] for name, p in unique.items() if p.content_tag}
-        if not callers:
-            return
-        bound = await self.handoff.bind_tags({k: unique[name].content_tag for name, k in callers.items()})
-        for name, k in callers.items():
-            entry, flight, vf = self.store.peek(k), self.flights.get(k.name), self.video_flights.get(name)
-            tags = (bound.get(k.name, 0), entry.header.content_tag if entry is not None else 0,
-                    flight.content_tag if flight is not None else 0, vf.video.content_tag if vf is not None else 0)
-            if any(other_content(unique[name].content_tag, tag) for tag in tags):
-                raise conflict(unique[name].key).prefixed(f"video {first_index[name]}: ")
+    def _local_tags(self, name: str) -> tuple[int, int, int]:
+        """The content tags the video's group 0 entry and flight, and its video flight, here carry (0: none)."""
+        vf, group0 = self.video_flights.get(name), f"{name}{GROUP_SEP}0"
+        entry, flight = self.store.peek(group0), self.flights.get(group0)
+        return (entry.header.content_tag if entry is not None else 0,
+                flight.content_tag if flight is not None else 0, vf.video.content_tag if vf is not None else 0)
 
     def _admit_and_pin(self, unique: dict[str, ProbedVideo], hits: dict[str, list[Entry | None]],
                        todo: dict[str, tuple[int, ...]], first_index: dict[str, int]) -> dict[str, Reservation]:
         """Engine room for the videos with groups to encode that are not in flight here (a reservation of their
-        window each, by name), and a pin on every group for its lease; all or none."""
+        window each, by name), and a pin on every group for its lease (its entry's size, or its rows' still to
+        come); all or none."""
         window = self.video_flights.window
-        starting = [name for name in unique if todo[name] and name not in self.video_flights]
         reservations: dict[str, Reservation] = {}
-        sizes = {name: [e.nbytes if e is not None else p.plan.tokens_per_group * self._row_bytes for e in hits[name]]
-                 for name, p in unique.items()}
-        pinned = []
-        try:
-            for name in starting:
-                reservations[name] = self.engine.reserve(min(window, len(todo[name])))
-            for name, p in unique.items():
-                for k, nbytes in zip(p.group_keys(), sizes[name]):
-                    self.store.pin(k, nbytes=nbytes)
-                    pinned.append(k)
-        except errors.Overloaded as exc:  # nothing of this request stays admitted or pinned
+
+        def undo() -> None:
             for reservation in reservations.values():
                 reservation.close()
-            for k in pinned:
-                self.store.unpin(k)
-            never = self._never_pinnable(sizes, first_index)
-            if never is not None:
-                raise never from None
-            exc.retry_after_s = max(exc.retry_after_s, self.engine.retry_after_s())
-            raise
-        return reservations
-
-    def _never_pinnable(self, sizes: dict[str, list[int]], first_index: dict[str, int]) -> errors.LimitExceeded | None:
-        limit = self.store.local.max_pinned_bytes
-        for name, groups in sizes.items():
-            if sum(groups) > limit:
-                return errors.LimitExceeded(
-                    f"video {first_index[name]}: embedding bytes to pin", sum(groups),
-                    f"{limit} (--max-pinned-bytes)", hint="this video can never be pinned here: sample fewer "
-                    "frames (fps, num_frames), lower max_pixels, or raise --max-pinned-bytes")
-        total = sum(sum(groups) for groups in sizes.values())
-        if total > limit:
-            return errors.LimitExceeded(f"embedding bytes to pin for the request's {len(sizes)} videos", total,
-                                        f"{limit} (--max-pinned-bytes)",
-                                        hint="they can never be pinned together: send fewer per request")
-        return None
-
-    async def _wait_for(self, unique: dict[str, ProbedVideo], joined: dict[str, VideoFlight],
-                        timeout_s: float | None, t0: float, first_index: dict[str, int]) -> None:
-        async def landed(name: str, vf: VideoFlight):
-            try:
-                await asyncio.shield(vf.task)
-            except errors.EncoderServiceError as exc:
-                raise exc.prefixed(f"video {first_index[name]}: ") from None
 
         try:
-            await timeouts.gather_within(timeout_s, *(landed(n, vf) for n, vf in joined.items()))
-        except TimeoutError:
-            raise errors.DeadlineExceeded(
-                f"encode did not finish within timeout_s={timeout_s} (waited {time.perf_counter() - t0:.3f}s)"
-            ) from None
-        except asyncio.CancelledError:
-            self._leave(unique, joined)
+            for name in unique:
+                if todo[name] and name not in self.video_flights:
+                    reservations[name] = self.engine.reserve(min(window, len(todo[name])))
+        except errors.Overloaded:
+            undo()
             raise
+        pin_all(self.store, self.engine,
+                {name: [(k, e.nbytes if e is not None else p.plan.tokens_per_group * self._row_bytes)
+                        for k, e in zip(p.group_keys(), hits[name])] for name, p in unique.items()},
+                first_index, "video", undo,
+                hint_one="this video can never be pinned here: sample fewer frames (fps, num_frames), lower "
+                         "max_pixels, or raise --max-pinned-bytes")
+        return reservations
 
     def _leave(self, unique: dict[str, ProbedVideo], joined: dict[str, VideoFlight]) -> None:
         """The caller left before its answer: its videos are not wanted by it any more, nor pinned for it."""

@@ -39,9 +39,8 @@ from encoder_service.cache import CacheKey, EmbeddingStore, Entry
 from encoder_service.cache.video_keys import GROUP_SEP
 from encoder_service.core.flight import FAILURES_KEPT, Flight, Flights
 from encoder_service.core.images import Probed
-from encoder_service.core.videos import GroupJob, ProbedVideo, VideoDecoder
+from encoder_service.core.videos import GroupJob, ProbedVideo, VideoDecoder, VideoReader
 from encoder_service.engine.engine import Reservation
-from encoder_service.preprocessing import VideoLimits
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +77,9 @@ class VideoFlights:
     """The video flights of one core, by the video's key name. Event loop only. Groups fly as `flights`
     (the core's, shared with images); `window`: a video's groups in the engine at once."""
 
-    def __init__(self, flights: Flights, store: EmbeddingStore, limits: VideoLimits, *, window: int,
+    def __init__(self, flights: Flights, store: EmbeddingStore, reader: VideoReader, *, window: int,
                  failures_kept: int = FAILURES_KEPT):
-        self._flights, self._store, self._limits, self.window = flights, store, limits, window
+        self._flights, self._store, self._reader, self.window = flights, store, reader, window
         self._videos: dict[str, VideoFlight] = {}
         self._failures: OrderedDict[str, errors.EncoderServiceError] = OrderedDict()
         self._failures_kept = failures_kept
@@ -106,7 +105,7 @@ class VideoFlights:
             return vf
         if reservation is None:
             raise RuntimeError(f"video {video.key.id} is not in flight: a new flight needs its engine reservation")
-        decoder = VideoDecoder(video.video, video.plan, self._limits, todo=todo, keep=self.window)
+        decoder = VideoDecoder(video.video, video.plan, self._reader.limits, todo=todo, keep=self.window)
         vf = self._videos[name] = VideoFlight(video, todo, reservation, decoder)
         loop = asyncio.get_running_loop()
         vf.started = {g: loop.create_future() for g in todo}
@@ -143,7 +142,7 @@ class VideoFlights:
                 if not vf.wanted():
                     raise asyncio.CancelledError
                 group = Probed(keys[g], plan.group_grid, plan.tokens_per_group, GroupJob(vf.decoder, plan, g),
-                               vf.video.content_tag)
+                               vf.video.content_tag, self._reader)
                 flight = vf.flights[g] = self._flights.join(group, vf.reservation.permit())
                 flight.urgent = g <= vf.demand
                 vf.started[g].set_result(None)

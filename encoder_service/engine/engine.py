@@ -13,8 +13,10 @@ batch while the completion thread waits for the previous one's rows, so the GPU 
 `loop.call_soon_threadsafe`; the threads never touch the loop otherwise. A batch that raises fails only its
 own items; if a thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
 
-The engine is built with its two stages, `prepare` (CPU threads) and `encode` (the GPU thread): a `Job`
-carries data (what to prepare, and the grid its pixel values must have), never a closure.
+The engine is built with its GPU stage, `encode`; each `Job` names its CPU stage, the `reader` whose
+`prepare` turns the job's data (what to prepare, and the grid its pixel values must have) into pixel
+values on a CPU thread: an image's bytes (core/images.py: ImageReader), a video's frame group
+(core/videos.py: VideoReader). A job is data, never a closure.
 
 Admission is checked once, in `admit(n)`: room for n images in the queue (at most max_queue, counting the
 permits handed out and not used yet), all or none, else Overloaded (HTTP 429). A caller that admits early
@@ -40,7 +42,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -50,8 +52,6 @@ from encoder_service.runtime.transfer import HostCopier
 
 log = logging.getLogger(__name__)
 
-# (job.data, job.grid_thw), on a CPU thread -> pixel values [t*h*w, patch_dim], ready for `encode`
-PrepareFn = Callable[[Any, GridTHW], torch.Tensor]
 # (pixel_values list, grid_thw list) -> one [num_tokens_i, row_width] tensor per image (TowerRunner.encode)
 EncodeFn = Callable[[Sequence[torch.Tensor], Sequence[GridTHW]], list[torch.Tensor]]
 
@@ -63,14 +63,20 @@ class EncodedImage:
     timings: dict[str, float]  # preprocess_ms, queue_ms, encode_ms (whole batch), batch_images
 
 
+class Reader(Protocol):
+    def prepare(self, data: Any, grid_thw: GridTHW) -> torch.Tensor:
+        """On a CPU thread: pixel values [t*h*w, patch_dim] of `data`, ready for `encode`."""
+
+
 @dataclass(frozen=True)
 class Job:
-    """One unit of ViT work: `data` is what the engine's `prepare` takes (an image's encoded bytes; the
-    engine never looks inside), `grid_thw` the grid its pixel values must have (t*h*w patches). Dropped
-    from the queue once `wanted()` is false."""
+    """One unit of ViT work: `data` is what `reader.prepare` takes (an image's encoded bytes, a video's frame
+    group; the engine never looks inside), `grid_thw` the grid its pixel values must have (t*h*w patches).
+    Dropped from the queue once `wanted()` is false."""
 
     data: Any
     grid_thw: GridTHW
+    reader: Reader
     wanted: Callable[[], bool] = always_wanted
     urgent: bool = False  # queued ahead of everything else (a fetch waits for it)
 
@@ -112,9 +118,9 @@ class Reservation:
 
 
 class Engine:
-    def __init__(self, *, prepare: PrepareFn, encode: EncodeFn, batch_tokens: int, buckets: Sequence[int] = (),
+    def __init__(self, *, encode: EncodeFn, batch_tokens: int, buckets: Sequence[int] = (),
                  max_queue: int = 256, cpu_threads: int | None = None, metrics=None):
-        self._prepare, self._encode = prepare, encode
+        self._encode = encode
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
         self._permits = 0  # admitted images not submitted yet (Permits not used or released), and reservations
@@ -216,7 +222,7 @@ class Engine:
             loop = self._loop
             items = []
             for job in jobs:
-                prepared = loop.run_in_executor(self.cpu_pool, _timed, self._prepare, job.data, job.grid_thw)
+                prepared = loop.run_in_executor(self.cpu_pool, _timed, job)
                 self._preparing += 1
                 prepared.add_done_callback(self._prepared)
                 items.append(WorkItem(grid_thw=job.grid_thw, prepared=prepared, future=loop.create_future(),
@@ -432,7 +438,7 @@ class Engine:
         return "the encode engine is not running"
 
 
-def _timed(prepare: PrepareFn, data: Any, grid_thw: GridTHW) -> tuple[torch.Tensor, float]:
+def _timed(job: Job) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    pixel_values = prepare(data, grid_thw)
+    pixel_values = job.reader.prepare(job.data, job.grid_thw)
     return pixel_values, (time.perf_counter() - t0) * 1e3

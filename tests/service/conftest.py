@@ -5,6 +5,7 @@ Fixtures (session scope, built on first use), each a `tests.support.service.Runn
   - `service_qwen3`:  qwen3_vl (deepstack rows), same limits.
   - `auth_service`:   qwen2_vl with --auth-token AUTH_TOKEN.
   - `shm_service`, `shm_service_qwen3`: like `service` / `service_qwen3` with --shm-fetch, --shm-dir `shm_dir`.
+Module scope: `shared_redis`, one redis-server for a module's replicas.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.redis_server import RedisServer
 from tests.support.service import AUTH_TOKEN, RunningService, running
 
 
@@ -29,6 +31,14 @@ def service_qwen3(request, tiny_checkpoint) -> RunningService:
 @pytest.fixture(scope="session")
 def auth_service(request, tiny_checkpoint) -> RunningService:
     return running(request, tiny_checkpoint("qwen2_vl"), "--auth-token", AUTH_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def shared_redis():
+    """One redis-server for a module's replicas (64 MB, allkeys-lru)."""
+    server = RedisServer(maxmemory="64mb", policy="allkeys-lru").start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -28,9 +28,8 @@ from encoder_service.cache import key_from_id
 from encoder_service.cache.handoff import binding_name
 from encoder_service.client import EncoderClient
 from encoder_service.client.types import ImageSource
-from tests.support.encoder_process import Replica
+from tests.support.encoder_process import Replica, started
 from tests.support.images import image_bytes
-from tests.support.redis_server import RedisServer
 from tests.support.reference import rel_err
 from tests.support.waits import wait_for
 
@@ -41,24 +40,10 @@ WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def redis_srv():
-    server = RedisServer(maxmemory="64mb", policy="allkeys-lru").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def replicas(tiny_checkpoint, redis_srv, tmp_path_factory):
-    checkpoint = tiny_checkpoint("qwen2_5_vl")
-    logs = tmp_path_factory.mktemp("race-logs")
-    pair = [Replica(name, checkpoint, redis_srv.url, logs) for name in ("a", "b")]
-    try:
-        for replica in pair:
-            replica.wait_ready()
+def replicas(tiny_checkpoint, shared_redis, tmp_path_factory):
+    checkpoint, logs = tiny_checkpoint("qwen2_5_vl"), tmp_path_factory.mktemp("race-logs")
+    with started(*(Replica(name, checkpoint, shared_redis.url, logs) for name in ("a", "b"))) as pair:
         yield pair
-    finally:
-        for replica in pair:
-            replica.stop()
 
 
 def encode_http(replica: Replica, caller_id: str, data: bytes, wait: bool) -> int:
@@ -127,22 +112,22 @@ def test_one_caller_id_raced_with_two_pictures_names_one_of_them_everywhere(repl
             assert closest(rows, {n: r for n, (r, _) in refs.items()}) == winner, (caller_id, replica.url)
 
 
-def test_a_binding_redis_lost_is_written_again_by_the_replica_holding_the_id(replicas, redis_srv, tiny_checkpoint):
+def test_a_binding_redis_lost_is_written_again_by_the_replica_holding_the_id(replicas, shared_redis, tiny_checkpoint):
     a, b = replicas
     x, y = image_bytes(96, 64, seed=7001), image_bytes(96, 64, seed=7002)
     assert encode_http(a, "kept", x, wait=True) == 200
     with httpx.Client(timeout=WAIT_S) as http:
         fp = http.get(f"{a.url}/v1/metadata").json()["fingerprint"]
     name = key_from_id("u:kept", fp).name
-    with redis.Redis.from_url(redis_srv.url) as direct:
+    with redis.Redis.from_url(shared_redis.url) as direct:
         assert direct.get(binding_name(name)) is not None
         direct.delete(binding_name(name), name)  # evicted: binding and rows
         wait_for(lambda: direct.get(binding_name(name)) is not None, "A to bind its id again", WAIT_S)
     assert encode_http(b, "kept", y, wait=True) == 409
     # Redis restarted, empty: A binds its ids again (B's encode meanwhile is refused with 503 and retried by
     # the client, or refused with 409 once A's binding is back), never accepted.
-    redis_srv.restart()
-    with redis.Redis.from_url(redis_srv.url) as direct:
+    shared_redis.restart()
+    with redis.Redis.from_url(shared_redis.url) as direct:
         wait_for(lambda: direct.get(binding_name(name)) is not None, "A to bind its id again after the restart",
                  WAIT_S)
     assert encode_grpc(b, "kept", y, wait=True) == 409

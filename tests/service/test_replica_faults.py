@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import os
 import signal
 import time
@@ -36,7 +35,7 @@ from encoder_service.cache import key_from_id
 from encoder_service.cache.handoff import is_pending, marker_name
 from encoder_service.cache.redis_tier import RedisTier
 from encoder_service.client import AsyncEncoderClient, EncoderClient
-from tests.support.encoder_process import Replica
+from tests.support.encoder_process import Replica, started
 from tests.support.images import image_bytes, png_with_text
 from tests.support.redis_server import RedisServer
 from tests.support.reference import assert_close, reference_rows
@@ -162,17 +161,6 @@ def entry_state(url: str, fingerprint: str, id_: str) -> tuple[bool, bytes | Non
     name = key_from_id(id_, fingerprint).name
     with redis.Redis.from_url(url) as direct:
         return bool(direct.exists(name)), direct.get(marker_name(name))
-
-
-@contextlib.contextmanager
-def started(*replicas: Replica):
-    try:
-        for r in replicas:
-            r.wait_ready()
-        yield replicas
-    finally:
-        for r in replicas:
-            r.stop()
 
 
 @pytest.fixture

@@ -33,7 +33,6 @@ from encoder_service.cache import key_from_id
 from encoder_service.client import AsyncEncoderClient
 from tests.support.clients import sync_client
 from tests.support.images import image_bytes, truncated_jpeg
-from tests.support.redis_server import RedisServer
 from tests.support.service import RunningService, held_decode, running
 from tests.support.waits import wait_for
 
@@ -41,13 +40,6 @@ pytestmark = pytest.mark.timeout(120)
 
 WAIT_S = 30  # bound on every wait in this file
 PENDING_WAITS = "encoder_cache_redis_pending_waits_total"
-
-
-@pytest.fixture(scope="module")
-def shared_redis():
-    server = RedisServer(maxmemory="64mb", policy="allkeys-lru").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

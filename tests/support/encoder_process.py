@@ -21,6 +21,7 @@ httpx), the replica tests and the benchmarks' replicas (soak.py, scale_out.py, r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -141,3 +142,15 @@ class Replica(ServiceProcess):
                 if sample.name in names if names is not None else not sample.labels:
                     found[sample.name] = found.get(sample.name, 0.0) + sample.value
         return found
+
+
+@contextlib.contextmanager
+def started(*replicas: Replica):
+    """The replicas, ready; stopped on the way out, however it is left."""
+    try:
+        for r in replicas:
+            r.wait_ready()
+        yield replicas
+    finally:
+        for r in replicas:
+            r.stop()

@@ -362,7 +362,7 @@ async def test_a_fetch_sized_by_a_flight_that_fails_before_its_rows_are_read_get
 
 async def test_failures_are_remembered_up_to_a_bound():
     # An engine never started: every fill's submit fails (the store has nothing, so each one submits).
-    engine = Engine(prepare=lambda data, grid: None, encode=lambda pixel_values, grids: [], batch_tokens=64)
+    engine = Engine(encode=lambda pixel_values, grids: [], batch_tokens=64)
     flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main", lease_s=60, failures_kept=2)
     keys = [make_key(bytes([k]), "fp") for k in range(3)]
     for key in keys:

@@ -97,8 +97,14 @@ def prepare(tag: float, grid_thw) -> torch.Tensor:
     return torch.full((t * h * w, 3), tag)
 
 
+class TagReader:
+    """The jobs' reader: `prepare` above."""
+
+    prepare = staticmethod(prepare)
+
+
 def _job(tag: float, patches: int = 4) -> Job:
-    return Job(tag, (1, 2, patches // 2))
+    return Job(tag, (1, 2, patches // 2), TagReader)
 
 
 async def _entered(tower: FakeTower) -> None:
@@ -108,7 +114,7 @@ async def _entered(tower: FakeTower) -> None:
 @pytest.fixture
 async def engine_and_tower():
     tower = FakeTower()
-    engine = Engine(prepare=prepare, encode=tower, batch_tokens=8, max_queue=6, cpu_threads=2)
+    engine = Engine(encode=tower, batch_tokens=8, max_queue=6, cpu_threads=2)
     await engine.start()
     yield engine, tower
     tower.gate.set()
@@ -179,9 +185,12 @@ async def test_retry_after_grows_with_the_preprocessing_backlog():
         return prepare(tag, grid_thw)
 
     def slow(tag: float, hold: bool = False) -> Job:
-        return Job((tag, hold), (1, 2, 2))
+        return Job((tag, hold), (1, 2, 2), SlowReader)
 
-    engine = Engine(prepare=slow_prepare, encode=FakeTower(), batch_tokens=64, max_queue=64, cpu_threads=1)
+    class SlowReader:
+        prepare = staticmethod(slow_prepare)
+
+    engine = Engine(encode=FakeTower(), batch_tokens=64, max_queue=64, cpu_threads=1)
     await engine.start()
 
     try:
@@ -246,7 +255,7 @@ async def test_deadline_and_cancel_drop_queued_items(engine_and_tower):
 
 async def test_gpu_thread_death_is_noticed():
     tower = FakeTower()
-    engine = Engine(prepare=prepare, encode=tower, batch_tokens=8, max_queue=8, cpu_threads=1)
+    engine = Engine(encode=tower, batch_tokens=8, max_queue=8, cpu_threads=1)
     await engine.start()
     try:
         tower.die = True
@@ -292,7 +301,7 @@ async def test_urgent_jobs_go_to_the_front_in_their_order(engine_and_tower):
     running = engine.submit([_job(1.0)])
     await _entered(tower)
     queued = engine.submit([_job(2.0), _job(3.0)])
-    urgent = engine.submit([Job(4.0, (1, 2, 2), urgent=True), Job(5.0, (1, 2, 2), urgent=True)])
+    urgent = engine.submit([Job(4.0, (1, 2, 2), TagReader, urgent=True), Job(5.0, (1, 2, 2), TagReader, urgent=True)])
     tower.gate.set()
     await _results(running + queued + urgent)
     assert [t for call in tower.calls for t in call] == [1.0, 4.0, 5.0, 2.0, 3.0]
