@@ -125,6 +125,9 @@ class ServerSettings:
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
     sglang_protocol: bool = False
     sglang_port: int = 8100
+    # Where other replicas reach this one's HTTP row path (core/peers.py); None: the bound HTTP address
+    # (api/service.py: advertised_url).
+    advertise_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class CacheSettings:
     hash: str
     lease_s: float
     max_pinned_bytes: int
+    redis_row_copy_bytes: int = 0  # entries up to this size also get a copy of their rows in Redis (0: none)
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,12 @@ def _non_negative(kind: Callable[[str], float]) -> Callable[[str], float]:
     return parse
 
 
+def _advertised(text: str) -> str:
+    if not re.match(r"^http://[^/\s]+$", str(text).rstrip("/")):
+        raise ValueError(f"must be http://host:port (the replica's own HTTP port), got {text!r}")
+    return str(text).rstrip("/")
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -259,6 +269,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "grpc_port": (_port, "50051", "0 disables gRPC"),
     "redis_url": (str, None, "enables the shared Redis tier"),
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
+    "redis_row_copy_bytes": (_non_negative(parse_size), "0", "entries up to this size also get a copy of their "
+                                                            "rows in Redis (0: none; rows go replica to replica)"),
+    "advertise_url": (_advertised, None, "http://host:port other replicas reach this one's HTTP port at (default: "
+                                         "--host and --http-port; Helm: the pod IP)"),
     "cache_bytes": (_non_negative(parse_size), "4GiB", "in-process host LRU size"),
     "hash": (_choice(HASHES), "blake3", "content hash of image bytes"),
     "lease_s": (_positive(float), "300", "how long an encoded id stays pinned at most: a fetch of all its rows "
@@ -462,10 +476,11 @@ def _build(v: dict) -> Settings:
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               access_log=v["access_log"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"], send_threads=v["send_threads"],
-                              sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"]),
+                              sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"],
+                              advertise_url=v["advertise_url"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],
                             cache_bytes=v["cache_bytes"], hash=v["hash"], lease_s=v["lease_s"],
-                            max_pinned_bytes=pinned),
+                            max_pinned_bytes=pinned, redis_row_copy_bytes=v["redis_row_copy_bytes"]),
         engine=EngineSettings(cuda_graphs=cuda_graphs, graph_buckets=v["graph_buckets"],
                               batch_tokens=v["batch_tokens"], max_queue=v["max_queue"], attention=v["attention"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],

@@ -30,7 +30,7 @@ import base64
 import contextlib
 import logging
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -109,6 +109,7 @@ class FetchJson(_Strict):
     end: int
     timeout_s: float | None = None
     shm: ShmJson | None = None
+    peer: Literal["fetch", "copy"] | None = None  # another replica fetching (core/peers.py): only what is here
 
 
 class ReleaseJson(_Strict):
@@ -236,7 +237,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         result = await _unless_disconnected(request, core.fetch(
             [FetchItem(it.id, it.offset) for it in body.items], body.start, body.end, timeout_s=body.timeout_s,
-            shm=shm))
+            shm=shm, peer=body.peer))
         header = wire.WireHeader.of_fetch(result)
         if shm is not None:  # the rows are in the client's file: the header alone answers
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},

@@ -45,7 +45,8 @@ def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
     runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets), attention=e.attention)
     cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
     store = EmbeddingStore(c.cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s, lease_s=c.lease_s,
-                           max_pinned_bytes=c.max_pinned_bytes)
+                           max_pinned_bytes=c.max_pinned_bytes,
+                           redis_options=dict(row_copy_bytes=c.redis_row_copy_bytes))
     return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store, metrics=Metrics())
 
 
@@ -64,6 +65,17 @@ class _Uvicorn(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
         self.listening.set()
+
+
+def advertised_url(host: str, port: int) -> str | None:
+    """Where other replicas reach the HTTP port bound at host:port (--advertise-url overrides it): a wildcard
+    host (0.0.0.0, ::) is this machine's address as its name resolves; None when that fails."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return None
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -108,8 +120,12 @@ class Service:
         if self.core is None:
             self.core = await asyncio.to_thread(build_core, s)
         load_s = time.perf_counter() - t0
-        await self.core.start()
         http = s.server.http_port or self._http_sock is not None
+        if http and self._http_sock is None:  # bound first: the address other replicas fetch rows at is known
+            self._http_sock = bind_socket(s.server.host, s.server.http_port)
+        if http:
+            self.core.advertise(s.server.advertise_url or advertised_url(*self._http_sock.getsockname()[:2]))
+        await self.core.start()
         # Rows gRPC fetches leave for their clients to read over HTTP (api/pickup.py): with both ports only.
         pickups = Pickups() if http and s.server.grpc_port else None
         if http:
@@ -128,7 +144,7 @@ class Service:
         from encoder_service.api.http import create_app
 
         s = self.settings.server
-        sock = self._http_sock or bind_socket(s.host, s.http_port)
+        sock = self._http_sock
         self._socket_send = SocketSend(create_app(self.core, pickups), s.send_threads)
         self._http, self._http_task, self.http_address = await self._serve(self._socket_send, sock, "HTTP")
 

@@ -1,4 +1,4 @@
-"""This replica's claims in Redis (cache/handoff.py): the ids it accepted and encodes (or whose rows it
+"""This replica's claims in Redis (cache/directory.py): the ids it accepted and encodes (or whose rows it
 writes), each a pending marker it renews until the outcome settles it, with the image bytes beside it.
 
     claims = Claims(connections, owner, pending_ttl_s=4, max_claims=65536, max_input_bytes=256 << 20)
@@ -9,15 +9,20 @@ writes), each a pending marker it renews until the outcome settles it, with the 
     await claims.settle(key, value, claim, failure_ttl_s)   # landed, failed or released: state, then message
 
 The tier (redis_tier.py) owns one, runs its heartbeat, and answers the Redis errors these raise. Bounded:
-at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by itself), image
-bytes kept up to `max_input_bytes` in all (past it an image's bytes are not kept: counted), each claim
-until its lease ends at the latest. `epoch` is the tier's count of recoveries: a claim last written in an
+at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by itself), each claim
+until its lease ends at the latest. Image bytes stay in Redis for their lease, after the rows land too (so
+that another replica can encode the image again should this one die); this replica keeps at most
+`input_budget` bytes of them there at a time: `max_input_bytes`, a quarter of Redis's maxmemory when that is
+smaller, and on a Redis that never evicts (noeviction) only what fits under half its maxmemory as last read
+(`redis_memory`): past it an image's bytes are not kept (counted), and neither is one Redis refuses, full:
+the markers and the directory always come first. `epoch` is the tier's count of recoveries: a claim last written in an
 earlier one (or never: Redis was away when it was made) is written again, input included, by the next beat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import OutOfMemoryError
 
-from encoder_service.cache.handoff import (
+from encoder_service.cache.directory import (
     LANDED, RELEASED, input_name, is_pending, marker_name, pending_owner, pending_value,
 )  # fmt: skip
 from encoder_service.cache.redis_connections import Connections
@@ -46,7 +51,10 @@ class Claims:
         self._px = int(pending_ttl_s * 1000)
         self._max_claims, self._max_input_bytes = max_claims, max_input_bytes
         self._claims: OrderedDict[str, Claim] = OrderedDict()
-        self.input_bytes = 0  # of the claims' inputs
+        self._kept: collections.deque[tuple[float, int]] = collections.deque()  # inputs sent: (until, bytes)
+        self._kept_bytes = 0
+        self._redis_maxmemory = 0  # 0: unknown, or no limit
+        self._headroom: int | None = None  # bytes inputs may still take on a Redis that never evicts
         self.inputs_skipped = 0
         self.lock = asyncio.Lock()  # a beat never interleaves with a claim's NX or a settle
 
@@ -67,12 +75,18 @@ class Claims:
         added = {}
         for key in dict.fromkeys(keys):
             data = inputs.get(key)
-            if data is not None and self.input_bytes + len(data) > self._max_input_bytes:
-                self.inputs_skipped += 1
-                data = None
+            if data is not None:
+                if self.input_bytes + len(data) > self.input_budget or \
+                        (self._headroom is not None and len(data) > self._headroom):
+                    self.inputs_skipped += 1
+                    data = None
+                else:
+                    self._kept.append((until, len(data)))
+                    self._kept_bytes += len(data)
+                    if self._headroom is not None:
+                        self._headroom -= len(data)
             self.drop(key)
             self._claims[key] = added[key] = Claim(pending_value(tags.get(key, 0), self.owner), data, until)
-            self.input_bytes += len(data or b"")
         while len(self._claims) > self._max_claims:
             self.drop(next(iter(self._claims)))
         return added
@@ -82,20 +96,49 @@ class Claims:
         current = self._claims.get(key)
         if current is not None and (claim is None or current is claim):
             del self._claims[key]
-            self.input_bytes -= len(current.input or b"")
+
+    def redis_memory(self, maxmemory: int, used: int, evicts: bool) -> None:
+        """Redis's memory as its INFO says (maxmemory 0: no limit): a quarter of maxmemory bounds the inputs
+        kept there; on a Redis that never `evicts`, inputs take only what keeps it under half full."""
+        self._redis_maxmemory = maxmemory
+        self._headroom = max(0, maxmemory // 2 - used) if maxmemory and not evicts else None
+
+    @property
+    def input_budget(self) -> int:
+        if self._redis_maxmemory:
+            return min(self._max_input_bytes, self._redis_maxmemory // 4)
+        return self._max_input_bytes
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of the inputs this replica sent to Redis whose lease has not ended."""
+        now = time.monotonic()
+        while self._kept and self._kept[0][0] <= now:
+            self._kept_bytes -= self._kept.popleft()[1]
+        return self._kept_bytes
 
     async def write(self, claims: dict[str, Claim], lease_s: float, epoch: int) -> list[str]:
         """Write the claims' inputs and markers (SET NX: one round trip); a marker found set is another
         replica's (it encodes that id: its claim is dropped here) or not live (a failure, one of ours from
-        before: replaced, a second round trip). Returns the names another replica holds. Hold `lock`."""
+        before: replaced, a second round trip). An input Redis refuses (full) is an input not kept, never a
+        reason to stop: its marker is written all the same. Returns the names another replica holds. Raises
+        what Redis raised for a marker. Hold `lock`."""
         lease_px = max(1, int(lease_s * 1000))
-        commands, marker_at = [], []
+        commands, marker_at, input_at = [], [], {}
         for key, claim in claims.items():
             if claim.input is not None:  # first: a marker anyone sees has its input beside it
+                input_at[key] = len(commands)
                 commands.append(("set", input_name(key), claim.input, lease_px))
             marker_at.append(len(commands))
             commands.append(("set", marker_name(key), claim.value, self._px, True))
-        replies = await self._conns.pipelined(*commands)
+        replies = await self._conns.pipelined(*commands, raise_on_error=False)
+        for at in marker_at:
+            if isinstance(replies[at], Exception):
+                raise replies[at]
+        for key, at in input_at.items():
+            if isinstance(replies[at], Exception):  # not kept (Redis full); still counted until its lease ends
+                self.inputs_skipped += 1
+                claims[key].input = None
         taken = [key for key, at in zip(claims, marker_at) if not replies[at]]
         elsewhere, replace = [], []
         if taken:
@@ -146,8 +189,8 @@ class Claims:
             return False
         marker = marker_name(key)
         async with self.lock:  # no beat renews the marker between these commands and the drop
-            if value == LANDED:
-                await self._conns.pipelined(("delete", marker), ("delete", input_name(key)), ("publish", marker, value))
+            if value == LANDED:  # the input stays for its lease: should the owner die, another replica encodes it
+                await self._conns.pipelined(("delete", marker), ("publish", marker, value))
             elif value == RELEASED:
                 await self._conns.pipelined(("delete", marker), ("publish", marker, value))
             else:

@@ -16,7 +16,7 @@
     digest covers the trailer's digest), the trailer must match that digest and every block its checksum,
     so bytes of another value are never served. A mismatch is re-read once with a fresh header (the value
     was replaced meanwhile, e.g. by a replica on another GPU); a second one is a corrupt value.
-  - Handoff (handoff.py): `mark_pending` claims ids at accept (SET NX, with the image bytes beside the
+  - Replicas (directory.py): `mark_pending` claims ids at accept (SET NX, with the image bytes beside the
     marker: `input`), a heartbeat renews this replica's markers until they settle (and writes them again
     after an outage), the writer settles a marker and publishes when the rows land or cannot,
     `mark_failed` when the encode fails or is given up; `wait_for` is a fetch's (or a waiting flight's)
@@ -40,6 +40,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -51,11 +52,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from encoder_service.cache import handoff
-from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
+from encoder_service.cache import directory
+from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, key_tag, rows_from_blocks
 from encoder_service.cache.claims import Claim, Claims
-from encoder_service.cache.handoff import (
-    LANDED, RELEASED, EncodeFailed, Marked, Settled, input_name, is_pending, marker_name,
+from encoder_service.cache.directory import (
+    LANDED, RELEASED, EncodeFailed, Located, Marked, Settled, input_name, is_pending, marker_name,
 )  # fmt: skip
 from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout, timeout_at
 from encoder_service.cache.subscriber import Subscriber, SubscriberLost
@@ -92,6 +93,10 @@ class RedisTier:
         heartbeat_s: float = 1.0,
         max_marked: int = 65536,
         max_input_bytes: int = 256 << 20,
+        owner_url: str | None = None,
+        row_copy_bytes: int = 0,
+        max_queued_locations: int = 65536,
+        replica_url_cache_s: float = 1.0,
     ):
         self.url = url
         self.ttl_s = ttl_s
@@ -102,6 +107,9 @@ class RedisTier:
         self.oom_pause_min_s, self.oom_pause_max_s = oom_pause_min_s, oom_pause_max_s
         self.failure_ttl_s = failure_ttl_s
         self.heartbeat_s = heartbeat_s
+        self.owner_url, self.row_copy_bytes = owner_url, row_copy_bytes
+        self.max_queued_locations, self._replica_url_cache_s = max_queued_locations, replica_url_cache_s
+        self._pending_px = int(pending_ttl_s * 1000)
         self._conns = Connections(
             url, max_connections=max_connections, wait_s=pool_wait_s, socket_timeout_s=socket_timeout_s,
             connect_timeout_s=connect_timeout_s,
@@ -109,7 +117,9 @@ class RedisTier:
         # This replica's claims; the owner in their markers names this process (its replica, this run).
         self._claims = Claims(self._conns, uuid.uuid4().hex[:12], pending_ttl_s=pending_ttl_s,
                               max_claims=max_marked, max_input_bytes=max_input_bytes)
+        self.owner = self._claims.owner
         self._subscriber = Subscriber(self._conns.pubsub_connection, self._on_subscriber_lost)
+        self._replica_urls: dict[str, tuple[str | None, float]] = {}  # owner -> (its URL, looked up at)
         self.up = True
         self._up_again = asyncio.Event()  # set while up: the writer waits on it while Redis is away
         self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
@@ -121,7 +131,8 @@ class RedisTier:
         # Rows to write ("rows", key, Entry, epoch) and marker outcomes to publish ("settle", key, (value, claim),
         # epoch), with the epoch they were queued in.
         self._queue: asyncio.Queue[tuple[str, str, object, int]] = asyncio.Queue()
-        self._queued_bytes = 0
+        self._queued_bytes = 0  # of the queued row copies
+        self._queued_locations = 0
         self._writing: Counter[str] = Counter()  # keys of the queued row writes
         self._queued_notices = 0
         self._tasks: dict[str, asyncio.Task] = {}  # writer, heartbeat, probe
@@ -131,6 +142,7 @@ class RedisTier:
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
+            located=0, copies=0, copies_dropped=0, copies_dropped_full=0,
             notices_dropped=0, bindings_checked=0, restarts_seen=0, pending_marked=0, pending_elsewhere=0, pending_settled=0, pending_waits=0,
             pending_wakeups=0, pending_timeouts=0, pending_failures=0, pending_orphaned=0,
         )  # fmt: skip
@@ -142,6 +154,8 @@ class RedisTier:
         self._tasks["heartbeat"] = asyncio.create_task(self._heartbeat_loop(), name="redis-tier-heartbeat")
         try:
             await self._check_restart()  # its run id, from the start: a restart before the first beat counts
+            if self.owner_url is not None:  # peers can reach it from its first encode on
+                await self._conns.run("set", directory.replica_name(self.owner), self.owner_url, px=self._pending_px)
         except (*_UNREACHABLE, PoolTimeout) as exc:
             self._mark_down(exc)
         except RedisError as exc:
@@ -159,10 +173,11 @@ class RedisTier:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.up and len(self._claims):
+        if self.up:  # gone: peers stop asking it at once, and waiters take its claims over
             names = [marker_name(k) for k in self._claims]
             try:
-                await self._conns.pipelined(*(cmd for m in names for cmd in (("delete", m), ("publish", m, RELEASED))))
+                await self._conns.pipelined(("delete", directory.replica_name(self.owner)),
+                                            *(cmd for m in names for cmd in (("delete", m), ("publish", m, RELEASED))))
             except (RedisError, PoolTimeout) as exc:  # they expire within pending_ttl_s anyway
                 log.debug("redis tier: releasing %d claims at shutdown failed: %r", len(names), exc)
         await self._subscriber.close()
@@ -175,37 +190,92 @@ class RedisTier:
     # ---- reads ----------------------------------------------------------------------------------
 
     async def get(self, key: str) -> Entry | None:
-        """Whole entry, verified; None on a miss, a corrupt value, or while Redis is down."""
+        """The whole row copy, verified; None on a miss, a corrupt value, or while Redis is down."""
         return await self._read(key, self._get)
 
     async def read_rows(self, key: str, start: int, end: int) -> torch.Tensor | None:
-        """Rows [start, end) read with GETRANGE, verified; None on a miss/corrupt/down.
-        InvalidInput when the range is outside the stored entry."""
-        return await self._read(key, self._read_rows, start, end)
+        """Rows [start, end) of the row copy, read with GETRANGE, verified; None on a miss or a corrupt value.
+        InvalidInput when the range is outside the stored entry; Unavailable while Redis is down or lost
+        during the read (the id may well exist: a 503 the clients retry, never a 404)."""
+        return await self._read(key, self._read_rows, start, end, strict=True)
 
     async def header(self, key: str) -> EntryHeader | None:
-        """The entry's header alone (rows, width, grid, ...): one round trip of [GETRANGE of the header,
+        """The row copy's header alone (rows, width, grid, ...): one round trip of [GETRANGE of the header,
         STRLEN], verified (digest, key tag, length); None on a miss/corrupt/down. Cached for `read_rows`."""
         return await self._read(key, self._header)
 
+    async def locate(self, key: str, *, strict: bool = True) -> Located | None:
+        """Where `key`'s rows are (directory.py: the replica that holds them and their header, and whether a
+        row copy is in Redis), in one round trip of [GET location, GETRANGE copy header, STRLEN copy], plus
+        one for the owner's address when not looked up within `replica_url_cache_s`. None when neither is
+        there (a miss, or a corrupt value). `strict`: Unavailable while Redis is down or lost meanwhile, else
+        None then."""
+        return await self._read(key, self._locate, strict=strict)
+
     async def input(self, key: str) -> bytes | None:
-        """The image bytes kept beside `key`'s marker by the replica that accepted it (handoff.py); None when
+        """The image bytes kept beside `key`'s marker by the replica that accepted it (directory.py); None when
         there are none (not kept, settled, expired) or while down."""
         return await self._read(key, self._input)
 
-    async def _read(self, key: str, read, *args):
-        """`await read(key, *args)`; None while down, and a corrupt value or a Redis error (counted) is a miss."""
-        if not self._available():
-            return None
-        try:
-            return await read(key, *args)
-        except CorruptEntry as exc:
-            self._on_corrupt(key, exc)
-        except PoolTimeout:
-            pass  # counted where it happened
-        except RedisError as exc:
-            self._on_error(exc)
+    async def _read(self, key: str, read, *args, strict: bool = False):
+        """`await read(key, *args)`; a corrupt value or an error reply (counted) is a miss. Redis unreachable
+        (down, lost during the read, no connection free in time): None, or Unavailable when `strict` (a read
+        whose None would be a 404)."""
+        if self._available():
+            try:
+                return await read(key, *args)
+            except CorruptEntry as exc:
+                self._on_corrupt(key, exc)
+                return None
+            except PoolTimeout:
+                pass  # counted where it happened
+            except RedisError as exc:
+                self._on_error(exc)
+                if not isinstance(exc, _UNREACHABLE):
+                    return None
+        if strict:
+            raise Unavailable("the shared Redis tier, where other replicas' ids are found, is unreachable: retry")
         return None
+
+    async def _locate(self, key: str) -> Located | None:
+        location, raw, strlen = await self._conns.pipelined(
+            ("get", directory.location_name(key)), ("getrange", key, 0, HEADER_LEN - 1), ("strlen", key))
+        copy = None
+        if raw:
+            try:
+                copy = EntryHeader.parse(raw, key)
+                if strlen != copy.total_len:
+                    raise CorruptEntry(f"value is {strlen} bytes, the header says {copy.total_len}")
+            except CorruptEntry as exc:  # a bad copy is no copy: the location may still be good
+                self._on_corrupt(key, exc)
+                copy = None
+        parsed = directory.parse_location(location)
+        if parsed is None:
+            if copy is None:
+                self.counters["misses"] += 1
+                return None
+            self.counters["located"] += 1
+            return Located(copy, "", None, True)
+        owner, header = parsed[0], EntryHeader.parse(parsed[1], key)
+        self.counters["located"] += 1
+        return Located(header, owner, await self._replica_url(owner), copy is not None)
+
+    async def _replica_url(self, owner: str) -> str | None:
+        """The advertised URL of a live replica (its heartbeat renews it); None when it is gone, or it is this
+        one. Looked up at most every `replica_url_cache_s` per owner: within that a replica that died is
+        still asked, and the fetch that finds it gone takes the image over."""
+        if owner == self.owner:
+            return None
+        now = time.monotonic()
+        cached = self._replica_urls.get(owner)
+        if cached is not None and now - cached[1] < self._replica_url_cache_s:
+            return cached[0]
+        value = await self._conns.run("get", directory.replica_name(owner))
+        url = value.decode("utf-8", "replace") if value else None
+        if len(self._replica_urls) >= 1024:
+            self._replica_urls.clear()
+        self._replica_urls[owner] = (url, now)
+        return url
 
     async def _get(self, key: str) -> Entry | None:
         data = await self._conns.run("get", key)
@@ -279,19 +349,30 @@ class RedisTier:
     # ---- writes ---------------------------------------------------------------------------------
 
     def write_behind(self, key: str, entry: Entry) -> bool:
-        """Queue a write; never blocks. Queued also while Redis is down (written once it is back). False
-        (counted) while writes are paused by OOM, or when the backlog is full; then an id claimed here is
-        settled as failed ("not stored"), so waiters elsewhere stop waiting."""
-        if self._writes_paused():
-            self._dropped(key, "Redis is full")
+        """Queue the rows' location (this replica holds them: directory.py) and, for an entry of at most
+        `row_copy_bytes`, a copy of the rows; never blocks. Queued also while Redis is down (written once it
+        is back). A copy is dropped (counted) while writes are paused by OOM or when the backlog of copies is
+        full: the location is written all the same. False (counted) only when the queue of locations is full;
+        then an id claimed here is settled as failed ("not stored"), so waiters elsewhere stop waiting."""
+        if self._queued_locations >= self.max_queued_locations:
+            self._dropped(key, "the write-behind queue to Redis was full", "writes_dropped_full")
             return False
-        if self._queued_bytes + entry.nbytes > self.max_queued_bytes:
-            self._dropped(key, "the write-behind backlog to Redis was full", "writes_dropped_full")
-            return False
-        self._queued_bytes += entry.nbytes
+        copy = 0 < entry.nbytes <= self.row_copy_bytes
+        if copy and self._writes_paused():
+            self.counters["copies_dropped"] += 1
+            copy = False
+        if copy and self._queued_bytes + entry.nbytes > self.max_queued_bytes:
+            self.counters["copies_dropped_full"] += 1
+            copy = False
+        self._queued_bytes += entry.nbytes if copy else 0
+        self._queued_locations += 1
         self._writing[key] += 1
-        self._queue.put_nowait(("rows", key, entry, self._epoch))
+        self._queue.put_nowait(("rows", key, (entry, copy), self._epoch))
         return True
+
+    def forget_replica(self, owner: str) -> None:
+        """A fetch found `owner` unreachable: look its address up afresh next time."""
+        self._replica_urls.pop(owner, None)
 
     async def flush(self) -> None:
         """Wait until queued writes and notices are done (tests, shutdown)."""
@@ -303,7 +384,7 @@ class RedisTier:
             try:
                 for _ in range(self.max_write_tries):
                     await self._up_again.wait()
-                    if await (self._write(key, item, epoch) if kind == "rows" else self._settle(key, *item)):
+                    if await (self._write(key, *item, epoch) if kind == "rows" else self._settle(key, *item)):
                         break
                 else:  # Redis went away during every try
                     if kind == "rows":
@@ -315,7 +396,8 @@ class RedisTier:
                 log.exception("redis tier: %s of %s failed", "write" if kind == "rows" else "notice", key)
             finally:
                 if kind == "rows":
-                    self._queued_bytes -= item.nbytes
+                    self._queued_bytes -= item[0].nbytes if item[1] else 0
+                    self._queued_locations -= 1
                     self._writing[key] -= 1
                     if not self._writing[key]:
                         del self._writing[key]
@@ -323,39 +405,58 @@ class RedisTier:
                     self._queued_notices -= 1
                 self._queue.task_done()
 
-    async def _write(self, key: str, entry: Entry, epoch: int) -> bool:
-        """SET the rows (queued in `epoch`), then settle the marker. False when Redis went away meanwhile (try
-        again once it is back); True when done: written, or dropped (OOM, an error reply)."""
-        if self._writes_paused():
-            self._dropped(key, "Redis is full")
-            return True
-        value = await asyncio.to_thread(entry.to_bytes, key)
-        try:
-            await self._conns.run("set", key, value, px=int(self.ttl_s * 1000))
-        except PoolTimeout:
+    async def _write(self, key: str, entry: Entry, copy: bool, epoch: int) -> bool:
+        """SET the rows' copy (when `copy`), then their location, then settle the marker (all queued in
+        `epoch`). False when Redis went away meanwhile (try again once it is back); True when done: written,
+        or dropped (OOM, an error reply). A copy Redis refuses is dropped alone; a location it refuses
+        fails the id ("not stored": no replica could find its rows)."""
+        if copy and not self._writes_paused():
+            value = await asyncio.to_thread(entry.to_bytes, key)
+            written = await self._write_command(("set", key, value, self._ttl_px), "copies_dropped")
+            if written is None:
+                return False
+            self.counters["copies"] += written is True
+            self._headers.pop(key, None)
+        location = directory.location_value(self.owner, dataclasses.replace(entry.header, key_tag=key_tag(key)).pack())
+        written = await self._write_command(("set", directory.location_name(key), location, self._ttl_px))
+        if written is None:
             return False
+        if written is not True:
+            self._dropped(key, "Redis is full" if isinstance(written, OutOfMemoryError) else "its write failed")
+            return True
+        self.counters["writes"] += 1
+        self.counters["writes_after_outage"] += epoch != self._epoch  # it waited for Redis to come back
+        # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
+        return await self._settle(key, LANDED, None)
+
+    async def _write_command(self, command: tuple, dropped: str | None = None) -> bool | RedisError | None:
+        """Run one write: True when done, the error when Redis refused it (OOM, an error reply: counted under
+        `dropped`), None when Redis went away (try again once it is back). A success after an OOM pause ended
+        (its probe) ends the doubling; one during the pause ends nothing (a small write fits where rows do
+        not)."""
+        try:
+            await self._conns.pipelined(command)
+        except PoolTimeout:
+            return None
         except RedisError as exc:
             self._on_error(exc, writing=True)
             if isinstance(exc, _UNREACHABLE):
-                return False
-            self._dropped(key, "Redis is full" if isinstance(exc, OutOfMemoryError) else "its write failed")
-            return True
-        self._headers.pop(key, None)
-        self.counters["writes"] += 1
-        self.counters["writes_after_outage"] += epoch != self._epoch  # it waited for Redis to come back
-        if self._writes_paused_until:
+                return None
+            if dropped is not None:
+                self.counters[dropped] += 1
+            return exc
+        if self._writes_paused_until and not self._writes_paused():
             self._writes_paused_until, self._oom_pause_s = 0.0, 0.0
             log.warning("redis tier: writes succeed again after the OOM pause")
-        # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
-        return await self._settle(key, LANDED, None)
+        return True
 
     def _dropped(self, key: str, why: str, counter: str = "writes_dropped") -> None:
         self.counters[counter] += 1
         claim = self._claims.get(key)
         if claim is not None:
-            self._notify(key, handoff.failure_value(handoff.NOT_STORED, f"its rows were not stored: {why}"), claim)
+            self._notify(key, directory.failure_value(directory.NOT_STORED, f"its rows were not stored: {why}"), claim)
 
-    # ---- handoff between replicas (handoff.py) --------------------------------------------------
+    # ---- handoff between replicas (directory.py) --------------------------------------------------
 
     async def mark_pending(self, keys: Sequence[str], lease_s: float, tags: Mapping[str, int] | None = None,
                            inputs: Mapping[str, bytes] | None = None) -> Marked:
@@ -381,7 +482,7 @@ class RedisTier:
         return Marked(True, frozenset(elsewhere))
 
     async def bind_tags(self, tags: Mapping[str, int], *, again: bool = False) -> dict[str, int]:
-        """Bind caller ids to one content each, first come first served across replicas (handoff.py): for
+        """Bind caller ids to one content each, first come first served across replicas (directory.py): for
         each name, SET NX of its binding to the content tag in `tags` (for `ttl_s`), then GET it back and
         refresh its TTL (an id in use stays bound). Returns by name the tag each id is bound to now: this
         one, or the one another replica bound first (a Conflict for the caller). One round trip. {} while
@@ -395,9 +496,9 @@ class RedisTier:
         grace = self._recovering() and not again
         commands = []
         for name, tag in tags.items():
-            binding = handoff.binding_name(name)
+            binding = directory.binding_name(name)
             if not grace:
-                commands.append(("set", binding, handoff.binding_value(tag), self._ttl_px, True))
+                commands.append(("set", binding, directory.binding_value(tag), self._ttl_px, True))
             commands += [("get", binding), ("pexpire", binding, self._ttl_px)]
         try:
             replies = await self._conns.pipelined(*commands, raise_on_error=False)
@@ -415,7 +516,7 @@ class RedisTier:
                 continue
             if isinstance(replies[at], OutOfMemoryError):
                 self._on_error(replies[at], writing=True)
-            tag = handoff.bound_tag(value)
+            tag = directory.bound_tag(value)
             if tag:
                 bound[name] = tag
             elif grace:
@@ -425,14 +526,15 @@ class RedisTier:
         return bound
 
     async def touch(self, keys: Sequence[str]) -> list[str]:
-        """Of `keys` (entries this replica has in its local tier and was asked for again), those Redis no longer
-        has and this tier is not writing already. TOUCH also refreshes their LRU clock in Redis: a replica
-        serving an id from its own tier sends Redis nothing else, so without it Redis would evict the ids most
-        used here first. One round trip; [] (nothing to act on) while down or paused by OOM, or on an error."""
+        """Of `keys` (entries this replica has in its local tier and was asked for again), those whose location
+        Redis no longer has and this tier is not writing already. TOUCH also refreshes their LRU clock in
+        Redis: a replica serving an id from its own tier sends Redis nothing else, so without it Redis would
+        evict the ids most used here first. One round trip; [] (nothing to act on) while down or paused by
+        OOM, or on an error."""
         if not keys or self._not_writing() is not None:
             return []
         try:
-            found = await self._conns.pipelined(*(("touch", k) for k in keys))
+            found = await self._conns.pipelined(*(("touch", directory.location_name(k), k) for k in keys))
         except PoolTimeout:
             return []
         except RedisError as exc:
@@ -443,10 +545,10 @@ class RedisTier:
     def mark_failed(self, key: str, exc: BaseException) -> None:
         """The encode of `key` claimed here ended without rows: publish the outcome (queued): the failure, so
         waiters elsewhere answer this error instead of waiting; or, for a fault of this replica's own
-        (handoff.outcome_of), the release, so one of them encodes it instead."""
+        (directory.outcome_of), the release, so one of them encodes it instead."""
         claim = self._claims.get(key)
         if claim is not None:
-            self._notify(key, handoff.outcome_of(exc), claim)
+            self._notify(key, directory.outcome_of(exc), claim)
 
     def mark_landed(self, key: str) -> None:
         """`key` was claimed here but its rows were in Redis already (another replica wrote them): clear the
@@ -520,20 +622,22 @@ class RedisTier:
         self.counters["pending_wakeups"] += 1
         if value == RELEASED:  # its owner gave it up: whoever claims it first encodes it
             return Settled.ORPHANED
-        handoff.raise_if_failed(value, label)
+        directory.raise_if_failed(value, label)
         return Settled.LANDED
 
     async def _check(self, key: str, marker: str, label: str) -> tuple[Settled | None, float | None]:
         """(LANDED, ORPHANED or NOT_PENDING, None) or raises the failure; (None, when the marker expires, in
-        loop time) while still pending."""
+        loop time) while still pending. LANDED: a location or a row copy, and no claim (a claim beside a
+        location is an encode again, its owner gone: the rows it lands are the ones to read)."""
         exists, value, pttl, input_len = await self._conns.pipelined(
-            ("exists", key), ("get", marker), ("pttl", marker), ("strlen", input_name(key)))
-        if exists:
-            return Settled.LANDED, None
-        if is_pending(value):
+            ("exists", directory.location_name(key), key), ("get", marker), ("pttl", marker),
+            ("strlen", input_name(key)))
+        if is_pending(value):  # claimed: even beside a location (of a replica gone: being encoded again)
             # Wake 20 ms past the expiry, so that the next check finds it gone; -1: no TTL (not one of ours).
             return None, asyncio.get_running_loop().time() + (pttl + 20) / 1000 if pttl >= 0 else None
-        handoff.raise_if_failed(value, label)
+        if exists:
+            return Settled.LANDED, None
+        directory.raise_if_failed(value, label)
         return (Settled.ORPHANED if input_len else Settled.NOT_PENDING), None
 
     def _notify(self, key: str, value: bytes, claim: Claim | None) -> None:
@@ -580,6 +684,9 @@ class RedisTier:
                 continue
             try:
                 await self._check_restart()
+                if self.owner_url is not None:  # alive, at this address: peers fetch its rows there
+                    await self._conns.run("set", directory.replica_name(self.owner), self.owner_url,
+                                          px=self._pending_px)
                 await self._claims.beat(self._epoch, writable=self._not_writing() is None)
             except PoolTimeout:
                 pass  # busy: the next beat, well within pending_ttl_s
@@ -591,9 +698,15 @@ class RedisTier:
     async def _check_restart(self) -> None:
         """A Redis that restarted between two commands of this replica (an idle one: no command failed) is
         empty all the same: its run id changed. Taken as a recovery, so claims, leased ids and bindings are
-        written again whatever the traffic."""
-        run_id = (await self._conns.run("info", "server")).get("run_id")
-        if self._run_id is not None and run_id != self._run_id:
+        written again whatever the traffic. Its memory is read too (the room image bytes may take)."""
+        server, memory = await self._conns.pipelined(("info", "server"), ("info", "memory"))
+        # How much room Redis has bounds the image bytes kept there (claims.py).
+        self._claims.redis_memory(int(memory.get("maxmemory", 0)), int(memory.get("used_memory", 0)),
+                                  evicts=memory.get("maxmemory_policy", "noeviction") != "noeviction")
+        run_id = server.get("run_id")
+        if run_id == self._run_id:
+            return
+        if self._run_id is not None:
             self.counters["restarts_seen"] += 1
             log.warning("redis tier: Redis at %s restarted (its run id changed): writing this replica's claims, "
                         "leased ids and bindings again", self.url)
@@ -631,6 +744,8 @@ class RedisTier:
         if isinstance(exc, OutOfMemoryError):
             if not writing:  # a read refused when full (not ours: we never MULTI): no reason to pause writes
                 log.debug("redis tier: read refused when full: %r", exc)
+                return
+            if self._writes_paused():  # a write sent before the pause: only the pause's own probe extends it
                 return
             # Probe sooner than a fixed cool-down: the pause doubles with each OOM in a row, from the minimum.
             self._oom_pause_s = min(self.oom_pause_max_s, 2 * self._oom_pause_s or self.oom_pause_min_s)

@@ -4,35 +4,40 @@
     store = EmbeddingStore(local_bytes, redis_url=None, redis_ttl_s=86400, lease_s=300,
                            max_pinned_bytes=local_bytes // 2)
     await store.start() ... await store.close()
-    await store.get(key)                          -> Entry | None       local, then Redis (promoted)
-    store.put(key, entry)                                               local, and written behind to Redis
+    await store.get(key)                          -> Entry | None       local, then a row copy in Redis (promoted)
+    store.put(key, entry)                                               local; its location written behind to Redis
+    store.keep(key, entry)                                              local only (rows pulled from another replica)
     store.failed(key, exc)                                              an encode of `key` failed (Redis: published)
     store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
-    await store.header(key)                       -> EntryHeader | None local, else Redis header only
-    await store.read_rows(key, start, end)        -> Tensor | None      local slice, else Redis GETRANGE
+    await store.header(key)                       -> EntryHeader | None local, else Redis's directory
+    await store.locate(key)                       -> Located | None     where another replica's rows are (Redis)
+    await store.read_rows(key, start, end)        -> Tensor | None      local slice, else a row copy's GETRANGE
     await store.mark_pending(keys, tags=None, inputs=None) -> Marked    claims: other replicas wait for them
     await store.bind_tags({name: tag})            -> {name: tag}        caller ids bound to one content across replicas
     await store.wait_for(key, timeout_s)          -> Settled            a wait for another replica's encode
     await store.input(key)                        -> bytes | None       an accepted image's bytes kept in Redis
-    await store.share(keys)                       -> int                local hits other replicas can read again
+    await store.share(keys)                       -> int                local hits other replicas can find again
     store.pin(key, lease_s=None, nbytes=None)     raises Overloaded;    store.unpin(key) -> bool (an encode's own)
     store.delivered(key, num_rows, ranges) -> int  a fetch's rows: full deliveries end holders
     store.release(key) -> bool                     a client's release
     store.stats()                                 -> dict (flat counters)
 
 `key` is a `CacheKey` (keys.py) or its full name. Tiers: the host LRU (`local_bytes`) always; Redis when
-`redis_url` is set.
+`redis_url` is set: the directory of who holds which id (the rows stay on the replica that made them, and
+travel replica to replica over HTTP: core/peers.py), the claims, bindings and inputs, and, for entries of at
+most `row_copy_bytes` (0 by default: none), a copy of the rows.
 
-Across replicas (Redis only; cache/handoff.py): `mark_pending` claims the ids an `encode` will create
+Across replicas (Redis only; cache/directory.py): `mark_pending` claims the ids an `encode` will create
 before answering it (with the image bytes beside each marker); those another replica claimed first are
-`Marked.elsewhere` (wait for its rows instead). What follows settles each claim: `get` finding the rows in
-Redis (another replica wrote them), `put` (the rows land through the write-behind, or cannot be stored),
-or `failed` (the failure, or the release of an encode this replica gives up).
-A fetch that misses everywhere calls `wait_for`: LANDED -> read again, ORPHANED -> the replica that
-accepted it is gone: encode `input(key)` here, NOT_PENDING -> 404, a failure is raised as `EncodeFailed`.
-An `encode` answered from the local tier calls `share` for those ids: Redis may have evicted them (its LRU
-never sees a replica's local hits), and another replica's fetch must find them; so does the store itself
-for every id leased here each time Redis comes back after an outage (a restarted Redis is empty).
+`Marked.elsewhere` (wait for its rows instead). What follows settles each claim: `get` finding a row copy
+in Redis (another replica wrote it), `put` (the location lands through the write-behind, or cannot be
+stored), or `failed` (the failure, or the release of an encode this replica gives up).
+A fetch that misses everywhere calls `wait_for`: LANDED -> `locate` the rows, ORPHANED -> the replica
+that accepted it is gone: encode `input(key)` here, NOT_PENDING -> 404, a failure is raised as
+`EncodeFailed`. An `encode` answered from the local tier calls `share` for those ids: Redis may have evicted
+their location (its LRU never sees a replica's local hits), and another replica's fetch must find them; so
+does the store itself for every id leased here each time Redis comes back after an outage (a restarted
+Redis is empty).
 
 Leases, the flow the core follows (core/encoder.py):
   1. `encode`: `store.pin(key, nbytes=expected)` BEFORE answering (raises Overloaded -> 429 when pins are
@@ -40,8 +45,8 @@ Leases, the flow the core follows (core/encoder.py):
   2. `fetch` chunks: `read_rows` (an id still in flight is read from its flight), then `delivered` with the
      rows the fetch sent: a chunked prefill reads an image over several chunks, and once every row has been
      delivered (since the pin began) one holder ends, so a client that fetches all rows and never releases
-     holds its pin only that long. Only this replica's pins: a fetch served by another replica (Redis)
-     ends nothing here.
+     holds its pin only that long. A fetch another replica makes for its client (core/peers.py) counts
+     here as the client's; a replica copying the rows for itself ends nothing.
   3. Else the pin ends at `release(key)` (the client's "done" for that id, optional) or when the lease
      expires, whichever comes first. Pins are counted per holder: two requests encoding the same image each
      hold one. An encode that fails or is left before its answer gives its own pin back (`unpin`).
@@ -58,7 +63,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from encoder_service.cache.entry import Entry, EntryHeader
-from encoder_service.cache.handoff import Marked, Settled
+from encoder_service.cache.directory import Located, Marked, Settled
 from encoder_service.cache.keys import CacheKey
 from encoder_service.cache.local import LocalTier
 from encoder_service.cache.redis_tier import RedisTier
@@ -116,8 +121,8 @@ class EmbeddingStore:
     # ---- reads ----------------------------------------------------------------------------------
 
     async def get(self, key: Key) -> Entry | None:
-        """Whole entry from the local tier, else Redis: a Redis hit (another replica's rows) is promoted to the
-        local tier and settles the id's pending marker if this replica set one."""
+        """Whole entry from the local tier, else a row copy in Redis: a Redis hit (another replica's rows) is
+        promoted to the local tier and settles the id's pending marker if this replica set one."""
         name = _name(key)
         entry = self.local.get(name)
         if entry is None and self.redis is not None:
@@ -132,17 +137,25 @@ class EmbeddingStore:
         return self.local.peek(_name(key))
 
     async def header(self, key: Key) -> EntryHeader | None:
-        """The entry's header (num_rows, row_width, grid_thw, ...) from the local tier, else read alone
-        from Redis (GETRANGE of the fixed header, verified; the rows stay there, nothing is promoted)."""
+        """The entry's header (num_rows, row_width, grid_thw, ...) from the local tier, else from Redis's
+        directory (the rows stay where they are, nothing is promoted). Unavailable while Redis is down."""
         name = _name(key)
         entry = self.local.peek(name)
         if entry is not None:
             return entry.header
-        return await self.redis.header(name) if self.redis is not None else None
+        located = await self.redis.locate(name) if self.redis is not None else None
+        return located.header if located is not None else None
+
+    async def locate(self, key: Key, *, strict: bool = True) -> Located | None:
+        """Where another replica's rows of `key` are (cache/directory.py: Located), from Redis; None without
+        Redis or when it has neither a location nor a row copy. `strict`: Unavailable while Redis is down,
+        else None then."""
+        return await self.redis.locate(_name(key), strict=strict) if self.redis is not None else None
 
     async def read_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
-        """Rows [start, end) as a CPU tensor [end - start, row_width] (a read-only view), or None when no
-        tier has the key. InvalidInput when the range is outside the entry."""
+        """Rows [start, end) as a CPU tensor [end - start, row_width] (a read-only view) of the local tier's
+        entry, else of a row copy in Redis (GETRANGE, verified); None when neither has them (another replica
+        may: `locate`). InvalidInput when the range is outside the entry; Unavailable while Redis is down."""
         name = _name(key)
         entry = self.local.get(name)
         if entry is not None:
@@ -151,11 +164,21 @@ class EmbeddingStore:
             return await self.redis.read_rows(name, start, end)
         return None
 
+    def keep(self, key: Key, entry: Entry) -> None:
+        """Rows pulled from another replica, kept in the local tier only (that replica owns them)."""
+        self.local.put(_name(key), entry)
+
+    def forget_replica(self, owner: str) -> None:
+        """A fetch found the replica `owner` unreachable: its address is looked up afresh next time."""
+        if self.redis is not None:
+            self.redis.forget_replica(owner)
+
     # ---- writes ---------------------------------------------------------------------------------
 
     def put(self, key: Key, entry: Entry) -> None:
-        """An encode's rows: into the local tier, and written behind to Redis (once they land there, or
-        cannot be stored, the id's pending marker settles)."""
+        """An encode's rows: into the local tier, and their location written behind to Redis (with a copy of
+        the rows when they are small enough: --redis-row-copy-bytes); once written, or when they cannot be,
+        the id's pending marker settles."""
         name = _name(key)
         self.local.put(name, entry)
         if self.redis is not None:
@@ -185,7 +208,7 @@ class EmbeddingStore:
 
     async def bind_tags(self, tags: Mapping[str, int]) -> dict[str, int]:
         """Bind caller ids (name -> the content tag of the bytes a request sent) to one content each across
-        replicas, first come first served (cache/handoff.py): by name, the tag each is bound to now (this one,
+        replicas, first come first served (cache/directory.py): by name, the tag each is bound to now (this one,
         or another replica's: a Conflict); {} without Redis, or when Redis cannot tell. Unavailable within
         moments of Redis coming back for an id not bound yet (retry)."""
         if self.redis is None:
@@ -205,7 +228,7 @@ class EmbeddingStore:
         return await self.redis.wait_for(_name(key), timeout_s, label)
 
     async def input(self, key: Key) -> bytes | None:
-        """The bytes of an image another replica accepted, kept in Redis while it is encoded (cache/handoff.py);
+        """The bytes of an image another replica accepted, kept in Redis while it is encoded (cache/directory.py);
         None without Redis, when none are kept, or while Redis is down."""
         return None if self.redis is None else await self.redis.input(_name(key))
 

@@ -1,4 +1,4 @@
-"""One pub/sub connection per Redis tier, shared by every wait (handoff.py): bounded however many fetches
+"""One pub/sub connection per Redis tier, shared by every wait (directory.py): bounded however many fetches
 wait, and one message wakes every waiter of its channel.
 
     async with subscriber.subscription(channel) as message:   # returns once Redis confirmed the SUBSCRIBE

@@ -30,6 +30,7 @@ import torch
 from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
+from encoder_service.client.owners import AsyncOwnerRouting, OwnerRouting
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
@@ -213,9 +214,13 @@ class EncoderClient:
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
-             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
-        return cls(HttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
-                   retry)
+             retry: RetryPolicy | None = DEFAULT_RETRY, follow_owner: bool = True, **kw):
+        """`follow_owner`: fetch straight from the replica an encode answer named as the rows' owner, when it
+        answers (client/owners.py); off: every fetch goes to `base_url`."""
+        transport = HttpTransport(base_url, token=token, **kw)
+        if follow_owner:
+            transport = OwnerRouting(transport, lambda url: HttpTransport(url, token=token, **kw), base_url)
+        return cls(transport, timeout, _buffers(shm, shm_dir), fetch_streams, retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
@@ -331,9 +336,12 @@ class AsyncEncoderClient:
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
-             retry: RetryPolicy | None = DEFAULT_RETRY, **kw):
-        return cls(AsyncHttpTransport(base_url, token=token, **kw), timeout, _buffers(shm, shm_dir), fetch_streams,
-                   retry)
+             retry: RetryPolicy | None = DEFAULT_RETRY, follow_owner: bool = True, **kw):
+        """`follow_owner`: as EncoderClient.http's."""
+        transport = AsyncHttpTransport(base_url, token=token, **kw)
+        if follow_owner:
+            transport = AsyncOwnerRouting(transport, lambda url: AsyncHttpTransport(url, token=token, **kw), base_url)
+        return cls(transport, timeout, _buffers(shm, shm_dir), fetch_streams, retry)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,

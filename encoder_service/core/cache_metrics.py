@@ -38,6 +38,8 @@ _LOOKUPS = "Host LRU tier lookups, by result"
 _DROPPED = ("Write-behinds to Redis dropped (the id's marker settled as not stored), by reason: backlog_full (the "
             "backlog at its bound: Redis away too long, or slower than the encodes), failed (writes paused after an "
             "OOM reply, the SET refused, or Redis gone during every try)")
+_DROPPED_COPIES = ("Row copies not written to Redis, by reason (refused: Redis full or an error reply, or writes "
+                   "paused by OOM; backlog_full): their locations are written all the same")
 _REDIS_HITS = ("Redis tier reads that found a valid value, by what was read (entry: the whole value, rows: a "
                "chunk's rows by GETRANGE, header: the header alone)")
 
@@ -94,7 +96,16 @@ STORE: dict[str, Stat] = {
     "redis_down_events": _counter("encoder_cache_redis_down_events", "Times the Redis tier went down"),
     "redis_oom_events": _counter("encoder_cache_redis_oom_events",
                                  "OOM replies to writes (Redis full without an eviction policy): writes pause"),
-    "redis_writes": _counter("encoder_cache_redis_writes", "Entries written behind to Redis"),
+    "redis_writes": _counter("encoder_cache_redis_writes",
+                             "Locations of entries written behind to Redis (this replica holds their rows)"),
+    "redis_located": _counter("encoder_cache_redis_located",
+                              "Directory reads that found where an id's rows are (a replica, or a row copy)"),
+    "redis_copies": _counter("encoder_cache_redis_row_copies",
+                             "Row copies written to Redis (entries up to --redis-row-copy-bytes)"),
+    "redis_copies_dropped": _counter("encoder_cache_redis_dropped_row_copies", _DROPPED_COPIES,
+                                     reason="refused"),
+    "redis_copies_dropped_full": _counter("encoder_cache_redis_dropped_row_copies", _DROPPED_COPIES,
+                                          reason="backlog_full"),
     "redis_writes_dropped": _counter("encoder_cache_redis_dropped_writes", _DROPPED, reason="failed"),
     "redis_writes_dropped_full": _counter("encoder_cache_redis_dropped_writes", _DROPPED, reason="backlog_full"),
     "redis_writes_after_outage": _counter("encoder_cache_redis_backlog_writes",
@@ -111,7 +122,7 @@ STORE: dict[str, Stat] = {
     "redis_retries": _counter("encoder_cache_redis_retries",
                               "Redis commands run again on a fresh connection after a connection error (pooled "
                               "connections dead after a Redis restart)"),
-    # handoff of ids between replicas (cache/handoff.py, cache/subscriber.py)
+    # handoff of ids between replicas (cache/directory.py, cache/subscriber.py)
     "redis_pending_marked": _counter("encoder_cache_redis_pending_marked",
                                      "Ids this replica marked pending in Redis when it accepted them"),
     "redis_pending_elsewhere": _counter("encoder_cache_redis_claimed_elsewhere",

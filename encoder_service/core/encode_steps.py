@@ -2,7 +2,7 @@
 
   unique_items     one entry per id of the request, in order; one caller id sent with two contents in the
                    same request is a Conflict naming the item
-  check_contents   an id never names two contents: each caller id is bound in Redis first (handoff.py), then
+  check_contents   an id never names two contents: each caller id is bound in Redis first (directory.py), then
                    its binding, its entry here and its flights here must all agree with the request's bytes
                    (Conflict, before anything is admitted: the request's failure, never the id's)
   pin_all          a pin on every key for its lease, all or none, after the caller's admission to the engine;
@@ -25,7 +25,7 @@ from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, other_content
 from encoder_service.core import timeouts
 from encoder_service.core.flight import conflict
-from encoder_service.core.handoff import Handoff
+from encoder_service.core.replicas import Replicas
 from encoder_service.engine.engine import Engine
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ def unique_items(items: Sequence[I], what: str) -> tuple[dict[str, I], dict[str,
     return unique, first_index
 
 
-async def check_contents(handoff: Handoff, callers: Mapping[str, tuple[CacheKey, CacheKey, int]],
+async def check_contents(replicas: Replicas, callers: Mapping[str, tuple[CacheKey, CacheKey, int]],
                          local_tags: Callable[[str], Iterable[int]], first_index: Mapping[str, int],
                          what: str) -> None:
     """`callers`: name -> (the item's key, the key its binding is under: a video's is its frame group 0's,
@@ -60,7 +60,7 @@ async def check_contents(handoff: Handoff, callers: Mapping[str, tuple[CacheKey,
     flights."""
     if not callers:
         return
-    bound = await handoff.bind_tags({bound_under: tag for _, bound_under, tag in callers.values()})
+    bound = await replicas.bind_tags({bound_under: tag for _, bound_under, tag in callers.values()})
     for name, (key, bound_under, tag) in callers.items():
         if any(other_content(tag, recorded) for recorded in (bound.get(bound_under.name, 0), *local_tags(name))):
             raise conflict(key).prefixed(f"{what} {first_index[name]}: ")

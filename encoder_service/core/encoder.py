@@ -33,10 +33,11 @@ from encoder_service.cache.video_keys import group_key, is_video_id, video_key_f
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flights
-from encoder_service.core.handoff import Handoff
+from encoder_service.core.replicas import Replicas
 from encoder_service.core.image_encode import ImageEncoder
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics, build_labels
+from encoder_service.core.peers import Peers
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput, VideoInput
 from encoder_service.core.urls import UrlFetcher
 from encoder_service.core.video_encode import VideoEncoder
@@ -76,12 +77,16 @@ class EncoderCore:
         self.engine = Engine(encode=runner.encode,
                              batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics)
+        # Rows of ids other replicas hold come over their row path (peers.py); only with Redis (the directory).
+        self.peers = None if store.redis is None else Peers(
+            token=settings.server.auth_token, row_width=self.spec.row_width, dtype=loaded.dtype,
+            pool=self.engine.host_pool)
         self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
-                               lease_s=settings.cache.lease_s)
+                               lease_s=settings.cache.lease_s, peers=self.peers)
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
-        self.handoff = Handoff(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
-                               row_bytes=self._row_bytes)
-        self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.handoff, self.metrics,
+        self.replicas = Replicas(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
+                                 row_bytes=self._row_bytes, layout=self.spec.layout, peers=self.peers)
+        self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.replicas, self.metrics,
                                           max_images=lim.max_images, row_bytes=self._row_bytes, info=self._info)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
         srv = settings.server
@@ -110,10 +115,17 @@ class EncoderCore:
         reader = VideoReader(cfg, limits, urls, video_fp=self.video_fp, hash_algo=hash_algo, device=device,
                              dtype=loaded.dtype)
         video_flights = VideoFlights(self.flights, self.store, reader, window=v.video_window)
-        return VideoEncoder(reader, video_flights, self.flights, self.store, self.engine, self.handoff, self.metrics,
+        return VideoEncoder(reader, video_flights, self.flights, self.store, self.engine, self.replicas, self.metrics,
                             max_videos=v.max_videos, row_bytes=self._row_bytes, info=self._video_info)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
+    def advertise(self, url: str | None) -> None:
+        """Where other replicas fetch the rows this one holds (its HTTP port), before `start`: written in Redis
+        beside this replica's liveness (cache/directory.py); None: they cannot (then they encode an id again
+        from its kept bytes, or read a row copy)."""
+        if self.store.redis is not None:
+            self.store.redis.owner_url = url
+
     async def start(self, *, warmup: bool = True) -> None:
         """Start the store and engine, then run a real tiny encode through the whole engine."""
         await self.store.start()
@@ -138,6 +150,8 @@ class EncoderCore:
         await self.images.urls.close()
         await self.videos.reader.urls.close()
         await self.store.close()
+        if self.peers is not None:
+            self.peers.close()
         if self.shm is not None:
             await asyncio.to_thread(self.shm.close)  # waits for copies in flight
 
@@ -202,11 +216,16 @@ class EncoderCore:
         return await self.image_encoder.encode(images, wait=wait, return_embeddings=return_embeddings,
                                                timeout_s=timeout_s, t0=t0)
 
+    def _owner_url(self) -> str | None:
+        """Where clients may fetch what this replica answers for directly (with Redis: it holds the rows, or
+        pulls them); None without Redis (there is no other replica to go past)."""
+        return self.store.redis.owner_url if self.store.redis is not None else None
+
     def _info(self, p: Probed, cached: bool) -> ImageInfo:
         spec = self.spec
         return ImageInfo(id=p.key.id, grid_thw=tuple(p.grid_thw), num_tokens=p.num_tokens,
                          row_width=spec.row_width, hidden_size=spec.out_hidden_size, layout=spec.layout,
-                         dtype=self.dtype, cached=cached)
+                         dtype=self.dtype, cached=cached, owner=self._owner_url())
 
     def _video_info(self, p: ProbedVideo, cached: bool) -> VideoInfo:
         """The metadata the language model needs: Qwen2/2.5-VL's second_per_grid_t (M-RoPE), Qwen3-VL's group
@@ -216,13 +235,19 @@ class EncoderCore:
                          tokens_per_group=plan.tokens_per_group, num_frames=len(plan.frame_indices),
                          sampled_fps=plan.sampled_fps, second_per_grid_t=None if qwen3 else plan.second_per_grid_t,
                          group_timestamps=plan.group_timestamps if qwen3 else None, row_width=spec.row_width,
-                         hidden_size=spec.out_hidden_size, layout=spec.layout, dtype=self.dtype, cached=cached)
+                         hidden_size=spec.out_hidden_size, layout=spec.layout, dtype=self.dtype, cached=cached,
+                         owner=self._owner_url())
 
     # ---- fetch -----------------------------------------------------------------------------------------
     async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
-                    shm: ShmTarget | None = None) -> FetchResult:
+                    shm: ShmTarget | None = None, peer: str | None = None) -> FetchResult:
         """The rows of `items` inside [start, end); with `shm`, written into that client file instead (the
-        target is checked before any wait for rows) and the result carries `shm_bytes`, no rows."""
+        target is checked before any wait for rows) and the result carries `shm_bytes`, no rows. `peer`: the
+        fetch comes from another replica (core/peers.py): answered from what is here only (flights, the local
+        tier), never from a third replica; "copy" (that replica keeps the rows) ends no pin here, "fetch" (for
+        its client) does, as the client's own fetch would."""
+        if peer not in (None, "fetch", "copy"):
+            raise errors.InvalidInput(f"peer is {peer!r:.40}, expected \"fetch\" or \"copy\"")
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
@@ -235,7 +260,7 @@ class EncoderCore:
         deadline = timeouts.Deadline(timeout_s)  # one timeout over the sizes (a wait on another replica) and rows
         try:
             sizes = dict(zip(keys, await timeouts.gather_within(
-                deadline.bound(), *(self._num_tokens(k, deadline) for k in keys.values()))))
+                deadline.bound(), *(self._num_tokens(k, deadline, peer) for k in keys.values()))))
         except TimeoutError:
             raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
@@ -256,7 +281,8 @@ class EncoderCore:
             mapping = self.shm.check(shm, max((at + n for at, n in places), default=0))
         t_plan = time.perf_counter()
         try:
-            parts = await timeouts.gather_within(deadline.bound(), *(self._rows(keys[s.id], s) for s in segments))
+            parts = await timeouts.gather_within(deadline.bound(),
+                                                 *(self._rows(keys[s.id], s, deadline, peer) for s in segments))
         except BaseException as exc:
             if mapping is not None:
                 self.shm.release(mapping)
@@ -277,20 +303,22 @@ class EncoderCore:
                 raise errors.EncoderServiceError("cached rows do not match this model's row size")
             written = await self.shm.write(mapping, shm.offset, [(at, p) for (at, _), p in zip(places, parts)])
             timings["shm_ms"] = (time.perf_counter() - t_read) * 1e3
-            self._delivered(keys, segments, sizes)
+            if peer != "copy":
+                self._delivered(keys, segments, sizes)
             return FetchResult(rows=None, shm_bytes=written, **common)
         if len(parts) == 1:  # one image in the chunk: its rows are already one contiguous view, no copy
             rows = parts[0]
         else:
             rows = torch.cat(parts) if parts else torch.empty((0, self.spec.row_width), dtype=self.loaded.dtype)
-        self._delivered(keys, segments, sizes)
+        if peer != "copy":
+            self._delivered(keys, segments, sizes)
         return FetchResult(rows=rows.contiguous(), **common)
 
     def _delivered(self, keys: dict[str, CacheKey], segments: list[Segment], sizes: dict[str, int]) -> None:
         """The fetch has every segment's rows: per id, the rows it delivered (an id placed twice in the prompt
         counts once) go to the store, where a pin whose every row was delivered since it began loses a holder
         (cache/local.py: delivered). A client that fetches all rows and never releases holds its pins only
-        until then; this replica's pins only (a fetch on another replica, through Redis, ends none here)."""
+        until then. A fetch another replica serves from here for its client counts here."""
         ranges: dict[str, list[tuple[int, int]]] = {}
         for s in segments:
             ranges.setdefault(s.id, []).append((s.row_start, s.row_end))
@@ -307,10 +335,11 @@ class EncoderCore:
         return errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s} "
                                        f"(waited {time.perf_counter() - t0:.3f}s)")
 
-    async def _num_tokens(self, key, deadline: timeouts.Deadline) -> int:
+    async def _num_tokens(self, key, deadline: timeouts.Deadline, peer: str | None) -> int:
         """The id's row count: how its last encode here failed (raised), else its flight's, else its entry's
-        header (local tier, else the header alone from Redis), else that of the rows another replica is
-        encoding, once they land (handoff.py; no Redis round trip for ids known here)."""
+        header (local tier, else where Redis's directory says the rows are), else that of the rows another
+        replica is encoding, once they land (replicas.py; no Redis round trip for ids known here). A peer's
+        fetch: only what is here."""
         self.flights.raise_failure(key)
         flight = self.flights.get(key.name)
         if flight is not None:
@@ -319,19 +348,26 @@ class EncoderCore:
             group_tokens = self.videos.video_flights.group_tokens(key)
             if group_tokens is not None:
                 return group_tokens
+        if peer is not None:
+            entry = self.store.peek(key)
+            if entry is None:
+                raise errors.NotFound(f"id {key.id!r} is not held by this replica (asked by another one)")
+            return entry.num_rows
         header = await self.store.header(key)
         if header is None:  # another replica's encode: its rows once they land, or taken over here
-            return await self.handoff.num_tokens_elsewhere(key, deadline)
+            return await self.replicas.num_tokens_elsewhere(key, deadline)
         return header.num_rows
 
-    async def _rows(self, key, seg: Segment) -> torch.Tensor:
+    async def _rows(self, key, seg: Segment, deadline: timeouts.Deadline, peer: str | None) -> torch.Tensor:
         """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
         it waits for the id's pending marker first), else how the id's encode failed here, if it did (its
-        flight may have ended since `_num_tokens`), else from the store (local slice, Redis GETRANGE); no
-        rows: NotFound."""
+        flight may have ended since `_num_tokens`), else from the local tier (or a row copy in Redis), else
+        from the replica that holds them (replicas.py: peer to peer; should it be gone, this replica encodes
+        the image again from its kept bytes); no rows: NotFound. A peer's fetch: only what is here."""
         frame_group = is_video_id(key.id)
         if frame_group:  # its video's driver may not have reached it yet
             await self.videos.video_flights.started(key)
+        tier = "local"
         with self.flights.waiting(key.name) as flight:
             if flight is not None:
                 try:
@@ -343,10 +379,17 @@ class EncoderCore:
                 self.flights.raise_failure(key)
                 if frame_group:
                     self.videos.video_flights.raise_failure(key)
-                rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
+                if peer is not None:
+                    entry = self.store.peek(key)
+                    rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
+                else:
+                    tier = "local" if self.store.peek(key) is not None else "redis"
+                    rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
+                    if rows is None:
+                        tier = "peer"
+                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
-        tier = "local" if self.store.peek(key) is not None else "redis"
         self.metrics.cache_hits.labels(tier=tier).inc()
         return rows
 

@@ -2,11 +2,11 @@
 failed ones.
 
 A flight starts with the first encode request of an id that has no flight here (or, with Redis, with a
-fetch of an id whose accepting replica is gone: core/handoff.py), and ends when its fill does. The fill
+fetch of an id whose accepting replica is gone: core/replicas.py), and ends when its fill does. The fill
 only calls down, with data:
 
     store.get(key)                      the local tier, else Redis (rows another replica wrote)
-    while another replica claimed the image (Redis; cache/handoff.py):
+    while another replica claimed the image (Redis; cache/directory.py):
          store.wait_for(key)            its rows land (read them), or it is gone: store.mark_pending claims
                                         the image here (whoever claims first encodes it)
     else engine.submit([Job(image bytes, grid_thw)])  -> rows   (decoded on a CPU thread, ViT on the GPU)
@@ -49,6 +49,7 @@ from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled, other_content
 from encoder_service.cache.video_keys import VIDEO_PREFIX
 from encoder_service.core.images import Probed
+from encoder_service.core.peers import Peers
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine, Job, Permit
 
@@ -90,8 +91,8 @@ class Flights:
     (past it nobody holds the id)."""
 
     def __init__(self, store: EmbeddingStore, engine: Engine, metrics: Metrics, *, layout: str, lease_s: float,
-                 failures_kept: int = FAILURES_KEPT):
-        self._store, self._engine, self._metrics = store, engine, metrics
+                 peers: Peers | None = None, failures_kept: int = FAILURES_KEPT):
+        self._store, self._engine, self._metrics, self._peers = store, engine, metrics, peers
         self._layout, self._lease_s = layout, lease_s
         self._flights: dict[str, Flight] = {}
         self._failures: OrderedDict[str, errors.EncoderServiceError] = OrderedDict()
@@ -160,11 +161,14 @@ class Flights:
         deadline = time.monotonic() + self._lease_s
         while True:
             entry = await self._store.get(flight.key)
+            pulled = entry is None and (entry := await self._pull(flight.key, deadline)) is not None
             if entry is not None:
-                if other_content(flight.content_tag, entry.header.content_tag):  # another replica's, in Redis
+                if other_content(flight.content_tag, entry.header.content_tag):  # another replica's rows
                     raise conflict(flight.key)
-                if flight.permit is not None:  # a local miss when admitted: another replica's rows, from Redis
-                    self._metrics.cache_hits.labels(tier="redis").inc()
+                if pulled:  # a copy here: its location names this replica too, and that settles our claim
+                    self._store.put(flight.key, entry)
+                if flight.permit is not None:  # a local miss when admitted: another replica's rows
+                    self._metrics.cache_hits.labels(tier="peer" if pulled else "redis").inc()
                 return Landed(entry, encoded=False)
             if not elsewhere:
                 break
@@ -179,6 +183,24 @@ class Flights:
                                 content_tag=flight.content_tag)
         self._store.put(flight.key, entry)
         return Landed(entry, encoded=True, timings=encoded.timings)
+
+    async def _pull(self, key: CacheKey, deadline: float) -> Entry | None:
+        """The rows another replica holds (Redis's directory says which: cache/directory.py), pulled whole over
+        its row path (peers.py); None when no live replica holds them (encode them here) or without Redis."""
+        if self._peers is None:
+            return None
+        located = await self._store.locate(key, strict=False)
+        if located is None or located.url is None:
+            return None
+        try:
+            rows = await self._peers.rows(located.url, key.id, 0, located.header.num_rows,
+                                          max(0.0, deadline - time.monotonic()), copy=True)
+        except (errors.Unavailable, errors.NotFound) as exc:  # gone, or no longer holds them: encode them here
+            log.info("id %s: the replica holding its rows did not give them (%s); encoding it here", key.id, exc)
+            self._store.forget_replica(located.owner)
+            return None
+        return Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
+                               content_tag=located.header.content_tag)
 
     async def _wait_elsewhere(self, flight: Flight, data: Any, deadline: float) -> bool:
         """Another replica claimed the image first: wait for its rows (then read them: False) rather than

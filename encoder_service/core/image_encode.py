@@ -9,7 +9,7 @@ steps both share are encode_steps.py:
   admit          ids neither cached nor in flight get engine queue room, all or none (429 when full); every
                  id is pinned for its lease (pin_all: 429 when the pins are full, 400 when they never could be)
   mark           with Redis the admitted images are claimed there, their bytes beside the claims, and the
-                 hits shared (handoff.py), before the answer
+                 hits shared (directory.py), before the answer
   join           flight.py: each id joins its flight or starts one (a miss with its permit)
   answer         ImageInfo per image (protocol/image_info.py), before the ViT runs; `wait` waits for the rows,
                  `return_embeddings` returns them
@@ -26,7 +26,7 @@ from encoder_service import errors
 from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.core.encode_steps import check_contents, pin_all, unique_items, wait_all
 from encoder_service.core.flight import Flight, Flights
-from encoder_service.core.handoff import Handoff
+from encoder_service.core.replicas import Replicas
 from encoder_service.core.images import ImageReader, Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, ImageInfo, ImageInput
@@ -37,10 +37,10 @@ class ImageEncoder:
     """`info(probed, cached) -> ImageInfo` fills in the model's fields (row width, layout, dtype)."""
 
     def __init__(self, reader: ImageReader, flights: Flights, store: EmbeddingStore, engine: Engine,
-                 handoff: Handoff, metrics: Metrics, *, max_images: int, row_bytes: int,
+                 replicas: Replicas, metrics: Metrics, *, max_images: int, row_bytes: int,
                  info: Callable[[Probed, bool], ImageInfo]):
         self.reader, self.flights, self.store, self.engine = reader, flights, store, engine
-        self.handoff, self.metrics = handoff, metrics
+        self.replicas, self.metrics = replicas, metrics
         self.max_images, self._row_bytes, self._info = max_images, row_bytes, info
 
     async def encode(self, images: list[ImageInput], *, wait: bool, return_embeddings: bool,
@@ -61,7 +61,7 @@ class ImageEncoder:
         timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
 
         unique, first_index = unique_items(probed, "image")
-        await check_contents(self.handoff, {name: (p.key, p.key, p.content_tag) for name, p in unique.items()
+        await check_contents(self.replicas, {name: (p.key, p.key, p.content_tag) for name, p in unique.items()
                                             if p.content_tag}, self._local_tags, first_index, "image")
         hits = {name: self.store.peek(name) for name in unique}
         for name, entry in hits.items():  # what the id names (an entry from before content tags: unchecked)
@@ -70,7 +70,7 @@ class ImageEncoder:
                                                    num_tokens=entry.num_rows)
         permits = self._admit_and_pin(unique, hits, first_index)
         self.metrics.cache_hits.labels(tier="local").inc(sum(e is not None for e in hits.values()))
-        marking = self.handoff.mark([unique[name] for name in permits],  # None without Redis
+        marking = self.replicas.mark([unique[name] for name in permits],  # None without Redis
                                     [unique[name].key for name, entry in hits.items() if entry is not None])
 
         # Every id joins its flight (or starts one: a miss with its permit, a cached id to read its entry).

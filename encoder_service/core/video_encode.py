@@ -33,7 +33,7 @@ from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.cache.video_keys import GROUP_SEP
 from encoder_service.core.encode_steps import check_contents, pin_all, unique_items, wait_all
 from encoder_service.core.flight import Flights
-from encoder_service.core.handoff import GroupClaim, Handoff
+from encoder_service.core.replicas import GroupClaim, Replicas
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, VideoInput
 from encoder_service.core.video_flights import VideoFlight, VideoFlights
@@ -48,10 +48,10 @@ class VideoEncoder:
     """`info(probed, cached) -> VideoInfo` fills in the model's fields (row width, layout, dtype)."""
 
     def __init__(self, reader: VideoReader, video_flights: VideoFlights, flights: Flights, store: EmbeddingStore,
-                 engine: Engine, handoff: Handoff, metrics: Metrics, *, max_videos: int, row_bytes: int,
+                 engine: Engine, replicas: Replicas, metrics: Metrics, *, max_videos: int, row_bytes: int,
                  info: Callable[[ProbedVideo, bool], VideoInfo]):
         self.reader, self.video_flights, self.flights = reader, video_flights, flights
-        self.store, self.engine, self.handoff, self.metrics = store, engine, handoff, metrics
+        self.store, self.engine, self.replicas, self.metrics = store, engine, replicas, metrics
         self.max_videos, self._row_bytes, self._info = max_videos, row_bytes, info
 
     async def encode(self, videos: list[VideoInput], *, wait: bool, return_embeddings: bool,
@@ -71,13 +71,13 @@ class VideoEncoder:
 
         unique, first_index = unique_items(probed, "video")
         # A video's groups all carry its content tag: its group 0's binding answers for it.
-        await check_contents(self.handoff, {name: (p.key, p.group_keys()[0], p.content_tag)
+        await check_contents(self.replicas, {name: (p.key, p.group_keys()[0], p.content_tag)
                                             for name, p in unique.items() if p.content_tag},
                              self._local_tags, first_index, "video")
         hits, todo = await self._lookup(unique, timeout_s, t0)
         reservations = self._admit_and_pin(unique, hits, todo, first_index)
         self.metrics.cache_hits.labels(tier="local").inc(sum(e is not None for h in hits.values() for e in h))
-        marking = self.handoff.mark(
+        marking = self.replicas.mark(
             [GroupClaim(unique[name].group_keys()[g], unique[name].content_tag) for name in reservations
              for g in todo[name]],
             [k for name, p in unique.items() for k, e in zip(p.group_keys(), hits[name]) if e is not None])

@@ -1,6 +1,6 @@
 """The encode engine: CPU threads prepare images, ONE thread owns the GPU.
 
-    submit() --(CPU pool: decode/resize/patchify)--> Scheduler --(batcher task)--> handoff --> GPU thread
+    submit() --(CPU pool: decode/resize/patchify)--> Scheduler --(batcher task)--> to_gpu --> GPU thread
                                                                                    (<= 1 waiting batch)
     GPU thread: launch the batch, queue its device-to-host copy (runtime/transfer.py) --> in flight
                 (<= 1 waiting) --> completion thread: wait for the copy, answer the futures
@@ -130,7 +130,7 @@ class Engine:
         self._prepare_s: float | None = None  # moving average of one prepare on a CPU thread, for Retry-After
         self._metrics = metrics
         self._copier = HostCopier()
-        self._handoff: queue.Queue = queue.Queue()
+        self._to_gpu: queue.Queue = queue.Queue()
         self._in_flight: queue.Queue = queue.Queue(maxsize=1)  # launched batches waiting for their rows
         self._on_gpu: set[WorkItem] = set()  # handed to the GPU thread, not answered yet (loop-side view)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,10 +163,16 @@ class Engine:
             await asyncio.gather(self._batcher, return_exceptions=True)
         self._fail_all(Unavailable("the service is shutting down"))
         if any(t.is_alive() for t in self._threads):
-            self._handoff.put(None)  # the GPU thread passes it on to the completion thread
+            self._to_gpu.put(None)  # the GPU thread passes it on to the completion thread
             for thread in self._threads:
                 await asyncio.to_thread(thread.join)
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def host_pool(self):
+        """Where the rows of encoded images live on the host (runtime/host_pool.py: HostRowPool); other rows
+        that become cache entries (pulled from another replica) take their memory from it too."""
+        return self._copier.pool
 
     @property
     def alive(self) -> bool:
@@ -308,7 +314,7 @@ class Engine:
                 self._slot.release()
                 continue
             self._on_gpu.update(ready)
-            self._handoff.put((ready, inputs))
+            self._to_gpu.put((ready, inputs))
 
     def _batcher_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or self._stopping:
@@ -335,7 +341,7 @@ class Engine:
 
     def _launch_batches(self) -> None:
         while True:
-            work = self._handoff.get()
+            work = self._to_gpu.get()
             if work is None:
                 return
             self._call_loop(self._slot.release)

@@ -36,13 +36,14 @@ def header_from_proto(msg: pb.FetchHeader) -> WireHeader:
 
 def info_to_proto(info: ImageInfo) -> pb.ImageInfo:
     """`info` (image_info.py: ImageInfo) as its message."""
-    return pb.ImageInfo(**info.to_json())
+    return pb.ImageInfo(**{k: v for k, v in info.to_json().items() if v is not None})
 
 
 def info_from_proto(msg: pb.ImageInfo, cls: type[ImageInfo] = ImageInfo, **extra) -> ImageInfo:
     """The message as a `cls` (ImageInfo or a subclass, whose own fields `extra` fills)."""
     return cls(id=msg.id, grid_thw=tuple(msg.grid_thw), num_tokens=msg.num_tokens, row_width=msg.row_width,
-               hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached, **extra)
+               hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached,
+               owner=msg.owner or None, **extra)
 
 
 def video_info_to_proto(info: VideoInfo) -> pb.VideoInfo:
@@ -56,7 +57,8 @@ def video_info_from_proto(msg: pb.VideoInfo, cls: type[VideoInfo] = VideoInfo, *
                tokens_per_group=msg.tokens_per_group, num_frames=msg.num_frames, sampled_fps=msg.sampled_fps,
                second_per_grid_t=msg.second_per_grid_t if msg.HasField("second_per_grid_t") else None,
                group_timestamps=tuple(msg.group_timestamps) or None, row_width=msg.row_width,
-               hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached, **extra)
+               hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached,
+               owner=msg.owner or None, **extra)
 
 
 def serialize_fetch_chunk(message: pb.FetchChunk | bytes) -> bytes:

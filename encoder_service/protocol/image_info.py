@@ -17,6 +17,9 @@ class ImageInfo:  # answered once the header is read and sized, before the ViT r
     layout: str
     dtype: str
     cached: bool
+    # The replica that holds (or is making) the rows, as other replicas reach it (http://host:port), when
+    # replicas share Redis: a client that can reach it fetches there directly (client/owners.py).
+    owner: str | None = None
 
     def to_json(self) -> dict:
         """The answer's HTTP JSON object (grid_thw a list)."""
@@ -26,5 +29,6 @@ class ImageInfo:  # answered once the header is read and sized, before the ViT r
     def from_json(cls, d: dict, **extra):
         """An answer from its HTTP JSON object (other keys, such as "embedding", are the caller's); `extra`
         fills a subclass's own fields."""
-        fields = {f.name: d[f.name] for f in dataclasses.fields(ImageInfo)}
+        fields = {f.name: d[f.name] for f in dataclasses.fields(ImageInfo) if f.name != "owner"} | {
+            "owner": d.get("owner")}
         return cls(**fields | {"grid_thw": tuple(d["grid_thw"])}, **extra)

@@ -37,6 +37,7 @@ class VideoInfo:  # answered once the header is read and sized, before the ViT r
     layout: str
     dtype: str
     cached: bool  # every group was cached when encode answered
+    owner: str | None = None  # image_info.py: ImageInfo.owner (the replica encoding the video)
 
     @property
     def num_groups(self) -> int:
@@ -68,7 +69,8 @@ class VideoInfo:  # answered once the header is read and sized, before the ViT r
     @classmethod
     def from_json(cls, d: dict, **extra):
         """An answer from its HTTP JSON object; `extra` fills a subclass's own fields."""
-        fields = {f.name: d[f.name] for f in dataclasses.fields(VideoInfo)}
+        fields = {f.name: d[f.name] for f in dataclasses.fields(VideoInfo) if f.name != "owner"}
+        fields["owner"] = d.get("owner")
         fields["video_grid_thw"] = tuple(d["video_grid_thw"])
         if d["group_timestamps"] is not None:
             fields["group_timestamps"] = tuple(d["group_timestamps"])

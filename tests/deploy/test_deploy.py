@@ -482,6 +482,35 @@ def test_session_affinity_follows_redis():
     assert "sessionAffinity" not in one(docs, "Service", "enc-encoder-service-headless")["spec"]  # DNS, no proxy
 
 
+def test_replicas_advertise_their_pod_address_to_each_other():
+    """With Redis, a replica fetches the rows another one holds from that one's own pod IP (the downward API,
+    expanded by Kubernetes in ENCODER_ADVERTISE_URL), never through the Service; without Redis nothing is
+    shared, so nothing is advertised."""
+    env = env_of(encoder_container(render()))
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["ENCODER_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8000"
+    names = [e["name"] for e in encoder_container(render())["env"]]
+    assert names.index("POD_IP") < names.index("ENCODER_ADVERTISE_URL")  # $(VAR) sees only earlier ones
+    assert env["ENCODER_REDIS_ROW_COPY_BYTES"]["value"] == "0"
+    env = env_of(encoder_container(render("pvc-model-values")))  # redis.mode none
+    assert not {"POD_IP", "ENCODER_ADVERTISE_URL", "ENCODER_REDIS_ROW_COPY_BYTES"} & set(env)
+
+
+def test_network_policy_admits_clients_and_peer_replicas():
+    assert not [d for d in find(render(), "NetworkPolicy") if d["metadata"]["name"] == "enc-encoder-service"]
+    peers = {"podSelector": {"matchLabels": {"app": "vllm"}}}
+    docs = render(sets=("networkPolicy.enabled=true", "networkPolicy.clientsFrom[0].podSelector.matchLabels.app=vllm"))
+    policy = one(docs, "NetworkPolicy", "enc-encoder-service")
+    pod_labels = encoder_deployment(docs)["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    clients, replicas = policy["spec"]["ingress"]
+    assert clients["from"] == [peers] and {p["port"] for p in clients["ports"]} == {8000, 50051}
+    assert replicas["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert [p["port"] for p in replicas["ports"]] == [8000]
+    anywhere = one(render(sets=("networkPolicy.enabled=true",)), "NetworkPolicy", "enc-encoder-service")
+    assert "from" not in anywhere["spec"]["ingress"][0]  # no clientsFrom: clients from anywhere (auth guards)
+
+
 def test_sglang_protocol_off_by_default():
     docs = render()
     c = encoder_container(docs)

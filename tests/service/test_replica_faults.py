@@ -32,7 +32,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import key_from_id
-from encoder_service.cache.handoff import is_pending, marker_name
+from encoder_service.cache.directory import is_pending, marker_name
 from encoder_service.cache.redis_tier import RedisTier
 from encoder_service.client import AsyncEncoderClient, EncoderClient
 from tests.support.encoder_process import Replica, started
@@ -265,3 +265,34 @@ def test_a_replica_idle_while_redis_restarts_writes_its_leased_ids_again(request
                  + a.sample("encoder_cache_redis_down_events_total") >= 1, "A to see the restart", WAIT_S)
         rows = [on_b.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]  # the client retries B's 503s
     assert all(torch.equal(r, o) for r, o in zip(rows, own))
+
+
+# ---- the replica holding landed rows SIGKILLed -----------------------------------------------------------
+def test_the_owner_of_landed_rows_killed_its_ids_are_encoded_again_elsewhere(tmp_path, tiny_checkpoint, roomy_redis):
+    """The rows stay on the replica that made them; should it die, any replica still answers every id it had
+    accepted: from the image bytes kept in Redis, once across replicas, with exact rows. A's 24 images have
+    landed (wait=true) when it is killed; B and C are asked for all of them at once."""
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    datas = [image_bytes(64, 48, seed=9300 + k) for k in range(24)]
+    with started(*(Replica(n, checkpoint, roomy_redis.url, tmp_path) for n in "abc")) as (a, b, c), \
+            EncoderClient.http(a.url, timeout=WAIT_S) as on_a:
+        infos = on_a.encode(datas[:12], wait=True) + on_a.encode(datas[12:], wait=True)
+        os.kill(a.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        async def fetch_all() -> list:
+            async with AsyncEncoderClient.http(b.url, timeout=WAIT_S) as on_b, \
+                    AsyncEncoderClient.grpc(c.grpc_address, timeout=WAIT_S) as on_c:
+                return await asyncio.gather(*(client.fetch([(i.id, 0)], 0, i.num_tokens)
+                                              for i in infos for client in (on_b, on_c)))
+
+        got = asyncio.run(fetch_all())
+        answered_in = time.monotonic() - killed
+        encoded = sum(r.metrics(("encoder_images_encoded_total",))["encoder_images_encoded_total"] for r in (b, c))
+    assert answered_in < KILL_BOUND_S
+    for k, info in enumerate(infos):
+        expected = reference_rows(checkpoint, datas[k])
+        for fetched in got[2 * k:2 * k + 2]:
+            assert_close(fetched.rows, expected)
+    assert encoded == len(infos)  # once each, across B and C
+    print(f"\n{len(infos)} ids answered by B and C {answered_in:.2f} s after their owner's kill")

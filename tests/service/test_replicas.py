@@ -1,14 +1,16 @@
-"""Two real replicas on loopback sharing one real redis-server, as behind one Kubernetes Service (issue 13,
-item 1): each is the whole service (core + HTTP + gRPC). An LLM server's encode reaches replica A and its
-fetch of the same id reaches B:
+"""Two real replicas on loopback sharing one real redis-server, as behind one Kubernetes Service: each is the
+whole service (core + HTTP + gRPC). Redis holds the directory (who holds which id), the claims and the
+image bytes; the rows stay on the replica that made them and travel replica to replica over its HTTP row
+path (core/peers.py). An LLM server's encode reaches replica A and its fetch of the same id reaches B:
 
-  - B's fetch, made while A's encode is still running, waits (on Redis pub/sub, core/handoff.py) and gets
-    A's rows bit for bit once they land: over HTTP, and over gRPC;
+  - B's fetch, made while A's encode is still running, waits (on Redis pub/sub, core/replicas.py) and gets
+    A's rows bit for bit once they land, fetched from A: over HTTP, and over gRPC;
   - A's encode failing (a JPEG cut short: its header is fine, its decode fails in A's engine) gives B that
     400, not a 404;
   - an id nobody encoded is a 404 on B at once;
-  - 128 concurrent fetches on B of ids B has only in Redis all succeed (item 2, through the service);
-  - an id A serves from its own tier after Redis evicted it is written there again by A's encode;
+  - 128 concurrent fetches on B of ids only A holds all succeed, from A, and B keeps them after;
+  - a Redis far too small for the rows (2 MB, no eviction) holds the directory and the fetches all work;
+  - an id A serves from its own tier after Redis evicted its location is written there again by A's encode;
   - fetches of ids A has in flight or locally send Redis nothing;
   - a new image sent to both replicas at once is encoded once (issue 22 item 4): one claims it, the other
     waits for its rows.
@@ -30,6 +32,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import key_from_id
+from encoder_service.cache.directory import location_name
 from encoder_service.client import AsyncEncoderClient
 from tests.support.clients import sync_client
 from tests.support.images import image_bytes, truncated_jpeg
@@ -49,10 +52,14 @@ def replicas(request, tiny_checkpoint, shared_redis) -> tuple[RunningService, Ru
             running(request, checkpoint, "--redis-url", shared_redis.url))
 
 
-def in_redis(url: str, svc: RunningService, id_: str) -> bool:
-    name = key_from_id(id_, svc.core.model_fp, svc.core.settings.cache.hash).name
+def name_of(svc: RunningService, id_: str) -> str:
+    return key_from_id(id_, svc.core.model_fp, svc.core.settings.cache.hash).name
+
+
+def located(url: str, svc: RunningService, id_: str) -> bool:
+    """Whether Redis's directory says where the id's rows are."""
     with redis.Redis.from_url(url) as direct:
-        return bool(direct.exists(name))
+        return bool(direct.exists(location_name(name_of(svc, id_))))
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
@@ -66,15 +73,17 @@ def test_a_fetch_on_b_waits_for_the_encode_still_running_on_a(replicas, shared_r
         waits = b.sample(PENDING_WAITS)
         fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
         wait_for(lambda: b.sample(PENDING_WAITS) > waits, "B's fetch to sleep on its subscription", WAIT_S)
-        name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
-        assert name in a.core.flights and not in_redis(shared_redis.url, a, info.id)  # while A's encode runs on
+        name = name_of(a, info.id)
+        assert name in a.core.flights and not located(shared_redis.url, a, info.id)  # while A's encode runs on
         assert not fetching.done()
+        peer_hits = b.sample("encoder_cache_hits_total", {"tier": "peer"})
         gate.set()
         from_b = fetching.result(WAIT_S).rows
         from_a = on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows
     assert from_b.shape == (info.num_tokens, info.row_width)
     assert torch.equal(from_b, from_a)  # A's rows, bit for bit
-    assert b.core.store.peek(name) is None and b.sample("encoder_cache_misses_total") == misses  # not encoded on B
+    assert b.sample("encoder_cache_misses_total") == misses  # not encoded on B: fetched from A
+    assert b.sample("encoder_cache_hits_total", {"tier": "peer"}) == peer_hits + 1
 
 
 def test_timeout_zero_on_b_answers_at_once_while_a_encodes(replicas):
@@ -123,16 +132,18 @@ def test_an_id_nobody_encoded_is_404_on_b_at_once(replicas, transport):
         assert time.monotonic() - t0 < 10  # at once, not after the client's timeout
 
 
-def test_128_concurrent_fetches_of_ids_b_has_only_in_redis(replicas, shared_redis):
+def test_128_concurrent_fetches_of_ids_only_a_holds(replicas, shared_redis):
     a, b = replicas
     datas = [image_bytes(64, 48, seed=1000 + k) for k in range(128)]
     with sync_client(a, "http") as on_a:
         infos = [info for k in range(0, 128, 8) for info in on_a.encode(datas[k:k + 8], wait=True)]
         expected = {info.id: on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows for info in infos}
-    a.call(a.core.store.redis.flush)  # A's write-behind has landed
-    names = [key_from_id(i.id, b.core.model_fp, b.core.settings.cache.hash).name for i in infos]
+    a.call(a.core.store.redis.flush)  # A's write-behind has landed: the directory knows
+    names = [name_of(b, i.id) for i in infos]
     assert all(b.core.store.peek(n) is None for n in names)  # B has none of them locally
-    hits = b.sample("encoder_cache_hits_total", {"tier": "redis"})
+    with redis.Redis.from_url(shared_redis.url) as direct:
+        assert not any(direct.exists(n) for n in names)  # and Redis has none of their rows: only where they are
+    hits = b.sample("encoder_cache_hits_total", {"tier": "peer"})
 
     async def fetch_all() -> list:
         async with AsyncEncoderClient.http(b.url, timeout=WAIT_S, limits=httpx.Limits(max_connections=128)) as on_b:
@@ -143,21 +154,42 @@ def test_128_concurrent_fetches_of_ids_b_has_only_in_redis(replicas, shared_redi
     failures = [g for g in got if isinstance(g, BaseException)]
     assert not failures, failures[:3]
     assert all(torch.equal(g.rows, expected[i.id]) for g, i in zip(got, infos))
-    assert b.sample("encoder_cache_hits_total", {"tier": "redis"}) - hits == 128
-    assert all(b.core.store.peek(n) is None for n in names)  # read by range from Redis, not promoted
+    assert b.sample("encoder_cache_hits_total", {"tier": "peer"}) - hits == 128
+    assert all(b.core.store.peek(n) is not None for n in names)  # pulled whole: kept, the next fetch is local
+
+
+def test_a_redis_far_too_small_for_the_rows_holds_the_directory(request, tiny_checkpoint, redis_server_noevict):
+    """Before, every row crossing replicas went through Redis: a Redis smaller than the rows refused them (or
+    evicted them), and the other replica answered 404. Now it holds only what is small: with room for a
+    third of the rows (no eviction), every cross-replica fetch gets them, and no id is failed. (Qwen3-VL: wide
+    rows, with deepstack.)"""
+    checkpoint = tiny_checkpoint("qwen3_vl")
+    a = running(request, checkpoint, "--redis-url", redis_server_noevict.url)
+    b = running(request, checkpoint, "--redis-url", redis_server_noevict.url)
+    datas = [image_bytes(448, 448, seed=4100 + k, fmt="JPEG") for k in range(80)]
+    room = 1 << 20  # the replicas' connections take some of it too (their buffers count against maxmemory)
+    with redis.Redis.from_url(redis_server_noevict.url) as direct:
+        direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] + room))
+    with sync_client(a, "http") as on_a, sync_client(b, "grpc") as on_b:
+        infos = [info for k in range(0, 80, 8) for info in on_a.encode(datas[k:k + 8], wait=True)]
+        own = [on_a.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+        a.call(a.core.store.redis.flush)
+        crossed = [on_b.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+    assert sum(r.numel() * r.element_size() for r in own) > 3 * room
+    assert all(torch.equal(x, y) for x, y in zip(crossed, own))
+    assert a.sample("encoder_cache_redis_dropped_writes_total", {"reason": "failed"}) == 0
 
 
 def test_an_id_a_serves_locally_but_redis_evicted_is_fetched_on_b(replicas, shared_redis):
     """A's encode of an id it has in its own tier (a local hit) sends Redis no read, so Redis's LRU may evict
-    the id while A keeps using it: that encode writes it to Redis again, and B's fetch gets it."""
+    the id's location while A keeps using it: that encode writes it to Redis again, and B's fetch gets it."""
     a, b = replicas
     data = image_bytes(96, 96, seed=77)
     with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:
         (info,) = on_a.encode([data], wait=True)
         a.call(a.core.store.redis.flush)
-        name = key_from_id(info.id, a.core.model_fp, a.core.settings.cache.hash).name
         with redis.Redis.from_url(shared_redis.url) as direct:
-            assert direct.delete(name) == 1  # evicted from Redis; A still has it
+            assert direct.delete(location_name(name_of(a, info.id))) == 1  # evicted from Redis; A still has it
         (again,) = on_a.encode([data])
         assert again.cached
         rows = on_b.fetch([(info.id, 0)], 0, info.num_tokens).rows

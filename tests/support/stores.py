@@ -8,8 +8,10 @@ from encoder_service.cache import EmbeddingStore, Entry
 
 MIB = 1 << 20
 # Timeouts and probe intervals short enough for tests to see faults and recoveries quickly.
+# Row copies on: these stores have no HTTP server for another replica to fetch from, so rows go through Redis
+# (--redis-row-copy-bytes); the replica-to-replica path is tested against real servers (tests/service/).
 FAST = dict(socket_timeout_s=0.3, connect_timeout_s=0.3, probe_min_s=0.05, probe_max_s=0.2, recovery_grace_s=0.4,
-            oom_pause_min_s=0.1, oom_pause_max_s=0.2)
+            oom_pause_min_s=0.1, oom_pause_max_s=0.2, row_copy_bytes=1 << 30)
 # The default timeouts, for tests that load the machine (hundreds of concurrent operations, dozens of new
 # connections at once): on two shared cores the loop's lag alone can pass 0.3 s, which would read as "down".
 LOADED = dict(socket_timeout_s=2.0, connect_timeout_s=1.0)

@@ -12,6 +12,8 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from encoder_service import errors
+from encoder_service.cache.directory import location_name
 from encoder_service.cache.entry import HEADER_LEN, EntryHeader
 from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
 from tests.support.waits import async_wait_for
@@ -119,21 +121,24 @@ async def test_header_alone_is_read_and_verified(redis_server):
     writer.put("k", entry)
     await writer.redis.flush()
     direct = redis.Redis.from_url(redis_server.url)
-    gets = direct.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+    sent = direct.info("stats")["total_net_output_bytes"]
     header = await reader.header("k")
     assert header is not None and header.num_rows == 120 and header.row_width == 4 * 96
     assert (header.grid_thw, header.layout, header.dtype) == (entry.header.grid_thw, "main+deepstack3", torch.bfloat16)
-    assert direct.info("commandstats").get("cmdstat_get", {}).get("calls", 0) == gets  # the value was not pulled
+    assert direct.info("stats")["total_net_output_bytes"] - sent < 4096  # the rows (92 KB) were not pulled
     stats = reader.stats()
-    assert stats["redis_header_hits"] == 1 and stats["redis_hits"] == 0 and reader.peek("k") is None
+    assert stats["redis_located"] == 1 and stats["redis_hits"] == 0 and reader.peek("k") is None
     assert stats["local_entries"] == 0  # nothing promoted
     assert await reader.header("missing") is None
+    # The row copy's own header, verified (without the location the writer's heartbeat renews: none here).
+    direct.delete(location_name("k"))
+    assert (await reader.header("k")).num_rows == 120
     good = direct.get("k")
     for name, bad in {"truncated": good[:-8], "header bytes overwritten": good[:12] + b"\x00\x00" + good[14:],
                       "valid entry of another key": make_entry(6).to_bytes("another-key")}.items():
         direct.set("k", bad)
         assert await reader.header("k") is None, name
-    assert reader.stats()["redis_corrupt"] == 3
+    assert reader.stats()["redis_corrupt"] == 3 and await reader.header("missing") is None
     direct.close()
     await writer.close()
     await reader.close()
@@ -193,7 +198,8 @@ async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
         store.put(f"b{i}", make_entry(100 + i))  # the encode's rows: kept locally, their write waits
         assert torch.equal((await store.get(f"b{i}")).tensor, make_entry(100 + i).tensor)
         assert torch.equal(await store.read_rows("a", 0, 3), make_entry(1).tensor[:3])
-        assert await store.read_rows(f"never{i}", 0, 1) is None
+        with pytest.raises(errors.Unavailable):  # Redis cannot tell now: a 503 the clients retry, never a 404
+            await store.read_rows(f"never{i}", 0, 1)
     stats = store.stats()
     assert stats["redis_state"] == "down" and stats["redis_down_events"] == 1
     assert stats["redis_writes_dropped"] == 0 and stats["redis_queued_bytes"] > 0  # the backlog
@@ -244,13 +250,15 @@ async def test_the_backlog_is_bounded_and_what_it_drops_is_counted(redis_server)
     await store.get("x")  # the tier notices
     for i in range(5):
         store.put(f"k{i}", make_entry(i))
-    stats = store.stats()
-    assert stats["redis_writes_dropped_full"] == 2 and stats["redis_queued_bytes"] == 3 * entry.nbytes
+    stats = store.stats()  # a copy over the bound is dropped, never the location: every id stays findable
+    assert stats["redis_copies_dropped_full"] == 2 and stats["redis_queued_bytes"] == 3 * entry.nbytes
+    assert stats["redis_writes_dropped_full"] == 0
     redis_server.start()
     await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
     await store.redis.flush()
     with redis.Redis.from_url(redis_server.url) as direct:
-        assert [direct.exists(f"k{i}") for i in range(5)] == [1, 1, 1, 0, 0]  # the first three, in order
+        assert [direct.exists(f"k{i}") for i in range(5)] == [1, 1, 1, 0, 0]  # the first three copies, in order
+        assert all(direct.exists(location_name(f"k{i}")) for i in range(5))
     await store.close()
 
 
@@ -263,8 +271,9 @@ async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
     try:
         assert await asyncio.wait_for(store.get("b"), timeout=3) is None
         assert store.stats()["redis_state"] == "down"
-        # Down: later misses skip Redis at once instead of waiting for another timeout.
-        assert await asyncio.wait_for(store.read_rows("x", 0, 1), timeout=0.1) is None
+        # Down: later reads skip Redis at once instead of waiting for another timeout (Unavailable: a 503).
+        with pytest.raises(errors.Unavailable):
+            await asyncio.wait_for(store.read_rows("x", 0, 1), timeout=0.1)
     finally:
         redis_server.resume()
     await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
@@ -284,7 +293,7 @@ async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis
     for i, entry in enumerate(entries):
         assert torch.equal((await store.get(f"k{i}")).tensor, entry.tensor)  # all served locally
     stats = store.stats()
-    assert stats["redis_oom_events"] == 1 and stats["redis_writes_dropped"] >= 1
+    assert stats["redis_oom_events"] == 1 and stats["redis_copies_dropped"] >= 1  # the rows; their locations fit
     assert log_count(caplog, "redis tier is full") == 1
     assert stats["redis_state"] == "up"  # full is not down: reads still go to Redis
     direct = redis.Redis.from_url(url)
@@ -325,6 +334,31 @@ async def test_the_oom_pause_probes_sooner_and_backs_off_while_redis_stays_full(
     store.put("soon", make_entry(12))  # 0.6 s after the OOM, not 30 s
     await store.redis.flush()
     assert direct.exists("soon") == 1
+    direct.close()
+    await store.close()
+
+
+async def test_writes_refused_during_an_oom_pause_do_not_extend_it(redis_server_noevict):
+    """Before, every write refused during the pause (one sent before it began, or a location, which does not
+    wait for it) extended it: under load a full Redis freed after 30 s stayed paused until 60 s. Only the
+    pause's own probe (the first write after it) may extend it now."""
+    url = redis_server_noevict.url
+    store = await open_store(url, oom_pause_min_s=1.0, oom_pause_max_s=30.0)
+    direct = redis.Redis.from_url(url)
+    direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # full now
+    store.put("first", make_entry(0))
+    await store.redis.flush()
+    paused_until = store.redis._writes_paused_until
+    assert paused_until and store.redis._oom_pause_s == 1.0
+    for i in range(20):  # under load: their locations are refused too, within the pause
+        store.put(f"k{i}", make_entry(i + 1))
+    await store.redis.flush()
+    assert store.redis._writes_paused_until == paused_until and store.redis._oom_pause_s == 1.0
+    direct.config_set("maxmemory", "64mb")  # freed
+    await async_wait_for(lambda: not store.stats()["redis_writes_paused"], "the pause to end", STATE_WAIT_S)
+    store.put("after", make_entry(99))
+    await store.redis.flush()
+    assert direct.exists("after") == 1 and store.redis._oom_pause_s == 0
     direct.close()
     await store.close()
 

@@ -7,7 +7,7 @@ per chunk, exactly the overlapping slices of the whole embeddings (Qwen3's deeps
 (core/flight.py): a request for an id in flight joins it without queue room, waiters leaving drop the
 queued image, a failure is remembered for fetch (and named by its image index when waited for), queue
 permits are given back on every path. timeout_s=0 answers what is cached and never waits. Across cores
-sharing one Redis (core/handoff.py): encode marks its misses pending before answering (and goes on when it
+sharing one Redis (core/replicas.py): encode marks its misses pending before answering (and goes on when it
 cannot), a fetch elsewhere waits for them within its one timeout, and stops waiting at its first error.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, make_key
-from encoder_service.cache.handoff import is_pending, marker_name
+from encoder_service.cache.directory import is_pending, marker_name
 from encoder_service.core import FetchItem, ImageInput, timeouts
 from encoder_service.core.flight import Flights
 from encoder_service.core.images import Probed
@@ -36,6 +36,13 @@ from tests.support.waits import async_wait_for
 pytestmark = pytest.mark.timeout(120)
 
 WAIT_S = 20  # bound on every wait in this file
+
+
+def with_row_copies(redis_server) -> tuple[str, ...]:
+    """Redis flags for cores without HTTP (no replica can fetch from another): the rows go through Redis, as
+    copies (--redis-row-copy-bytes); the replica-to-replica path is tested with real servers
+    (tests/service/test_replicas.py)."""
+    return "--redis-url", redis_server.url, "--redis-row-copy-bytes", "64MiB"
 
 
 def inputs(*datas: bytes) -> list[ImageInput]:
@@ -233,8 +240,8 @@ async def test_a_caller_id_never_names_two_contents(make_core):
 
 
 async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_server, monkeypatch):
-    a_core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
-    b_core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    a_core = await make_core("qwen2_5_vl", *with_row_copies(redis_server), gated=True)
+    b_core = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     a, b = image_bytes(64, 64, 52), image_bytes(96, 64, 53)
     # Rows another replica wrote (in Redis): a Conflict before the answer, without waiting.
     await a_core.encode(named(a, "x"), wait=True)
@@ -258,7 +265,7 @@ async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_se
     async def cannot_tell(tags):
         return {}
 
-    monkeypatch.setattr(b_core.handoff, "bind_tags", cannot_tell)
+    monkeypatch.setattr(b_core.replicas, "bind_tags", cannot_tell)
     with pytest.raises(errors.Conflict, match="'u:z' already names other"):
         await b_core.encode(named(b, "z"), wait=True, timeout_s=WAIT_S)
     rows = await b_core.fetch([FetchItem("u:z", 0)], 0, first.shape[0], timeout_s=WAIT_S)
@@ -350,8 +357,8 @@ async def test_a_fetch_sized_by_a_flight_that_fails_before_its_rows_are_read_get
     flight = core.flights.get(key_of(core, truncated).name)
     num_tokens = core._num_tokens
 
-    async def sized_then_failed(key, deadline):
-        n = await num_tokens(key, deadline)
+    async def sized_then_failed(key, deadline, peer):
+        n = await num_tokens(key, deadline, peer)
         await asyncio.gather(flight.task, return_exceptions=True)
         return n
 
@@ -389,8 +396,8 @@ async def test_queue_permits_are_given_back(make_core, redis_server):
         await core.encode(inputs(image_bytes(64, 64, 13)))
     assert core.engine.permits == 0
     # A miss here that Redis has (another replica encoded it): never submitted, the permit goes back.
-    writer = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
-    reader = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    writer = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
+    reader = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     data = image_bytes(80, 60, 14)
     (first,) = (await writer.encode(inputs(data), wait=True)).images
     await writer.store.redis.flush()  # the write-behind has landed
@@ -401,14 +408,14 @@ async def test_queue_permits_are_given_back(make_core, redis_server):
     assert reader.metrics.registry.get_sample_value("encoder_cache_hits_total", {"tier": "redis"}) == 1
 
 
-# ---- across replicas (core/handoff.py; the two real replicas: tests/service/test_replicas.py) ------------
+# ---- across replicas (core/replicas.py; the two real replicas: tests/service/test_replicas.py) ------------
 def marker_of(redis_server, key: CacheKey) -> bytes | None:
     with redis.Redis.from_url(redis_server.url) as direct:
         return direct.get(marker_name(key.name))
 
 
 async def test_encode_marks_its_misses_pending_before_answering(make_core, redis_server):
-    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
+    core = await make_core("qwen2_5_vl", *with_row_copies(redis_server), gated=True)
     core.runner.gate.clear()  # the ViT holds the image: the encode is still running when it answers
     data = image_bytes(64, 64, 40)
     await core.encode(inputs(data))
@@ -423,7 +430,7 @@ async def test_encode_marks_its_misses_pending_before_answering(make_core, redis
 
 
 async def test_encode_goes_on_when_its_marker_cannot_be_written(make_core, redis_server):
-    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    core = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     redis_server.kill()
     (info,) = (await core.encode(inputs(image_bytes(64, 64, 41)), wait=True)).images
     assert info.num_tokens == 4 and not info.cached
@@ -431,8 +438,8 @@ async def test_encode_goes_on_when_its_marker_cannot_be_written(make_core, redis
 
 
 async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, redis_server):
-    a = await make_core("qwen2_5_vl", "--redis-url", redis_server.url, gated=True)
-    b = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    a = await make_core("qwen2_5_vl", *with_row_copies(redis_server), gated=True)
+    b = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     a.runner.gate.clear()
     data = image_bytes(64, 64, 42)
     (info,) = (await a.encode(inputs(data))).images
@@ -450,7 +457,7 @@ async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, r
 
 
 async def test_a_fetch_stops_waiting_elsewhere_when_another_of_its_ids_is_unknown(make_core, redis_server):
-    b = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    b = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     pending = key_from_id("ab" * 16, b.model_fp, b.settings.cache.hash)
     assert await b.store.mark_pending([pending])  # as another replica that accepted it (and never finishes)
     fetching = asyncio.create_task(b.fetch([FetchItem(pending.id, 0), FetchItem("cd" * 16, 8)], 0, 12,
@@ -480,7 +487,7 @@ def test_deadline_gives_each_wait_what_is_left():
 async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_flight(make_core, redis_server):
     """A new flight's fill starts once the id's pending marker is written (a Redis round trip): a fetch of the
     id meanwhile (another request's: its encode joined the flight) waits for the flight, it is no 404."""
-    core = await make_core("qwen2_5_vl", "--redis-url", redis_server.url)
+    core = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     gate, mark_pending = asyncio.Event(), core.store.mark_pending
 
     async def slow_mark_pending(keys, **kw):

@@ -24,8 +24,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     # transports: parse, call the core, answer; api/service.py builds the core from its parts
     "api": {"core", "engine", "runtime", "preprocessing", "models", "cache", "protocol", "ranges", "errors",
             "settings", ""},
-    # the flow: no transport
-    "core": {"engine", "preprocessing", "models", "cache", "protocol", "ranges", "errors", "settings", ""},
+    # the flow: no transport; a replica fetches rows from another as a client does (core/peers.py)
+    "core": {"engine", "preprocessing", "models", "cache", "client", "protocol", "ranges", "errors", "settings", ""},
     "engine": {"runtime", "models", "errors", "settings"},
     "runtime": {"models", "ops", "errors", "settings"},
     "preprocessing": {"models", "errors", "settings"},

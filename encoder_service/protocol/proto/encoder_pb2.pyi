@@ -59,7 +59,7 @@ class EncodeRequest(_message.Message):
     def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., wait: _Optional[bool] = ..., return_embeddings: _Optional[bool] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ...) -> None: ...
 
 class ImageInfo(_message.Message):
-    __slots__ = ("id", "grid_thw", "num_tokens", "row_width", "hidden_size", "layout", "dtype", "cached")
+    __slots__ = ("id", "grid_thw", "num_tokens", "row_width", "hidden_size", "layout", "dtype", "cached", "owner")
     ID_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class ImageInfo(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     id: str
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -76,10 +77,11 @@ class ImageInfo(_message.Message):
     layout: str
     dtype: str
     cached: bool
-    def __init__(self, id: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, id: _Optional[str] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class VideoInfo(_message.Message):
-    __slots__ = ("id", "video_grid_thw", "num_tokens", "tokens_per_group", "num_frames", "sampled_fps", "second_per_grid_t", "group_timestamps", "row_width", "hidden_size", "layout", "dtype", "cached")
+    __slots__ = ("id", "video_grid_thw", "num_tokens", "tokens_per_group", "num_frames", "sampled_fps", "second_per_grid_t", "group_timestamps", "row_width", "hidden_size", "layout", "dtype", "cached", "owner")
     ID_FIELD_NUMBER: _ClassVar[int]
     VIDEO_GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,7 @@ class VideoInfo(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     id: str
     video_grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -106,7 +109,8 @@ class VideoInfo(_message.Message):
     layout: str
     dtype: str
     cached: bool
-    def __init__(self, id: _Optional[str] = ..., video_grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tokens_per_group: _Optional[int] = ..., num_frames: _Optional[int] = ..., sampled_fps: _Optional[float] = ..., second_per_grid_t: _Optional[float] = ..., group_timestamps: _Optional[_Iterable[float]] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, id: _Optional[str] = ..., video_grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tokens_per_group: _Optional[int] = ..., num_frames: _Optional[int] = ..., sampled_fps: _Optional[float] = ..., second_per_grid_t: _Optional[float] = ..., group_timestamps: _Optional[_Iterable[float]] = ..., row_width: _Optional[int] = ..., hidden_size: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., cached: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("images", "embeddings", "videos")

@@ -154,6 +154,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_SHM_FETCH" $srv.shmFetch)
     (list "ENCODER_SHM_DIR" $srv.shmDir)
     (list "ENCODER_SEND_THREADS" $srv.sendThreads)
+    (list "ENCODER_REDIS_ROW_COPY_BYTES" (ternary "" $srv.redisRowCopyBytes (eq .Values.redis.mode "none")))
     (list "ENCODER_SGLANG_PROTOCOL" (ternary "true" "" .Values.sglang.enabled))
     (list "ENCODER_SGLANG_PORT" (ternary .Values.sglang.port "" .Values.sglang.enabled))
     (list "HF_HOME" .Values.model.cache.mountPath)
@@ -173,6 +174,15 @@ float64: integral ones are printed without an exponent.
   valueFrom:
     secretKeyRef:
       {{- include "encoder-service.redisUrlRef" . | nindent 6 }}
+{{- end }}
+{{- if ne .Values.redis.mode "none" }}
+# Where the other replicas fetch this one's rows: its own pod IP (they never go through the Service for it).
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: ENCODER_ADVERTISE_URL
+  value: "http://$(POD_IP):{{ .Values.ports.http }}"
 {{- end }}
 {{- if .Values.auth.enabled }}
 - name: ENCODER_AUTH_TOKEN

@@ -1,4 +1,4 @@
-"""Handoff of an id between replicas sharing one Redis: who encodes an accepted image, and what a fetch on
+"""Replicas of an id between replicas sharing one Redis: who encodes an accepted image, and what a fetch on
 another replica waits on meanwhile.
 
 Behind one Service an LLM server's `encode` and its `fetch` land on different replicas, two replicas may be
@@ -96,6 +96,19 @@ class Marked:
         return self.ok
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where an id's rows are, from the directory: `header` (size, grid, content tag: the entry's, without
+    its rows); `owner`, the replica that wrote them ("" when only a row copy in Redis says so), and `url`,
+    its advertised address while it lives (None: gone, this replica itself, or it advertises none);
+    `copy`: a copy of the rows is in Redis too (read them with GETRANGE)."""
+
+    header: object  # entry.py: EntryHeader
+    owner: str
+    url: str | None
+    copy: bool
+
+
 class EncodeFailed(EncoderServiceError):
     """The encode of an id failed on the replica that accepted it; `kind` is the kind that replica
     answered (mapped to a status the same way), `not_found` for rows that could not be stored."""
@@ -119,6 +132,29 @@ def marker_name(name: str) -> str:
 
 def input_name(name: str) -> str:
     return _scheme_name(name, "input")
+
+
+def location_name(name: str) -> str:
+    """Where an id's rows are: the replica that holds them and their entry header (`location_value`)."""
+    return _scheme_name(name, "at")
+
+
+def location_value(owner: str, header: bytes) -> bytes:
+    """`<owner> <the entry's raw header>`: who holds the rows, and what they are (size, grid, content tag)."""
+    return owner.encode("ascii") + b" " + header
+
+
+def parse_location(value: bytes | None) -> tuple[str, bytes] | None:
+    """(owner, raw header) of a location value; None when there is none (or it is not one)."""
+    if not value:
+        return None
+    owner, sep, header = value.partition(b" ")
+    return (owner.decode("ascii", "replace"), header) if sep and owner else None
+
+
+def replica_name(owner: str) -> str:
+    """A live replica's address for its peers (the value: its advertised URL), renewed by its heartbeat."""
+    return f"{KEY_PREFIX}:replica:{owner}"
 
 
 def binding_name(name: str) -> str:

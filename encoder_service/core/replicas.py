@@ -1,4 +1,4 @@
-"""The core's side of the handoff of ids between replicas that share one Redis (cache/handoff.py has the
+"""The core's side of the handoff of ids between replicas that share one Redis (cache/directory.py has the
 mechanism: claims with a heartbeat, the image bytes beside them, pub/sub outcomes).
 
 Behind one Service, an LLM server's `encode` and its `fetch` of the same id may reach different replicas,
@@ -41,12 +41,15 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Marked, Settled
+from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled
 from encoder_service.cache.keys import CALLER_PREFIX
 from encoder_service.core.flight import Flight, Flights
 from encoder_service.core.images import ImageReader, Probed
 from encoder_service.core.metrics import Metrics
+from encoder_service.core.peers import Peers
 from encoder_service.core.timeouts import Deadline
 from encoder_service.engine.engine import Engine
 
@@ -63,13 +66,15 @@ class GroupClaim(NamedTuple):
     data: None = None
 
 
-class Handoff:
-    """`row_bytes`: one row's bytes (what a taken-over id's pin reserves per token)."""
+class Replicas:
+    """`row_bytes`: one row's bytes (what a taken-over id's pin reserves per token); `layout`: the rows' (an
+    entry of rows pulled whole is kept here); `peers`: the row path to other replicas (None: no Redis)."""
 
     def __init__(self, store: EmbeddingStore, metrics: Metrics, *, flights: Flights, images: ImageReader,
-                 engine: Engine, row_bytes: int):
+                 engine: Engine, row_bytes: int, layout: str, peers: Peers | None):
         self.store, self.metrics = store, metrics
         self._flights, self._images, self._engine, self._row_bytes = flights, images, engine, row_bytes
+        self._layout, self._peers = layout, peers
         self._failing = False  # the last marking failed: log again only after one succeeds
 
     @property
@@ -141,8 +146,8 @@ class Handoff:
             header = await self.store.header(key)
             if header is not None:
                 return header.num_rows
-            raise errors.NotFound(f"id {key.id!r} was encoded on another replica, but its rows left Redis before "
-                                  "they could be read (evicted: encode it again)")
+            raise errors.NotFound(f"id {key.id!r} was encoded on another replica, but Redis lost where its rows "
+                                  "are before they could be read (evicted: encode it again)")
         if settled is Settled.ORPHANED:
             flight = await self._take_over(key)
             if flight is not None:
@@ -160,6 +165,37 @@ class Handoff:
                                           f"land within timeout_s={deadline.timeout_s}")
         raise errors.Unavailable(f"id {key.id!r} is not on this replica, and the shared Redis tier, where other "
                                  "replicas' rows are, is unreachable or has just come back: retry")
+
+    async def rows_elsewhere(self, key: CacheKey, start: int, end: int, deadline: Deadline) -> torch.Tensor | None:
+        """Rows [start, end) of `key`, which no tier here has: from the replica the directory names (only
+        those rows, over its row path: peers.py; all of them are kept here too). Should that replica be gone,
+        or no longer hold them, a row copy in Redis answers, else this replica takes the image over (encodes it
+        from the bytes kept in Redis, once across replicas: a flight here claims it) and answers from that
+        flight. None: nobody has the rows nor the bytes (404). Unavailable while Redis is down."""
+        if self._peers is None:
+            return None
+        located = await self.store.locate(key)
+        if located is not None and located.url is not None:
+            try:
+                rows = await self._peers.rows(located.url, key.id, start, end, deadline.left(), copy=False)
+            except (errors.Unavailable, errors.NotFound) as exc:  # gone, or lost them: the next way below
+                log.info("id %s: the replica holding its rows did not give them (%s)", key.id, exc)
+                self.store.forget_replica(located.owner)
+            else:
+                if start == 0 and end == located.header.num_rows:  # the whole entry: kept, the next fetch is local
+                    self.store.keep(key, Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
+                                                         content_tag=located.header.content_tag))
+                return rows
+        if located is not None and located.copy:
+            rows = await self.store.read_rows(key, start, end)
+            if rows is not None:
+                return rows
+        flight = await self._take_over(key)
+        if flight is None:
+            return None
+        with self._flights.waiting(key.name):
+            landed = await asyncio.shield(flight.task)
+        return landed.entry.rows(start, end)
 
     async def _take_over(self, key: CacheKey) -> Flight | None:
         """The flight here of an image whose accepting replica is gone: accepted here as an encode would

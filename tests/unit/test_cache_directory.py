@@ -1,4 +1,4 @@
-"""Handoff of an id between replicas (cache/handoff.py), against a real redis-server: two EmbeddingStores on
+"""Replicas of an id between replicas (cache/directory.py), against a real redis-server: two EmbeddingStores on
 one Redis stand for replica A, which accepts an image and encodes it, and replica B, which serves a fetch
 for it. Without the handoff, B answered 404 until A's rows happened to be in Redis."""
 
@@ -13,7 +13,7 @@ import redis
 import torch
 
 from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
-from encoder_service.cache.handoff import marker_name
+from encoder_service.cache.directory import location_name, marker_name
 from encoder_service.errors import ImageDecodeError, Unavailable
 from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
 from tests.support.waits import async_wait_for
@@ -282,9 +282,9 @@ async def test_an_outcome_published_between_check_and_subscribe_is_not_missed(re
 
 
 async def test_rows_that_could_not_be_stored_fail_the_wait(redis_server):
-    async with replicas(redis_server.url, max_queued_bytes=1) as (a, b):  # A's write-behind queue is "full"
+    async with replicas(redis_server.url, max_queued_locations=0) as (a, b):  # A's write-behind queue is "full"
         waiting = await accepted_and_awaited(a, b, "k")
-        a.put("k", make_entry(4))  # A has the rows (its local tier), Redis not
+        a.put("k", make_entry(4))  # A has the rows (its local tier), Redis not even where they are
         with pytest.raises(EncodeFailed) as info:
             await asyncio.wait_for(waiting, WOKEN_S)
         assert info.value.kind == "not_found" and "not stored" in info.value.message  # 404, saying why
@@ -367,7 +367,7 @@ async def test_a_local_hit_that_redis_evicted_is_shared_again(redis_server):
         assert await a.share(["k"]) == 0  # still in Redis: only touched
         assert command_calls(redis_server.url, "touch") == 1
         with redis.Redis.from_url(redis_server.url) as direct:
-            direct.delete("k")  # evicted
+            direct.delete("k", location_name("k"))  # evicted: the copy and the location
         assert await b.wait_for("k", 0) is Settled.NOT_PENDING  # B would answer 404
         assert await a.share(["k"]) == 1  # marked pending, written again behind
         assert await b.wait_for("k", LONG_S) is Settled.LANDED

@@ -1,0 +1,151 @@
+"""Fetches that go straight to the replica holding the rows.
+
+Behind one Service any replica answers any fetch (with Redis): one that does not hold the rows fetches them
+from the one that does and passes them on (a second hop of the rows). The encode answer names that replica
+(`owner`: its advertised http:// address), so a client that can reach it fetches there directly:
+
+    transport = OwnerRouting(HttpTransport(service_url), lambda url: HttpTransport(url))
+
+remembers each id's owner from the encode answers (bounded, oldest forgotten first) and sends a fetch whose
+ids all have one owner, other than the Service, to that owner. An owner that cannot be reached, or no
+longer has the rows (evicted, restarted), is forgotten and the fetch goes to the Service, which finds the
+rows wherever they are now: never an error only the direct path would give. Shared-memory fetches, which
+need a server on this host, and everything else go to the Service as they are.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from encoder_service import errors
+from encoder_service.protocol.video_info import GROUP_SEP
+
+MAX_IDS = 1 << 16  # ids whose owner is remembered
+MAX_OWNERS = 64  # owners with a transport kept open (one per replica: those past it are reached via the Service)
+FALLBACK = (errors.Unavailable, errors.NotFound)  # the owner is gone, or lost the rows: ask the Service
+
+
+class _Owners:
+    """id -> owner URL (video ids stand for their frame groups), and one transport per owner. Thread-safe."""
+
+    def __init__(self, service_url: str, make: Callable[[str], object]):
+        self._service_url, self._make = service_url.rstrip("/"), make
+        self._ids: OrderedDict[str, str] = OrderedDict()
+        self._transports: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counters = dict(direct=0, fallbacks=0)
+
+    def learn(self, infos: Iterable) -> None:
+        with self._lock:
+            for info in infos:
+                owner = getattr(info, "owner", None)
+                if owner and owner.rstrip("/") != self._service_url:
+                    self._ids[info.id] = owner.rstrip("/")
+                    self._ids.move_to_end(info.id)
+            while len(self._ids) > MAX_IDS:
+                self._ids.popitem(last=False)
+
+    def transport_for(self, items) -> tuple[str, object] | None:
+        """(owner, its transport) when every item's id has that one owner; else None (the Service)."""
+        with self._lock:
+            owners = {self._ids.get(item_id.partition(GROUP_SEP)[0]) for item_id, _ in items}
+            if len(owners) != 1 or None in owners:
+                return None
+            (owner,) = owners
+            transport = self._transports.get(owner)
+            if transport is None:
+                if len(self._transports) >= MAX_OWNERS:  # more replicas than that: the rest via the Service
+                    return None
+                transport = self._transports[owner] = self._make(owner)
+            return owner, transport
+
+    def forget(self, owner: str) -> list:
+        """`owner` failed: its ids go to the Service from now on; returns its transport to close."""
+        with self._lock:
+            self.counters["fallbacks"] += 1
+            for item_id in [i for i, o in self._ids.items() if o == owner]:
+                del self._ids[item_id]
+            transport = self._transports.pop(owner, None)
+            return [transport] if transport is not None else []
+
+    def close(self) -> list:
+        with self._lock:
+            transports, self._transports = list(self._transports.values()), OrderedDict()
+            return transports
+
+
+class OwnerRouting:
+    """A blocking transport (client/http.py) whose fetches go to the ids' owner when it answers."""
+
+    def __init__(self, transport, make: Callable[[str], object], service_url: str):
+        self._transport, self._owners = transport, _Owners(service_url, make)
+
+    def __getattr__(self, name: str):  # fetch_shm, release, metadata: the Service's
+        return getattr(self._transport, name)
+
+    @property
+    def routed(self) -> dict:
+        """Fetches sent to an owner directly, and owners given up for the Service."""
+        return dict(self._owners.counters)
+
+    def encode(self, images, wait, return_embeddings, timeout):
+        infos = self._transport.encode(images, wait, return_embeddings, timeout)
+        self._owners.learn(infos)
+        return infos
+
+    def encode_videos(self, videos, wait, return_embeddings, timeout):
+        infos = self._transport.encode_videos(videos, wait, return_embeddings, timeout)
+        self._owners.learn(infos)
+        return infos
+
+    def fetch(self, items, start, end, dest, timeout):
+        target = self._owners.transport_for(items)
+        if target is not None:
+            owner, transport = target
+            try:
+                result = transport.fetch(items, start, end, dest, timeout)
+                self._owners.counters["direct"] += 1
+                return result
+            except FALLBACK:
+                for stale in self._owners.forget(owner):
+                    stale.close()
+        return self._transport.fetch(items, start, end, dest, timeout)
+
+    def close(self) -> None:
+        for transport in self._owners.close():
+            transport.close()
+        self._transport.close()
+
+
+class AsyncOwnerRouting(OwnerRouting):
+    """The same for the asyncio transports (client/http.py: AsyncHttpTransport)."""
+
+    async def encode(self, images, wait, return_embeddings, timeout):
+        infos = await self._transport.encode(images, wait, return_embeddings, timeout)
+        self._owners.learn(infos)
+        return infos
+
+    async def encode_videos(self, videos, wait, return_embeddings, timeout):
+        infos = await self._transport.encode_videos(videos, wait, return_embeddings, timeout)
+        self._owners.learn(infos)
+        return infos
+
+    async def fetch(self, items, start, end, dest, timeout):
+        target = self._owners.transport_for(items)
+        if target is not None:
+            owner, transport = target
+            try:
+                result = await transport.fetch(items, start, end, dest, timeout)
+                self._owners.counters["direct"] += 1
+                return result
+            except FALLBACK:
+                for stale in self._owners.forget(owner):
+                    await stale.close()
+        return await self._transport.fetch(items, start, end, dest, timeout)
+
+    async def close(self) -> None:
+        for transport in self._owners.close():
+            await transport.close()
+        await self._transport.close()

@@ -1,0 +1,77 @@
+"""Fetches straight to the replica holding the rows (client/owners.py), against two real replicas sharing a
+real redis-server behind a round-robin TCP forwarder (a Kubernetes Service without affinity:
+tests/support/forwarder.py):
+
+  - encode answers name the owner (the answering replica's advertised address); the client fetches there
+    directly, bit for bit the rows the Service path gives, and the other replica serves none of it;
+  - `follow_owner=False`: every fetch goes through the Service (and any replica answers it);
+  - an owner that cannot be reached is given up for the Service, with no error to the caller.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encoder_service.client import AsyncEncoderClient, EncoderClient
+from tests.support.forwarder import Forwarder
+from tests.support.images import image_bytes
+from tests.support.ports import free_port
+from tests.support.service import running
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def service(request, tiny_checkpoint, shared_redis):
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    replicas = [running(request, checkpoint, "--redis-url", shared_redis.url) for _ in range(2)]
+    forwarder = Forwarder([(r.url.removeprefix("http://").rsplit(":", 1)[0], int(r.url.rsplit(":", 1)[1]))
+                           for r in replicas])
+    request.addfinalizer(forwarder.close)
+    return forwarder, replicas
+
+
+def fetches(svc) -> float:
+    return svc.sample("encoder_requests_total", {"transport": "http", "method": "fetch", "outcome": "ok"})
+
+
+def test_fetches_go_straight_to_the_owner(service):
+    forwarder, replicas = service
+    datas = [image_bytes(64, 48, seed=6100 + k) for k in range(4)]
+    with EncoderClient.http(forwarder.url, timeout=WAIT_S) as client, \
+            EncoderClient.http(forwarder.url, timeout=WAIT_S, follow_owner=False) as via_service:
+        infos = client.encode(datas, wait=True)
+        owner = next(r for r in replicas if r.url == infos[0].owner)
+        other = next(r for r in replicas if r is not owner)
+        assert {i.owner for i in infos} == {owner.url}
+        before = fetches(owner), fetches(other)
+        direct = [client.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+        assert (fetches(owner) - before[0], fetches(other) - before[1]) == (len(infos), 0)
+        assert client._transport._transport.routed == {"direct": len(infos), "fallbacks": 0}
+        through = [via_service.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+    assert all(torch.equal(x, y) for x, y in zip(direct, through))
+
+
+async def test_the_async_client_goes_straight_to_the_owner_too(service):
+    forwarder, replicas = service
+    async with AsyncEncoderClient.http(forwarder.url, timeout=WAIT_S) as client:
+        (info,) = await client.encode([image_bytes(64, 48, seed=6200)], wait=True)
+        owner = next(r for r in replicas if r.url == info.owner)
+        before = fetches(owner)
+        await client.fetch([(info.id, 0)], 0, info.num_tokens)
+        assert fetches(owner) - before == 1
+
+
+def test_an_owner_that_cannot_be_reached_is_given_up_for_the_service(request, tiny_checkpoint, shared_redis):
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    svc = running(request, tiny_checkpoint("qwen2_5_vl"), "--redis-url", shared_redis.url, "--advertise-url", gone)
+    with EncoderClient.http(svc.url, timeout=WAIT_S) as client:
+        (info,) = client.encode([image_bytes(64, 48, seed=6300)], wait=True)
+        assert info.owner == gone
+        rows = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # tried there, then the Service
+        again = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # the Service at once
+        assert client._transport._transport.routed == {"direct": 0, "fallbacks": 1}
+    assert torch.equal(rows, again)
