@@ -376,8 +376,8 @@ def test_env_values_follow_values():
 def test_existing_secrets_are_referenced():
     docs = render("external-redis-values")
     env = env_of(encoder_container(docs))
-    assert env["ENCODER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "encoder-redis", "key": "url"}
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert env["ENCODER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "encoder-redis", "key": "redis-url"}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "hf-token"}
     assert env["ENCODER_REVISION"]["value"] == "cc594898137f460bfe9f0759e9844b3ce807cfb5"
     assert not find(docs, "Secret")  # nothing to create: no inline values
 
