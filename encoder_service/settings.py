@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -48,6 +49,27 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 class SettingsError(ValueError):
     """A configuration value is wrong; the message names the flag, its env twin and the value."""
+
+
+class PortUnavailable(SettingsError):
+    """A server cannot listen on its port (another process holds it, ...): the one line `encoder-service serve`
+    prints, naming the flag, the address and what to do."""
+
+    @classmethod
+    def of(cls, name: str, host: str, port: int, exc: OSError | None) -> "PortUnavailable":
+        """For option `name` (http_port, ...); `exc`: the bind's error (None: gRPC's, which names no cause)."""
+        address = f"{flag(name)} {port}: cannot listen on {host}:{port}"
+        other_port = f"{flag(name)} / {env_name(name)}"
+        if exc is not None and exc.errno == errno.EADDRINUSE:
+            return cls(f"{address}: another process holds it (another encoder-service?); stop it or give another "
+                       f"port ({other_port})")
+        if exc is None:
+            why = "in use by another process, or not an address of this host"
+        elif exc.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges)"
+        else:
+            why = exc.strerror or str(exc)
+        return cls(f"{address}: {why}; give another port ({other_port}) or check --host / ENCODER_HOST")
 
 
 def parse_size(text: str) -> int:
