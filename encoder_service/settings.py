@@ -131,6 +131,7 @@ class ModelSettings:
     device: str
     dtype: str
     preprocess: str = "pil"  # one of PREPROCESS_BACKENDS
+    exif_orientation: bool = True  # apply a photo's EXIF orientation before preprocessing, as the engines do
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "dtype": (_choice(DTYPES), None, "bfloat16 on GPU, float32 on CPU"),
     "preprocess": (_preprocess, None, "image preprocessing backend: torchvision on CUDA, pil elsewhere; "
                                       "torchvision-nvjpeg decodes JPEGs with nvJPEG (faster, not bit-exact)"),
+    "exif_orientation": (parse_bool, "true", "turn a photo upright by its EXIF orientation before preprocessing, "
+                                             "as vLLM and transformers' load_image do (images, and video frames "
+                                             "given as images); --no-exif-orientation: the pixels as stored, for "
+                                             "callers that send them upright"),
     "host": (str, "127.0.0.1", "bind address of both servers"),
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
@@ -326,7 +331,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "sglang_port": (_port, "8100", "port of the SGLang protocol (its /encode, /scheduler_receive_url, /health)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
-_SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol")
+_SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol", "exif_orientation")
 
 
 def _url(text: str) -> str:
@@ -479,7 +484,7 @@ def _build(v: dict) -> Settings:
         raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
     return Settings(
         model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype,
-                            preprocess=preprocess),
+                            preprocess=preprocess, exif_orientation=v["exif_orientation"]),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               access_log=v["access_log"],

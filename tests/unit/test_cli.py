@@ -54,6 +54,14 @@ def test_shm_fetch_switch():
     assert Settings.from_args(["--model", "m", "--shm-fetch"], env={}).server.shm_fetch is True
 
 
+def test_exif_orientation_switch():
+    assert Settings.from_args(["--model", "m"], env={}).model.exif_orientation is True  # as the engines load images
+    assert Settings.from_args(["--model", "m", "--no-exif-orientation"], env={}).model.exif_orientation is False
+    assert Settings.from_args(["--model", "m"], env={"ENCODER_EXIF_ORIENTATION": "off"}).model.exif_orientation is False
+    s = Settings.from_args(["--model", "m", "--exif-orientation"], env={"ENCODER_EXIF_ORIENTATION": "false"})
+    assert s.model.exif_orientation is True  # the flag wins
+
+
 @pytest.mark.parametrize("args, env, needle", [
     ([], {}, "--model / ENCODER_MODEL is required"),
     (["--model", "m", "--cache-bytes", "lots"], {}, "--cache-bytes / ENCODER_CACHE_BYTES"),
