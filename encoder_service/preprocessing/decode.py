@@ -4,9 +4,9 @@ As vLLM (`vllm/multimodal/image.py: normalize_image`, then its RGB conversion), 
 so the processor after them see a photo: its EXIF orientation applied (`ImageOps.exif_transpose`), unless the
 caller turns that off (`exif_orientation=False`, `--no-exif-orientation`: pixels as stored), then transparency
 composited over white. `probe` reads the orientation from the header too, so the size it answers is the
-upright one (Orientation 5-8 swap width and height) without decoding pixels; `decode_rgb` applies the
-orientation `probe` reads, the way `exif_transpose` reads it (after the pixels, for a PNG whose EXIF or XMP
-comes after them), so the two always agree.
+upright one (Orientation 5-8 swap width and height), without decoding pixels but for two rare kinds of file
+(_orientation); `decode_rgb` applies the orientation `probe` reads, read the way `exif_transpose` reads it, so
+the two always agree.
 
 Nothing here touches Pillow's module state: `ImageFile.LOAD_TRUNCATED_IMAGES` stays False (a truncated file
 is an error) and `Image.MAX_IMAGE_PIXELS` keeps its default. Our own pixel limit is checked from the header
@@ -65,7 +65,7 @@ class ImageHeader:
 
 
 def probe(data: bytes, limits: ImageLimits, *, exif_orientation: bool = True) -> ImageHeader:
-    """Read and check the header only; no pixel is decoded (but see _orientation for one kind of PNG)."""
+    """Read and check the header only; no pixel is decoded (but see _orientation: two rare kinds of file)."""
     with _open(data, limits) as image:
         return _header(image, data, exif_orientation)
 
@@ -94,8 +94,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     YCbCr, ...) goes through Pillow's `convert("RGB")`, which for I;16, I and F clips values to 0..255 rather
     than scaling them. vLLM's loader gives the same pixels: it pastes RGBA (and any other mode with
     transparency, converted to RGBA) onto white through the alpha band, equal to this composite for every
-    colour and alpha, and leaves the rest to `convert("RGB")` or, for RGB with tRNS, to this processor step.
-    (transformers' `load_image` differs: its `convert("RGB")` drops the alpha band without compositing.)"""
+    colour and alpha, and leaves the rest to `convert("RGB")` or, for RGB with tRNS, to its processor's
+    convert_to_rgb (this composite from transformers 5.23 on; the 5.19 of the vLLM CPU tier leaves it as it
+    is). transformers' `load_image` differs: its `convert("RGB")` drops the alpha band without compositing."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if has_alpha:
         rgba = image.convert("RGBA")
