@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from encoder_service.settings import (
+    PortUnavailable,
     Settings,
     SettingsError,
     add_proxy_arguments,
@@ -104,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = resolve_demo_model(settings)
         asyncio.run(serve(settings))
+    except PortUnavailable as exc:  # one line saying what to change: no usage text, no traceback
+        print(f"encoder-service serve: error: {exc}", file=sys.stderr)
+        return 1
     except SettingsError as exc:
         parser.error(str(exc))
     except KeyboardInterrupt:

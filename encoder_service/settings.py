@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -48,6 +49,27 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 class SettingsError(ValueError):
     """A configuration value is wrong; the message names the flag, its env twin and the value."""
+
+
+class PortUnavailable(SettingsError):
+    """A server cannot listen on its port (another process holds it, ...): the one line `encoder-service serve`
+    prints, naming the flag, the address and what to do."""
+
+    @classmethod
+    def of(cls, name: str, host: str, port: int, exc: OSError | None) -> "PortUnavailable":
+        """For option `name` (http_port, ...); `exc`: the bind's error (None: gRPC's, which names no cause)."""
+        address = f"{flag(name)} {port}: cannot listen on {host}:{port}"
+        other_port = f"{flag(name)} / {env_name(name)}"
+        if exc is not None and exc.errno == errno.EADDRINUSE:
+            return cls(f"{address}: another process holds it (another encoder-service?); stop it or give another "
+                       f"port ({other_port})")
+        if exc is None:
+            why = "in use by another process, or not an address of this host"
+        elif exc.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges)"
+        else:
+            why = exc.strerror or str(exc)
+        return cls(f"{address}: {why}; give another port ({other_port}) or check --host / ENCODER_HOST")
 
 
 def parse_size(text: str) -> int:
@@ -109,6 +131,7 @@ class ModelSettings:
     device: str
     dtype: str
     preprocess: str = "pil"  # one of PREPROCESS_BACKENDS
+    exif_orientation: bool = True  # apply a photo's EXIF orientation before preprocessing, as the engines do
 
 
 @dataclass(frozen=True)
@@ -264,6 +287,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "dtype": (_choice(DTYPES), None, "bfloat16 on GPU, float32 on CPU"),
     "preprocess": (_preprocess, None, "image preprocessing backend: torchvision on CUDA, pil elsewhere; "
                                       "torchvision-nvjpeg decodes JPEGs with nvJPEG (faster, not bit-exact)"),
+    "exif_orientation": (parse_bool, "true", "turn a photo upright by its EXIF orientation before preprocessing, "
+                                             "as vLLM and transformers' load_image do (images, and video frames "
+                                             "given as images); --no-exif-orientation: the pixels as stored, for "
+                                             "callers that send them upright"),
     "host": (str, "127.0.0.1", "bind address of both servers"),
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
@@ -318,7 +345,7 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "sglang_port": (_port, "8100", "port of the SGLang protocol (its /encode, /scheduler_receive_url, /health)"),
 }
 # On/off options: `--name` / `--no-name` on the command line, a boolean string in the env twin.
-_SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol")
+_SWITCHES = ("cuda_graphs", "access_log", "shm_fetch", "sglang_protocol", "exif_orientation")
 
 
 def _url(text: str) -> str:
@@ -471,7 +498,7 @@ def _build(v: dict) -> Settings:
         raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
     return Settings(
         model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype,
-                            preprocess=preprocess),
+                            preprocess=preprocess, exif_orientation=v["exif_orientation"]),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               access_log=v["access_log"],

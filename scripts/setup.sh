@@ -19,7 +19,8 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip"
 # Install torch first, on its own, so the package's loose `torch>=` pin never pulls another
 # build. 2.13.0 resolves to the local CPU wheel on machines that have one; on a GPU machine
-# set TORCH_SPEC (e.g. "torch==2.11.0" with --index-url for your CUDA) or preinstall torch.
+# set TORCH_SPEC (e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128", the
+# Dockerfile's; another CUDA's index for yours) or preinstall torch.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q ${TORCH_SPEC:-torch==2.13.0}
 fi

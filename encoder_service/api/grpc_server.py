@@ -33,6 +33,7 @@ from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
 from encoder_service.protocol.video_request import OPTIONS
+from encoder_service.settings import PortUnavailable
 
 log = logging.getLogger(__name__)
 # What grpc.aio raises from a write to a call its client has ended (not exported by grpc itself).
@@ -67,7 +68,10 @@ async def start(core, settings, pickups: Pickups | None = None, http_port: int |
     health_servicer = ReadinessHealth(core)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{settings.server.host}:{settings.server.grpc_port}"
-    server.add_insecure_port(address)  # raises RuntimeError when the address can't be bound
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:  # the address can't be bound (taken since the service checked it, ...)
+        raise PortUnavailable.of("grpc_port", settings.server.host, settings.server.grpc_port, None) from exc
     await server.start()
     log.info("gRPC serving %s on %s", SERVICE_NAME, address)
     return server, health_servicer

@@ -21,7 +21,7 @@ from encoder_service.api.requests import install_log_ids
 from encoder_service.api.socket_send import SocketSend
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
-from encoder_service.settings import Settings, format_size
+from encoder_service.settings import PortUnavailable, Settings, format_size
 
 log = logging.getLogger("encoder_service")
 
@@ -117,6 +117,7 @@ class Service:
             from encoder_service.api.sglang import require_zmq
 
             require_zmq()
+        self._bind_ports()  # before the model loads too: a taken port fails at once, in one line
         if self.core is None:
             self.core = await asyncio.to_thread(build_core, s)
         load_s = time.perf_counter() - t0
@@ -140,6 +141,32 @@ class Service:
             await self._start_sglang()
         log.info("%s", startup_summary(self, load_s=load_s, total_s=time.perf_counter() - t0))
 
+    def _bind_ports(self) -> None:
+        """The HTTP and SGLang sockets (unless given), and a check that gRPC's port is free (gRPC binds its own
+        once the core exists); PortUnavailable when one is taken."""
+        s = self.settings.server
+        bound = []
+        try:
+            if s.http_port and self._http_sock is None:
+                self._http_sock = self._bind("http_port")
+                bound.append(self._http_sock)
+            if s.sglang_protocol and self._sglang_sock is None:
+                self._sglang_sock = self._bind("sglang_port")
+                bound.append(self._sglang_sock)
+            if s.grpc_port:
+                self._bind("grpc_port").close()
+        except PortUnavailable:
+            for sock in bound:
+                sock.close()
+            raise
+
+    def _bind(self, name: str) -> socket.socket:
+        s = self.settings.server
+        try:
+            return bind_socket(s.host, getattr(s, name))
+        except OSError as exc:
+            raise PortUnavailable.of(name, s.host, getattr(s, name), exc) from None
+
     async def _start_http(self, pickups: Pickups | None) -> None:
         from encoder_service.api.http import create_app
 
@@ -153,7 +180,7 @@ class Service:
         from encoder_service.api.sglang import SGLangProtocol
 
         s = self.settings.server
-        sock = self._sglang_sock or bind_socket(s.host, s.sglang_port)
+        sock = self._sglang_sock
         self._sglang_protocol = SGLangProtocol(self.core)
         self._sglang, self._sglang_task, self.sglang_address = await self._serve(
             self._sglang_protocol.app, sock, "SGLang protocol")

@@ -5,8 +5,9 @@ A key has two parts:
     decode), or a caller-supplied id prefixed with `u:` (hex has no `:`, so the two namespaces can
     never collide);
   - a *model fingerprint*: a hash of everything the embedding values depend on (checkpoint identity,
-    family, dtype, preprocessing settings and backend, NUMERICS_VERSION). It namespaces the Redis key, so replicas
-    of another model, dtype or numerics version sharing one Redis never read each other's rows.
+    family, dtype, preprocessing settings and backend, whether EXIF orientation is applied, NUMERICS_VERSION).
+    It namespaces the Redis key, so replicas of another model, dtype, setting or numerics version sharing one
+    Redis never read each other's rows.
 
 Full key (Redis and local tier): `encsvc:<model_fp>:c:<algo>:<hex>` or `encsvc:<model_fp>:u:<caller id>`.
 Key names never contain braces (Redis Cluster would treat `{...}` as a hash tag).
@@ -84,6 +85,7 @@ def model_fingerprint(
     *,
     layout: str = "",
     preprocess_backend: str = "pil",
+    exif_orientation: bool = False,
     numerics_version: int = NUMERICS_VERSION,
 ) -> str:
     """Hash (24 hex chars) of everything an embedding's values depend on besides the image bytes.
@@ -91,7 +93,8 @@ def model_fingerprint(
     `checkpoint_fp` is `LoadedModel.fingerprint`; `preprocess` is the `PreprocessConfig` (or a dict
     of min/max pixels, mean/std, patch/merge sizes...); `dtype` a torch.dtype or its name;
     `preprocess_backend` the backend's `fingerprint` (preprocessing/backends.py: which processor, and for
-    torchvision its resize recipe and decoder).
+    torchvision its resize recipe and decoder); `exif_orientation` whether images are turned upright by their
+    EXIF orientation first (settings: --exif-orientation, the service's default).
     """
     fields = {
         "checkpoint": checkpoint_fp,
@@ -105,6 +108,10 @@ def model_fingerprint(
     # rows a shared Redis holds under them) stay valid.
     if preprocess_backend != "pil":
         fields["preprocess_backend"] = preprocess_backend
+    # Likewise the orientation: rows from before it was applied (False) keep their fingerprint, and so reach
+    # only replicas that still ignore it (--no-exif-orientation).
+    if exif_orientation:
+        fields["exif_orientation"] = True
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return blake3.blake3(blob).hexdigest(length=12)
 

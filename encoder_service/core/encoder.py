@@ -65,11 +65,14 @@ class EncoderCore:
         self.metrics = metrics or Metrics()
         self.dtype = dtype_name(loaded.dtype)
         lim = settings.limits
+        upright = settings.model.exif_orientation
         backend = preprocessing.make_backend(
             settings.model.preprocess, preprocess_cfg,
-            preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels), loaded.device)
+            preprocessing.ImageLimits(max_image_bytes=lim.max_image_bytes, max_pixels=lim.max_pixels), loaded.device,
+            exif_orientation=upright)
         self.model_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, preprocess_cfg,
-                                          layout=self.spec.layout, preprocess_backend=backend.fingerprint)
+                                          layout=self.spec.layout, preprocess_backend=backend.fingerprint,
+                                          exif_orientation=upright)
         self.images = ImageReader(
             backend, UrlFetcher(lim.allow_url_hosts, max_bytes=lim.max_image_bytes), model_fp=self.model_fp,
             hash_algo=settings.cache.hash, dtype=loaded.dtype,
@@ -101,16 +104,19 @@ class EncoderCore:
     def _video_encoder(self, settings: Settings, loaded, *, hash_algo: str) -> VideoEncoder:
         """The video input path (videos.py, video_flights.py, video_encode.py) on this core's engine, store and
         flights. Videos always go through torch ops on the model's device (never PIL): the device kind is in
-        their fingerprint, with the checkpoint's video processor settings."""
+        their fingerprint, with the checkpoint's video processor settings and the EXIF setting (frames given as
+        images)."""
         cfg = preprocessing.VideoConfig.from_checkpoint(loaded.checkpoint_dir, self.spec)
         v, device = settings.video, torch.device(loaded.device)
         limits = preprocessing.VideoLimits(
             max_bytes=v.max_video_bytes, max_duration_s=v.max_video_duration_s,
             max_source_frames=v.max_video_source_frames, max_frame_pixels=v.max_video_frame_pixels,
             max_decoded_pixels=v.max_video_pixels, max_frames=v.max_video_frames, max_tokens=v.max_video_tokens,
-            decoder_threads=v.video_decoder_threads, containers=v.video_containers, codecs=v.video_codecs)
+            decoder_threads=v.video_decoder_threads, containers=v.video_containers, codecs=v.video_codecs,
+            exif_orientation=settings.model.exif_orientation)
         self.video_fp = model_fingerprint(loaded.fingerprint, self.spec.family, self.dtype, cfg,
-                                          layout=self.spec.layout, preprocess_backend=f"video:torch_ops:{device.type}")
+                                          layout=self.spec.layout, preprocess_backend=f"video:torch_ops:{device.type}",
+                                          exif_orientation=settings.model.exif_orientation)
         urls = UrlFetcher(settings.limits.allow_url_hosts, max_bytes=v.max_video_bytes, what="video")
         reader = VideoReader(cfg, limits, urls, video_fp=self.video_fp, hash_algo=hash_algo, device=device,
                              dtype=loaded.dtype)
@@ -175,7 +181,7 @@ class EncoderCore:
             "layout": spec.layout, "patch_size": spec.patch_size, "merge_size": spec.merge_size,
             "temporal_patch_size": spec.temporal_patch_size,
             "min_pixels": self.preprocess_cfg.min_pixels, "max_pixels": self.preprocess_cfg.max_pixels,
-            "preprocess": self.images.backend.fingerprint,
+            "preprocess": self.images.backend.fingerprint, "exif_orientation": s.model.exif_orientation,
             "runner": self.runner.describe(), "buckets": list(self.runner.buckets),
             "batch_tokens": s.engine.batch_tokens, "max_queue": s.engine.max_queue,
             "cache": {"local_bytes": s.cache.cache_bytes, "redis": s.cache.redis_url is not None,

@@ -3,7 +3,7 @@
   read     the bytes: inline, or GET from an allow-listed URL (urls.py)
   probe    on a CPU thread, before encode answers: the cache key (content hash of the bytes, or the
            caller's id, then with the bytes' content tag) and the size from the header alone (grid_thw,
-           num_tokens), no decode
+           num_tokens; upright, as the backend will decode the image), no decode
   prepare  on a CPU thread, when the engine takes the image: full decode + resize + patchify, by the
            preprocessing backend (pil: on that thread; torchvision: on the model's device)
 """
@@ -58,7 +58,7 @@ class ImageReader:
     def probe(self, index: int, data: bytes, caller_id: str | None) -> Probed:
         """CPU thread: content hash (or caller key) and header-only sizing of one image."""
         try:
-            header = preprocessing.probe(data, self.limits)
+            header = preprocessing.probe(data, self.limits, exif_orientation=self.backend.exif_orientation)
             plan = preprocessing.plan(header, self.cfg)
         except errors.EncoderServiceError as exc:
             raise exc.prefixed(f"image {index}: ") from None

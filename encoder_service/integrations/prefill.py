@@ -12,14 +12,15 @@ For a chunk `[start, end)` of the prompt:
      to the hidden states after decoder layer k-1, at this chunk's visual positions only (transformers
      does it through `visual_pos_masks` / `deepstack_visual_embeds`, which we pass per chunk);
   4. run the language model on the chunk with its slice of the M-RoPE positions and the KV cache of
-     the previous chunks (a `DynamicCache` carried across calls; the causal mask is offset by the
-     cache length), and project to logits.
+     the previous chunks (one `DynamicCache`, which each call extends in place; the causal mask is offset
+     by the cache length), and project to logits.
 
 Chunks are independent except for the KV cache, so a server can fetch chunk i+1 while chunk i runs.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,11 +59,17 @@ class PrefillResult:
 def language_model_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
     """(embed_tokens, decoder stack, lm_head) of a Qwen*VLForConditionalGeneration.
 
-    The decoder stack is `Qwen*VLTextModel`: it takes `inputs_embeds`, 3-axis `position_ids`,
-    `past_key_values` and (Qwen3-VL) `visual_pos_masks` + `deepstack_visual_embeds`.
+    The decoder stack is `Qwen*VLTextModel`: it takes `inputs_embeds`, 3-axis `position_ids`, the KV cache
+    (under `cache_kwarg`'s name) and (Qwen3-VL) `visual_pos_masks` + `deepstack_visual_embeds`.
     """
     text_model = model.model.language_model
     return text_model.get_input_embeddings(), text_model, model.lm_head
+
+
+def cache_kwarg(text_model: torch.nn.Module) -> str:
+    """The name the decoder stack's forward takes the KV cache under: `cache` from transformers 5.24 on (which
+    deprecates `past_key_values`, to go in 5.40), `past_key_values` before (5.23, the lowest we support)."""
+    return "cache" if "cache" in inspect.signature(text_model.forward).parameters else "past_key_values"
 
 
 def num_deepstack_levels(config: Any) -> int:
@@ -99,7 +106,8 @@ def chunked_prefill(model: torch.nn.Module, prompt: VisionPrompt, fetch: FetchFn
     vision = config.vision_config
     position_ids, rope_delta = mrope_position_ids(prompt, vision.spatial_merge_size,
                                                   tokens_per_second=getattr(vision, "tokens_per_second", None))
-    cache = DynamicCache(config=config.text_config)
+    cache = DynamicCache(config=config.text_config)  # every chunk's call extends it in place
+    cache_name = cache_kwarg(text_model)
     placeholder_ids = torch.tensor([t for t in (prompt.token_ids.image_token_id, prompt.token_ids.video_token_id)
                                     if t is not None], device=device)
     logits_per_chunk: list[torch.Tensor] = []
@@ -152,11 +160,10 @@ def chunked_prefill(model: torch.nn.Module, prompt: VisionPrompt, fetch: FetchFn
         out = text_model(
             inputs_embeds=inputs_embeds[None],  # [1, chunk_len, hidden]
             position_ids=position_ids[:, None, start:end].to(device),  # [3, 1, chunk_len]
-            past_key_values=cache,
             use_cache=True,
+            **{cache_name: cache},
             **kwargs,
         )
-        cache = out.past_key_values
         last_hidden = out.last_hidden_state[0]  # [chunk_len, hidden]
         if all_logits:
             logits_per_chunk.append(lm_head(last_hidden))
@@ -182,7 +189,7 @@ def decode_step(model: torch.nn.Module, result: PrefillResult, token_ids: torch.
     cache_len = result.past_key_values.get_seq_length()
     out = text_model(inputs_embeds=embed_tokens(token_ids.to(device))[None],  # [1, n, hidden]
                      position_ids=decode_position_ids(cache_len, result.rope_delta, len(token_ids)).to(device),
-                     past_key_values=result.past_key_values, use_cache=True)
+                     use_cache=True, **{cache_kwarg(text_model): result.past_key_values})
     return lm_head(out.last_hidden_state[0])
 
 

@@ -10,9 +10,10 @@
                       given the pixels nvJPEG decoded. Opt-in. (`torchvision-pil-decode`, the exact path's
                       name while nvJPEG was the default, is settings.PREPROCESS_ALIASES' deprecated alias.)
 
-Both read the header and check the limits before any pixel is decoded (decode.py). A backend's
-`fingerprint` names what its values depend on; it is part of the cache key (cache/keys.py), so rows made by
-one backend are never served for another.
+Both read the header and check the limits before any pixel is decoded (decode.py), and both apply a photo's
+EXIF orientation as the engines' loaders do, unless `exif_orientation` is False (`--no-exif-orientation`). A
+backend's `fingerprint` names what its values depend on; it is part of the cache key (cache/keys.py), so rows
+made by one backend are never served for another (the orientation setting is in the key too, beside it).
 
 On CUDA the torchvision backend runs on the calling thread's own stream (the engine's CPU pool: one stream
 per thread, so images overlap each other and the ViT, which runs on the default stream), casts to the
@@ -52,14 +53,14 @@ class PilBackend:
     # Kept as the fingerprint every cache key had before there were backends (cache/keys.py leaves it out).
     fingerprint = "pil"
 
-    def __init__(self, cfg: PreprocessConfig, limits: ImageLimits):
-        self.cfg, self.limits = cfg, limits
+    def __init__(self, cfg: PreprocessConfig, limits: ImageLimits, *, exif_orientation: bool = True):
+        self.cfg, self.limits, self.exif_orientation = cfg, limits, exif_orientation
         self.device = torch.device("cpu")
 
     def preprocess(self, data: bytes, dtype: torch.dtype = torch.float32) -> PreprocessedImage:
         """Pixel values on the CPU in `dtype` (float32: transformers' own output). Raises LimitExceeded
         (before decoding) or ImageDecodeError. Safe to call from many threads at once."""
-        pre = preprocess(data, self.cfg, self.limits)
+        pre = preprocess(data, self.cfg, self.limits, exif_orientation=self.exif_orientation)
         # Cast on the CPU thread, not on the GPU: the patch embedding casts to the model dtype first thing,
         # and the cast rounds the same on either side, so bf16 halves the host-to-device bytes at no cost.
         return dataclasses.replace(pre, pixel_values=pre.pixel_values.to(dtype))
@@ -70,8 +71,8 @@ class TorchvisionBackend:
     Pillow everything else."""
 
     def __init__(self, cfg: PreprocessConfig, limits: ImageLimits, device: torch.device | str, *,
-                 jpeg_decoder: NvJpegDecoder | None = None):
-        self.cfg, self.limits = cfg, limits
+                 jpeg_decoder: NvJpegDecoder | None = None, exif_orientation: bool = True):
+        self.cfg, self.limits, self.exif_orientation = cfg, limits, exif_orientation
         self.device = _indexed(torch.device(device))
         self._jpeg = jpeg_decoder
         self._streams = ThreadStreams(self.device)
@@ -96,15 +97,15 @@ class TorchvisionBackend:
         transformers' processor is given (the tests hand it the same tensor). On CUDA, call it on the stream
         the result is used on."""
         if self._jpeg is not None:
-            header = probe(data, self.limits)
+            header = probe(data, self.limits, exif_orientation=self.exif_orientation)
             if self._jpeg.accepts(header):
                 image = self._jpeg.decode(data, header)
                 if image is not None:
                     return header, image
-        # Pillow and transformers' convert_to_rgb (decode.to_rgb), then what transformers does with a PIL
-        # image: np.array (a writable copy), from_numpy, permute to CHW, contiguous, to the device. Here the
-        # upload comes first (the same bytes) and the CHW copy is made on the device.
-        header, rgb = decode_rgb(data, self.limits)
+        # Pillow, the EXIF orientation and transformers' convert_to_rgb (decode.py), then what transformers does
+        # with a PIL image: np.array (a writable copy), from_numpy, permute to CHW, contiguous, to the device.
+        # Here the upload comes first (the same bytes) and the CHW copy is made on the device.
+        header, rgb = decode_rgb(data, self.limits, exif_orientation=self.exif_orientation)
         hwc = torch.from_numpy(np.array(rgb))  # [H, W, 3] uint8
         return header, hwc.to(self.device).permute(2, 0, 1).contiguous()
 
@@ -137,18 +138,22 @@ class ThreadStreams:
         return result
 
 
-def make_backend(name: str, cfg: PreprocessConfig, limits: ImageLimits, device: torch.device | str) -> Backend:
-    """The backend `--preprocess` names (settings.PREPROCESS_BACKENDS), for a model on `device`."""
+def make_backend(name: str, cfg: PreprocessConfig, limits: ImageLimits, device: torch.device | str, *,
+                 exif_orientation: bool = True) -> Backend:
+    """The backend `--preprocess` names (settings.PREPROCESS_BACKENDS), for a model on `device`;
+    `exif_orientation`: apply a photo's EXIF orientation (`--exif-orientation`)."""
     device = _indexed(torch.device(device))
     if name == "pil":
-        backend = PilBackend(cfg, limits)
+        backend = PilBackend(cfg, limits, exif_orientation=exif_orientation)
     elif name == "torchvision":
-        backend = TorchvisionBackend(cfg, limits, device)
+        backend = TorchvisionBackend(cfg, limits, device, exif_orientation=exif_orientation)
     elif name == "torchvision-nvjpeg":
-        backend = TorchvisionBackend(cfg, limits, device, jpeg_decoder=_nvjpeg(device))
+        backend = TorchvisionBackend(cfg, limits, device, jpeg_decoder=_nvjpeg(device),
+                                     exif_orientation=exif_orientation)
     else:
         raise ValueError(f"preprocess backend is {name!r}, expected one of {', '.join(PREPROCESS_BACKENDS)}")
-    log.info("preprocessing: %s on %s", backend.fingerprint, backend.device)
+    log.info("preprocessing: %s on %s, EXIF orientation %s", backend.fingerprint, backend.device,
+             "applied" if exif_orientation else "ignored")
     return backend
 
 

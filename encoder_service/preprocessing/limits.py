@@ -65,6 +65,7 @@ class VideoLimits:
     decoder_threads: int = 2  # FFmpeg threads per decoder (PyAV's default, 0, would take every core)
     containers: tuple[str, ...] = VIDEO_CONTAINERS
     codecs: tuple[str, ...] = VIDEO_CODECS
+    exif_orientation: bool = True  # frames given as images: each upright by its EXIF, as an image (decode.py)
 
     def __post_init__(self):
         counts = (self.max_bytes, self.max_source_frames, self.max_frame_pixels, self.max_decoded_pixels,

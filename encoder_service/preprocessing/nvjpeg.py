@@ -13,7 +13,9 @@ decodes every image with Pillow.
 
 Only JPEGs that nvJPEG decodes like Pillow go to it: format "JPEG" (Pillow's "MPO", a phone's multi-picture
 file, stays with Pillow, which reads its first picture) in mode RGB or L (nvJPEG has no CMYK/YCCK). Any
-nvJPEG error, or a decoded size other than the header's, falls back to Pillow too.
+nvJPEG error, or a decoded size other than the header's, falls back to Pillow too. nvJPEG decodes the pixels
+as stored; the header's EXIF orientation (decode.py) is then applied on the device (`upright`: flips and
+transposes, the same pixel moves as Pillow's).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class NvJpegDecoder:
         return header.format == "JPEG" and header.mode in _MODES
 
     def decode(self, data: bytes, header: ImageHeader) -> torch.Tensor | None:
-        """[3, H, W] uint8 RGB on the device, or None: decode this one with Pillow. Call `accepts` first.
+        """[3, H, W] uint8 RGB on the device, upright as `header` says, or None: decode this one with Pillow.
+        Call `accepts` first.
 
         The output is allocated on the caller's current stream, which torchvision makes wait for the
         decoder's own stream (one decoder per process, behind a lock: calls from threads queue)."""
@@ -61,8 +64,17 @@ class NvJpegDecoder:
             log.debug("nvJPEG could not decode a %dx%d JPEG (%s); decoding it with Pillow",
                       header.width, header.height, exc)
             return None
-        if tuple(image.shape) != (3, header.height, header.width):
-            log.debug("nvJPEG decoded %s for a %dx%d JPEG; decoding it with Pillow", tuple(image.shape),
-                      header.width, header.height)
+        width, height = header.stored_size
+        if tuple(image.shape) != (3, height, width):
+            log.debug("nvJPEG decoded %s for a %dx%d JPEG; decoding it with Pillow", tuple(image.shape), width, height)
             return None
-        return image
+        return upright(image, header.orientation)
+
+
+def upright(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """[C, H, W] pixels as stored -> as EXIF `orientation` says to show them: ImageOps.exif_transpose's
+    transpose for it (decode.py: _UPRIGHT), as tensor ops, contiguous."""
+    if orientation in (5, 6, 7, 8):  # a quarter turn (and a flip): height and width swap
+        image = image.transpose(1, 2)  # TRANSPOSE (5); then 6 = ROTATE_270, 7 = TRANSVERSE, 8 = ROTATE_90
+    flips = {2: (2,), 3: (1, 2), 4: (1,), 6: (2,), 7: (1, 2), 8: (1,)}.get(orientation)
+    return (image.flip(flips) if flips else image).contiguous()

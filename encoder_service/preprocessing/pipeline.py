@@ -21,12 +21,14 @@ class PreprocessedImage:
     num_tokens: int
 
 
-def preprocess(data: bytes, cfg: PreprocessConfig, limits: ImageLimits) -> PreprocessedImage:
-    """Decode, resize, rescale, normalize and patchify one image, equal to transformers' Qwen2VLImageProcessorPil.
+def preprocess(data: bytes, cfg: PreprocessConfig, limits: ImageLimits, *,
+               exif_orientation: bool = True) -> PreprocessedImage:
+    """Decode (with the EXIF orientation applied unless `exif_orientation` is False), resize, rescale, normalize
+    and patchify one image, equal to transformers' Qwen2VLImageProcessorPil given the decoded, upright image.
 
     Raises LimitExceeded (before decoding) or ImageDecodeError. Safe to call from many threads at once.
     """
-    header, rgb = decode_rgb(data, limits)
+    header, rgb = decode_rgb(data, limits, exif_orientation=exif_orientation)
     image_plan = plan(header, cfg)
     resized = np.asarray(resize(rgb, image_plan))  # [H, W, 3] uint8
     pixel_values = torch.from_numpy(to_pixel_values(resized, cfg))

@@ -17,7 +17,8 @@ sampled; a frame of another size than the header's, or a stream that ends early,
 
 Frames and metadata are those of transformers' PyAV reader (video_utils.read_video_pyav): `stream.frames`
 frames (where the header has them), `stream.average_rate` fps, each frame `frame.to_ndarray(format="rgb24")`.
-Frames given as images are decoded by Pillow as images are (decode.decode_rgb).
+Frames given as images are decoded by Pillow as images are (decode.decode_rgb: their EXIF orientation applied
+unless `limits.exif_orientation` is False), and sized upright from their headers.
 
 Every failure is a VideoDecodeError or LimitExceeded (an ImageDecodeError for a frame given as an image)
 naming what is wrong. A generator from iter_frame_groups holds the open file until it is exhausted or closed.
@@ -235,7 +236,7 @@ def _probe_frames(frames: Sequence[bytes], limits: VideoLimits, fps: float | Non
     headers = []
     for i, frame in enumerate(frames):
         try:
-            headers.append(probe(frame, image_limits))
+            headers.append(probe(frame, image_limits, exif_orientation=limits.exif_orientation))
         except EncoderServiceError as exc:
             raise exc.prefixed(f"frame {i}: ") from None
         if (headers[i].width, headers[i].height) != (headers[0].width, headers[0].height):
@@ -255,7 +256,7 @@ def _image_groups(frames: Sequence[bytes], plan: VideoPlan, limits: VideoLimits)
 
     def rgb_of(index: int) -> np.ndarray:
         try:
-            header, image = decode_rgb(frames[index], image_limits)
+            header, image = decode_rgb(frames[index], image_limits, exif_orientation=limits.exif_orientation)
         except EncoderServiceError as exc:
             raise exc.prefixed(f"frame {index}: ") from None
         if (header.height, header.width) != plan.source_size:

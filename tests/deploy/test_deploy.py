@@ -331,7 +331,7 @@ def test_readme_table_is_the_cli():
         assert f"`{settings.env_name(name)}`" in env, (flag, env)
         if name in settings._SWITCHES:
             assert flag == f"`{settings.flag(name)} / --no-{settings.flag(name)[2:]}`", flag
-            assert shown == ("off" if default == "false" else "on (GPU only)"), (flag, shown)
+            assert shown == {"false": "off", "true": "on", None: "on (GPU only)"}[default], (flag, shown)
         elif default not in (None, ""):
             assert shown == f"`{default}`", (flag, shown, default)
         for choice in choices.get(name, ()):
@@ -351,7 +351,7 @@ def test_env_values_follow_values():
     env = env_of(encoder_container(render("auth-values")))
     expect = {
         "ENCODER_MODEL": "Qwen/Qwen2.5-VL-3B-Instruct", "ENCODER_REVISION": "main", "ENCODER_DTYPE": "float16",
-        "ENCODER_PREPROCESS": "torchvision-nvjpeg",
+        "ENCODER_PREPROCESS": "torchvision-nvjpeg", "ENCODER_EXIF_ORIENTATION": "false",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
         "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug", "ENCODER_ACCESS_LOG": "true",
@@ -376,8 +376,8 @@ def test_env_values_follow_values():
 def test_existing_secrets_are_referenced():
     docs = render("external-redis-values")
     env = env_of(encoder_container(docs))
-    assert env["ENCODER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "encoder-redis", "key": "url"}
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert env["ENCODER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "encoder-redis", "key": "redis-url"}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "hf-token"}
     assert env["ENCODER_REVISION"]["value"] == "cc594898137f460bfe9f0759e9844b3ce807cfb5"
     assert not find(docs, "Secret")  # nothing to create: no inline values
 

@@ -5,9 +5,11 @@ the Dockerfile), and every extra they name is one pyproject.toml defines."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.deploy.chart import CHART, ROOT, render
+
 SUFFIXES = {".md", ".py", ".sh", ".yaml", ".tpl", ".txt"}
 
 
@@ -40,3 +42,53 @@ def test_every_extra_named_exists():
              for extra in group.split(",")}
     assert {extra for _, extra in named} >= {"sglang", "vllm", "fa4"}  # the docs do name them
     assert not {(str(p), e) for p, e in named if e not in extras}
+
+
+# ---- the Secrets the docs create, against the chart that reads them ---------------------------------------
+SECRET_DOCS = (ROOT / "deploy" / "README.md", ROOT / "docs" / "vllm.md")
+# What a user's values say to use the docs' Secrets, keys left to the chart's defaults (deploy/README.md).
+BY_NAME = ("model.hfToken.existingSecret=hf-token", "auth.enabled=true", "auth.existingSecret=encoder-auth",
+           "redis.mode=external", "redis.external.existingSecret=encoder-redis")
+
+
+def documented_secrets() -> dict[str, set[str]]:
+    """Secret name -> its keys, from every `kubectl ... create secret generic NAME --from-literal=KEY=...` the
+    docs show."""
+    made: dict[str, set[str]] = {}
+    for doc in SECRET_DOCS:
+        for line in doc.read_text().splitlines():
+            if "create secret generic" not in line:
+                continue
+            words = shlex.split(line, comments=True)
+            name = words[words.index("generic") + 1]
+            made.setdefault(name, set()).update(w.partition("=")[2].partition("=")[0] for w in words
+                                                if w.startswith("--from-literal="))
+    return made
+
+
+def secret_refs(node) -> list[dict]:
+    """Every Secret key reference in rendered objects (env secretKeyRef, the ServiceMonitor's
+    bearerTokenSecret, ...): {name, key}."""
+    if isinstance(node, list):
+        return [ref for item in node for ref in secret_refs(item)]
+    if not isinstance(node, dict):
+        return []
+    refs = [v for k, v in node.items() if k in ("secretKeyRef", "bearerTokenSecret")]
+    return refs + [ref for v in node.values() for ref in secret_refs(v)]
+
+
+def test_documented_secrets_have_the_keys_the_chart_reads():
+    """Following the docs (their kubectl commands, then values naming those Secrets, as the ci/ examples do) gives
+    pods whose every Secret reference finds its key: the docs once made `token` while the chart read `hf-token`
+    and `auth-token`, and such pods cannot start."""
+    made = documented_secrets()
+    assert set(made) == {"hf-token", "encoder-auth", "encoder-redis"}, made
+    scenarios = [("default", BY_NAME, ("monitoring.coreos.com/v1/ServiceMonitor",))]
+    scenarios += [(p.stem, (), ()) for p in sorted((CHART / "ci").glob("*.yaml"))]
+    referenced = set()
+    for scenario, sets, apis in scenarios:
+        for ref in secret_refs(render(scenario, sets, apis)):
+            if ref["name"] in made:
+                assert ref["key"] in made[ref["name"]], (scenario, ref, made)
+                referenced.add(ref["name"])
+    assert referenced == set(made)  # every Secret the docs make is one the chart reads

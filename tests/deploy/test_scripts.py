@@ -164,3 +164,25 @@ def test_both_ends_of_the_transformers_range_are_tested():
     assert release(re.search(r"transformers==([\d.]+)", tier).group(1)) == release(low)
     assert "tests/unit/test_models_parity.py" in tier and "tests/unit/test_preprocessing.py" in tier
     assert release(low) <= release(transformers.__version__) < release(high)
+
+
+# ---- one torch for GPU machines --------------------------------------------------------------------------
+
+
+def test_one_torch_for_gpu_machines():
+    """The CUDA torch the README and scripts/setup.sh tell a GPU machine to install (TORCH_SPEC) is the one the
+    Dockerfile builds with, and its version is the CPU default setup.sh installs."""
+    readme = " ".join((ROOT / "README.md").read_text().split())  # the example wraps over two lines
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    def example(before: str, text: str, where: str) -> tuple[str, ...]:
+        found = re.search(before + r"torch==([\d.]+) --index-url (https://\S+?)[\"`]", text)
+        assert found, f'{where}: no TORCH_SPEC example "torch==<version> --index-url <CUDA index>"'
+        return found.groups()
+
+    from_readme = example(r"`TORCH_SPEC` \(e\.g\. `\"", readme, "README.md")
+    from_setup = example(r"set TORCH_SPEC \(e\.g\. \"", setup, "scripts/setup.sh")
+    from_dockerfile = tuple(re.search(rf"^ARG {arg}=(\S+)$", dockerfile, re.M).group(1)
+                            for arg in ("TORCH_VERSION", "TORCH_INDEX_URL"))
+    assert from_readme == from_setup == from_dockerfile
+    assert re.search(r"\$\{TORCH_SPEC:-torch==([\d.]+)\}", setup).group(1) == from_dockerfile[0]

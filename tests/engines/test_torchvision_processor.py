@@ -10,11 +10,8 @@ CPU result is never compared with a CUDA one.
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from PIL import Image
 
 from tests.support.engine_tier import require  # noqa: E402
 
@@ -33,6 +30,7 @@ from tests.support.preprocess_cases import (  # noqa: E402
     SMALL_SETTINGS,
     config_and_processor,
     encode,
+    loaded,
     rgb_image,
     write_checkpoint,
 )
@@ -52,7 +50,7 @@ def family(request, tmp_path_factory):
 
 def assert_same_as_transformers(data: bytes, family) -> None:
     backend, processor = family
-    reference = processor(Image.open(io.BytesIO(data)), return_tensors="pt", device="cpu")
+    reference = processor(loaded(data), return_tensors="pt", device="cpu")  # upright, as the engines load it
     ours = backend.preprocess(data)
     assert ours.grid_thw == tuple(reference["image_grid_thw"][0].tolist())
     assert ours.pixel_values.dtype == reference["pixel_values"].dtype == torch.float32

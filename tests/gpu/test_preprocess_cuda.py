@@ -16,13 +16,11 @@ Needs torchvision (nvJPEG, and transformers' processor imports it):
 
 from __future__ import annotations
 
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 pytest.importorskip("torchvision", reason="nvJPEG and transformers' torchvision processor need torchvision")
 
@@ -38,6 +36,7 @@ from tests.support.preprocess_cases import (  # noqa: E402
     LIMITS,
     cmyk_jpeg,
     family_fixture,
+    loaded,
     multi_picture_jpeg,
 )
 
@@ -58,7 +57,7 @@ def test_equal_to_transformers_on_cuda(name, family):
     data = CASES[name]()
     exact = make_backend("torchvision", cfg, LIMITS, "cuda")  # the default on CUDA
     assert exact.fingerprint == "torchvision:resize=float32,decode=pil"
-    reference = processor(Image.open(io.BytesIO(data)), return_tensors="pt", device="cuda")
+    reference = processor(loaded(data), return_tensors="pt", device="cuda")  # upright, as the engines load it
     ours = exact.preprocess(data)
     assert ours.grid_thw == tuple(reference["image_grid_thw"][0].tolist())
     assert_equal(ours.pixel_values, reference["pixel_values"])

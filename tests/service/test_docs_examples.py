@@ -1,8 +1,9 @@
 """The examples of README.md and docs/vllm.md, run as written against real servers: the README's encode requests
-(curl: multipart, binary, JSON; of images and of videos), its client loops (HTTP, gRPC, shared memory), its
-chunked prefill of a video (a tiny checkpoint for the model named), and docs/vllm.md's chat requests, of an
-image and of a video (curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one edit: the documented addresses become
-the test servers' (tests/support/docs_blocks.py reads the `<!-- docs-test: NAME -->` blocks).
+(curl: multipart, binary, JSON; of images and of videos), its fetch and release (curl), its client loops (HTTP,
+gRPC, shared memory), its chunked prefill of a video (a tiny checkpoint for the model named), and docs/vllm.md's
+chat requests, of an image and of a video (curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one
+edit: the documented addresses become the test servers' (tests/support/docs_blocks.py reads the
+`<!-- docs-test: NAME -->` blocks).
 """
 
 from __future__ import annotations
@@ -69,6 +70,24 @@ def test_readme_encode_requests(service, tmp_path):
     # The answer the README shows has exactly the fields the service answers.
     shown = re.search(r'Each answers `(\{"images": \[\{.*?\}\])', README.read_text(), re.S).group(1)
     assert set(re.findall(r'"(\w+)":', shown)) - {"images"} == set(multipart[0])
+
+
+def test_readme_fetch_and_release(service, tmp_path):
+    """The README's fetch (octet-stream and safetensors) and release of the image its JSON example encoded."""
+    from safetensors.torch import load_file
+
+    from encoder_service.protocol import wire
+
+    example_files(tmp_path)
+    run_shell(documented_block("encode-json", README, DOC_HTTP, service.url), tmp_path)
+    released = json.loads(run_shell(documented_block("fetch-release", README, DOC_HTTP, service.url), tmp_path))
+    assert released == {"released": 1}
+    with sync_client(service, "http") as client:  # released: still cached, an ordinary LRU entry
+        expect = client.fetch([("u:photo-1", 5)], 0, 2048)
+    header, rows = wire.decode_http((tmp_path / "rows.bin").read_bytes())
+    assert list(header.segments) == list(expect.segments) and expect.segments[0].position == 5
+    assert torch.equal(rows, expect.rows)
+    assert torch.equal(load_file(tmp_path / "rows.safetensors")["rows"], expect.rows)
 
 
 def run_python(code: str, namespace: dict, name: str) -> dict:

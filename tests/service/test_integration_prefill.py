@@ -245,6 +245,21 @@ def test_decode_after_prefill_matches_transformers(setup):
     assert err <= REL_TOL, err
 
 
+def test_prefill_and_decode_pass_the_cache_by_the_name_transformers_keeps(setup):
+    """No deprecation from transformers: from 5.24 the KV cache goes in as `cache` (`past_key_values` warns and
+    goes in 5.40); 5.23 knows only `past_key_values` (integrations/prefill.py: cache_kwarg)."""
+    import warnings
+
+    image_indices, (chunk_size, _) = PROMPTS["1img"]
+    with setup.service.client("http") as client, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*(past_key_values|cache_params).*")
+        infos = client.encode([PNGS[i] for i in image_indices])
+        prompt = build_prompt(_prompt_parts(infos, setup.vocab_low, seed=1), setup.token_ids)
+        result = chunked_prefill(setup.model, prompt, client.fetch, chunk_size, all_logits=False)
+        decode_step(setup.model, result, torch.tensor([3]))
+    assert result.past_key_values.get_seq_length() == prompt.seq_len + 1  # the decode step extended it in place
+
+
 def test_mrope_equals_transformers_rope_index(setup):
     """mrope_position_ids == transformers' get_rope_index, for layouts without the service."""
     model = setup.model.model

@@ -121,7 +121,7 @@ class Replica(ServiceProcess):
             try:
                 return super().wait_ready(timeout_s)
             except RuntimeError:
-                if "Address already in use" not in self.log_tail():
+                if "cannot listen on" not in self.log_tail():  # settings.py: PortUnavailable, HTTP or gRPC
                     raise
             self._spawn()
         return super().wait_ready(timeout_s)

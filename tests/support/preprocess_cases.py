@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps, PngImagePlugin
 
 from encoder_service.models.spec import VisionSpec
 from encoder_service.preprocessing import ImageLimits, PreprocessConfig
@@ -124,10 +124,65 @@ def multi_picture_jpeg() -> bytes:
     return encode(rgb_image(60, 90, 1), "MPO", save_all=True, append_images=[rgb_image(60, 90, 2)])
 
 
-def exif_rotated_jpeg() -> bytes:
+def loaded(data: bytes, exif_orientation: bool = True) -> Image.Image:
+    """`data` as the engines hand it to the processor: decoded by Pillow and turned upright by its EXIF
+    orientation (`ImageOps.exif_transpose`: transformers' `load_image`, vLLM's loader), or as stored. The mode
+    is kept, so the processor's convert_to_rgb composites transparency over white, as vLLM's loader does (not
+    `load_image`'s plain convert("RGB"): decode.py, to_rgb)."""
+    image = Image.open(io.BytesIO(data))
+    return ImageOps.exif_transpose(image) if exif_orientation else image
+
+
+def orientation_exif(orientation: int) -> Image.Exif:
     exif = Image.Exif()
-    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
-    return encode(rgb_image(60, 90), "JPEG", exif=exif)
+    exif[ExifTags.Base.Orientation] = orientation  # 6: rotate 90 degrees clockwise to view
+    return exif
+
+
+def exif_jpeg(orientation: int) -> bytes:
+    """A 90x60 JPEG (as stored) with that EXIF orientation: 5-8 show it 60x90."""
+    return encode(rgb_image(60, 90), "JPEG", exif=orientation_exif(orientation))
+
+
+def exif_rotated_jpeg() -> bytes:
+    return exif_jpeg(6)
+
+
+def png_exif_after_pixels(orientation: int) -> bytes:
+    """A PNG whose eXIf chunk follows its pixel data (the PNG spec's first edition allowed it; Pillow writes it
+    before): Pillow reads it only when it decodes the pixels."""
+    data = encode(rgb_image(60, 90), "PNG", exif=orientation_exif(orientation))
+    start = data.index(b"eXIf") - 4
+    end = start + 12 + int.from_bytes(data[start:start + 4], "big")
+    chunk, rest = data[start:end], data[:start] + data[end:]
+    iend = rest.index(b"IEND") - 4
+    return rest[:iend] + chunk + rest[iend:]
+
+
+def png_xmp_orientation(orientation: int) -> bytes:
+    """Orientation from XMP only (Pillow's getexif reads tiff:Orientation there when the EXIF has none)."""
+    info = PngImagePlugin.PngInfo()
+    info.add_itxt("XML:com.adobe.xmp", f'<x:xmpmeta><rdf:Description tiff:Orientation="{orientation}"/></x:xmpmeta>')
+    return encode(rgb_image(60, 90), "PNG", pnginfo=info)
+
+
+def jpeg_with_broken_exif() -> bytes:
+    """An APP1 Exif segment Pillow cannot read: no orientation (vLLM's loader ignores the error too)."""
+    data = exif_jpeg(6)
+    at = data.index(b"Exif\x00\x00") + 6
+    return data[:at] + b"XX" + data[at + 2:]  # the TIFF header's byte order: neither II nor MM
+
+
+# Photos with an EXIF orientation, in every form Pillow reads one from: name -> bytes maker.
+ORIENTED = {f"exif_jpeg_orientation_{o}": (lambda o=o: exif_jpeg(o)) for o in range(1, 9)} | {
+    "exif_png_rgba": lambda: encode(rgba_image(), "PNG", exif=orientation_exif(8)),
+    "exif_png_palette_transparent": lambda: encode(palette_image(), "PNG", transparency=5, exif=orientation_exif(5)),
+    "exif_png_after_pixels": lambda: png_exif_after_pixels(6),
+    "exif_png_xmp_only": lambda: png_xmp_orientation(7),
+    "exif_webp": lambda: encode(rgb_image(60, 90), "WEBP", quality=80, exif=orientation_exif(6)),
+    "exif_tiff_tag": lambda: encode(rgb_image(60, 90), "TIFF", tiffinfo={ExifTags.Base.Orientation: 8}),
+    "exif_broken": jpeg_with_broken_exif,
+}
 
 
 # Modes and formats, each a path of its own through convert_to_rgb or the decoders: name -> bytes maker.
@@ -143,14 +198,13 @@ IMAGES = {
     "int32_i_tiff": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.int32) * 2 - 100), "TIFF"),
     "float_f_tiff": lambda: encode(Image.fromarray(texture(60, 90, 1)[..., 0].astype(np.float32) * 1.5), "TIFF"),
     "cmyk_jpeg": cmyk_jpeg,
-    "exif_rotated_jpeg": exif_rotated_jpeg,
-    "multi_picture_jpeg": multi_picture_jpeg,  # transformers ignores EXIF orientation for PIL input; so do we
+    "multi_picture_jpeg": multi_picture_jpeg,
     "animated_gif_first_frame": animated_gif,
     "bmp": lambda: encode(rgb_image(60, 90), "BMP"),
     "tiff": lambda: encode(rgb_image(60, 90), "TIFF", compression="tiff_lzw"),
     "webp_lossy": lambda: encode(rgb_image(60, 90), "WEBP", quality=80),
     "webp_alpha": lambda: encode(rgba_image(), "WEBP", lossless=True),
-}
+} | ORIENTED
 
 # JPEGs of each kind a decoder treats differently: chroma subsampling, progressive, grayscale, large.
 JPEGS = {

@@ -1,10 +1,12 @@
 """Settings (flags, env twins, sizes, bad values) and `encoder-service serve` as a real process (demo model,
-startup summary, SIGTERM)."""
+startup summary, SIGTERM; a port another process holds)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from encoder_service.settings import Settings, SettingsError, parse_size
+from encoder_service.settings import PortUnavailable, Settings, SettingsError, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +52,14 @@ def test_shm_fetch_switch():
     s = Settings.from_args(["--model", "m", "--no-shm-fetch"], env={"ENCODER_SHM_FETCH": "1"})
     assert s.server.shm_fetch is False and s.server.shm_dir == "/dev/shm"
     assert Settings.from_args(["--model", "m", "--shm-fetch"], env={}).server.shm_fetch is True
+
+
+def test_exif_orientation_switch():
+    assert Settings.from_args(["--model", "m"], env={}).model.exif_orientation is True  # as the engines load images
+    assert Settings.from_args(["--model", "m", "--no-exif-orientation"], env={}).model.exif_orientation is False
+    assert Settings.from_args(["--model", "m"], env={"ENCODER_EXIF_ORIENTATION": "off"}).model.exif_orientation is False
+    s = Settings.from_args(["--model", "m", "--exif-orientation"], env={"ENCODER_EXIF_ORIENTATION": "false"})
+    assert s.model.exif_orientation is True  # the flag wins
 
 
 @pytest.mark.parametrize("args, env, needle", [
@@ -111,3 +121,47 @@ def test_serve_demo_model_then_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture
+def held_port():
+    """A port on 127.0.0.1 that another socket listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def serve(checkpoint, *ports: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
+    env["PYTHONPATH"] = str(REPO)
+    argv = [sys.executable, "-m", "encoder_service.cli", "serve", "--model", str(checkpoint), "--device", "cpu",
+            "--host", "127.0.0.1", *ports]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_taken_port_is_one_line_and_exit_1(tiny_checkpoint, held_port, flag):
+    """A port another process listens on: which port and what to do, in one line on stderr, exit 1, before the
+    model loads (no traceback)."""
+    other = "--grpc-port" if flag == "--http-port" else "--http-port"
+    done = serve(tiny_checkpoint("qwen2_5_vl"), flag, str(held_port), other, "0")
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    env = "ENCODER_" + flag.removeprefix("--").replace("-", "_").upper()
+    assert last == (f"encoder-service serve: error: {flag} {held_port}: cannot listen on 127.0.0.1:{held_port}: "
+                    f"another process holds it (another encoder-service?); stop it or give another port "
+                    f"({flag} / {env})")
+    assert "warm-up" not in done.stderr  # failed before loading the model (no warm-up encode logged)
+
+
+def test_grpc_bind_failure_after_the_check_names_the_port(tiny_checkpoint, held_port):
+    """gRPC binds its own socket once the core exists: a port taken since the check fails as PortUnavailable."""
+    from encoder_service.api import grpc_server
+    from tests.support.service import make_settings
+
+    settings = make_settings(tiny_checkpoint("qwen2_5_vl"), "--grpc-port", str(held_port))
+    with pytest.raises(PortUnavailable, match=f"--grpc-port {held_port}: cannot listen on 127.0.0.1:{held_port}: "
+                                              "in use by another process, or not an address of this host"):
+        asyncio.run(grpc_server.start(None, settings))

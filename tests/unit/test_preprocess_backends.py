@@ -45,7 +45,9 @@ from tests.support.preprocess_cases import (
     QWEN2_5,
     cmyk_jpeg,
     encode,
+    exif_jpeg,
     multi_picture_jpeg,
+    orientation_exif,
     rgb_image,
 )
 from tests.support.reference import assert_close, reference_rows
@@ -179,6 +181,34 @@ def test_nvjpeg_gets_rgb_and_grayscale_jpegs_only():
     assert backend.fingerprint == "torchvision:resize=uint8,decode=nvjpeg" != plain.fingerprint
 
 
+@pytest.mark.parametrize("exif_orientation", [True, False])
+def test_nvjpeg_turns_a_rotated_jpeg_as_pillow_does(exif_orientation):
+    """nvJPEG decodes the pixels as stored; the header's EXIF orientation is applied on the device (`upright`):
+    the same pixels as Pillow's path for every orientation, and none with the setting off."""
+    stand_in = StandInDecodeJpeg("decode")
+    decoder = NvJpegDecoder(torch.device("cpu"), stand_in, "RGB")
+    cfg = PreprocessConfig.default_for(QWEN2_5)
+    backend = TorchvisionBackend(cfg, LIMITS, "cpu", jpeg_decoder=decoder, exif_orientation=exif_orientation)
+    plain = make_backend("torchvision", cfg, LIMITS, "cpu", exif_orientation=exif_orientation)
+    for orientation in range(1, 9):
+        data = exif_jpeg(orientation)
+        (header, ours), (_, pillows) = backend.decode(data), plain.decode(data)
+        assert torch.equal(ours, pillows) and ours.is_contiguous(), orientation
+        assert header.orientation == (orientation if exif_orientation else 1)
+    assert stand_in.calls == 8
+
+
+def test_upright_is_pillows_transpose():
+    from encoder_service.preprocessing.decode import _UPRIGHT
+    from encoder_service.preprocessing.nvjpeg import upright
+
+    image = rgb_image(5, 7)
+    chw = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+    for orientation in range(1, 9):
+        expect = image.transpose(_UPRIGHT[orientation]) if orientation in _UPRIGHT else image
+        assert torch.equal(upright(chw, orientation).permute(1, 2, 0), torch.from_numpy(np.array(expect)))
+
+
 @pytest.mark.parametrize("outcome", ["error", "wrong_size"])
 def test_nvjpeg_failures_fall_back_to_pillow(outcome):
     backend, stand_in = nvjpeg_backend(outcome)
@@ -270,6 +300,42 @@ def test_fingerprint_names_the_backend():
                         "torchvision:resize=float32,decode=nvjpeg")}
     assert len(prints) == 4
     assert base in prints  # pil: the fingerprint from before there were backends, unchanged
+    # The EXIF orientation applied (the default) is another namespace; ignored, the fingerprint of before.
+    upright = model_fingerprint("ckpt", "qwen2_5_vl", "bfloat16", pre, layout="main", exif_orientation=True)
+    assert upright not in prints
+    assert model_fingerprint("ckpt", "qwen2_5_vl", "bfloat16", pre, layout="main", exif_orientation=False) == base
+
+
+@pytest.mark.timeout(120)
+async def test_core_turns_a_rotated_photo_upright_unless_told_not_to(tiny_checkpoint):
+    """A photo stored landscape with EXIF Orientation 6 is encoded portrait, as the engines see it: the grid
+    from the header, the rows of the upright image; --no-exif-orientation keeps the pixels as stored, under
+    another fingerprint (rows of one setting never serve the other). The id stays the hash of the bytes."""
+    from PIL import ImageOps
+
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    photo = Image.open(DATA / "rocket.jpg").crop((208, 110, 432, 278))  # the rocket, 224x168
+    data = encode(photo, "JPEG", quality=95, exif=orientation_exif(6))
+    upright = encode(ImageOps.exif_transpose(Image.open(io.BytesIO(data))), "PNG")  # the same pixels, upright
+    as_stored = encode(Image.open(io.BytesIO(data)).convert("RGB"), "PNG")  # the same pixels, no EXIF
+    cores = {flag: build_core(make_settings(checkpoint, flag, grpc=False))
+             for flag in ("--exif-orientation", "--no-exif-orientation")}
+    try:
+        results = {}
+        for flag, core in cores.items():
+            await core.start()
+            results[flag] = await core.encode([ImageInput(data=data)], return_embeddings=True)
+        on, off = cores["--exif-orientation"], cores["--no-exif-orientation"]
+        assert on.metadata()["exif_orientation"] is True and off.metadata()["exif_orientation"] is False
+        assert on.model_fp != off.model_fp and on.video_fp != off.video_fp
+        (turned,), (stored,) = results["--exif-orientation"].images, results["--no-exif-orientation"].images
+        assert turned.id == stored.id  # the content hash of the bytes
+        assert turned.grid_thw == (1, 16, 12) and stored.grid_thw == (1, 12, 16)
+        assert_close(results["--exif-orientation"].embeddings[0], reference_rows(checkpoint, upright))
+        assert_close(results["--no-exif-orientation"].embeddings[0], reference_rows(checkpoint, as_stored))
+    finally:
+        for core in cores.values():
+            await core.stop()
 
 
 @pytest.mark.timeout(120)

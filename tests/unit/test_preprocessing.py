@@ -27,6 +27,7 @@ from tests.support.preprocess_cases import (
     IMAGES,
     LIMITS,
     ODD_SIZES,
+    ORIENTED,
     PHOTOS,
     QWEN2_5,
     QWEN3,
@@ -34,10 +35,13 @@ from tests.support.preprocess_cases import (
     animated_gif,
     config_and_processor,
     encode,
+    exif_jpeg,
     exif_rotated_jpeg,
     family_fixture,
+    loaded,
     multi_picture_jpeg,
     photo_1080p_jpeg,
+    png_exif_after_pixels,
     rgb_image,
     write_checkpoint,
 )
@@ -46,10 +50,12 @@ from tests.support.preprocess_cases import (
 family = family_fixture(Qwen2VLImageProcessorPil)  # (our config, transformers' processor) per published checkpoint
 
 
-def assert_same_as_transformers(data: bytes, family) -> None:
+def assert_same_as_transformers(data: bytes, family, exif_orientation: bool = True) -> None:
+    """Ours on the bytes == transformers' processor on the image as the engines load it (upright by its EXIF
+    orientation, unless `exif_orientation` is False)."""
     cfg, reference_processor = family
-    reference = reference_processor(Image.open(io.BytesIO(data)), return_tensors="pt")
-    ours = preprocess(data, cfg, LIMITS)
+    reference = reference_processor(loaded(data, exif_orientation), return_tensors="pt")
+    ours = preprocess(data, cfg, LIMITS, exif_orientation=exif_orientation)
     assert ours.grid_thw == tuple(reference["image_grid_thw"][0].tolist())
     assert ours.pixel_values.dtype == torch.float32
     assert ours.pixel_values.shape == reference["pixel_values"].shape
@@ -57,7 +63,7 @@ def assert_same_as_transformers(data: bytes, family) -> None:
     max_diff = (ours.pixel_values - reference["pixel_values"]).abs().max().item()
     assert torch.equal(ours.pixel_values, reference["pixel_values"]), f"max abs diff {max_diff}"
     # What encode answers from the header alone agrees with what the tower gets.
-    image_plan = plan(probe(data, LIMITS), cfg)
+    image_plan = plan(probe(data, LIMITS, exif_orientation=exif_orientation), cfg)
     assert (image_plan.grid_thw, image_plan.num_tokens) == (ours.grid_thw, ours.num_tokens)
     assert ours.num_tokens == ours.pixel_values.shape[0] // cfg.merge_size**2
 
@@ -102,9 +108,43 @@ def test_modes_under_test_are_the_ones_named():
     assert probe(multi_picture_jpeg(), LIMITS).format == "MPO"
 
 
-def test_exif_orientation_is_not_applied():
-    header = probe(exif_rotated_jpeg(), LIMITS)
-    assert (header.width, header.height) == (90, 60)
+@pytest.mark.parametrize("kind", sorted(ORIENTED))
+def test_exif_orientation_off_is_the_pixels_as_stored(kind, family):
+    """--no-exif-orientation: what the service did before it applied the orientation (transformers' processor
+    given the decoded image as it is)."""
+    assert_same_as_transformers(ORIENTED[kind](), family, exif_orientation=False)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_probe_sizes_a_rotated_photo_upright_from_its_header(orientation):
+    """Orientations 5-8 swap width and height: read from the EXIF alone (a truncated file still probes)."""
+    data = exif_jpeg(orientation)
+    upright = (60, 90) if orientation >= 5 else (90, 60)
+    for sent in (data, data[: len(data) // 3]):
+        header = probe(sent, LIMITS)
+        assert (header.width, header.height, header.orientation) == (*upright, orientation)
+        assert header.stored_size == (90, 60)
+    off = probe(data, LIMITS, exif_orientation=False)
+    assert (off.width, off.height, off.orientation) == (90, 60, 1)
+    assert plan(probe(exif_rotated_jpeg(), LIMITS), PreprocessConfig.default_for(QWEN2_5)).grid_thw == (1, 6, 4)
+
+
+def test_orientation_after_the_pixels_of_a_png_is_found():
+    """A PNG's eXIf after its image data: Pillow reads it only with the pixels, and so does probe (exif_transpose
+    turns it); before it, the header is enough."""
+    from encoder_service.preprocessing.decode import _png_metadata_after_pixels
+
+    after, before = png_exif_after_pixels(6), ORIENTED["exif_png_rgba"]()
+    assert _png_metadata_after_pixels(after) and not _png_metadata_after_pixels(before)
+    assert (probe(after, LIMITS).width, probe(after, LIMITS).height) == loaded(after).size == (60, 90)
+
+
+def test_an_unreadable_exif_is_no_orientation():
+    """An EXIF Pillow cannot read (its byte order broken): the image as stored, no error, as exif_transpose
+    and vLLM's loader leave it."""
+    data = ORIENTED["exif_broken"]()
+    assert probe(data, LIMITS) == ImageHeader(width=90, height=60, format="JPEG", mode="RGB", orientation=1)
+    assert loaded(data).size == (90, 60)
 
 
 def test_concurrent_calls_agree():

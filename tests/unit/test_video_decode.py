@@ -18,7 +18,7 @@ from encoder_service.preprocessing.limits import VideoLimits
 from encoder_service.preprocessing.video import FRAMES, VideoOptions, plan_video
 from encoder_service.preprocessing.video_config import VideoConfig
 from encoder_service.preprocessing.video_decode import iter_frame_groups, probe_video
-from tests.support.preprocess_cases import QWEN2_5, QWEN3, encode, rgb_image
+from tests.support.preprocess_cases import QWEN2_5, QWEN3, encode, loaded, orientation_exif, rgb_image
 from tests.support.video_cases import (
     CLIP_KINDS,
     audio_only_mp4,
@@ -205,6 +205,19 @@ def test_frames_given_as_images():
     plan, groups = groups_of(frames, QWEN3_CFG)
     assert plan.frame_indices == (0, 1, 2, 3, 4)  # a list of frames is not sampled unless asked
     reference = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
+    assert_groups_hold_the_sampled_frames(plan, groups, reference)
+
+
+@pytest.mark.parametrize("exif_orientation", [True, False])
+def test_frames_given_as_images_are_turned_upright_as_images(exif_orientation):
+    """Frames with an EXIF orientation (phone photos) are sized and decoded upright, as images are, unless the
+    setting is off (--no-exif-orientation: as stored)."""
+    frames = [encode(rgb_image(48, 64, seed=i), "JPEG", quality=95, exif=orientation_exif(6)) for i in range(4)]
+    limits = dataclasses.replace(LIMITS, exif_orientation=exif_orientation)
+    probe = probe_video(frames, limits)
+    assert (probe.width, probe.height) == ((48, 64) if exif_orientation else (64, 48))
+    plan, groups = groups_of(frames, QWEN3_CFG, limits=limits)
+    reference = np.stack([np.asarray(loaded(f, exif_orientation).convert("RGB")) for f in frames])
     assert_groups_hold_the_sampled_frames(plan, groups, reference)
 
 

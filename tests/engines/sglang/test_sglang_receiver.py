@@ -11,6 +11,9 @@ rows per image (zmq_to_scheduler); `recv_mm_data` does the same for zmq_to_token
 stand-ins: a 1-rank gloo group for the TP status all-reduce and a scheduler object without a model config.
 
 The embeddings SGLang ends up with are compared bit for bit with ours (`/v1/encode` with return_embeddings).
+Images as SGLang's own loader would give them to the processor: a photo with an EXIF orientation and an RGBA PNG
+(SGLang 0.5.23 applies no orientation and drops the alpha; we turn the photo upright and composite over white,
+as vLLM and transformers do, or, with --no-exif-orientation, leave the photo as SGLang's loader does).
 Run by scripts/tiers/sglang.sh in its own venv; skipped where SGLang is not installed (the main venv).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import os
 import re
@@ -66,13 +70,14 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -
 
 
 class Encoder(ServiceProcess):
-    def __init__(self, model_dir: Path, log_path: Path):
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str):
         documented = docs_blocks.command("encoder")
         assert documented.argv[:2] == ["encoder-service", "serve"] and "--sglang-protocol" in documented.argv
         self.sglang_port, self.http_port = free_port(), free_port()
         argv = documented.replaced({"--model": str(model_dir), "--host": "127.0.0.1",
                                     "--sglang-port": str(self.sglang_port)})
-        argv += ["--device", "cpu", "--http-port", str(self.http_port), "--grpc-port", "0", "--log-level", "warning"]
+        argv += ["--device", "cpu", "--http-port", str(self.http_port), "--grpc-port", "0", "--log-level", "warning",
+                 *extra]
         self.url = f"http://127.0.0.1:{self.sglang_port}"  # what --encoder-urls names
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         super().__init__(encoder_service_argv(*argv[1:]), f"{self.url}/health", log_path,
@@ -146,6 +151,14 @@ def encoder(model_dir, tmp_path_factory):
     yield get
     for enc in running.values():
         enc.stop()
+
+
+@pytest.fixture(scope="session")
+def stored_pixels_encoder(model_dir, tmp_path_factory):
+    """Qwen2.5-VL with --no-exif-orientation: photos as stored, as SGLang's own loader leaves them."""
+    enc = Encoder(model_dir("qwen2_5_vl"), tmp_path_factory.mktemp("logs") / "no-exif.log", "--no-exif-orientation")
+    yield enc
+    enc.stop()
 
 
 # ---- SGLang's side, as documented ------------------------------------------------------------------------
@@ -447,3 +460,89 @@ def test_videos_bit_for_bit_with_the_prompt_and_positions_ours_give(family, back
     expected, _ = mrope_position_ids(prompt, hf_config.vision_config.spatial_merge_size,
                                      tokens_per_second=getattr(hf_config.vision_config, "tokens_per_second", None))
     assert torch.equal(torch.as_tensor(mm_inputs.mrope_positions).reshape(3, -1), expected)
+
+
+# ---- images as SGLang's own loader gives them ------------------------------------------------------------
+def encoded(image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def rotated_photo() -> bytes:
+    """A photo (tests/data/rocket.jpg, cropped to 224x168) stored landscape with EXIF Orientation 6, as a phone
+    stores a portrait."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encoded(Image.open(ROOT / "tests" / "data" / "rocket.jpg").crop((208, 110, 432, 278)), "JPEG",
+                   quality=95, exif=exif)
+
+
+def rgba_png() -> bytes:
+    """Noise whose alpha runs from transparent to opaque across it."""
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.random.default_rng(31).integers(0, 256, (84, 112, 3), dtype=np.uint8)
+    alpha = np.tile(np.linspace(0, 255, 112).astype(np.uint8), (84, 1))[..., None]
+    return encoded(Image.fromarray(np.concatenate([rgb, alpha], axis=-1), "RGBA"), "PNG")
+
+
+def sglang_loaded(data: bytes):
+    """The PIL image SGLang 0.5.23's own Qwen-VL processor loads from `data` and gives its image processor
+    (`_load_single_item`: `load_image`, then `convert("RGB")`)."""
+    from sglang.srt.managers.schedule_batch import Modality
+    from sglang.srt.multimodal.processors.qwen_vl import QwenVLImageProcessor
+
+    return QwenVLImageProcessor._load_single_item(data, Modality.IMAGE)
+
+
+def received_rows(enc, model, data: bytes) -> torch.Tensor:
+    """The rows SGLang's receiver gets for one image (zmq_to_scheduler)."""
+    mm_inputs, error = run_sglang("zmq_to_scheduler", model, enc, [data_url(data)])
+    assert error is None and mm_inputs is not None, error
+    (item,) = mm_inputs.mm_items
+    return item.precomputed_embeddings
+
+
+def test_sglangs_own_loader_applies_no_exif_orientation_and_drops_the_alpha():
+    """What the tests below and docs/sglang.md rely on about SGLang 0.5.23: a photo stays as stored (vLLM and
+    transformers' load_image turn it upright), and an RGBA image loses its alpha without compositing (vLLM and
+    the processors put it over white). A new SGLang that changes either fails here."""
+    import numpy as np
+    from PIL import Image
+
+    photo, rgba = rotated_photo(), rgba_png()
+    assert sglang_loaded(photo).size == Image.open(io.BytesIO(photo)).size == (224, 168)
+    assert np.array_equal(np.asarray(sglang_loaded(rgba)), np.asarray(Image.open(io.BytesIO(rgba)).convert("RGB")))
+
+
+def test_photo_as_stored_with_no_exif_orientation(stored_pixels_encoder, model_dir):
+    """--no-exif-orientation: our rows of the photo are those of the pixels SGLang's own loader gives (our
+    processor is transformers', bit for bit: the main suite), sent losslessly as a PNG."""
+    photo = rotated_photo()
+    enc, model = stored_pixels_encoder, model_dir("qwen2_5_vl")
+    (expect,) = enc.rows([encoded(sglang_loaded(photo), "PNG")])
+    got = received_rows(enc, model, photo)
+    assert got.shape == expect.shape and got.shape[0] == 48  # (224 / 28) x (168 / 28) merged tokens
+    assert torch.equal(got.view(torch.int16), expect.view(torch.int16))
+
+
+def test_by_default_the_photo_upright_and_alpha_over_white(encoder, model_dir):
+    """The default: SGLang's loader followed by what vLLM and transformers do more (the EXIF orientation;
+    the alpha composited over white, not dropped): our rows are those of that image."""
+    from PIL import Image, ImageOps
+
+    enc, model = encoder("qwen2_5_vl"), model_dir("qwen2_5_vl")
+    photo, rgba = rotated_photo(), rgba_png()
+    white = Image.new("RGBA", (112, 84), (255, 255, 255, 255))
+    upright = {photo: ImageOps.exif_transpose(Image.open(io.BytesIO(photo))).convert("RGB"),
+               rgba: Image.alpha_composite(white, Image.open(io.BytesIO(rgba))).convert("RGB")}
+    for data, image in upright.items():
+        (expect,) = enc.rows([encoded(image, "PNG")])
+        got = received_rows(enc, model, data)
+        assert torch.equal(got.view(torch.int16), expect.view(torch.int16))
+        (as_sglang,) = enc.rows([encoded(sglang_loaded(data), "PNG")])  # the pixels SGLang's loader gives
+        assert as_sglang.shape != got.shape or not torch.equal(as_sglang, got)

@@ -1,8 +1,9 @@
 """The same greedy answer from a vLLM server that encodes images itself and from a language-only vLLM server
-fed by our encoder (its connector, behind our proxy): one image, two images in both orders, a streamed answer;
-each lane: the connector over HTTP taking the rows through shared memory, and over gRPC without shared memory.
-And one video (on the HTTP lane: its frame groups' rows through shared memory, its M-RoPE time step from the
-proxy's second_per_grid_ts).
+fed by our encoder (its connector, behind our proxy): one image, two images in both orders, a streamed answer,
+a photo stored sideways with an EXIF orientation and an RGBA PNG (images as vLLM loads them: upright, alpha over
+white); each lane: the connector over HTTP taking the rows through shared memory, and over gRPC without shared
+memory. And one video (on the HTTP lane: its frame groups' rows through shared memory, its M-RoPE time step from
+the proxy's second_per_grid_ts).
 
 Both servers run the same checkpoint in float32; vLLM's vision tower and ours differ only by float32 rounding
 (about 1e-6), so the tokens must be equal and the logprobs agree to float32 noise (LOGPROB_TOL).
@@ -10,8 +11,13 @@ Both servers run the same checkpoint in float32; vLLM's vision tower and ours di
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from tests.support.engine_tier import require
 
@@ -43,6 +49,33 @@ A, B, C = png(112, 84, 11), png(84, 140, 12), png(56, 112, 13)
 # processor and our encoder see the same pixels. Its frame rate is vLLM's default for a sequence, 1 fps, so
 # Qwen2.5-VL's second_per_grid_ts is 2 on both sides (the proxy sends ours).
 FRAMES = [png(112, 84, 20 + k) for k in range(4)]
+
+
+def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+# A photo (tests/data/rocket.jpg, a 224x168 crop: neither side resizes it) as a phone stores a portrait: the
+# pixels landscape, EXIF Orientation 6 (turn 90 degrees clockwise to view). vLLM's loader shows its processor the
+# upright 168x224 picture (normalize_image: ImageOps.exif_transpose), and so does our encoder; SIDEWAYS is the
+# same pixels without the tag, what the encoder used to see.
+def _orientation(value: int) -> Image.Exif:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif
+
+
+PHOTO = Image.open(Path(__file__).parents[2] / "data" / "rocket.jpg").crop((208, 110, 432, 278))  # the rocket
+ROTATED = encoded(PHOTO, "JPEG", quality=95, exif=_orientation(6))
+SIDEWAYS = encoded(Image.open(io.BytesIO(ROTATED)).convert("RGB"), "PNG")
+# An RGBA PNG whose alpha runs from transparent to opaque across it: vLLM's loader pastes it onto white, as the
+# encoder composites it; NO_ALPHA is its colours with the alpha dropped.
+_RGB = np.asarray(Image.open(io.BytesIO(png(112, 84, 14))))
+_ALPHA = np.tile(np.linspace(0, 255, 112).astype(np.uint8), (84, 1))[..., None]
+RGBA = encoded(Image.fromarray(np.concatenate([_RGB, _ALPHA], axis=-1), "RGBA"), "PNG")
+NO_ALPHA = encoded(Image.fromarray(_RGB), "PNG")
 
 
 def ask(url: str, body: dict, headers: dict | None = None) -> Answer:
@@ -84,6 +117,14 @@ def test_streamed(stack, lane):
     status, events = streamed(getattr(stack, lane).proxy_url, chat([C], text="and this", stream=True), CALLER)
     assert status == 200
     assert_same(reference, streamed_answer(events))
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("image, wrong", [(ROTATED, SIDEWAYS), (RGBA, NO_ALPHA)], ids=["exif_rotated_jpeg", "rgba_png"])
+def test_images_as_vllm_loads_them(stack, lane, image, wrong):
+    reference = ask(stack.aggregated.url, chat([image]))
+    assert_differ(reference, ask(stack.aggregated.url, chat([wrong])))  # the model sees the difference
+    assert_same(reference, ask(getattr(stack, lane).proxy_url, chat([image]), CALLER))
 
 
 def test_one_video(stack):

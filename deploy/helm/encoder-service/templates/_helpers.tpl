@@ -117,6 +117,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_DEVICE" $srv.device)
     (list "ENCODER_DTYPE" $srv.dtype)
     (list "ENCODER_PREPROCESS" $srv.preprocess)
+    (list "ENCODER_EXIF_ORIENTATION" $srv.exifOrientation)
     (list "ENCODER_HOST" "0.0.0.0")
     (list "ENCODER_HTTP_PORT" .Values.ports.http)
     (list "ENCODER_GRPC_PORT" .Values.ports.grpc)
