@@ -121,9 +121,7 @@ class Service:
         if self.core is None:
             self.core = await asyncio.to_thread(build_core, s)
         load_s = time.perf_counter() - t0
-        http = s.server.http_port or self._http_sock is not None
-        if http and self._http_sock is None:  # bound first: the address other replicas fetch rows at is known
-            self._http_sock = bind_socket(s.server.host, s.server.http_port)
+        http = self._http_sock is not None  # bound above: the address other replicas fetch rows at is known
         if http:
             self.core.advertise(s.server.advertise_url or advertised_url(*self._http_sock.getsockname()[:2]))
         await self.core.start()
