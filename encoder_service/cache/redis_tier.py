@@ -119,7 +119,9 @@ class RedisTier:
                               max_claims=max_marked, max_input_bytes=max_input_bytes)
         self.owner = self._claims.owner
         self._subscriber = Subscriber(self._conns.pubsub_connection, self._on_subscriber_lost)
-        self._replica_urls: dict[str, tuple[str | None, float]] = {}  # owner -> (its URL, looked up at)
+        # Directory reads kept for `replica_url_cache_s`: owner -> (its URL, read at); key -> (Located, read at)
+        self._replica_urls: dict[str, tuple[str | None, float]] = {}
+        self._locations: OrderedDict[str, tuple[Located, float]] = OrderedDict()
         self.up = True
         self._up_again = asyncio.Event()  # set while up: the writer waits on it while Redis is away
         self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
@@ -238,6 +240,20 @@ class RedisTier:
         return None
 
     async def _locate(self, key: str) -> Located | None:
+        """Kept for `replica_url_cache_s` once found (a fetch sizes its ids, then reads their rows: one
+        directory read), until a fetch finds it wrong (`forget_location`)."""
+        cached = self._locations.get(key)
+        if cached is not None and time.monotonic() - cached[1] < self._replica_url_cache_s:
+            return cached[0]
+        located = await self._read_location(key)
+        if located is not None:
+            self._locations[key] = (located, time.monotonic())
+            self._locations.move_to_end(key)
+            if len(self._locations) > self._header_cache_size:
+                self._locations.popitem(last=False)
+        return located
+
+    async def _read_location(self, key: str) -> Located | None:
         location, raw, strlen = await self._conns.pipelined(
             ("get", directory.location_name(key)), ("getrange", key, 0, HEADER_LEN - 1), ("strlen", key))
         copy = None
@@ -370,9 +386,10 @@ class RedisTier:
         self._queue.put_nowait(("rows", key, (entry, copy), self._epoch))
         return True
 
-    def forget_replica(self, owner: str) -> None:
-        """A fetch found `owner` unreachable: look its address up afresh next time."""
+    def forget_location(self, key: str, owner: str) -> None:
+        """A fetch found that `owner` does not give `key`'s rows (gone, or lost them): look both up afresh."""
         self._replica_urls.pop(owner, None)
+        self._locations.pop(key, None)
 
     async def flush(self) -> None:
         """Wait until queued writes and notices are done (tests, shutdown)."""
@@ -424,6 +441,7 @@ class RedisTier:
         if written is not True:
             self._dropped(key, "Redis is full" if isinstance(written, OutOfMemoryError) else "its write failed")
             return True
+        self._locations.pop(key, None)
         self.counters["writes"] += 1
         self.counters["writes_after_outage"] += epoch != self._epoch  # it waited for Redis to come back
         # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
@@ -584,6 +602,7 @@ class RedisTier:
             return Settled.UNAVAILABLE
         if settled is Settled.NOT_PENDING and self._recovering():
             return Settled.UNAVAILABLE  # its owner may not have written its marker again yet
+        self._locations.pop(key, None)  # landed (or being taken over) since it was last read: read it afresh
         self.counters["pending_orphaned"] += settled is Settled.ORPHANED
         return settled
 

@@ -164,14 +164,20 @@ class EmbeddingStore:
             return await self.redis.read_rows(name, start, end)
         return None
 
+    def local_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
+        """Rows [start, end) of the local tier's entry (a read-only view, an LRU hit), or None."""
+        entry = self.local.get(_name(key))
+        return entry.rows(start, end) if entry is not None else None
+
     def keep(self, key: Key, entry: Entry) -> None:
         """Rows pulled from another replica, kept in the local tier only (that replica owns them)."""
         self.local.put(_name(key), entry)
 
-    def forget_replica(self, owner: str) -> None:
-        """A fetch found the replica `owner` unreachable: its address is looked up afresh next time."""
+    def forget_location(self, key: Key, owner: str) -> None:
+        """A fetch found that `owner` does not give `key`'s rows (gone, or lost them): both are looked up
+        afresh next time."""
         if self.redis is not None:
-            self.redis.forget_replica(owner)
+            self.redis.forget_location(_name(key), owner)
 
     # ---- writes ---------------------------------------------------------------------------------
 

@@ -389,9 +389,8 @@ class EncoderCore:
                     entry = self.store.peek(key)
                     rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
                 else:
-                    tier = "local" if self.store.peek(key) is not None else "redis"
-                    rows = await self.store.read_rows(key, seg.row_start, seg.row_end)
-                    if rows is None:
+                    rows = self.store.local_rows(key, seg.row_start, seg.row_end)
+                    if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
                         tier = "peer"
                         rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
         if rows is None:

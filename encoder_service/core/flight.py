@@ -197,7 +197,7 @@ class Flights:
                                           max(0.0, deadline - time.monotonic()), copy=True)
         except (errors.Unavailable, errors.NotFound) as exc:  # gone, or no longer holds them: encode them here
             log.info("id %s: the replica holding its rows did not give them (%s); encoding it here", key.id, exc)
-            self._store.forget_replica(located.owner)
+            self._store.forget_location(key, located.owner)
             return None
         return Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
                                content_tag=located.header.content_tag)

@@ -180,7 +180,7 @@ class Replicas:
                 rows = await self._peers.rows(located.url, key.id, start, end, deadline.left(), copy=False)
             except (errors.Unavailable, errors.NotFound) as exc:  # gone, or lost them: the next way below
                 log.info("id %s: the replica holding its rows did not give them (%s)", key.id, exc)
-                self.store.forget_replica(located.owner)
+                self.store.forget_location(key, located.owner)
             else:
                 if start == 0 and end == located.header.num_rows:  # the whole entry: kept, the next fetch is local
                     self.store.keep(key, Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,

@@ -394,14 +394,15 @@ def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkp
     async def store_stats():  # on b's loop: the store is not thread-safe
         return b.core.store.stats()
 
-    with client(b) as cb:  # replica b never saw the image: fetch reads it from Redis
+    with client(b) as cb:  # replica b never saw the image: Redis says a has it, and b fetches those rows there
         r = cb.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 2}], "start": 0, "end": 6})
         assert r.status_code == 200, r.text
         header, rows = wire.decode_http(r.content)
         assert header.segments[0].row_start == 0 and rows.shape[0] == 4
         assert_close(rows, reference_rows(a.checkpoint, data)[:4])
         stats = b.call(store_stats)
-        assert stats["redis_header_hits"] == 1 and stats["redis_hits"] == 0  # the entry itself stayed in Redis
+        assert stats["redis_located"] == 1 and stats["redis_hits"] == 0  # only where they are: no rows in Redis
+        assert b.sample("encoder_cache_hits_total", {"tier": "peer"}) == 1
         again = encode_json(cb, [data], wait=True).json()["images"][0]
         assert again["id"] == info["id"] and again["cached"] is True
     assert images_encoded(b) == before

@@ -116,7 +116,8 @@ async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
 
 
 async def test_header_alone_is_read_and_verified(redis_server):
-    writer, reader = await open_store(redis_server.url), await open_store(redis_server.url)
+    # The reader keeps no directory read (replica_url_cache_s=0): each header below is read afresh.
+    writer, reader = await open_store(redis_server.url), await open_store(redis_server.url, replica_url_cache_s=0)
     entry = make_entry(3, 120, 4 * 96, "main+deepstack3", torch.bfloat16)
     writer.put("k", entry)
     await writer.redis.flush()
