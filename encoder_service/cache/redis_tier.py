@@ -66,6 +66,7 @@ log = logging.getLogger("encoder_service.cache.redis")
 
 # Verify (hash) values larger than this in a worker thread so the event loop keeps serving.
 _THREAD_BYTES = 1 << 20
+CORRUPT_LOG_S = 10.0  # at most one line about bad values this often
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
@@ -141,6 +142,7 @@ class RedisTier:
         self._headers: OrderedDict[str, tuple[EntryHeader, bytes]] = OrderedDict()
         self._header_cache_size = header_cache_size
         self._beat_now = asyncio.Event()
+        self._corrupt_logged_at, self._corrupt_logged = -CORRUPT_LOG_S, 0  # the last line about bad values
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
@@ -782,9 +784,16 @@ class RedisTier:
             log.debug("redis tier error: %r", exc)
 
     def _on_corrupt(self, key: str, exc: CorruptEntry) -> None:
+        """Counted every time, logged at most every CORRUPT_LOG_S (a value rewritten while it is read, by
+        another replica writing the same id again, reads as corrupt many times a second under load)."""
         self.counters["corrupt"] += 1
         self._headers.pop(key, None)
-        log.warning("redis tier: ignoring bad value at %s: %s", key, exc.message)
+        now = time.monotonic()
+        if now - self._corrupt_logged_at >= CORRUPT_LOG_S:
+            unlogged = self.counters["corrupt"] - self._corrupt_logged
+            log.warning("redis tier: ignoring bad value at %s: %s (%d bad values since the last such line; "
+                        "encoder_cache_redis_corrupt_values_total counts them all)", key, exc.message, unlogged)
+            self._corrupt_logged_at, self._corrupt_logged = now, self.counters["corrupt"]
 
     def _on_subscriber_lost(self, exc: Exception) -> None:
         if isinstance(exc, _UNREACHABLE):

@@ -115,6 +115,20 @@ async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
     await store.close()
 
 
+async def test_bad_values_are_counted_every_time_and_logged_rarely(redis_server, caplog):
+    """A value rewritten while another replica reads it reads as corrupt, thousands of times a second under
+    load: each is counted, one line is logged per CORRUPT_LOG_S (before: a WARNING per read)."""
+    caplog.set_level(logging.WARNING, logger="encoder_service.cache")
+    store = await open_store(redis_server.url)
+    with redis.Redis.from_url(redis_server.url) as direct:
+        direct.set("k", b"some other service's value" * 10)
+    for _ in range(200):
+        assert await store.get("k") is None
+    assert store.stats()["redis_corrupt"] == 200
+    assert log_count(caplog, "ignoring bad value") == 1
+    await store.close()
+
+
 async def test_header_alone_is_read_and_verified(redis_server):
     # The reader keeps no directory read (replica_url_cache_s=0): each header below is read afresh.
     writer, reader = await open_store(redis_server.url), await open_store(redis_server.url, replica_url_cache_s=0)
