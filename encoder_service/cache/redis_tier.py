@@ -1,40 +1,32 @@
-"""Shared Redis tier: best effort, never a wrong answer, never a stalled request.
+"""Shared Redis tier: the directory of which replica holds which id's rows, the claims, bindings and image
+bytes of the replicas (directory.py), and optional copies of small entries' rows. Best effort, never a wrong
+answer, never a stalled request.
 
-  - Writes are write-behind: `write_behind` queues the entry and one writer task serializes it (in a
-    thread) and SETs it with a TTL backstop. The queue is a bounded backlog (`max_queued_bytes`): while
-    Redis is unreachable (down, restarting, paused) rows stay queued, in order with the marker outcomes
-    behind them, and are written once it is back; over the bound a new write is dropped and counted
-    (`writes_dropped_full`), and its id's marker settled as "not stored". A write that finds Redis gone
-    mid-way is tried again once it is back (`max_write_tries` in all).
-  - Reads: `get` fetches and verifies a whole value; `read_rows` reads only a chunk's rows with GETRANGE;
-    `header` reads only the fixed header (row count, width, grid) and the value's length.
-    Range scheme (see entry.py): the header is read once per key (GETRANGE of HEADER_LEN bytes) and kept in
-    a small cache; each range read is then ONE pipelined round trip of [header, STRLEN, the blocks covering
-    the rows, the trailer]. Not a MULTI/EXEC: Redis over maxmemory with `noeviction` refuses every MULTI,
-    even of reads, while plain GETRANGEs still work. Another client's SET may land between the pipeline's
-    commands, and the checks catch that: the header read in the pipeline must equal the cached one (its
-    digest covers the trailer's digest), the trailer must match that digest and every block its checksum,
-    so bytes of another value are never served. A mismatch is re-read once with a fresh header (the value
-    was replaced meanwhile, e.g. by a replica on another GPU); a second one is a corrupt value.
-  - Replicas (directory.py): `mark_pending` claims ids at accept (SET NX, with the image bytes beside the
-    marker: `input`), a heartbeat renews this replica's markers until they settle (and writes them again
-    after an outage), the writer settles a marker and publishes when the rows land or cannot,
-    `mark_failed` when the encode fails or is given up; `wait_for` is a fetch's (or a waiting flight's)
-    wait on another replica, woken through one shared pub/sub connection (subscriber.py). `touch` finds
-    which of a replica's local hits Redis evicted meanwhile (and keeps the others hot there).
-  - Connections (redis_connections.py): bounded; more operations than connections wait for one, and
-    running out is never "Redis is down"; a connection error is retried once on a fresh connection.
-  - Faults: a connection error (again on the retry) or a socket timeout marks the tier down (logged once,
-    counted); while down every read returns a miss at once, writes wait in the backlog, and a background
-    probe PINGs with exponential backoff capped at `probe_max_s` (so Redis is back in use within one probe
-    interval of answering again), closes the pooled connections from before the outage, and marks it up
-    (logged once): this replica's markers are written again at once, the backlog drains, and `recovered()`
-    returns (the store then writes its leased ids again: a restarted Redis is empty). For
-    `recovery_grace_s` after that, an id with no marker is "unavailable", not "unknown": other replicas
-    may not have written theirs again yet. An OOM reply to a write (maxmemory reached and no eviction
-    policy) pauses writes (logged once), first for `oom_pause_min_s`, doubling with each OOM in a row up
-    to `oom_pause_max_s`, back to the start after a write succeeds; a failed read never pauses. Short,
-    corrupt or foreign values are counted and read as misses.
+  - Writes are write-behind: `write_behind` queues an entry; one writer task SETs its location (this
+    replica and the entry's header, with the TTL backstop) and, for an entry of at most `row_copy_bytes`,
+    a copy of its rows first, then settles the id's claim. The queue is bounded (`max_queued_locations`,
+    copies by `max_queued_bytes`: over it a copy is dropped, never the location); while Redis is
+    unreachable what is queued waits, in order with the claims' outcomes, and is written once it is back.
+  - Reads: `locate` reads where an id's rows are (one round trip, kept `replica_url_cache_s`), and the
+    owner's advertised address; a row copy is read whole (`get`) or by range (`read_rows`: GETRANGE of the
+    blocks covering the rows). Range scheme (entry.py): the copy's header is read once and cached; each
+    range read is ONE pipelined round trip of [header, STRLEN, the blocks, the trailer], not a MULTI/EXEC
+    (a full `noeviction` Redis refuses every MULTI, even of reads), checked end to end (the header equal to
+    the cached one, the trailer's digest, every block's checksum): bytes of another value are never served.
+  - Replicas (directory.py): `bind_tags` binds caller ids to one content (first come first served);
+    `mark_pending` claims ids at accept (SET NX, the image bytes beside the marker); a heartbeat renews this
+    replica's markers and its address until they settle (and writes them again after an outage); the
+    writer settles a marker and publishes when the location lands or cannot, `mark_failed` when the
+    encode fails or is given up; `wait_for` is a fetch's (or a waiting flight's) wait on another replica,
+    woken through one shared pub/sub connection (subscriber.py). `touch` finds which of a replica's local
+    hits Redis lost the location of (and keeps the others hot there).
+  - Connections (redis_connections.py): bounded; more operations than connections wait for one, and running
+    out is never "Redis is down"; a connection error is retried once on a fresh connection.
+  - Faults (redis_health.py): unreachable -> down (reads answer at once: a miss, or Unavailable where a miss
+    would be a 404; writes wait), a probe brings it back, and a restart no command saw is seen by the
+    heartbeat; for `recovery_grace_s` after, an id with no marker is "unavailable", not "unknown" (other
+    replicas may not have written theirs again yet). An OOM reply to a write pauses writes, doubling while
+    Redis stays full. Short, corrupt or foreign values are counted (and logged rarely) and read as misses.
 """
 
 from __future__ import annotations
@@ -46,11 +38,10 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from encoder_service.cache import directory
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, key_tag, rows_from_blocks
@@ -59,6 +50,7 @@ from encoder_service.cache.directory import (
     LANDED, RELEASED, EncodeFailed, Located, Marked, Settled, input_name, is_pending, marker_name,
 )  # fmt: skip
 from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout, timeout_at
+from encoder_service.cache.redis_health import UNREACHABLE, RedisHealth
 from encoder_service.cache.subscriber import Subscriber, SubscriberLost
 from encoder_service.errors import Unavailable
 
@@ -67,70 +59,57 @@ log = logging.getLogger("encoder_service.cache.redis")
 # Verify (hash) values larger than this in a worker thread so the event loop keeps serving.
 _THREAD_BYTES = 1 << 20
 CORRUPT_LOG_S = 10.0  # at most one line about bad values this often
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    """The tier's settings (the service sets ttl_s, owner_url and row_copy_bytes; the rest are defaults tests
+    shorten)."""
+
+    ttl_s: float = 86400  # entries' and the directory's backstop TTL (--redis-ttl-s)
+    owner_url: str | None = None  # where other replicas fetch this one's rows (its HTTP port)
+    row_copy_bytes: int = 0  # entries up to this size also get a copy of their rows in Redis (0: none)
+    socket_timeout_s: float = 2.0
+    connect_timeout_s: float = 1.0
+    max_connections: int = 64
+    pool_wait_s: float = 2.0
+    max_queued_bytes: int = 512 << 20  # row copies waiting to be written
+    max_queued_locations: int = 65536  # locations waiting to be written (a few hundred bytes each)
+    max_queued_notices: int = 4096  # claims' outcomes waiting to be published
+    max_write_tries: int = 3
+    probe_min_s: float = 0.25
+    probe_max_s: float = 1.0
+    recovery_grace_s: float = 2.0
+    oom_pause_min_s: float = 0.5
+    oom_pause_max_s: float = 30.0
+    header_cache_size: int = 4096
+    replica_url_cache_s: float = 1.0  # how long a directory read (a location, a replica's address) is kept
+    failure_ttl_s: float = 60.0
+    pending_ttl_s: float = 4.0
+    heartbeat_s: float = 1.0
+    max_marked: int = 65536
+    max_input_bytes: int = 256 << 20
 
 
 class RedisTier:
-    def __init__(
-        self,
-        url: str,
-        *,
-        ttl_s: float = 86400,
-        socket_timeout_s: float = 2.0,
-        connect_timeout_s: float = 1.0,
-        max_queued_bytes: int = 512 << 20,
-        max_queued_notices: int = 4096,
-        max_write_tries: int = 3,
-        probe_min_s: float = 0.25,
-        probe_max_s: float = 1.0,
-        recovery_grace_s: float = 2.0,
-        oom_pause_min_s: float = 0.5,
-        oom_pause_max_s: float = 30.0,
-        header_cache_size: int = 4096,
-        max_connections: int = 64,
-        pool_wait_s: float = 2.0,
-        failure_ttl_s: float = 60.0,
-        pending_ttl_s: float = 4.0,
-        heartbeat_s: float = 1.0,
-        max_marked: int = 65536,
-        max_input_bytes: int = 256 << 20,
-        owner_url: str | None = None,
-        row_copy_bytes: int = 0,
-        max_queued_locations: int = 65536,
-        replica_url_cache_s: float = 1.0,
-    ):
+    def __init__(self, url: str, options: RedisOptions | None = None, **overrides):
+        o = dataclasses.replace(options or RedisOptions(), **overrides)
+        self.options = o
         self.url = url
-        self.ttl_s = ttl_s
-        self._ttl_px = int(ttl_s * 1000)
-        self.max_queued_bytes, self.max_queued_notices = max_queued_bytes, max_queued_notices
-        self.max_write_tries = max_write_tries
-        self.probe_min_s, self.probe_max_s, self.recovery_grace_s = probe_min_s, probe_max_s, recovery_grace_s
-        self.oom_pause_min_s, self.oom_pause_max_s = oom_pause_min_s, oom_pause_max_s
-        self.failure_ttl_s = failure_ttl_s
-        self.heartbeat_s = heartbeat_s
-        self.owner_url, self.row_copy_bytes = owner_url, row_copy_bytes
-        self.max_queued_locations, self._replica_url_cache_s = max_queued_locations, replica_url_cache_s
-        self._pending_px = int(pending_ttl_s * 1000)
-        self._conns = Connections(
-            url, max_connections=max_connections, wait_s=pool_wait_s, socket_timeout_s=socket_timeout_s,
-            connect_timeout_s=connect_timeout_s,
-        )  # fmt: skip
+        self.ttl_s = o.ttl_s
+        self._ttl_px = int(o.ttl_s * 1000)
+        self.owner_url, self.row_copy_bytes = o.owner_url, o.row_copy_bytes
+        self._pending_px = int(o.pending_ttl_s * 1000)
+        self._conns = Connections(url, max_connections=o.max_connections, wait_s=o.pool_wait_s,
+                                  socket_timeout_s=o.socket_timeout_s, connect_timeout_s=o.connect_timeout_s)
         # This replica's claims; the owner in their markers names this process (its replica, this run).
-        self._claims = Claims(self._conns, uuid.uuid4().hex[:12], pending_ttl_s=pending_ttl_s,
-                              max_claims=max_marked, max_input_bytes=max_input_bytes)
+        self._claims = Claims(self._conns, uuid.uuid4().hex[:12], pending_ttl_s=o.pending_ttl_s,
+                              max_claims=o.max_marked, max_input_bytes=o.max_input_bytes)
         self.owner = self._claims.owner
         self._subscriber = Subscriber(self._conns.pubsub_connection, self._on_subscriber_lost)
         # Directory reads kept for `replica_url_cache_s`: owner -> (its URL, read at); key -> (Located, read at)
         self._replica_urls: dict[str, tuple[str | None, float]] = {}
         self._locations: OrderedDict[str, tuple[Located, float]] = OrderedDict()
-        self.up = True
-        self._up_again = asyncio.Event()  # set while up: the writer waits on it while Redis is away
-        self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
-        self._epoch = 0  # one more at each recovery: markers written before it are written again
-        self._run_id: str | None = None  # Redis's run id as last seen: another one means it restarted
-        self._recovery: asyncio.Future | None = None  # resolved at the next recovery (`recovered`)
-        self._oom_pause_s = 0.0  # the current pause after an OOM reply, doubled by each one in a row
-        self._writes_paused_until = 0.0  # monotonic; set by an OOM reply to a write
         # Rows to write ("rows", key, Entry, epoch) and marker outcomes to publish ("settle", key, (value, claim),
         # epoch), with the epoch they were queued in.
         self._queue: asyncio.Queue[tuple[str, str, object, int]] = asyncio.Queue()
@@ -138,10 +117,10 @@ class RedisTier:
         self._queued_locations = 0
         self._writing: Counter[str] = Counter()  # keys of the queued row writes
         self._queued_notices = 0
-        self._tasks: dict[str, asyncio.Task] = {}  # writer, heartbeat, probe
-        self._headers: OrderedDict[str, tuple[EntryHeader, bytes]] = OrderedDict()
-        self._header_cache_size = header_cache_size
-        self._beat_now = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task] = {}  # writer, heartbeat
+        # Row copies' headers read, with the health generation they were read in (one from before an outage
+        # is not trusted after it).
+        self._headers: OrderedDict[str, tuple[EntryHeader, bytes, int]] = OrderedDict()
         self._corrupt_logged_at, self._corrupt_logged = -CORRUPT_LOG_S, 0  # the last line about bad values
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
@@ -150,25 +129,25 @@ class RedisTier:
             notices_dropped=0, bindings_checked=0, restarts_seen=0, pending_marked=0, pending_elsewhere=0, pending_settled=0, pending_waits=0,
             pending_wakeups=0, pending_timeouts=0, pending_failures=0, pending_orphaned=0,
         )  # fmt: skip
+        self.health = RedisHealth(self._conns, self._subscriber, url, self.counters, probe_min_s=o.probe_min_s,
+                                  probe_max_s=o.probe_max_s, recovery_grace_s=o.recovery_grace_s,
+                                  oom_pause_min_s=o.oom_pause_min_s, oom_pause_max_s=o.oom_pause_max_s)
 
     async def start(self) -> None:
-        self._up_again.set()
-        self._recovery = asyncio.get_running_loop().create_future()
+        self.health.start()
         self._tasks["writer"] = asyncio.create_task(self._write_loop(), name="redis-tier-writer")
         self._tasks["heartbeat"] = asyncio.create_task(self._heartbeat_loop(), name="redis-tier-heartbeat")
         try:
-            await self._check_restart()  # its run id, from the start: a restart before the first beat counts
-            if self.owner_url is not None:  # peers can reach it from its first encode on
-                await self._conns.run("set", directory.replica_name(self.owner), self.owner_url, px=self._pending_px)
-        except (*_UNREACHABLE, PoolTimeout) as exc:
-            self._mark_down(exc)
+            await self._look()  # its run id, from the start: a restart before the first beat counts
+        except (*UNREACHABLE, PoolTimeout) as exc:
+            self.health.mark_down(exc)
         except RedisError as exc:
-            self._on_error(exc)
+            self.health.on_error(exc)
 
     async def close(self, drain_s: float = 2.0) -> None:
         """Give queued writes and outcomes up to `drain_s` to land (they are only a cache), release the ids
         still claimed here (waiters elsewhere take them over at once), then stop."""
-        if self.up and "writer" in self._tasks:
+        if self.health.up and "writer" in self._tasks:
             try:
                 await asyncio.wait_for(self._queue.join(), timeout=drain_s)
             except asyncio.TimeoutError:
@@ -177,7 +156,8 @@ class RedisTier:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.up:  # gone: peers stop asking it at once, and waiters take its claims over
+        await self.health.close()
+        if self.health.up:  # gone: peers stop asking it at once, and waiters take its claims over
             names = [marker_name(k) for k in self._claims]
             try:
                 await self._conns.pipelined(("delete", directory.replica_name(self.owner)),
@@ -189,7 +169,16 @@ class RedisTier:
 
     async def recovered(self) -> None:
         """Returns the next time the tier is up again after being down."""
-        await asyncio.shield(self._recovery)
+        await self.health.recovered()
+
+    @property
+    def up(self) -> bool:
+        return self.health.up
+
+    @property
+    def state(self) -> str:
+        """"up" or "down" (readiness detail, stats)."""
+        return self.health.state
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -225,7 +214,7 @@ class RedisTier:
         """`await read(key, *args)`; a corrupt value or an error reply (counted) is a miss. Redis unreachable
         (down, lost during the read, no connection free in time): None, or Unavailable when `strict` (a read
         whose None would be a 404)."""
-        if self._available():
+        if self.health.available():
             try:
                 return await read(key, *args)
             except CorruptEntry as exc:
@@ -234,8 +223,8 @@ class RedisTier:
             except PoolTimeout:
                 pass  # counted where it happened
             except RedisError as exc:
-                self._on_error(exc)
-                if not isinstance(exc, _UNREACHABLE):
+                self.health.on_error(exc)
+                if not isinstance(exc, UNREACHABLE):
                     return None
         if strict:
             raise Unavailable("the shared Redis tier, where other replicas' ids are found, is unreachable: retry")
@@ -245,13 +234,13 @@ class RedisTier:
         """Kept for `replica_url_cache_s` once found (a fetch sizes its ids, then reads their rows: one
         directory read), until a fetch finds it wrong (`forget_location`)."""
         cached = self._locations.get(key)
-        if cached is not None and time.monotonic() - cached[1] < self._replica_url_cache_s:
+        if cached is not None and time.monotonic() - cached[1] < self.options.replica_url_cache_s:
             return cached[0]
         located = await self._read_location(key)
         if located is not None:
             self._locations[key] = (located, time.monotonic())
             self._locations.move_to_end(key)
-            if len(self._locations) > self._header_cache_size:
+            if len(self._locations) > self.options.header_cache_size:
                 self._locations.popitem(last=False)
         return located
 
@@ -286,7 +275,7 @@ class RedisTier:
             return None
         now = time.monotonic()
         cached = self._replica_urls.get(owner)
-        if cached is not None and now - cached[1] < self._replica_url_cache_s:
+        if cached is not None and now - cached[1] < self.options.replica_url_cache_s:
             return cached[0]
         value = await self._conns.run("get", directory.replica_name(owner))
         url = value.decode("utf-8", "replace") if value else None
@@ -310,11 +299,13 @@ class RedisTier:
     async def _read_rows(self, key: str, start: int, end: int) -> torch.Tensor | None:
         problem = ""
         for _ in range(2):  # a second try only when the value changed (or looked corrupt) during the first
-            cached = self._headers.get(key) or await self._read_header(key)
+            cached = self._headers.get(key)
+            if cached is None or cached[2] != self.health.generation:  # none, or read before an outage
+                cached = await self._read_header(key)
             if cached is None:
                 self.counters["misses"] += 1
                 return None
-            header, raw_header = cached
+            header, raw_header = cached[:2]
             header.check_rows(start, end)
             lo, hi = header.block_bytes_range(*header.block_span(start, end))
             now_header, strlen, blocks, trailer = await self._conns.pipelined(
@@ -359,8 +350,8 @@ class RedisTier:
 
     def _cache_header(self, key: str, raw: bytes) -> EntryHeader:
         header = EntryHeader.parse(raw, key)
-        self._headers[key] = (header, raw)
-        if len(self._headers) > self._header_cache_size:
+        self._headers[key] = (header, raw, self.health.generation)
+        if len(self._headers) > self.options.header_cache_size:
             self._headers.popitem(last=False)
         return header
 
@@ -372,20 +363,20 @@ class RedisTier:
         is back). A copy is dropped (counted) while writes are paused by OOM or when the backlog of copies is
         full: the location is written all the same. False (counted) only when the queue of locations is full;
         then an id claimed here is settled as failed ("not stored"), so waiters elsewhere stop waiting."""
-        if self._queued_locations >= self.max_queued_locations:
+        if self._queued_locations >= self.options.max_queued_locations:
             self._dropped(key, "the write-behind queue to Redis was full", "writes_dropped_full")
             return False
         copy = 0 < entry.nbytes <= self.row_copy_bytes
-        if copy and self._writes_paused():
+        if copy and self.health.writes_paused():
             self.counters["copies_dropped"] += 1
             copy = False
-        if copy and self._queued_bytes + entry.nbytes > self.max_queued_bytes:
+        if copy and self._queued_bytes + entry.nbytes > self.options.max_queued_bytes:
             self.counters["copies_dropped_full"] += 1
             copy = False
         self._queued_bytes += entry.nbytes if copy else 0
         self._queued_locations += 1
         self._writing[key] += 1
-        self._queue.put_nowait(("rows", key, (entry, copy), self._epoch))
+        self._queue.put_nowait(("rows", key, (entry, copy), self.health.epoch))
         return True
 
     def forget_location(self, key: str, owner: str) -> None:
@@ -401,13 +392,13 @@ class RedisTier:
         while True:
             kind, key, item, epoch = await self._queue.get()
             try:
-                for _ in range(self.max_write_tries):
-                    await self._up_again.wait()
+                for _ in range(self.options.max_write_tries):
+                    await self.health.up_again.wait()
                     if await (self._write(key, *item, epoch) if kind == "rows" else self._settle(key, *item)):
                         break
                 else:  # Redis went away during every try
                     if kind == "rows":
-                        self._dropped(key, f"its write failed {self.max_write_tries} times")
+                        self._dropped(key, f"its write failed {self.options.max_write_tries} times")
                     else:
                         self.counters["notices_dropped"] += 1
             except Exception:  # a bug here must not kill the writer silently: log it, keep writing
@@ -429,7 +420,7 @@ class RedisTier:
         `epoch`). False when Redis went away meanwhile (try again once it is back); True when done: written,
         or dropped (OOM, an error reply). A copy Redis refuses is dropped alone; a location it refuses
         fails the id ("not stored": no replica could find its rows)."""
-        if copy and not self._writes_paused():
+        if copy and not self.health.writes_paused():
             value = await asyncio.to_thread(entry.to_bytes, key)
             written = await self._write_command(("set", key, value, self._ttl_px), "copies_dropped")
             if written is None:
@@ -445,7 +436,7 @@ class RedisTier:
             return True
         self._locations.pop(key, None)
         self.counters["writes"] += 1
-        self.counters["writes_after_outage"] += epoch != self._epoch  # it waited for Redis to come back
+        self.counters["writes_after_outage"] += epoch != self.health.epoch  # it waited for Redis to come back
         # Every landed write wakes the fetches waiting for it, whichever replica marked it pending.
         return await self._settle(key, LANDED, None)
 
@@ -459,15 +450,13 @@ class RedisTier:
         except PoolTimeout:
             return None
         except RedisError as exc:
-            self._on_error(exc, writing=True)
-            if isinstance(exc, _UNREACHABLE):
+            self.health.on_error(exc, writing=True)
+            if isinstance(exc, UNREACHABLE):
                 return None
             if dropped is not None:
                 self.counters[dropped] += 1
             return exc
-        if self._writes_paused_until and not self._writes_paused():
-            self._writes_paused_until, self._oom_pause_s = 0.0, 0.0
-            log.warning("redis tier: writes succeed again after the OOM pause")
+        self.health.wrote()
         return True
 
     def _dropped(self, key: str, why: str, counter: str = "writes_dropped") -> None:
@@ -488,14 +477,14 @@ class RedisTier:
         or on an error: the claims are kept and their markers written once Redis takes them again."""
         async with self._claims.lock:  # a beat must not write one of these claims before its NX here
             claims = self._claims.add(keys, lease_s, tags or {}, inputs or {})
-            if not claims or self._not_writing() is not None:
+            if not claims or self.health.not_writing() is not None:
                 return Marked(False)
             try:
-                elsewhere = await self._claims.write(claims, lease_s, self._epoch)
+                elsewhere = await self._claims.write(claims, lease_s, self.health.epoch)
             except PoolTimeout:
                 return Marked(False)
             except RedisError as exc:
-                self._on_error(exc, writing=True)
+                self.health.on_error(exc, writing=True)
                 return Marked(False)
         self.counters["pending_marked"] += len(claims) - len(elsewhere)
         self.counters["pending_elsewhere"] += len(elsewhere)
@@ -511,9 +500,9 @@ class RedisTier:
         Within `recovery_grace_s` of Redis coming back, other replicas may not have written their ids'
         bindings again yet: a new binding is not made then (Unavailable: retry), unless `again` (this
         replica writing again the bindings of ids it holds)."""
-        if not tags or not self._available():
+        if not tags or not self.health.available():
             return {}
-        grace = self._recovering() and not again
+        grace = self.health.recovering() and not again
         commands = []
         for name, tag in tags.items():
             binding = directory.binding_name(name)
@@ -525,17 +514,17 @@ class RedisTier:
         except PoolTimeout:
             return {}
         except RedisError as exc:
-            self._on_error(exc)
+            self.health.on_error(exc)
             return {}
         step = 2 if grace else 3
         bound = {}
         for name, at in zip(tags, range(0, len(replies), step)):
             value = replies[at + step - 2]
             if isinstance(value, RedisError):  # e.g. OOM on the SET: that id stays unbound (can't tell)
-                self._on_error(value, writing=True)
+                self.health.on_error(value, writing=True)
                 continue
             if isinstance(replies[at], OutOfMemoryError):
-                self._on_error(replies[at], writing=True)
+                self.health.on_error(replies[at], writing=True)
             tag = directory.bound_tag(value)
             if tag:
                 bound[name] = tag
@@ -551,14 +540,14 @@ class RedisTier:
         Redis: a replica serving an id from its own tier sends Redis nothing else, so without it Redis would
         evict the ids most used here first. One round trip; [] (nothing to act on) while down or paused by
         OOM, or on an error."""
-        if not keys or self._not_writing() is not None:
+        if not keys or self.health.not_writing() is not None:
             return []
         try:
             found = await self._conns.pipelined(*(("touch", directory.location_name(k), k) for k in keys))
         except PoolTimeout:
             return []
         except RedisError as exc:
-            self._on_error(exc)
+            self.health.on_error(exc)
             return []
         return [k for k, n in zip(keys, found) if not n and k not in self._writing]
 
@@ -585,7 +574,7 @@ class RedisTier:
         for an id still pending); UNAVAILABLE when Redis is or goes down, or came back within
         `recovery_grace_s` and has no marker for it (at once, no hang). Raises `EncodeFailed` with the
         encoding replica's error. `label` names the id in error messages (default: `key`)."""
-        if not self._available():
+        if not self.health.available():
             return Settled.UNAVAILABLE
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
@@ -600,9 +589,9 @@ class RedisTier:
         except (SubscriberLost, PoolTimeout):
             return Settled.UNAVAILABLE
         except RedisError as exc:
-            self._on_error(exc)
+            self.health.on_error(exc)
             return Settled.UNAVAILABLE
-        if settled is Settled.NOT_PENDING and self._recovering():
+        if settled is Settled.NOT_PENDING and self.health.recovering():
             return Settled.UNAVAILABLE  # its owner may not have written its marker again yet
         self._locations.pop(key, None)  # landed (or being taken over) since it was last read: read it afresh
         self.counters["pending_orphaned"] += settled is Settled.ORPHANED
@@ -665,24 +654,24 @@ class RedisTier:
         """Queue a marker outcome behind the queued writes (bounded in count; over it the claim is dropped:
         no longer renewed, its marker expires and a waiter takes the image over). Its claim is renewed until
         the outcome is settled."""
-        if self._queued_notices >= self.max_queued_notices:
+        if self._queued_notices >= self.options.max_queued_notices:
             self.counters["notices_dropped"] += 1
             if claim is not None:
                 self._claims.drop(key, claim)
             return
         self._queued_notices += 1
-        self._queue.put_nowait(("settle", key, (value, claim), self._epoch))
+        self._queue.put_nowait(("settle", key, (value, claim), self.health.epoch))
 
     async def _settle(self, key: str, value: bytes, claim: Claim | None) -> bool:
         """Publish a queued outcome (claims.py: settle). False when Redis went away (settle again once it is
         back)."""
         try:
-            settled = await self._claims.settle(key, value, claim, self.failure_ttl_s)
+            settled = await self._claims.settle(key, value, claim, self.options.failure_ttl_s)
         except PoolTimeout:
             return False
         except RedisError as exc:
-            self._on_error(exc, writing=True)
-            if isinstance(exc, _UNREACHABLE):
+            self.health.on_error(exc, writing=True)
+            if isinstance(exc, UNREACHABLE):
                 return False
             if not isinstance(exc, OutOfMemoryError):  # under OOM the failure went out, its marker deleted
                 self.counters["notices_dropped"] += 1
@@ -696,92 +685,31 @@ class RedisTier:
         again where Redis lost them (an outage, a restart, an eviction)."""
         while True:
             try:
-                async with timeout(self.heartbeat_s):
-                    await self._beat_now.wait()
+                async with timeout(self.options.heartbeat_s):
+                    await self.health.wake.wait()
             except TimeoutError:
                 pass
-            self._beat_now.clear()
-            if not self.up:
+            self.health.wake.clear()
+            if not self.health.up:
                 continue
             try:
-                await self._check_restart()
-                if self.owner_url is not None:  # alive, at this address: peers fetch its rows there
-                    await self._conns.run("set", directory.replica_name(self.owner), self.owner_url,
-                                          px=self._pending_px)
-                await self._claims.beat(self._epoch, writable=self._not_writing() is None)
+                await self._look()
+                await self._claims.beat(self.health.epoch, writable=self.health.not_writing() is None)
             except PoolTimeout:
                 pass  # busy: the next beat, well within pending_ttl_s
             except RedisError as exc:
-                self._on_error(exc, writing=True)
+                self.health.on_error(exc, writing=True)
             except Exception:  # a bug here must not stop the heartbeat silently: log it, keep beating
                 log.exception("redis tier: heartbeat failed")
 
-    async def _check_restart(self) -> None:
-        """A Redis that restarted between two commands of this replica (an idle one: no command failed) is
-        empty all the same: its run id changed. Taken as a recovery, so claims, leased ids and bindings are
-        written again whatever the traffic. Its memory is read too (the room image bytes may take)."""
-        server, memory = await self._conns.pipelined(("info", "server"), ("info", "memory"))
-        # How much room Redis has bounds the image bytes kept there (claims.py).
+    async def _look(self) -> None:
+        """Redis's state (a restart is a recovery: health.py), its memory (the room image bytes may take:
+        claims.py), and, where peers fetch its rows, this replica alive at its address."""
+        memory = await self.health.check()
         self._claims.redis_memory(int(memory.get("maxmemory", 0)), int(memory.get("used_memory", 0)),
                                   evicts=memory.get("maxmemory_policy", "noeviction") != "noeviction")
-        run_id = server.get("run_id")
-        if run_id == self._run_id:
-            return
-        if self._run_id is not None:
-            self.counters["restarts_seen"] += 1
-            log.warning("redis tier: Redis at %s restarted (its run id changed): writing this replica's claims, "
-                        "leased ids and bindings again", self.url)
-            self._recovered()
-        self._run_id = run_id
-
-    # ---- state ----------------------------------------------------------------------------------
-
-    @property
-    def state(self) -> str:
-        """"up" or "down" (readiness detail, stats)."""
-        return "up" if self.up else "down"
-
-    def _available(self) -> bool:
-        if not self.up:
-            self.counters["skipped_down"] += 1
-        return self.up
-
-    def _recovering(self) -> bool:
-        """Up again within `recovery_grace_s`: replicas that saw the outage too may not have written their
-        markers again yet."""
-        return self._up_since is not None and time.monotonic() - self._up_since < self.recovery_grace_s
-
-    def _writes_paused(self) -> bool:
-        return time.monotonic() < self._writes_paused_until
-
-    def _not_writing(self) -> str | None:
-        """Why nothing is written to Redis now (down, or paused by an OOM reply), else None."""
-        if not self.up:
-            return "Redis is unreachable"
-        return "Redis is full" if self._writes_paused() else None
-
-    def _on_error(self, exc: Exception, *, writing: bool = False) -> None:
-        self.counters["errors"] += 1
-        if isinstance(exc, OutOfMemoryError):
-            if not writing:  # a read refused when full (not ours: we never MULTI): no reason to pause writes
-                log.debug("redis tier: read refused when full: %r", exc)
-                return
-            if self._writes_paused():  # a write sent before the pause: only the pause's own probe extends it
-                return
-            # Probe sooner than a fixed cool-down: the pause doubles with each OOM in a row, from the minimum.
-            self._oom_pause_s = min(self.oom_pause_max_s, 2 * self._oom_pause_s or self.oom_pause_min_s)
-            if not self._writes_paused_until:
-                self.counters["oom_events"] += 1
-                log.warning(
-                    "redis tier is full (%s): writes paused (%.1f s, doubling while Redis stays full, up to "
-                    "%.0f s), serving from the local tier; set maxmemory-policy allkeys-lru on the server",
-                    exc, self._oom_pause_s, self.oom_pause_max_s,
-                )  # fmt: skip
-            self._writes_paused_until = time.monotonic() + self._oom_pause_s
-        elif isinstance(exc, _UNREACHABLE):
-            self._mark_down(exc)
-        else:  # e.g. WRONGTYPE: someone stored another type under our key; a miss, not an outage
-            log.debug("redis tier error: %r", exc)
+        if self.owner_url is not None:
+            await self._conns.run("set", directory.replica_name(self.owner), self.owner_url, px=self._pending_px)
 
     def _on_corrupt(self, key: str, exc: CorruptEntry) -> None:
         """Counted every time, logged at most every CORRUPT_LOG_S (a value rewritten while it is read, by
@@ -796,51 +724,8 @@ class RedisTier:
             self._corrupt_logged_at, self._corrupt_logged = now, self.counters["corrupt"]
 
     def _on_subscriber_lost(self, exc: Exception) -> None:
-        if isinstance(exc, _UNREACHABLE):
-            self._on_error(exc)
-
-    def _mark_down(self, exc: Exception) -> None:
-        if not self.up:
-            return
-        self.up = False
-        self._up_again.clear()
-        self.counters["down_events"] += 1
-        self._headers.clear()
-        self._subscriber.reset(exc)  # waiting fetches answer now instead of at their timeout
-        log.warning("redis tier unavailable (%r): serving from the local tier, probing %s", exc, self.url)
-        self._tasks["probe"] = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-tier-probe")
-
-    async def _probe_loop(self) -> None:
-        delay = self.probe_min_s
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await self._conns.run("ping")
-            except (*_UNREACHABLE, PoolTimeout):
-                delay = min(delay * 2, self.probe_max_s)
-                continue
-            except RedisError as exc:  # answering, if oddly (e.g. LOADING): try again later
-                log.debug("redis probe: %r", exc)
-                delay = min(delay * 2, self.probe_max_s)
-                continue
-            # Connections pooled before the outage are dead if Redis restarted: close the idle ones, so the
-            # first reads after recovery connect afresh instead of failing on them.
-            await self._conns.close_idle()
-            self._recovered()
-            log.warning("redis tier reachable again at %s: reads and writes resume, %d queued bytes to write, "
-                        "%d claimed ids to mark again", self.url, self._queued_bytes, len(self._claims))
-            return
-
-    def _recovered(self) -> None:
-        self.up = True
-        self._run_id = None  # the next beat records the run id of the Redis that answers now
-        self._up_since = time.monotonic()
-        self._epoch += 1
-        self._up_again.set()  # the backlog drains
-        self._beat_now.set()  # this replica's markers are written again at once
-        recovery, self._recovery = self._recovery, asyncio.get_running_loop().create_future()
-        if recovery is not None and not recovery.done():
-            recovery.set_result(None)
+        if isinstance(exc, UNREACHABLE):
+            self.health.on_error(exc)
 
     def stats(self) -> dict:
         return dict(
@@ -848,7 +733,7 @@ class RedisTier:
             **self._conns.counters,
             **self._subscriber.counters,
             state=self.state,
-            writes_paused=self._writes_paused(),
+            writes_paused=self.health.writes_paused(),
             queued_bytes=self._queued_bytes,
             queued_notices=self._queued_notices,
             pending_channels=self._subscriber.channels,

@@ -186,18 +186,15 @@ class Flights:
 
     async def _pull(self, key: CacheKey, deadline: float) -> Entry | None:
         """The rows another replica holds (Redis's directory says which: cache/directory.py), pulled whole over
-        its row path (peers.py); None when no live replica holds them (encode them here) or without Redis."""
+        its row path (peers.py); None when no live replica gives them (encode them here) or without Redis."""
         if self._peers is None:
             return None
         located = await self._store.locate(key, strict=False)
         if located is None or located.url is None:
             return None
-        try:
-            rows = await self._peers.rows(located.url, key.id, 0, located.header.num_rows,
-                                          max(0.0, deadline - time.monotonic()), copy=True)
-        except (errors.Unavailable, errors.NotFound) as exc:  # gone, or no longer holds them: encode them here
-            log.info("id %s: the replica holding its rows did not give them (%s); encoding it here", key.id, exc)
-            self._store.forget_location(key, located.owner)
+        rows, located = await self._peers.from_owner(self._store, key, 0, located.header.num_rows,
+                                                     max(0.0, deadline - time.monotonic()), copy=True, strict=False)
+        if rows is None:
             return None
         return Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
                                content_tag=located.header.content_tag)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +32,12 @@ from urllib.parse import urlsplit
 import torch
 
 from encoder_service import errors
+from encoder_service.cache import CacheKey, EmbeddingStore, Located
 from encoder_service.client.raw_http import NotRaw, RawHttp, read_fetch
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import DTYPES
+
+log = logging.getLogger(__name__)
 
 MAX_PEERS = 64  # origins with kept-alive sockets (one per live replica)
 THREADS = 16  # peer fetches receiving at once (each blocks in recv_into, the GIL released)
@@ -116,6 +120,25 @@ class Peers:
             while len(self._origins) > MAX_PEERS:
                 self._origins.popitem(last=False)[1].close()
         return origin
+
+    async def from_owner(self, store: EmbeddingStore, key: CacheKey, start: int, end: int,
+                         timeout_s: float | None, *, copy: bool, strict: bool = True
+                         ) -> tuple[torch.Tensor, Located] | tuple[None, Located | None]:
+        """Rows [start, end) of `key` from the replica Redis's directory names, and where they were found.
+        A replica that does not give them (gone, or it lost them) is forgotten and the directory read afresh
+        once (another replica may hold them now: one that encoded them again). (None, the last location
+        read) when no live replica gives them. `strict`: Unavailable while Redis is down, else (None, None)."""
+        located = None
+        for _ in range(2):
+            located = await store.locate(key, strict=strict)
+            if located is None or located.url is None:
+                break
+            try:
+                return await self.rows(located.url, key.id, start, end, timeout_s, copy=copy), located
+            except (errors.Unavailable, errors.NotFound) as exc:
+                log.info("id %s: the replica holding its rows (%s) did not give them: %s", key.id, located.url, exc)
+                store.forget_location(key, located.owner)
+        return None, located
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

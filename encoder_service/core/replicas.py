@@ -174,18 +174,12 @@ class Replicas:
         flight. None: nobody has the rows nor the bytes (404). Unavailable while Redis is down."""
         if self._peers is None:
             return None
-        located = await self.store.locate(key)
-        if located is not None and located.url is not None:
-            try:
-                rows = await self._peers.rows(located.url, key.id, start, end, deadline.left(), copy=False)
-            except (errors.Unavailable, errors.NotFound) as exc:  # gone, or lost them: the next way below
-                log.info("id %s: the replica holding its rows did not give them (%s)", key.id, exc)
-                self.store.forget_location(key, located.owner)
-            else:
-                if start == 0 and end == located.header.num_rows:  # the whole entry: kept, the next fetch is local
-                    self.store.keep(key, Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
-                                                         content_tag=located.header.content_tag))
-                return rows
+        rows, located = await self._peers.from_owner(self.store, key, start, end, deadline.left(), copy=False)
+        if rows is not None:
+            if start == 0 and end == located.header.num_rows:  # the whole entry: kept, the next fetch is local
+                self.store.keep(key, Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
+                                                     content_tag=located.header.content_tag))
+            return rows
         if located is not None and located.copy:
             rows = await self.store.read_rows(key, start, end)
             if rows is not None:

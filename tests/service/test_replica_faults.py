@@ -33,7 +33,7 @@ import torch
 from encoder_service import errors
 from encoder_service.cache import key_from_id
 from encoder_service.cache.directory import is_pending, marker_name
-from encoder_service.cache.redis_tier import RedisTier
+from encoder_service.cache.redis_tier import RedisOptions
 from encoder_service.client import AsyncEncoderClient, EncoderClient
 from tests.support.encoder_process import Replica, started
 from tests.support.images import image_bytes, png_with_text
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(180)
 CONCURRENCY = 12
 PAIRS = {"before": 32, "outage": 32, "after": 32}
 OUTAGE_S = {"kill": 2.0, "pause": 5.0}  # a pause must outlast the 2 s socket timeout to be an outage
-PROBE_INTERVAL_S = RedisTier.__init__.__kwdefaults__["probe_max_s"]  # the service's (no flag changes it)
+PROBE_INTERVAL_S = RedisOptions.probe_max_s  # the service's (no flag changes it)
 FETCH_TIMEOUT_S = 15.0  # each call's deadline: the clients retry inside it
 KILL_BOUND_S = 10.0
 WAIT_S = 30.0

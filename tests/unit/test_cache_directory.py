@@ -254,7 +254,7 @@ async def test_claims_and_rows_of_an_outage_are_marked_and_settled_once_redis_is
         assert not waiting.done()
         a.put("late", make_entry(2))
         assert await asyncio.wait_for(waiting, 2.0) is Settled.LANDED
-        await asyncio.sleep(b.redis.recovery_grace_s)
+        await asyncio.sleep(b.redis.options.recovery_grace_s)
         assert await b.wait_for("unknown", LONG_S) is Settled.NOT_PENDING
 
 

@@ -333,17 +333,17 @@ async def test_the_oom_pause_probes_sooner_and_backs_off_while_redis_stays_full(
     for i in range(4):
         store.put(f"k{i}", make_entry(i))
         await store.redis.flush()
-        pauses.append(store.redis._oom_pause_s)
+        pauses.append(store.redis.health.oom_pause_s)
         await async_wait_for(lambda: not store.stats()["redis_writes_paused"], "the OOM pause to end", STATE_WAIT_S)
     assert pauses == [0.5, 1.0, 2.0, 2.0]
     direct.config_set("maxmemory", "64mb")  # the operator makes room
     store.put("late", make_entry(9))
     await store.redis.flush()
-    assert direct.exists("late") == 1 and store.redis._oom_pause_s == 0  # back to the start
+    assert direct.exists("late") == 1 and store.redis.health.oom_pause_s == 0  # back to the start
     direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))
     store.put("again", make_entry(11, 2048))
     await store.redis.flush()
-    assert store.redis._oom_pause_s == 0.5
+    assert store.redis.health.oom_pause_s == 0.5
     await asyncio.sleep(0.6)
     direct.config_set("maxmemory", "64mb")
     store.put("soon", make_entry(12))  # 0.6 s after the OOM, not 30 s
@@ -363,17 +363,17 @@ async def test_writes_refused_during_an_oom_pause_do_not_extend_it(redis_server_
     direct.config_set("maxmemory", str(direct.info("memory")["used_memory"] // 2))  # full now
     store.put("first", make_entry(0))
     await store.redis.flush()
-    paused_until = store.redis._writes_paused_until
-    assert paused_until and store.redis._oom_pause_s == 1.0
+    paused_until = store.redis.health.paused_until
+    assert paused_until and store.redis.health.oom_pause_s == 1.0
     for i in range(20):  # under load: their locations are refused too, within the pause
         store.put(f"k{i}", make_entry(i + 1))
     await store.redis.flush()
-    assert store.redis._writes_paused_until == paused_until and store.redis._oom_pause_s == 1.0
+    assert store.redis.health.paused_until == paused_until and store.redis.health.oom_pause_s == 1.0
     direct.config_set("maxmemory", "64mb")  # freed
     await async_wait_for(lambda: not store.stats()["redis_writes_paused"], "the pause to end", STATE_WAIT_S)
     store.put("after", make_entry(99))
     await store.redis.flush()
-    assert direct.exists("after") == 1 and store.redis._oom_pause_s == 0
+    assert direct.exists("after") == 1 and store.redis.health.oom_pause_s == 0
     direct.close()
     await store.close()
 

@@ -1,0 +1,178 @@
+"""What the Redis tier knows of Redis's state: up or down, just back, paused by a full Redis, restarted.
+
+    health = RedisHealth(conns, subscriber, url, counters, probe_min_s=0.25, probe_max_s=1.0, ...)
+    health.start()                    at the tier's start, on its loop
+    health.available()                up (a call made while down is counted, and skipped by the caller)
+    health.recovering()               up again within `recovery_grace_s` (others may not have written theirs yet)
+    health.not_writing()              why nothing is written now (down, or an OOM pause), else None
+    health.on_error(exc, writing=...) a failed command: unreachable -> down, an OOM reply to a write -> a pause
+    health.wrote()                    a write succeeded (after a pause ended, its probe: the doubling ends)
+    await health.check()              the heartbeat's look: a changed run id is a restart (a recovery); -> INFO memory
+    await health.recovered()          returns at the next recovery
+    health.epoch, health.generation   recoveries, and times down, so far
+    health.wake                       set at a recovery: the heartbeat beats at once
+
+Down: a connection error (again on the retry) or a socket timeout; logged once, counted, and every wait on
+the shared pub/sub connection answers at once (subscriber.reset). A probe then PINGs with exponential backoff
+capped at `probe_max_s`, closes the pooled connections from before the outage, and marks it up: the epoch
+grows (claims are written again), the writes waiting for Redis go on, `recovered()` returns. A restart no
+command saw (an idle replica) is seen by `check()`: Redis's run id changed. An OOM reply to a write pauses
+writes for `oom_pause_min_s`, doubling with each OOM of the pause's probe (the first write after it) up to
+`oom_pause_max_s`; writes refused during the pause (sent before it began) extend nothing; a read refused
+when full pauses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from encoder_service.cache.redis_connections import Connections, PoolTimeout
+from encoder_service.cache.subscriber import Subscriber
+
+log = logging.getLogger("encoder_service.cache.redis")
+
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+class RedisHealth:
+    def __init__(self, conns: Connections, subscriber: Subscriber, url: str, counters: dict, *,
+                 probe_min_s: float, probe_max_s: float, recovery_grace_s: float, oom_pause_min_s: float,
+                 oom_pause_max_s: float):
+        self._conns, self._subscriber, self.url, self.counters = conns, subscriber, url, counters
+        self.probe_min_s, self.probe_max_s, self.recovery_grace_s = probe_min_s, probe_max_s, recovery_grace_s
+        self.oom_pause_min_s, self.oom_pause_max_s = oom_pause_min_s, oom_pause_max_s
+        self.up = True
+        self.up_again = asyncio.Event()  # set while up: writes wait on it while Redis is away
+        self.wake = asyncio.Event()  # set at a recovery: the heartbeat beats at once
+        self.epoch = 0  # one more at each recovery: claims written before it are written again
+        self.generation = 0  # one more each time it goes down: what was read before may be stale
+        self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
+        self._run_id: str | None = None  # Redis's run id as last seen: another one means it restarted
+        self._recovery: asyncio.Future | None = None  # resolved at the next recovery
+        self.oom_pause_s = 0.0  # the current pause after an OOM reply, doubled by each one of its probes
+        self.paused_until = 0.0  # monotonic; set by an OOM reply to a write
+        self._probe: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.up_again.set()
+        self._recovery = asyncio.get_running_loop().create_future()
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+
+    async def recovered(self) -> None:
+        """Returns the next time Redis is up again after being down (or seen restarted)."""
+        await asyncio.shield(self._recovery)
+
+    @property
+    def state(self) -> str:
+        """"up" or "down" (readiness detail, stats)."""
+        return "up" if self.up else "down"
+
+    def available(self) -> bool:
+        if not self.up:
+            self.counters["skipped_down"] += 1
+        return self.up
+
+    def recovering(self) -> bool:
+        return self._up_since is not None and time.monotonic() - self._up_since < self.recovery_grace_s
+
+    def writes_paused(self) -> bool:
+        return time.monotonic() < self.paused_until
+
+    def not_writing(self) -> str | None:
+        if not self.up:
+            return "Redis is unreachable"
+        return "Redis is full" if self.writes_paused() else None
+
+    def on_error(self, exc: Exception, *, writing: bool = False) -> None:
+        self.counters["errors"] += 1
+        if isinstance(exc, OutOfMemoryError):
+            if not writing:  # a read refused when full (not ours: we never MULTI): no reason to pause writes
+                log.debug("redis tier: read refused when full: %r", exc)
+            elif not self.writes_paused():  # a write sent before the pause: only its own probe extends it
+                self._pause(exc)
+        elif isinstance(exc, UNREACHABLE):
+            self.mark_down(exc)
+        else:  # e.g. WRONGTYPE: someone stored another type under our key; a miss, not an outage
+            log.debug("redis tier error: %r", exc)
+
+    def _pause(self, exc: Exception) -> None:
+        # Probe sooner than a fixed cool-down: the pause doubles with each OOM of its probe, from the minimum.
+        self.oom_pause_s = min(self.oom_pause_max_s, 2 * self.oom_pause_s or self.oom_pause_min_s)
+        if not self.paused_until:
+            self.counters["oom_events"] += 1
+            log.warning("redis tier is full (%s): writes paused (%.1f s, doubling while Redis stays full, up to "
+                        "%.0f s), serving from the local tier; set maxmemory-policy allkeys-lru on the server",
+                        exc, self.oom_pause_s, self.oom_pause_max_s)
+        self.paused_until = time.monotonic() + self.oom_pause_s
+
+    def wrote(self) -> None:
+        if self.paused_until and not self.writes_paused():
+            self.paused_until, self.oom_pause_s = 0.0, 0.0
+            log.warning("redis tier: writes succeed again after the OOM pause")
+
+    def mark_down(self, exc: Exception) -> None:
+        if not self.up:
+            return
+        self.up = False
+        self.generation += 1
+        self.up_again.clear()
+        self.counters["down_events"] += 1
+        self._subscriber.reset(exc)  # waiting fetches answer now instead of at their timeout
+        log.warning("redis tier unavailable (%r): serving from the local tier, probing %s", exc, self.url)
+        self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name="redis-tier-probe")
+
+    async def _probe_loop(self) -> None:
+        delay = self.probe_min_s
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self._conns.run("ping")
+            except (*UNREACHABLE, PoolTimeout):
+                delay = min(delay * 2, self.probe_max_s)
+                continue
+            except RedisError as exc:  # answering, if oddly (e.g. LOADING): try again later
+                log.debug("redis probe: %r", exc)
+                delay = min(delay * 2, self.probe_max_s)
+                continue
+            # Connections pooled before the outage are dead if Redis restarted: close the idle ones, so the
+            # first reads after recovery connect afresh instead of failing on them.
+            await self._conns.close_idle()
+            self._recovered()
+            log.warning("redis tier reachable again at %s: reads and writes resume", self.url)
+            return
+
+    def _recovered(self) -> None:
+        self.up = True
+        self._up_since = time.monotonic()
+        self._run_id = None  # the next check records the run id of the Redis that answers now
+        self.epoch += 1
+        self.up_again.set()  # the writes waiting for Redis go on
+        self.wake.set()  # claims are written again at once
+        recovery, self._recovery = self._recovery, asyncio.get_running_loop().create_future()
+        if recovery is not None and not recovery.done():
+            recovery.set_result(None)
+
+    async def check(self) -> dict:
+        """Redis's INFO memory; a Redis that restarted between two commands of this replica (an idle one: no
+        command failed) is empty all the same: its run id changed, taken as a recovery. Raises what Redis
+        raised."""
+        server, memory = await self._conns.pipelined(("info", "server"), ("info", "memory"))
+        run_id = server.get("run_id")
+        if run_id != self._run_id:
+            if self._run_id is not None:
+                self.counters["restarts_seen"] += 1
+                log.warning("redis tier: Redis at %s restarted (its run id changed): writing this replica's "
+                            "claims, leased ids and bindings again", self.url)
+                self._recovered()
+            self._run_id = run_id
+        return memory
