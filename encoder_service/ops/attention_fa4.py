@@ -3,8 +3,8 @@
 Optional: installed by the Dockerfile (pyproject extra `[fa4]`), imported only on a CUDA device of compute
 capability 9.x / 10.x when a policy of ops/attention.py asks for it (never on the CPU, never at import of
 this module). Any failure to import is recorded once and the policy falls back (ops/attention.py).
-Checked against ops/attention.py's float32 reference (`reference_attention`) by the policy's startup check,
-tests/gpu/test_ops_cuda.py and benchmarks/attention/candidates.py.
+Checked against ops/attention_torch.py's float32 reference (`reference_attention`) by the policy's startup
+check, tests/gpu/test_ops_cuda.py and benchmarks/attention/candidates.py.
 
 `fa4_attention(q, k, v, cu_seqlens, max_seqlen)` keeps the op's contract: q, k, v [N, H, D] (v may be the
 strided [:, 2] view of the fused qkv output: FA4 takes 16-byte aligned strides as they are, no copy),
