@@ -11,7 +11,7 @@ every other module is one op family:
   - mlp_kernels.py: which kernel computes them (policy + startup check): a GEMM with the activation in its
                    epilogue (quack_gemm.py: optional quack-kernels; swiglu_gemm_triton.py: our Triton GEMM;
                    cuBLASLt's GELU) or the GEMM then the activation; cutlass_dsl.py: the CuTe DSL import path
-                   for FA4 and quack
+                   and the one import of FA4 and of quack
   - attention.py:  non-causal attention over packed variable-length segments: the op, its layout classes and
                    the per-layout backend table + policy (--attention) over attention_torch.py (the CPU
                    reference and torch's CUDA paths), attention_triton.py (our Triton window kernel) and
