@@ -70,7 +70,7 @@ class DslImport(Generic[T]):
         return loaded
 
     def available(self, device: torch.device) -> tuple[bool, str]:
-        """(usable, why not): a CUDA device of one of `majors`, then the import (tried here first)."""
+        """(usable, why not): a CUDA device of one of `majors`, then the import (tried at the first such call)."""
         if device.type != "cuda" or not torch.cuda.is_available():
             return False, "needs a CUDA device"
         major, minor = torch.cuda.get_device_capability(device)
