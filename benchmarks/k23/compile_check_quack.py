@@ -72,8 +72,8 @@ def cubin_report(obj: Path) -> dict:
 
 
 def main() -> int:
-    fn, _, why = Q._import()
-    if fn is None:
+    loaded, why = Q.QUACK.get()
+    if loaded is None:
         print(f"quack unusable here: {why}")
         return 1
     plans = stub_device()

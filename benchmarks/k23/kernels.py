@@ -208,7 +208,7 @@ def attn_inputs(lay: dict) -> Inputs:
 def attention_call(cand: str, d: int):
     """run(q, k, v, cu, max_seqlen) -> [N, H, d] for an attention candidate name."""
     from encoder_service.ops import attention_fa4
-    from encoder_service.ops.attention import _dense_sdpa
+    from encoder_service.ops.attention_torch import dense_sdpa
 
     if cand == "fa4":
         return attention_fa4.fa4_attention
@@ -247,7 +247,7 @@ def attention_call(cand: str, d: int):
 
         def cudnn(q, k, v, cu, max_seqlen):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return _dense_sdpa(q, k, v)
+                return dense_sdpa(q, k, v)
 
         return cudnn
     raise ValueError(cand)

@@ -6,20 +6,22 @@ view: the fused qkv output's [:, 2]); segment i is rows `cu_seqlens[i]:cu_seqlen
 metadata makes it; zero-length segments allowed); `max_seqlen` a Python int >= every segment's length.
 Tokens attend only within their segment. Returns `[N, heads, head_dim]`.
 
-  - CPU: one SDPA call per segment (`_per_segment_attention`, the towers' eager order: bfloat16 results
-    equal transformers'). In float32 it is also `reference_attention`, the numerics every CUDA backend is
-    checked against (tests/gpu/test_ops_cuda.py, benchmarks/attention/candidates.py, the startup check).
+  - CPU: one SDPA call per segment (ops/attention_torch.py: `per_segment_attention`, the towers' eager
+    order: bfloat16 results equal transformers'). In float32 it is also `reference_attention`, the
+    numerics every CUDA backend is checked against (tests/gpu/test_ops_cuda.py,
+    benchmarks/attention/candidates.py, the startup check).
   - CUDA, bfloat16 / float16: an `AttentionPolicy` picks a backend per LAYOUT CLASS and head dim from
     Python ints only (shapes, the number of segment slots, max_seqlen: capturable, no host sync), from
     TABLE below, the first backend that is installed, imports, serves the layout and passed its startup
-    check. The backends (BACKENDS): FlashAttention-4 (ops/attention_fa4.py, optional dependency), our Triton
-    short-segment kernel for windows (ops/attention_triton.py), and torch's own (below: dense SDPA, the
-    two-segment dense trick, `varlen_attn`, a masked dense last resort).
+    check (the chain, its demotions and the check: ops/backend_chain.py). The backends (BACKENDS):
+    FlashAttention-4 (ops/attention_fa4.py, optional dependency), our Triton short-segment kernel for
+    windows (ops/attention_triton.py), and torch's own (ops/attention_torch.py: dense SDPA, the two-segment
+    dense trick, `varlen_attn`, a masked dense last resort).
     The choice is the runner's (`--attention {auto,fa4,torch}`, env ENCODER_ATTENTION: settings.py),
     made active around its forward with `use_policy`; outside a runner (tests, scripts calling a tower
     directly) the default policy (auto) runs, without the startup check (a backend that raises still falls
     back).
-  - CUDA in float32 / float64: `_masked_dense_attention` (the reference order on the device).
+  - CUDA in float32 / float64: `masked_dense_attention` (the reference order on the device).
 
 Not used: cuDNN's ragged kernel through aten (`_cudnn_attention_forward` with cum_seq offsets): captured in
 a CUDA graph on torch 2.11 it left the CUDA RNG raising "Offset increment outside graph capture" on every
@@ -31,23 +33,33 @@ and wrong on several on the H100; benchmarks/attention/triton_split.py keeps it 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from encoder_service.ops import attention_fa4, attention_triton
+from encoder_service.ops import attention_fa4, attention_torch, attention_triton
+from encoder_service.ops.attention_torch import (
+    dense_sdpa,
+    masked_dense_attention,
+    per_segment_attention,
+    reference_attention,
+    two_segment_dense_attention,
+    varlen_attention_torch,
+)
 from encoder_service.ops.attention_triton import SHORT_SEGMENT_MAX
+from encoder_service.ops.backend_chain import (
+    BackendChain,
+    ThreadPolicy,
+    check_against_float32,
+    dtype_name,
+    nan_rows,
+    relative_error,
+)
 from encoder_service.ops.fast_path import HALF_PRECISION, triton
-from encoder_service.ops.thread_policy import ThreadPolicy
-
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # torch < 2.10
-    _varlen_attn = None
 
 log = logging.getLogger(__name__)
 
@@ -57,81 +69,7 @@ def varlen_attention(
 ) -> torch.Tensor:
     if q.is_cuda:
         return active_policy().attention(q, k, v, cu_seqlens, max_seqlen)
-    return _per_segment_attention(q, k, v, cu_seqlens)
-
-
-def _per_segment_attention(q, k, v, cu_seqlens):
-    out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()  # CPU op: a plain read; reference_attention on CUDA: a sync (checks only)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            # [L, H, D] -> [1, H, L, D]: 4-D like transformers' call, so the CPU kernel (and its bf16
-            # rounding) is the same one.
-            seg = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-            out[start:end] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
-    return out
-
-
-def reference_attention(q, k, v, cu_seqlens) -> torch.Tensor:
-    """The float32 reference on q's device: one float32 SDPA per segment (reads the boundaries on the host:
-    checks and tests only, never inside a graph)."""
-    return _per_segment_attention(q.float(), k.float(), v.float(), cu_seqlens)
-
-
-# ---- torch's kernels (CUDA) ---------------------------------------------------------------------
-
-# Cross-segment logit offset of the two-segment dense path: exp(-C * head_dim**-0.5) is exactly 0 in
-# float32 for head_dim <= 256, and C is finite in float16 and bfloat16.
-_SEGMENT_PENALTY = 30000.0
-
-
-def _masked_dense_attention(q, k, v, cu_seqlens):
-    rows = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
-    # Segment id of each row; zero-length segments repeat a boundary and own no rows.
-    segment = torch.searchsorted(cu_seqlens, rows, right=True)
-    mask = segment[:, None] == segment[None, :]  # [N, N] block diagonal
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask
-    )
-    return out.squeeze(0).transpose(0, 1)
-
-
-def _dense_sdpa(q, k, v, scale=None):
-    """q, k, v [N, H, D*] -> [N, H, Dv] with SDPA over all rows as one sequence (torch's choice of kernel:
-    cuDNN on the H100; benchmarks/attention/kernels.py compares them under sdpa_kernel)."""
-    args = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-    return F.scaled_dot_product_attention(*args, scale=scale).squeeze(0).transpose(0, 1)
-
-
-def two_segment_dense_attention(q, k, v, cu_seqlens):
-    """Attention for rows split in two segments [0, b) and [b, N) (b = cu_seqlens[1], read on the device)
-    as ONE dense SDPA call: each row gets 8 extra head dims (q: its segment's one-hot; k: -C on the other
-    segment's slot), so a cross-segment logit is offset by -C and its softmax weight is exactly 0, and
-    same-segment logits are unchanged (the extra products are exact zeros). Head dims 72/80 run in the same
-    kernel tile as 80/88, so the extra dims cost only the copies."""
-    n, h, d = q.shape
-    first = torch.arange(n, device=q.device) < cu_seqlens[1]  # [N] bool, no host sync
-    pad = 8
-    qp = q.new_zeros(n, h, d + pad)
-    kp = k.new_zeros(n, h, d + pad)
-    vp = v.new_zeros(n, h, d + pad)
-    qp[..., :d] = q
-    kp[..., :d] = k
-    vp[..., :d] = v
-    f = first[:, None].to(q.dtype)
-    qp[..., d] = f
-    qp[..., d + 1] = 1 - f
-    kp[..., d] = (1 - f) * -_SEGMENT_PENALTY
-    kp[..., d + 1] = f * -_SEGMENT_PENALTY
-    return _dense_sdpa(qp, kp, vp, scale=d**-0.5)[..., :d]
-
-
-def _torch_varlen(q, k, v, cu_seqlens, max_seqlen: int):
-    # v is a strided view of the fused qkv output; make it dense for the flash kernel (a no-op for q, k,
-    # which the rotary rewrote). Positional arguments: keyword names changed across torch versions; the
-    # default scale is head_dim ** -0.5, the towers' scale.
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    return per_segment_attention(q, k, v, cu_seqlens)
 
 
 # ---- layout classes and backends ----------------------------------------------------------------
@@ -176,11 +114,11 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("fa4", attention_fa4.fa4_attention, _ANY, "fa4", min_head_dim=8, max_head_dim=128, head_dim_multiple=8),
     Backend("triton_short", attention_triton.short_segment_attention, frozenset({WINDOWS}), "triton",
             max_head_dim=128),
-    Backend("torch_dense", lambda q, k, v, cu, max_seqlen: _dense_sdpa(q, k, v), frozenset({ONE}), "torch"),
+    Backend("torch_dense", lambda q, k, v, cu, max_seqlen: dense_sdpa(q, k, v), frozenset({ONE}), "torch"),
     Backend("torch_two_segment", lambda q, k, v, cu, max_seqlen: two_segment_dense_attention(q, k, v, cu),
             frozenset({PADDED_SINGLE}), "torch"),
-    Backend("torch_varlen", _torch_varlen, _ANY, "varlen_attn"),
-    Backend("torch_masked", lambda q, k, v, cu, max_seqlen: _masked_dense_attention(q, k, v, cu), _ANY, "torch"),
+    Backend("torch_varlen", varlen_attention_torch, _ANY, "varlen_attn"),
+    Backend("torch_masked", lambda q, k, v, cu, max_seqlen: masked_dense_attention(q, k, v, cu), _ANY, "torch"),
 )}
 LAST_RESORT = "torch_masked"  # always present and correct; O(N^2) memory
 
@@ -223,7 +161,7 @@ def _probe(needs: str, device: torch.device) -> str:
     if needs == "torch":
         return ""
     if needs == "varlen_attn":
-        return "" if _varlen_attn is not None else "torch.nn.attention.varlen needs torch >= 2.10"
+        return "" if attention_torch.varlen_attn is not None else "torch.nn.attention.varlen needs torch >= 2.10"
     if needs == "triton":
         return "" if triton is not None else "triton is not installed"
     if needs == "fa4":
@@ -260,58 +198,49 @@ CHECK_CASES: dict[str, tuple[CheckCase, ...]] = {
 CHECK_REL_TOL = 2e-2  # ||out - ref|| / ||ref|| against float32; bf16 attention lands near 2e-3
 
 
-class AttentionPolicy:
-    """Which backend serves each layout class, for one runner (one device): `choice` (CHOICES; auto = TABLE),
-    what is present (probed once per requirement; tests pass `available` instead), backends demoted by the
-    startup check (`prepare`) or by a failed eager call, and the record of what was selected."""
+class AttentionPolicy(BackendChain[tuple[str, int, torch.dtype]]):
+    """Which backend serves each (layout class, head dim, dtype), for one runner (one device): `choice`
+    (CHOICES; auto = TABLE), what is present (probed once per requirement; tests pass `available` instead),
+    backends demoted by the startup check (`check`) or by a failed eager call, and the record of what was
+    selected (ops/backend_chain.py)."""
 
-    def __init__(self, choice: str = "auto", *, available: Mapping[str, bool | str] | None = None):
-        if choice not in CHOICES:
-            raise ValueError(f"attention choice must be one of {', '.join(CHOICES)}, got {choice!r}")
-        self.choice = choice
-        # requirement -> '' (present) or why not; `available` fakes the probe (True: present, str: reason)
-        self._present: dict[str, str] = {
-            need: "" if ok is True else (str(ok) if ok else "unavailable") for need, ok in (available or {}).items()
-        }
-        self._demoted: dict[tuple, str] = {}  # (backend, class, head_dim, dtype) -> why
-        self._selected: dict[tuple, str] = {}  # (class, head_dim, dtype) -> backend
-        self._checked: set[tuple] = set()
+    CHOICES = CHOICES
+    kind = "attention"
+    log = log
+
+    def chain(self, key) -> tuple[str, ...]:
+        return chain(self.choice, key[0])
+
+    def usable(self, name: str, key, device: torch.device) -> bool:
+        cls, head_dim, _ = key
+        return BACKENDS[name].serves(cls, head_dim) and not self.missing(BACKENDS[name].needs, device)
+
+    def label(self, key) -> str:
+        cls, head_dim, dtype = key
+        return f"{cls}/D{head_dim}/{dtype_name(dtype)}"
+
+    def demoted_label(self, name: str, key) -> str:
+        cls, head_dim, _ = key
+        return f"{name}@{cls}/D{head_dim}"
+
+    def demotion_note(self, name: str, key) -> str:
+        cls, head_dim, dtype = key
+        return f"attention: {name} demoted for {cls} layouts (head dim {head_dim}, {dtype_name(dtype)})"
 
     # -- selection (Python ints only) --------------------------------------------------------------
 
     def missing(self, needs: str, device: torch.device) -> str:
-        if needs not in self._present:
-            self._present[needs] = _probe(needs, device)
-        return self._present[needs]
+        return self.why_absent(needs, lambda: _probe(needs, device))
 
     def select(self, n: int, num_segments: int, max_seqlen: int, head_dim: int, dtype: torch.dtype,
                device: torch.device) -> str:
-        cls = layout_class(n, num_segments, max_seqlen)
-        key = (cls, head_dim, dtype)
-        name = self._selected.get(key)
-        if name is None:
-            name = next((
-                b for b in chain(self.choice, cls)
-                if BACKENDS[b].serves(cls, head_dim) and not self.missing(BACKENDS[b].needs, device)
-                and (b, cls, head_dim, dtype) not in self._demoted
-            ), LAST_RESORT)
-            self._selected[key] = name
-        return name
-
-    def demote(self, name: str, cls: str, head_dim: int, dtype: torch.dtype, why: str) -> None:
-        if name == LAST_RESORT:
-            raise RuntimeError(f"{LAST_RESORT} failed: {why}")
-        log.warning("attention: %s demoted for %s layouts (head dim %d, %s): %s", name, cls, head_dim,
-                    str(dtype).removeprefix("torch."), why)
-        self._demoted[(name, cls, head_dim, dtype)] = why
-        self._selected = {key: b for key, b in self._selected.items()
-                          if not (b == name and key == (cls, head_dim, dtype))}
+        return self.pick((layout_class(n, num_segments, max_seqlen), head_dim, dtype), device)
 
     # -- the op --------------------------------------------------------------------------------------
 
     def attention(self, q, k, v, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         if q.dtype not in HALF_PRECISION:
-            return _masked_dense_attention(q, k, v, cu_seqlens)
+            return masked_dense_attention(q, k, v, cu_seqlens)
         n, _, d = q.shape
         s = cu_seqlens.shape[0] - 1
         name = self.select(n, s, max_seqlen, d, q.dtype, q.device)
@@ -325,13 +254,13 @@ class AttentionPolicy:
         except Exception as e:  # a backend that raises (a JIT compile, an unsupported case): the next one
             if name == LAST_RESORT or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 raise
-            self.demote(name, layout_class(n, s, max_seqlen), d, q.dtype, f"{type(e).__name__}: {str(e)[:300]}")
+            self.demote(name, (layout_class(n, s, max_seqlen), d, q.dtype), f"{type(e).__name__}: {str(e)[:300]}")
             return self.attention(q, k, v, cu_seqlens, max_seqlen)
 
     # -- startup check -------------------------------------------------------------------------------
 
-    def prepare(self, *, head_dim: int, num_heads: int, dtype: torch.dtype, device, layouts=LAYOUTS,
-                capture: bool = False) -> None:
+    def check(self, *, head_dim: int, num_heads: int, dtype: torch.dtype, device, layouts=LAYOUTS,
+              capture: bool = False) -> None:
         """Before any request (and before graph capture): for each layout class in `layouts`, the selected
         backend runs CHECK_CASES (compiling its kernels: Triton, FA4's JIT) on random q, k and a strided v,
         compared with `reference_attention`; with capture=True also captured in a CUDA graph and replayed on
@@ -340,37 +269,20 @@ class AttentionPolicy:
         device = torch.device(device)
         if device.type != "cuda" or dtype not in HALF_PRECISION:
             return
+
+        def check(name: str, case: CheckCase) -> str | None:
+            return check_backend(BACKENDS[name].run, case, num_heads, head_dim, dtype, device, capture)
+
         for cls in layouts:
             for case in CHECK_CASES[cls]:
-                while True:
-                    n = case.bounds[-1]
-                    name = self.select(n, case.slots, case.max_seqlen, head_dim, dtype, device)
-                    key = (name, cls, head_dim, dtype, case, capture)
-                    if name == LAST_RESORT or key in self._checked:
-                        break
-                    why = check_backend(BACKENDS[name].run, case, num_heads, head_dim, dtype, device, capture)
-                    if why is None:
-                        self._checked.add(key)
-                        break
-                    self.demote(name, cls, head_dim, dtype, why)
+                self.pick_checked((cls, head_dim, dtype), device, functools.partial(check, case=case),
+                                  check_id=(case, capture))
 
     # -- what ran ---------------------------------------------------------------------------------------
 
-    def selected(self) -> dict[str, str]:
-        """'<class>/D<head dim>/<dtype>' -> backend, for every layout selected so far (after a runner's
-        warm-up or capture: what its forward runs)."""
-        out = {}
-        for (cls, d, dtype), name in sorted(self._selected.items(), key=lambda kv: str(kv[0])):
-            out[f"{cls}/D{d}/{str(dtype).removeprefix('torch.')}"] = name
-        return out
-
     def describe(self) -> dict:
-        return {
-            "choice": self.choice,
-            "selected": self.selected(),
-            "missing": {need: why for need, why in self._present.items() if why},
-            "demoted": {f"{n}@{c}/D{d}": why for (n, c, d, _), why in self._demoted.items()},
-        }
+        return {"choice": self.choice, "selected": self.selected(), "missing": self.absences(),
+                "demoted": self.demotions()}
 
     def summary(self) -> str:
         d = self.describe()
@@ -390,51 +302,29 @@ def check_backend(run, case: CheckCase, num_heads: int, head_dim: int, dtype, de
     def fresh():
         return torch.randn(n, 3, num_heads, head_dim, generator=gen).to(device, dtype)
 
-    try:
+    def inputs():
         qkv = fresh()
         q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]  # v strided, as in the towers
         cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-        why = _compare(run(q, k, v, cu, case.max_seqlen), reference_attention(q, k, v, cu))
-        if why or not capture:
-            return why
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            run(q, k, v, cu, case.max_seqlen)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run(q, k, v, cu, case.max_seqlen)
-        qkv.copy_(fresh())
-        q.copy_(qkv[:, 0])
-        k.copy_(qkv[:, 1])
-        out.fill_(float("nan"))
-        graph.replay()
-        why = _compare(out, reference_attention(q, k, v, cu))
-        del graph
-        return f"in a CUDA graph: {why}" if why else None
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any failure demotes the backend
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize(device)
-        return f"{type(e).__name__}: {str(e)[:300]}"
 
+        def refill():
+            qkv.copy_(fresh())
+            q.copy_(qkv[:, 0])
+            k.copy_(qkv[:, 1])
 
-def _compare(out: torch.Tensor, ref: torch.Tensor) -> str | None:
-    if out.shape != ref.shape:
-        return f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o = out.float()
-    bad_rows = int(o.isnan().flatten(1).any(1).sum())
-    if bad_rows:
-        return f"{bad_rows} rows with NaN"
-    rel = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
-    return None if rel <= CHECK_REL_TOL else f"relative error {rel:.2e} > {CHECK_REL_TOL:g} against float32"
+        return lambda: run(q, k, v, cu, case.max_seqlen), lambda: reference_attention(q, k, v, cu), refill
+
+    compare = functools.partial(relative_error, rel_tol=CHECK_REL_TOL, nans=nan_rows)
+    return check_against_float32(inputs, compare, device, capture=capture) or None
 
 
 # ---- the active policy ----------------------------------------------------------------------------
 
 _policy: ThreadPolicy[AttentionPolicy] = ThreadPolicy(AttentionPolicy)
+# active_policy(): the policy use_policy(policy) made active on this thread (a runner, around its forward and
+# captures), else the default (auto, made on first use, without the startup check).
+active_policy = _policy.active
+use_policy = _policy.use
 
 
 class _Labels(threading.local):
@@ -442,16 +332,6 @@ class _Labels(threading.local):
 
 
 _labels = _Labels()
-
-
-def active_policy() -> AttentionPolicy:
-    """The policy `use_policy` made active on this thread, else the default (auto, created on first use)."""
-    return _policy.active()
-
-
-def use_policy(policy: AttentionPolicy) -> contextlib.AbstractContextManager[AttentionPolicy]:
-    """Run the towers' attention under `policy` on this thread (a runner around its forward and capture)."""
-    return _policy.use(policy)
 
 
 @contextlib.contextmanager

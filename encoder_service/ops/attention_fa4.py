@@ -3,8 +3,8 @@
 Optional: installed by the Dockerfile (pyproject extra `[fa4]`), imported only on a CUDA device of compute
 capability 9.x / 10.x when a policy of ops/attention.py asks for it (never on the CPU, never at import of
 this module). Any failure to import is recorded once and the policy falls back (ops/attention.py).
-Checked against ops/attention.py's float32 reference (`reference_attention`) by the policy's startup check,
-tests/gpu/test_ops_cuda.py and benchmarks/attention/candidates.py.
+Checked against ops/attention_torch.py's float32 reference (`reference_attention`) by the policy's startup
+check, tests/gpu/test_ops_cuda.py and benchmarks/attention/candidates.py.
 
 `fa4_attention(q, k, v, cu_seqlens, max_seqlen)` keeps the op's contract: q, k, v [N, H, D] (v may be the
 strided [:, 2] view of the fused qkv output: FA4 takes 16-byte aligned strides as they are, no copy),
@@ -24,40 +24,24 @@ from __future__ import annotations
 
 import torch
 
-from encoder_service.ops.cutlass_dsl import ensure_dsl_path
-
-# (function, None) after a successful import, (None, reason) after a failed one; None: not tried yet.
-_loaded: tuple | None = None
+from encoder_service.ops.cutlass_dsl import DslImport
 
 
-def _import():
-    global _loaded
-    if _loaded is None:
-        try:
-            ensure_dsl_path()
-            from flash_attn.cute import flash_attn_varlen_func
+def _load():
+    from flash_attn.cute import flash_attn_varlen_func
 
-            _loaded = (flash_attn_varlen_func, None)
-        except Exception as e:  # ImportError, OSError (a missing .so), a version check: all mean "not here"
-            _loaded = (None, f"import flash_attn.cute failed: {type(e).__name__}: {str(e)[:200]}")
-    return _loaded
+    return flash_attn_varlen_func
 
 
-def available(device: torch.device) -> tuple[bool, str]:
-    """(usable, why not). Imports flash_attn.cute on the first call for a CUDA device of sm90 / sm100."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False, "needs a CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in (9, 10):
-        return False, f"sm{major}{minor}: FA4's forward is used on sm90 / sm100 only"
-    fn, why = _import()
-    return fn is not None, why or ""
+_FA4 = DslImport("flash_attn.cute", _load, majors=(9, 10), arch_note="FA4's forward is used on sm90 / sm100 only",
+                 reason_chars=200)
+# available(device) -> (usable, why not): imports flash_attn.cute on the first call for a CUDA device of sm90 /
+# sm100.
+available = _FA4.available
 
 
 def fa4_attention(q, k, v, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-    fn, why = _import()
-    if fn is None:
-        raise RuntimeError(why)
+    fn = _FA4.require()
     out = fn(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
              max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen), causal=False)
     return out[0] if isinstance(out, (tuple, list)) else out  # (out, lse); lse is None without return_lse

@@ -1,4 +1,4 @@
-"""Our Triton attention kernel (CUDA, half precision), checked against ops/attention.py's reference
+"""Our Triton attention kernel (CUDA, half precision), checked against ops/attention_torch.py's reference
 (`reference_attention`: float32, per segment) by tests/gpu/test_ops_cuda.py and
 benchmarks/attention/candidates.py.
 

@@ -21,32 +21,38 @@ runs (Triton on CUDA), which needs no check:
   quick_gelu: quack         gemm_act "quick_gelu"
               torch         cuBLAS GEMM + bias, then quick_gelu in torch ops (the towers' eager order)
 
-`MlpKernelPolicy(choice)`: auto walks each form's order; a named choice puts that backend first in the forms
-that have it (then auto's order) and runs the fallback in the others (so "split" is the service before
-issue 23 for every form). Per (form, device, dtype, E, I) the first backend that is present and passes
-`check_backend` runs: numerics against float32 on a small batch at the real E and I (output poisoned with
-NaN first, so an unwritten element fails), eagerly and replayed in a captured graph on fresh inputs. The
-check runs at the first call with a new key outside graph capture (the runners' warm-up before each capture
-is such a call); a call inside a capture for a key not yet checked runs the fallback (nothing compiles or
-syncs inside a capture). A backend that fails is demoted for that key (logged) and the next one is checked.
-The towers reach this through ops/activation.py, under the policy `use_policy` made active on the thread,
-else the default (auto).
+`MlpKernelPolicy(choice)`, a checked backend chain (ops/backend_chain.py): auto walks each form's order; a
+named choice puts that backend first in the forms that have it (then auto's order) and runs the fallback in
+the others (so "split" is the service before issue 23 for every form). Per (form, device, dtype, E, I) the
+first backend that is present and passes `check_backend` runs: numerics against float32 on a small batch at
+the real E and I (output poisoned with NaN first, so an unwritten element fails), eagerly and replayed in a
+captured graph on fresh inputs. The check runs at the first call with a new key outside graph capture (the
+runners' warm-up before each capture is such a call); a call inside a capture for a key not yet checked runs
+the fallback (nothing compiles or syncs inside a capture). A backend that fails is demoted for that key
+(logged) and the next one is checked. The towers reach this through ops/activation.py, under the policy
+`use_policy` made active on the thread, else the default (auto).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
-import threading
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from encoder_service.ops import quack_gemm, swiglu_gemm_triton
 from encoder_service.ops.fast_path import HALF_PRECISION, tl, triton
-from encoder_service.ops.thread_policy import ThreadPolicy
+from encoder_service.ops.backend_chain import (
+    BackendChain,
+    ThreadPolicy,
+    check_against_float32,
+    dtype_name,
+    nan_elements,
+    relative_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,23 +200,29 @@ CHECK_REL_TOL = 1e-2  # ||out - ref|| / ||ref|| against float32; one bf16 roundi
 # ---- the policy ---------------------------------------------------------------------------------------
 
 
-class MlpKernelPolicy:
-    """Which backend computes each form, per (form, device, dtype, E, I); see the module docstring."""
+class MlpKernelPolicy(BackendChain[tuple[str, torch.device, torch.dtype, int, int]]):
+    """Which backend computes each form, per key (form, device, dtype, E, I); see the module docstring and
+    ops/backend_chain.py. `available` fakes a backend's probe by its name (tests; benchmarks leave one out)."""
 
-    def __init__(self, choice: str = "auto", *, available: Mapping[str, bool | str] | None = None):
-        if choice not in CHOICES:
-            raise ValueError(f"MLP kernel choice must be one of {', '.join(CHOICES)}, got {choice!r}")
-        self.choice = choice
-        # backend name -> True (present) or why not: tests fake the probes, benchmarks leave a backend out
-        self._available = {k: "" if v is True else str(v) for k, v in (available or {}).items()}
-        self._selected: dict[tuple, str] = {}  # key -> backend that passed its check
-        self._demoted: dict[tuple, str] = {}  # (backend, key) -> why
-        self._lock = threading.Lock()
+    CHOICES = CHOICES
+    kind = "MLP kernel"
+    log = log
+
+    def chain(self, key) -> tuple[str, ...]:
+        return FORMS[key[0]].chain(self.choice)
+
+    def label(self, key) -> str:
+        form, device, dtype, e, i = key
+        return f"{form}/{device}/E{e}/I{i}/{dtype_name(dtype)}"
+
+    def demotion_note(self, name: str, key) -> str:
+        form, _, dtype, e, i = key
+        return f"MLP kernel {name} demoted for {form} E={e} I={i} {dtype_name(dtype)}"
 
     def run(self, form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         f = FORMS[form]
         key = (form, x.device, x.dtype, x.shape[-1], f.width(weight))
-        name = self._selected.get(key)
+        name = self.picked(key)
         if name is None:
             if torch.cuda.is_current_stream_capturing():
                 name = f.fallback  # unchecked: nothing may compile or sync inside a capture
@@ -219,36 +231,16 @@ class MlpKernelPolicy:
         return f.backend(name).run(x, weight, bias, None)
 
     def select(self, form: str, device: torch.device, dtype: torch.dtype, e: int, i: int) -> str:
-        """The backend for this key, running the startup check of each candidate in turn (once per key)."""
-        f, key = FORMS[form], (form, device, dtype, e, i)
-        with self._lock:
-            if key in self._selected:
-                return self._selected[key]
-            for name in f.chain(self.choice):
-                if name == f.fallback:
-                    break
-                why = (self._available[name] if name in self._available
-                       else f.backend(name).probe(device, e, i)) \
-                    or check_backend(f, f.backend(name).run, device, dtype, e, i)
-                if not why:
-                    self._selected[key] = name
-                    return name
-                self._demoted[(name, key)] = why
-                log.warning("MLP kernel %s demoted for %s E=%d I=%d %s: %s", name, form, e, i,
-                            str(dtype).removeprefix("torch."), why)
-            self._selected[key] = f.fallback
-            return f.fallback
+        """The backend for this key, running the startup check of each candidate in turn (once per key): a
+        backend that is not here (its probe) or fails `check_backend` is demoted."""
+        f = FORMS[form]
 
-    def describe(self) -> dict:
-        def label(key):
-            form, device, dtype, e, i = key
-            return f"{form}/{device}/E{e}/I{i}/{str(dtype).removeprefix('torch.')}"
+        def check(name: str) -> str:
+            backend = f.backend(name)
+            return (self.why_absent(name, lambda: backend.probe(device, e, i), remember=False)
+                    or check_backend(f, backend.run, device, dtype, e, i))
 
-        return {
-            "choice": self.choice,
-            "selected": {label(k): v for k, v in self._selected.items()},
-            "demoted": {f"{name}@{label(k)}": why for (name, k), why in self._demoted.items()},
-        }
+        return self.pick_checked((form, device, dtype, e, i), device, check)
 
 
 def check_backend(form: Form, run, device, dtype, e: int, i: int, rows: int = CHECK_ROWS) -> str:
@@ -259,60 +251,24 @@ def check_backend(form: Form, run, device, dtype, e: int, i: int, rows: int = CH
     def fresh(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
 
-    try:
+    def inputs():
         n = 2 * i if form.gated else i
         x, weight, bias = fresh(rows, e), fresh(n, e, scale=e**-0.5), fresh(n, scale=0.5)
-        out = torch.full((rows, i), float("nan"), device=device, dtype=dtype)
-        why = _compare(run(x, weight, bias, out), form.reference(x, weight, bias))
-        if why:
-            return why
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            run(x, weight, bias, out)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(x, weight, bias, out)
-        x.copy_(fresh(rows, e))
-        out.fill_(float("nan"))
-        graph.replay()
-        why = _compare(out, form.reference(x, weight, bias))
-        del graph
-        return f"in a CUDA graph: {why}" if why else ""
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure (import, JIT compile, launch) demotes the backend
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize(device)
-        return f"{type(exc).__name__}: {str(exc)[:300]}"
+        out = torch.full((rows, i), float("nan"), device=device, dtype=dtype)  # an unwritten element fails
+        return (lambda: run(x, weight, bias, out), lambda: form.reference(x, weight, bias),
+                lambda: x.copy_(fresh(rows, e)))
 
-
-def _compare(out: torch.Tensor, ref: torch.Tensor) -> str:
-    if out.shape != ref.shape:
-        return f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    o = out.float()
-    unwritten = int(o.isnan().sum())
-    if unwritten:
-        return f"{unwritten} elements NaN (unwritten or overflowed)"
-    rel = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
-    return "" if rel <= CHECK_REL_TOL else f"relative error {rel:.2e} > {CHECK_REL_TOL:g} against float32"
+    compare = functools.partial(relative_error, rel_tol=CHECK_REL_TOL, nans=nan_elements)
+    return check_against_float32(inputs, compare, device, capture=True)
 
 
 # ---- the active policy ------------------------------------------------------------------------------
 
 _policy: ThreadPolicy[MlpKernelPolicy] = ThreadPolicy(MlpKernelPolicy)
-
-
-def active_policy() -> MlpKernelPolicy:
-    """The policy `use_policy` made active on this thread, else the default (auto, created on first use)."""
-    return _policy.active()
-
-
-def use_policy(policy: MlpKernelPolicy) -> contextlib.AbstractContextManager[MlpKernelPolicy]:
-    """Run the towers' MLPs under `policy` on this thread (around a forward or a graph capture: the captured
-    graph keeps the kernels it recorded)."""
-    return _policy.use(policy)
+# active_policy(): the policy use_policy(policy) made active on this thread (around a forward or a graph
+# capture: the captured graph keeps the kernels it recorded), else the default (auto, made on first use).
+active_policy = _policy.active
+use_policy = _policy.use
 
 
 def run(form: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from encoder_service.ops.cutlass_dsl import ensure_dsl_path
+from encoder_service.ops.cutlass_dsl import DslImport
 
 GATED = ("swiglu",)
 # Pinned GemmConfig fields (quack.gemm_config.GemmConfig) per activation; absent or None: quack's default.
@@ -46,43 +46,26 @@ CONFIGS: dict[str, dict | None] = {
 
 PINNED = "pinned"  # gemm_act_quack's fields: CONFIGS' entry for the activation
 
-# (gemm_act, GemmConfig, None) after a successful import, (None, None, reason) after a failed one.
-_loaded: tuple | None = None
+
+def _load():
+    import quack.epilogue.library  # noqa: F401 - builds (and fingerprints) quack's epilogues: fails here
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_act
+
+    return gemm_act, GemmConfig
 
 
-def _import():
-    global _loaded
-    if _loaded is None:
-        try:
-            ensure_dsl_path()
-            import quack.epilogue.library  # noqa: F401 - builds (and fingerprints) quack's epilogues: fails here
-            from quack.gemm_config import GemmConfig
-            from quack.gemm_interface import gemm_act
-
-            _loaded = (gemm_act, GemmConfig, None)
-        except Exception as e:  # ImportError, OSError, the fingerprint's TypeError: all mean "not usable here"
-            _loaded = (None, None, f"import quack.gemm_interface failed: {type(e).__name__}: {str(e)[:300]}")
-    return _loaded
-
-
-def available(device: torch.device) -> tuple[bool, str]:
-    """(usable, why not). Imports quack on the first call for a CUDA device of sm90."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False, "needs a CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        return False, f"sm{major}{minor}: quack's GEMMs are used on sm90 only (the one measured)"
-    fn, _, why = _import()
-    return fn is not None, why or ""
+QUACK = DslImport("quack.gemm_interface", _load, majors=(9,),
+                  arch_note="quack's GEMMs are used on sm90 only (the one measured)")
+# available(device) -> (usable, why not): imports quack on the first call for a CUDA device of sm90.
+available = QUACK.available
 
 
 def gemm_config(fields: dict | None):
     """quack's GemmConfig for these fields (None: quack's default, returned as None)."""
     if fields is None:
         return None
-    _, config_cls, why = _import()
-    if config_cls is None:
-        raise RuntimeError(why)
+    _, config_cls = QUACK.require()
     return config_cls(**fields)
 
 
@@ -90,9 +73,7 @@ def gemm_act_quack(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ac
                    fields: dict | None | str = PINNED, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, E], weight [2 * I, E] (gated) or [I, E], bias [2 * I] or [I] -> [N, I] (into `out` if given).
     `fields`: GemmConfig fields, None for quack's default, PINNED for CONFIGS' pin of the activation."""
-    fn, _, why = _import()
-    if fn is None:
-        raise RuntimeError(why)
+    fn, _ = QUACK.require()
     config = gemm_config(CONFIGS.get(activation) if fields is PINNED else fields)
     gated = activation in GATED
     _, post = fn(x.contiguous(), weight.t(), bias=bias, activation=activation, postact_out=out, store_preact=False,

@@ -86,13 +86,13 @@ class EagerRunner:
         self.check_attention((ONE, SEVERAL), capture=False)
 
     def check_attention(self, layouts: tuple[str, ...], *, capture: bool) -> None:
-        """The attention policy's startup check (ops/attention.py: AttentionPolicy.prepare) for this tower's
+        """The attention policy's startup check (ops/attention.py: AttentionPolicy.check) for this tower's
         head dim, heads and dtype; a no-op off CUDA or in float32."""
         config = self.tower.config
         if getattr(config, "window_units", None):
             layouts = (*layouts, WINDOWS)
-        self.attention.prepare(head_dim=config.head_dim, num_heads=config.num_heads, dtype=self.dtype,
-                               device=self.device, layouts=layouts, capture=capture)
+        self.attention.check(head_dim=config.head_dim, num_heads=config.num_heads, dtype=self.dtype,
+                             device=self.device, layouts=layouts, capture=capture)
 
     def device_metadata(self, grid_thw: list[GridTHW]):
         """tower.metadata(grid_thw) on the device, from the DeviceMetadataCache keyed by the batch's grids."""

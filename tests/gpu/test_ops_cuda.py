@@ -182,7 +182,7 @@ def test_every_choice_passes_its_startup_check(choice):
     """Nothing this machine has is demoted: a demotion here is a backend failing numerics or capture."""
     policy = attention.AttentionPolicy(choice)
     for head_dim in (72, 80):
-        policy.prepare(head_dim=head_dim, num_heads=16, dtype=DT, device=DEV, capture=True)
+        policy.check(head_dim=head_dim, num_heads=16, dtype=DT, device=DEV, capture=True)
     assert policy.describe()["demoted"] == {}
     selected = set(policy.selected().values())
     if choice == "fa4" and not policy.missing("fa4", torch.device(DEV)):

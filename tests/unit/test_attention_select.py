@@ -101,12 +101,12 @@ def test_head_dim_limits():
 def test_demotion_moves_one_layout_class_down_its_chain():
     p = policy()
     assert pick(p, A.ONE) == "fa4"
-    p.demote("fa4", A.ONE, 80, BF16, "wrong numbers")
+    p.demote("fa4", (A.ONE, 80, BF16), "wrong numbers")
     assert pick(p, A.ONE) == "torch_dense" and pick(p, A.SEVERAL) == "fa4" and pick(p, A.ONE, head_dim=72) == "fa4"
     assert p.describe()["demoted"] == {"fa4@one/D80": "wrong numbers"}
     assert "fa4@one/D80 demoted (wrong numbers)" in p.summary()
     with pytest.raises(RuntimeError, match="torch_masked failed"):
-        p.demote(A.LAST_RESORT, A.ONE, 80, BF16, "x")
+        p.demote(A.LAST_RESORT, (A.ONE, 80, BF16), "x")
 
 
 def _qkv(n, heads=2, d=16, dtype=torch.float32, seed=0):
@@ -147,16 +147,16 @@ def test_startup_check_demotes_a_wrong_backend(monkeypatch):
 
     monkeypatch.setattr(A, "check_backend", fake_check)
     p = policy()
-    p.prepare(head_dim=80, num_heads=16, dtype=BF16, device=CUDA, layouts=(A.ONE, A.WINDOWS), capture=True)
+    p.check(head_dim=80, num_heads=16, dtype=BF16, device=CUDA, layouts=(A.ONE, A.WINDOWS), capture=True)
     assert pick(p, A.ONE) == "torch_dense" and pick(p, A.WINDOWS) == "triton_short"
     assert pick(p, A.SEVERAL) == "fa4"  # not checked: not demoted
     assert ("fa4", 1, True) in seen and ("torch_dense", 1, True) in seen
     assert {s for n, s, _ in seen if n == "triton_short"} == {c.slots for c in A.CHECK_CASES[A.WINDOWS]}
     count = len(seen)
-    p.prepare(head_dim=80, num_heads=16, dtype=BF16, device=CUDA, layouts=(A.ONE, A.WINDOWS), capture=True)
+    p.check(head_dim=80, num_heads=16, dtype=BF16, device=CUDA, layouts=(A.ONE, A.WINDOWS), capture=True)
     assert len(seen) == count  # each (backend, case) is checked once
-    A.AttentionPolicy().prepare(head_dim=80, num_heads=16, dtype=BF16, device="cpu")  # a no-op off CUDA
-    A.AttentionPolicy().prepare(head_dim=80, num_heads=16, dtype=torch.float32, device=CUDA)  # and in float32
+    A.AttentionPolicy().check(head_dim=80, num_heads=16, dtype=BF16, device="cpu")  # a no-op off CUDA
+    A.AttentionPolicy().check(head_dim=80, num_heads=16, dtype=torch.float32, device=CUDA)  # and in float32
     assert len(seen) == count
 
 
