@@ -7,7 +7,7 @@ extra), so those rows are what a machine without the extra runs; the `mlp` colum
 The graphs are the service's: settings' default bucket ladder (`--graph-buckets`) plus the exact buckets of
 the common resolutions under its largest bucket, as make_runner builds them.
 
-For Qwen2.5-VL-7B and Qwen3-VL-8B (random weights at the real sizes, built by benchmarks/common/models.py's
+For Qwen2.5-VL-7B and Qwen3-VL-8B (random weights at the real sizes, built by tests/support/vision_checkpoints.py's
 `build_reference`: transformers' vision model, saved and loaded by our loader), per case (448x448, 720p,
 1080p, 2560x1440, 8 x 448x448, 32 mixed sizes): median ms of `runner.encode` (bf16 pixel values already on
 the GPU; wall clock around a synchronized call, so host overhead counts), patch tokens/s, model FLOP/s and
@@ -31,6 +31,8 @@ through profiler ranges) and of one replay of its graph.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -139,7 +141,7 @@ def kernel_breakdown(prof) -> list[str]:
 
     per_name: dict[str, list] = {}
     for evt in prof.events():
-        # "attention:<backend>" ranges (profile_labels) show up on the device too, spanning their kernels: they
+        # "attention:<backend>" ranges (attention_ranges) show up on the device too, spanning their kernels: they
         # are not kernels, and counting them would count attention twice.
         if evt.device_type == DeviceType.CUDA and evt.device_time_total > 0 and not evt.name.startswith("attention:"):
             entry = per_name.setdefault(evt.name, [0.0, 0])
@@ -167,16 +169,36 @@ def kernel_breakdown(prof) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def attention_ranges():
+    """While the block runs, each call of an attention backend (ops/attention.py: BACKENDS) is inside a
+    torch.profiler range "attention:<backend>"; the backends are put back after."""
+    backends = dict(attention.BACKENDS)
+
+    def labelled(name, run):
+        def run_in_range(*args):
+            with torch.profiler.record_function(f"attention:{name}"):
+                return run(*args)
+        return run_in_range
+
+    for name, backend in backends.items():
+        attention.BACKENDS[name] = dataclasses.replace(backend, run=labelled(name, backend.run))
+    try:
+        yield
+    finally:
+        attention.BACKENDS.update(backends)
+
+
 def profile_forward(eager, graph_runner, pvs, grids, path: Path):
     """Kernel-time breakdown (torch.profiler) of one eager forward with the runner's attention backends, each
-    attention call inside a range "attention:<backend>" (ops/attention.py: profile_labels), and of one replay
+    attention call inside a range "attention:<backend>" (attention_ranges), and of one replay
     of the graph the graph runner picks for these images (kernels inside a graph are listed when CUPTI
     reports them)."""
     from torch.profiler import ProfilerActivity, profile
 
     eager.encode(pvs, grids)
     sync(eager.device)
-    with attention.profile_labels(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with attention_ranges(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eager.encode(pvs, grids)
         sync(eager.device)
     lines = kernel_breakdown(prof)

@@ -159,7 +159,7 @@ def run_worker_item(section: str, item: str, state: dict, small: bool) -> dict:
 
 
 def fake_worker(args) -> int:
-    """Harness self-test without a GPU (K23_FAKE_WORKER=1, tests/unit/test_kernels_issue23.py): synthetic
+    """Harness self-test without a GPU (K23_FAKE_WORKER=1, benchmarks/tests/test_kernels_issue23.py): synthetic
     records in the real shapes; the third kernels item kills the worker once (the driver's restart path)."""
     marker = args.results + ".crashed_once"
     for n, item in enumerate(i for i in worker_items(args.worker, args) if i not in finished_items(args.results)):

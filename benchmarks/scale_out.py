@@ -48,7 +48,7 @@ before a device call's 10 minutes.
 
     source scripts/gpu/env.sh || exit 1; python3 benchmarks/scale_out.py --redis-server .whl/redis-server
                                                    # GPU host, any number of GPUs (~6-7 min; RESULTS.md: issue 24)
-    python benchmarks/scale_out.py --small         # CPU smoke test, ~30 s (tests/service/test_scale_out_bench.py)
+    python benchmarks/scale_out.py --small         # CPU smoke test, ~30 s (benchmarks/tests/test_scale_out.py)
 
 Prints a markdown table (a short summary last); writes benchmarks/results/scale_out-<date>-<commit>.json and
 $OUT/scale_out.md (benchmarks/common/report.py; the replicas' logs in $OUT/scale_out-logs/). Exits 1 when a

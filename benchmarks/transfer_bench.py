@@ -25,7 +25,7 @@ Every fetched tensor is compared with the encode's own rows; the script exits 1 
 fails.
 
     python benchmarks/transfer_bench.py           # the GPU machine (after `source scripts/gpu/env.sh`) or any
-    python benchmarks/transfer_bench.py --small   # CI: narrower rows, few rounds (tests/service/test_transfer_bench.py)
+    python benchmarks/transfer_bench.py --small   # CI: narrower rows, few rounds (benchmarks/tests/test_transfer_bench.py)
     N=30 P=4,16 python benchmarks/transfer_bench.py   # rounds per variant; client processes of phases 3 and 4
     python benchmarks/transfer_bench.py --send-threads 0   # the rows written by the event loop (api/socket_send.py)
     python benchmarks/transfer_bench.py --queue-wait-s 0   # a fetch finding every send thread busy takes the loop
@@ -51,10 +51,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.images import jpeg  # noqa: E402
-from benchmarks.common.models import PREPROCESS, REAL, build_reference  # noqa: E402
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
 from benchmarks.common.stats import percentile  # noqa: E402
+from tests.support.vision_checkpoints import build_wide_rows  # noqa: E402
 
 CONFIGS = {  # rounds per variant; rounds of 16 at once and of aggregates; fetches per aggregate process and round;
     # encodes per condition; client processes of the aggregates
@@ -67,21 +67,6 @@ CONCURRENT = 16
 AGGREGATE_CLIENTS = {"http": "http client", "grpc": "grpc client (rows picked up over http)",
                      "grpc-stream": "grpc client, rows on the stream"}
 GOALS = dict(single_gb_s=3.0, vs_curl=0.8, concurrent_gb_s=8.0)  # issue 20, GPU host
-
-
-# ---- the checkpoint and the service (this process) --------------------------------------------------------
-def build(directory: Path, out_hidden: int) -> None:
-    """A Qwen3-VL checkpoint with a tiny tower and rows `out_hidden` x 4 wide (Qwen3-VL-8B: 4096), bf16."""
-    import torch
-
-    vision = REAL["qwen3_vl"] | dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4,
-                                     out_hidden_size=out_hidden, deepstack_visual_indexes=[0, 1, 2],
-                                     num_position_embeddings=16)
-    build_reference("qwen3_vl", vision, torch.device("cpu"), torch.bfloat16, directory)
-    pre = dict(PREPROCESS["qwen3_vl"], patch_size=16, temporal_patch_size=2, merge_size=2, do_resize=True,
-               image_processor_type="Qwen2VLImageProcessor", do_rescale=True, rescale_factor=1 / 255,
-               do_normalize=True, do_convert_rgb=True)
-    (directory / "preprocessor_config.json").write_text(json.dumps(pre))
 
 
 # ---- clients (child processes) ----------------------------------------------------------------------------
@@ -636,7 +621,7 @@ def main() -> int:
         tmp = Path(tmp)
         checkpoint = tmp / "checkpoint"
         checkpoint.mkdir()
-        build(checkpoint, cfg["out_hidden"])
+        build_wide_rows(checkpoint, cfg["out_hidden"])
         sock = bind_socket("127.0.0.1", 0)
         settings = service_settings(checkpoint, torch.device("cpu"), torch.bfloat16, sock, "--cache-bytes", "4GiB",
                                     "--max-pixels", "20000000", "--shm-fetch",

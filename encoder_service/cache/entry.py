@@ -241,10 +241,6 @@ class Entry:
         self.header.check_rows(start, end)
         return self.tensor[start:end]
 
-    def rows_bytes(self, start: int, end: int) -> memoryview:
-        """Rows [start, end) as raw little-endian bytes, ready for the wire (no copy)."""
-        return _payload_view(self.rows(start, end))
-
     def to_bytes(self, key: str | None = None) -> bytes:
         """Serialized value; `key` (the full cache key) is tagged into the header when given."""
         payload = _payload_view(self.tensor)

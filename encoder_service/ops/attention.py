@@ -32,10 +32,8 @@ and wrong on several on the H100; benchmarks/attention/triton_split.py keeps it 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -245,9 +243,6 @@ class AttentionPolicy(BackendChain[tuple[str, int, torch.dtype]]):
         s = cu_seqlens.shape[0] - 1
         name = self.select(n, s, max_seqlen, d, q.dtype, q.device)
         try:
-            if _labels.on:
-                with torch.profiler.record_function(f"attention:{name}"):
-                    return BACKENDS[name].run(q, k, v, cu_seqlens, max_seqlen)
             return BACKENDS[name].run(q, k, v, cu_seqlens, max_seqlen)
         except torch.cuda.OutOfMemoryError:
             raise
@@ -325,20 +320,3 @@ _policy: ThreadPolicy[AttentionPolicy] = ThreadPolicy(AttentionPolicy)
 # captures), else the default (auto, made on first use, without the startup check).
 active_policy = _policy.active
 use_policy = _policy.use
-
-
-class _Labels(threading.local):
-    on = False
-
-
-_labels = _Labels()
-
-
-@contextlib.contextmanager
-def profile_labels():
-    """Wrap each attention call in a torch.profiler range "attention:<backend>" (benchmarks' profiles)."""
-    _labels.on = True
-    try:
-        yield
-    finally:
-        _labels.on = False

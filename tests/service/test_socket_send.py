@@ -2,8 +2,9 @@
 encode's own rows on every HTTP-carried path, on a kept-alive connection too; a client that stops reading
 holds one thread and nothing else, until it leaves or the send times out; `--send-threads 0` is the loop path.
 
-The rows are a Qwen3-VL-shaped checkpoint's (benchmarks/transfer_bench.py: a tiny tower, rows 4096 x 4 bf16 =
-32 KiB): a 640x360 JPEG's entry is 440 rows, 14.4 MB, over MIN_BYTES and over what loopback socket buffers hold."""
+The rows are a Qwen3-VL-shaped checkpoint's (tests/support/vision_checkpoints.py: a tiny tower, rows 4096 x 4
+bf16 = 32 KiB): a 640x360 JPEG's entry is 440 rows, 14.4 MB, over MIN_BYTES and over what loopback socket buffers
+hold."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ import socket
 
 import pytest
 
-from benchmarks.common.images import jpeg
-from benchmarks.transfer_bench import build
 from encoder_service.api import socket_send
 from encoder_service.client import EncoderClient
 from encoder_service.protocol import wire
+from tests.support.images import image_bytes
 from tests.support.service import running
+from tests.support.vision_checkpoints import build_wide_rows
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,7 +45,7 @@ class SendSpy:
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("wide-rows")
-    build(directory, 4096)
+    build_wide_rows(directory, 4096)
     return directory
 
 
@@ -57,7 +58,7 @@ def spy(monkeypatch) -> SendSpy:
 
 def _encode(svc, seed: int):
     with EncoderClient.http(svc.url, timeout=60) as c:
-        (info,) = c.encode([jpeg(640, 360, seed=seed)], wait=True, return_embeddings=True)
+        (info,) = c.encode([image_bytes(640, 360, seed, "JPEG")], wait=True, return_embeddings=True)
     return info
 
 

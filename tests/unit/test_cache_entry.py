@@ -44,7 +44,7 @@ def test_round_trip_and_byte_offsets(shape, dtype):
     # Rows [a, b) are exactly the bytes header_len + a*row_bytes .. header_len + b*row_bytes - 1.
     a, b = 7, 41
     raw = data[HEADER_LEN + a * h.row_bytes : HEADER_LEN + b * h.row_bytes]
-    assert raw == bytes(entry.rows_bytes(a, b))
+    assert raw == entry.rows(a, b).view(torch.uint8).numpy().tobytes()
     assert raw == rows[a:b].contiguous().view(torch.uint8).numpy().tobytes()  # raw little-endian values
 
 

@@ -2,7 +2,8 @@
 encoder_service/ (at module level, inside functions, under TYPE_CHECKING alike: a lazy import is still an
 arrow), parsed with ast, nothing imported. Data flows down: each part of the package imports only the parts below it that MAY_IMPORT
 names, so the layering in docs/architecture.md stays true; and no two modules import each other, directly or
-round a circle."""
+round a circle. Beside the package, one direction between tests and benchmarks: benchmarks/ may use
+tests/support/, nothing under tests/ imports benchmarks/ (a benchmark's own tests live in benchmarks/tests/)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import encoder_service
 
 PACKAGE = Path(encoder_service.__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # The parts of encoder_service (a subpackage, or a module at the top) and what each may import besides itself,
 # from the top down: a part, or one module of a part ("models.configs"); "" is encoder_service/__init__.py
@@ -135,6 +137,23 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def imports_of_benchmarks(root: Path) -> list[str]:
+    """'file:line imports benchmarks...' for every import of the benchmarks package in a file under `root`, lazy
+    ones too (relative imports stay inside their own package)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}:{node.lineno} imports {name}" for name in names
+                      if within(name, "benchmarks")]
+    return found
+
+
 GRAPH = imports_of(PACKAGE, "encoder_service")
 
 
@@ -153,6 +172,10 @@ def test_imports_follow_the_layering():
 
 def test_no_import_circles():
     assert circles(GRAPH) == []
+
+
+def test_tests_never_import_the_benchmarks():
+    assert imports_of_benchmarks(TESTS) == [], "move what both use to tests/support/, or the test to benchmarks/tests/"
 
 
 def write_tree(root: Path, files: dict[str, str]) -> Path:
@@ -201,3 +224,13 @@ def test_a_circle_inside_one_part_fails(tmp_path):
 def test_a_name_from_the_own_package_closes_no_circle(tmp_path):
     tree = CLEAN | {"core/flight.py": "from pkg.core import Encoder\n"}  # core's __init__ ran before flight
     assert circles(imports_of(write_tree(tmp_path, tree), "pkg")) == []
+
+
+def test_an_import_of_the_benchmarks_anywhere_in_a_test_fails(tmp_path):
+    write_tree(tmp_path, {
+        "test_a.py": "import benchmarks_of_ours\nfrom .benchmarks import x\n",  # another name; a relative import
+        "support/b.py": "def f():\n    from benchmarks.common import report\n",
+        "unit/test_c.py": "import os, benchmarks.transfer_bench\n",
+    })
+    assert imports_of_benchmarks(tmp_path / "pkg") == [
+        "support/b.py:2 imports benchmarks.common", "unit/test_c.py:1 imports benchmarks.transfer_bench"]

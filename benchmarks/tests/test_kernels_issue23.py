@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.k23 import kernels, report, service
+from benchmarks.k23.common import read_records
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from benchmarks.k23 import kernels, report, service  # noqa: E402
-from benchmarks.k23.common import read_records  # noqa: E402
-
 SCRIPT = ROOT / "benchmarks" / "kernels_issue23.py"
 
 
@@ -67,7 +65,7 @@ def test_variant_names_with_commas_reach_the_worker_whole():
     import argparse
     import json
 
-    import kernels_issue23
+    from benchmarks import kernels_issue23
 
     variants = ["cublaslt", "auto", "attn:fa4_tiles[192,144,smem,ol]"]
     args = argparse.Namespace(variants=json.dumps(variants), sweep=False)
