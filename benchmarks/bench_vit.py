@@ -17,10 +17,10 @@ transformers on the same inputs, and the max relative error of our rows against 
 runs once per case (its output is the reference of every choice); `--no-transformers-timing` skips timing it.
 A choice whose backend is not installed (fa4 without flash-attn-4) is skipped.
 
-    python benchmarks/bench_vit.py            # GPU: real sizes, bf16, --attention auto; a few minutes
-    python benchmarks/bench_vit.py --attention auto,fa4,torch --case 1080p --case "8 x 448x448" \
+    python -m benchmarks.bench_vit            # GPU: real sizes, bf16, --attention auto; a few minutes
+    python -m benchmarks.bench_vit --attention auto,fa4,torch --case 1080p --case "8 x 448x448" \
         --no-transformers-timing            # before/after rows; each choice captures its own graphs (~20 s)
-    python benchmarks/bench_vit.py --small    # CPU: tiny towers, float32 (smoke test of the script)
+    python -m benchmarks.bench_vit --small    # CPU: tiny towers, float32 (smoke test of the script)
 
 Writes benchmarks/results/bench_vit-<date>-<commit>.json and $OUT/bench_vit.md (benchmarks/common/report.py:
 where, with and without OUT), rewritten after each choice; $OUT/profile_<family>_<choice>.txt holds a
@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.models import NAMES, REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
 from benchmarks.common.report import out_dir, setup_info, write_result  # noqa: E402

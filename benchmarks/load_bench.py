@@ -29,14 +29,14 @@ share of a level's workers and images, started together per level) so that its P
 the service's GIL and one process is not the bottleneck; the service, the model-only runs and the children
 are all started and bounded here.
 
-    python benchmarks/load_bench.py            # GPU (H100: about 2-3 minutes)
-    python benchmarks/load_bench.py --family qwen3_vl --flow e2e --levels 64 --clients 4   # issue 20's end to end
-    python benchmarks/load_bench.py --flow e2e-norelease --levels 64 --clients 4 --duration-s 420 \
+    python -m benchmarks.load_bench            # GPU (H100: about 2-3 minutes)
+    python -m benchmarks.load_bench --family qwen3_vl --flow e2e --levels 64 --clients 4   # issue 20's end to end
+    python -m benchmarks.load_bench --flow e2e-norelease --levels 64 --clients 4 --duration-s 420 \
         --cache-bytes default   # issue 20's client that never releases, against the service's default cache
-    python benchmarks/load_bench.py --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
-    python benchmarks/load_bench.py --attention torch   # the service's --attention (default auto); one per run
-    python benchmarks/load_bench.py --preprocess pil --levels 1   # the service's --preprocess; only these levels
-    python benchmarks/load_bench.py --family qwen3_vl --levels 64  # Qwen3-VL-8B's tower instead (4x wider rows)
+    python -m benchmarks.load_bench --small    # CPU: tiny checkpoint (encoder_service/testing/tiny.py), few requests
+    python -m benchmarks.load_bench --attention torch   # the service's --attention (default auto); one per run
+    python -m benchmarks.load_bench --preprocess pil --levels 1   # the service's --preprocess; only these levels
+    python -m benchmarks.load_bench --family qwen3_vl --levels 64  # Qwen3-VL-8B's tower instead (4x wider rows)
 
 Prints a markdown table; writes benchmarks/results/load_bench-<date>-<commit>.json and $OUT/load_bench.md
 (benchmarks/common/report.py: where, with and without OUT).
@@ -60,7 +60,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import children  # noqa: E402
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import make_jpegs, stamped  # noqa: E402
@@ -226,7 +225,7 @@ def client_main(config_path: str, part: int) -> int:
 def drive(job_path: Path, job: dict, limit_s: float) -> dict:
     """The load generators: started together, one level at a time (each level's row merged from all of
     them, the service's /metrics scraped around it), then the cached-entry fetch from the first one."""
-    procs = [children.start(str(Path(__file__).resolve()), "--client", str(job_path), "--part", str(k))
+    procs = [children.start("benchmarks.load_bench", "--client", str(job_path), "--part", str(k))
              for k in range(job["clients"])]
     deadline = time.monotonic() + limit_s
     try:

@@ -15,8 +15,8 @@ Checks (exit 1 when one fails): nvJPEG decodes every one of these JPEGs itself (
 `torchvision-nvjpeg` equals it given nvJPEG's pixels, bit for bit. nvJPEG's pixels against Pillow's: mean and
 max |difference| in levels, reported.
 
-    python benchmarks/preprocess_decode.py           # GPU, torchvision installed (nvJPEG); about a minute
-    python benchmarks/preprocess_decode.py --small   # CPU smoke test: no nvJPEG (that backend decodes with
+    python -m benchmarks.preprocess_decode           # GPU, torchvision installed (nvJPEG); about a minute
+    python -m benchmarks.preprocess_decode --small   # CPU smoke test: no nvJPEG (that backend decodes with
                                                      # Pillow), the checks that need it are skipped
 
 Prints a markdown table; writes its JSON and preprocess_decode.md (benchmarks/common/report.py says where).
@@ -39,7 +39,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import jpeg  # noqa: E402
 from benchmarks.common.report import setup_info, write_result  # noqa: E402

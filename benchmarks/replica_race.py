@@ -12,7 +12,7 @@ new images; each is sent to both replicas at once (one encode on each, HTTP on o
 no wait), --concurrency images at a time; then every image is fetched from both replicas and the rows
 compared (they must be equal: one encode). Writes benchmarks/results/replica_race-<date>-<commit>.json.
 
-    .venv/bin/python benchmarks/replica_race.py --images 400 --concurrency 16
+    .venv/bin/python -m benchmarks.replica_race --images 400 --concurrency 16
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from encoder_service.client import AsyncEncoderClient  # noqa: E402

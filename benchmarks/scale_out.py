@@ -46,9 +46,9 @@ graph capture 14-20 s in process), corrected by what this run measured; a phase 
 --budget-s is skipped and reported, and every wait is bounded, so the run ends (and writes its report)
 before a device call's 10 minutes.
 
-    source scripts/gpu/env.sh || exit 1; python3 benchmarks/scale_out.py --redis-server .whl/redis-server
+    source scripts/gpu/env.sh || exit 1; python3 -m benchmarks.scale_out --redis-server .whl/redis-server
                                                    # GPU host, any number of GPUs (~6-7 min; RESULTS.md: issue 24)
-    python benchmarks/scale_out.py --small         # CPU smoke test, ~30 s (benchmarks/tests/test_scale_out.py)
+    python -m benchmarks.scale_out --small         # CPU smoke test, ~30 s (benchmarks/tests/test_scale_out.py)
 
 Prints a markdown table (a short summary last); writes benchmarks/results/scale_out-<date>-<commit>.json and
 $OUT/scale_out.md (benchmarks/common/report.py; the replicas' logs in $OUT/scale_out-logs/). Exits 1 when a
@@ -72,7 +72,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import children  # noqa: E402
 from benchmarks.common.images import jpeg, make_jpegs  # noqa: E402
 from benchmarks.common.load import closed_loop  # noqa: E402
@@ -80,7 +79,7 @@ from benchmarks.common.models import NAMES, build_checkpoint  # noqa: E402
 from benchmarks.common.report import out_dir, stamp, write_result  # noqa: E402
 from benchmarks.common.stats import percentile  # noqa: E402
 
-SCRIPT = str(Path(__file__).resolve())
+MODULE = "benchmarks.scale_out"  # its helper processes: this module with --loadgen / --consumer
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")  # Qwen3 first: part 2 (rows to another GPU) needs its rows
 CONFIGS = {
     # sizes: the JPEGs (Qwen3-VL-8B rows: 880 x 16384 bf16 = 28.8 MB at 720p, 2040 rows = 66.8 MB at 1080p;
@@ -378,7 +377,7 @@ class Run:
     def start_loadgens(self) -> None:
         job = self.work / "loadgen.json"
         job.write_text(json.dumps(dict(sizes=self.cfg["sizes"], pool=self.pool_sizes(), parts=self.args.clients)))
-        self.loadgens = [children.start(SCRIPT, "--loadgen", str(job), str(k)) for k in range(self.args.clients)]
+        self.loadgens = [children.start(MODULE, "--loadgen", str(job), str(k)) for k in range(self.args.clients)]
 
     def loadgens_ready(self) -> bool:
         """Whether the load generators made their JPEG pools (waited for once, when first needed: they make
@@ -556,7 +555,7 @@ class Run:
         job.write_text(json.dumps(dict(http=replica.url, grpc=replica.grpc_address, shm_dir="/dev/shm",
                                        device=device, source=source, rounds=self.cfg["rounds"],
                                        sizes=self.cfg["sizes"])))
-        proc = children.start(SCRIPT, "--consumer", str(job))
+        proc = children.start(MODULE, "--consumer", str(job))
         try:
             got = children.answer(proc, self.budget.bound(300))
         finally:

@@ -11,10 +11,10 @@ many-images: one request with 64 images of 2560x1440 completes (encode wait=True
   size: the ViT runs batch by batch within --batch-tokens, so the peak follows the batch budget (or the
   largest single image when one image is over the budget), not the image count.
 
-    python benchmarks/scenarios.py                         # GPU: Qwen2.5-VL-7B tower, bfloat16
-    python benchmarks/scenarios.py --family qwen3_vl       # GPU: Qwen3-VL-8B tower (deepstack rows)
-    python benchmarks/scenarios.py --small                 # CPU: tiny tower, small images (smoke test)
-    python benchmarks/scenarios.py --shm                   # fetches through shared memory, not the socket
+    python -m benchmarks.scenarios                         # GPU: Qwen2.5-VL-7B tower, bfloat16
+    python -m benchmarks.scenarios --family qwen3_vl       # GPU: Qwen3-VL-8B tower (deepstack rows)
+    python -m benchmarks.scenarios --small                 # CPU: tiny tower, small images (smoke test)
+    python -m benchmarks.scenarios --shm                   # fetches through shared memory, not the socket
 
 Prints one markdown table per scenario and writes benchmarks/results/scenarios-<date>-<commit>.json and
 $OUT/scenarios.md (benchmarks/common/report.py: where, with and without OUT). Exits 1 if a check fails (row
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import jpeg  # noqa: E402
 from benchmarks.common.models import REAL, SMALL, build_checkpoint  # noqa: E402

@@ -25,8 +25,8 @@ few of the replicas' own counters; writes the same to benchmarks/results/soak-<d
 $OUT/soak.md (benchmarks/common/report.py: where, with and without OUT), or the JSON alone to --json. Exit
 status 1 on any error status or wrong row.
 
-    python benchmarks/soak.py --seconds 240                  # 2 replicas + Redis, tiny model, CPU
-    python benchmarks/soak.py --replicas 1 --no-redis --seconds 60
+    python -m benchmarks.soak --seconds 240                  # 2 replicas + Redis, tiny model, CPU
+    python -m benchmarks.soak --replicas 1 --no-redis --seconds 60
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from benchmarks.common.stats import percentile, rss_mib  # noqa: E402

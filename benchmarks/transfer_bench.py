@@ -24,11 +24,11 @@ cache, the model is not what is measured. Clients run in other processes (this s
 Every fetched tensor is compared with the encode's own rows; the script exits 1 when one differs or a client
 fails.
 
-    python benchmarks/transfer_bench.py           # the GPU machine (after `source scripts/gpu/env.sh`) or any
-    python benchmarks/transfer_bench.py --small   # CI: narrower rows, few rounds (benchmarks/tests/test_transfer_bench.py)
-    N=30 P=4,16 python benchmarks/transfer_bench.py   # rounds per variant; client processes of phases 3 and 4
-    python benchmarks/transfer_bench.py --send-threads 0   # the rows written by the event loop (api/socket_send.py)
-    python benchmarks/transfer_bench.py --queue-wait-s 0   # a fetch finding every send thread busy takes the loop
+    python -m benchmarks.transfer_bench           # the GPU machine (after `source scripts/gpu/env.sh`) or any
+    python -m benchmarks.transfer_bench --small   # CI: narrower rows, few rounds (benchmarks/tests/test_transfer_bench.py)
+    N=30 P=4,16 python -m benchmarks.transfer_bench   # rounds per variant; client processes of phases 3 and 4
+    python -m benchmarks.transfer_bench --send-threads 0   # the rows written by the event loop (api/socket_send.py)
+    python -m benchmarks.transfer_bench --queue-wait-s 0   # a fetch finding every send thread busy takes the loop
 
 Prints each phase's table as soon as the phase ends, and after each rewrites
 benchmarks/results/transfer_bench-<date>-<commit>.json and $OUT/transfer_bench.md (benchmarks/common/report.py):
@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common.children import module_command, module_env
 from benchmarks.common.images import jpeg  # noqa: E402
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
@@ -63,6 +63,7 @@ CONFIGS = {  # rounds per variant; rounds of 16 at once and of aggregates; fetch
     "small": dict(sizes=((640, 360), (960, 540)), out_hidden=1024, rounds=3, concurrent_rounds=2,
                   aggregate_fetches=4, encodes=4, processes=(2,)),
 }
+MODULE = "benchmarks.transfer_bench"  # its client processes: this module with --client / --fetcher / --encoder
 CONCURRENT = 16
 AGGREGATE_CLIENTS = {"http": "http client", "grpc": "grpc client (rows picked up over http)",
                      "grpc-stream": "grpc client, rows on the stream"}
@@ -388,8 +389,8 @@ def encoder_main(job_path: str, count: int, base: int) -> int:
 
 # ---- phases 3 and 4, driven from here ---------------------------------------------------------------------
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(module_command(MODULE, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=module_env())
 
 
 def _fetchers(job_path: Path, kind: str, n: int, count: int) -> list[subprocess.Popen]:
@@ -573,8 +574,8 @@ class Report:
 
 def _client_phase(job_path: Path, job: dict, phase: str, checks: list[str]) -> list[dict]:
     """Phase 1 or 2 in a client process of its own (the clients' CPU time is theirs alone)."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client", str(job_path), phase],
-                          timeout=1200, check=False)
+    proc = subprocess.run(module_command(MODULE, "--client", str(job_path), phase), env=module_env(), timeout=1200,
+                          check=False)
     if proc.returncode:
         raise RuntimeError(f"the client process failed (exit {proc.returncode})")
     got = json.loads(Path(job["result"].format(phase=phase)).read_text())

@@ -15,9 +15,9 @@ Per family, in one run:
   3. frames per second through the service at concurrency 8: 8 workers encode distinct 10 s clips with
      wait=true; sampled frames / wall time (and frame groups per ViT batch from /metrics).
 
-    python benchmarks/video_bench.py            # GPU: both families, under 5 minutes on an H100
-    python benchmarks/video_bench.py --small    # CPU: tiny towers, an 8 s 160x90 clip (runs anywhere)
-    python benchmarks/video_bench.py --families qwen3_vl --runs 5
+    python -m benchmarks.video_bench            # GPU: both families, under 5 minutes on an H100
+    python -m benchmarks.video_bench --small    # CPU: tiny towers, an 8 s 160x90 clip (runs anywhere)
+    python -m benchmarks.video_bench --families qwen3_vl --runs 5
 
 Prints a markdown table; writes benchmarks/results/video_bench-<date>-<commit>.json and $OUT/video_bench.md
 (benchmarks/common/report.py). Exits 1 when a check fails: the service's grid or rows against transformers'
@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common.device import bench_device, sync  # noqa: E402
 from benchmarks.common.images import photo  # noqa: E402
 from benchmarks.common.models import NAMES, build_checkpoint, reference_rows  # noqa: E402

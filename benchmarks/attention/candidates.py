@@ -25,8 +25,8 @@ hung; a candidate that crashes twice is skipped. Items run in priority passes, s
 budget (--budget-s: no item starts after it, a worker still running at it is killed) still has the
 essentials for every layout. Inputs come from explicit generators (a broken default RNG cannot touch them).
 
-    PYTHONPATH=. python3 benchmarks/attention/candidates.py --list      # layouts and items; no GPU needed
-    PYTHONPATH=. python3 benchmarks/attention/candidates.py             # GPU; about 4-5 min (budget 330 s)
+    python3 -m benchmarks.attention.candidates --list      # layouts and items; no GPU needed
+    python3 -m benchmarks.attention.candidates             # GPU; about 4-5 min (budget 330 s)
     ... --layouts q3_1080p,q25_1080p --candidates fa4,torch_dense,triton_split --budget-s 120
 
 Writes benchmarks/results/attention_candidates-<date>-<commit>.json (env, layouts, every record, winners) and
@@ -45,7 +45,7 @@ then, back to back:
     run(kind="nvidia-h100-x1", carry=[".gpuwhl_stage1"], timeout_s=180,
         command="bash scripts/gpu/install_wheels.sh")
     run(carry=[".gpuwhl_stage2"], timeout_s=540, command="set -o pipefail; bash scripts/gpu/install_wheels.sh
-        && PYTHONPATH=/tmp/site-packages:. PYTHONUNBUFFERED=1 python3 benchmarks/attention/candidates.py 2>&1
+        && PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 python3 -m benchmarks.attention.candidates 2>&1
         | tee $OUT/bench.log")
 
 If the machine went cold between the calls, the second call installs what it has (no CuTe DSL: FA4 and
@@ -64,12 +64,9 @@ import sys
 import time
 import traceback
 from functools import partial
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from benchmarks.common.report import out_dir, stamp, write_result  # noqa: E402
+from benchmarks.common.children import module_command, module_env
+from benchmarks.common.report import out_dir, stamp, write_result
 
 HEADS = 16
 REL_TOL = 2e-2
@@ -645,14 +642,14 @@ def driver_main(args) -> int:
             if r.get("kind") == "item" and r.get("status") in ("crashed", "hung/killed"):
                 base = r["candidate"].split("[")[0]
                 crashes[base] = crashes.get(base, 0) + 1
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--results", results, "--deadline",
-               str(deadline - 10), "--eager-reps", str(args.eager_reps), "--graph-reps", str(args.graph_reps),
-               "--skip", ",".join(sorted(b for b, n in crashes.items() if n >= 2)),
-               "--layouts", args.layouts, "--candidates", args.candidates]
+        cmd = module_command("benchmarks.attention.candidates", "--worker", "--results", results, "--deadline",
+                             str(deadline - 10), "--eager-reps", str(args.eager_reps), "--graph-reps",
+                             str(args.graph_reps), "--skip", ",".join(sorted(b for b, n in crashes.items() if n >= 2)),
+                             "--layouts", args.layouts, "--candidates", args.candidates)
         with open(log_path, "a") as log:
             log.write(f"\n==== worker start {time.strftime('%H:%M:%S')} (restart {restarts}) ====\n")
             log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=module_env())
             start_size = os.path.getsize(results) if os.path.exists(results) else 0
             last_size, last_change, why = start_size, time.time(), None
             while proc.poll() is None:

@@ -3,7 +3,7 @@ what ptxas made of them: registers per thread, spills, shared memory, wgmma (Hop
 PTX and HGMMA in the SASS. Nothing runs; it proves the kernels lower for the H100 before device time is
 spent. Needs a Triton like the GPU machine's (3.6):
 
-    PYTHONPATH=. /tmp/triton-venv/bin/python benchmarks/attention/compile_check_sm90.py     # from the repo root
+    /tmp/triton-venv/bin/python -m benchmarks.attention.compile_check_sm90     # from the repo root
 
 Specialisations as the service launches them (16 heads, q/k/o contiguous, v the fused qkv's [:, 2] view,
 bf16): the production short-segment kernel (ops/attention_triton.py) per head dim; the rejected split

@@ -7,7 +7,7 @@ efficient), the two-segment dense trick (ops/attention.py), batched dense for eq
 Triton short-segment kernel (ops/attention_triton.py). Also: the padded MLP GEMMs and the fused elementwise
 kernels (ops/) against the eager torch ops they replace.
 
-    python benchmarks/attention/kernels.py      # GPU only
+    python -m benchmarks.attention.kernels      # GPU only
 
 Writes benchmarks/results/attention_kernels-<date>-<commit>.json and $OUT/attention_kernels.md
 (benchmarks/common/report.py: where, with and without OUT).
@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common.report import stamp, write_result  # noqa: E402
 from encoder_service.models.layers import RMSNorm  # noqa: E402
 from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata  # noqa: E402

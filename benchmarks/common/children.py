@@ -1,19 +1,37 @@
-"""A benchmark's helper processes (load generators, consumers): the script itself with a hidden flag, driven
-over pipes: one command line in, one JSON line out, every answer awaited within a deadline."""
+"""A benchmark's helper processes (load generators, consumers): the benchmark's own module with a hidden flag,
+driven over pipes: one command line in, one JSON line out, every answer awaited within a deadline. And how any
+benchmark starts another process of the benchmarks: `python -m benchmarks.<name>`, this checkout on its path."""
 
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def start(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python script ARGS` with pipes to talk to it (stderr stays the parent's: its logs show up there)."""
-    return subprocess.Popen([sys.executable, script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+def module_command(module: str, *args: str) -> list[str]:
+    """`python -m module ARGS` in this interpreter (a benchmark runs as a module, never as a file)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def module_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with this checkout first on PYTHONPATH, so that a child started with
+    `module_command` imports the benchmarks whatever its working directory."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m module ARGS` with pipes to talk to it (stderr stays the parent's: its logs show up there)."""
+    return subprocess.Popen(module_command(module, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=module_env(env))
 
 
 def tell(proc: subprocess.Popen, line: str) -> None:
@@ -28,10 +46,10 @@ def answer(proc: subprocess.Popen, deadline: float) -> dict:
     line = proc.stdout.readline() if ready else ""
     if not line:
         proc.kill()
-        raise RuntimeError(f"{' '.join(proc.args[1:3])} gave no answer (exit {proc.poll()})")
+        raise RuntimeError(f"{' '.join(proc.args[2:4])} gave no answer (exit {proc.poll()})")
     got = json.loads(line)
     if "failed" in got:
-        raise RuntimeError(f"{' '.join(proc.args[1:3])} failed: {got['failed']}")
+        raise RuntimeError(f"{' '.join(proc.args[2:4])} failed: {got['failed']}")
     return got
 
 

@@ -9,7 +9,7 @@ as quack's own async-compile workers do.
 Needs torch, Triton and the wheels of scripts/gpu/stage_wheels.sh built for the local Python, installed
 under a folder named site-packages (quack's epilogue fingerprint requires it: ops/quack_gemm.py):
 
-    PYTHONPATH=/tmp/q/site-packages:. QUACK_CACHE_ENABLED=0 python benchmarks/k23/compile_check_quack.py
+    PYTHONPATH=/tmp/q/site-packages QUACK_CACHE_ENABLED=0 python -m benchmarks.k23.compile_check_quack
 
 Exit status 1 if a variant fails to trace or compile.
 """

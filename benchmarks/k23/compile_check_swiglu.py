@@ -3,7 +3,7 @@ config of its CONFIGS, and report what came out: registers per thread, spills, s
 227 KB per block), wgmma in the PTX, TMA copies, HGMMA in the SASS. Nothing runs; it shows the kernel lowers
 to TMA + warpgroup MMA for the H100 before device time is spent. Needs a Triton like the GPU machine's (3.6):
 
-    PYTHONPATH=. /tmp/triton-venv/bin/python benchmarks/k23/compile_check_swiglu.py     # from the repo root
+    /tmp/triton-venv/bin/python -m benchmarks.k23.compile_check_swiglu     # from the repo root
 
 Exit status 1 if a config fails to compile or needs more shared memory than the H100 has.
 """

@@ -108,7 +108,7 @@ def attention_variant(name: str):
 
 def run_variant(fam: Family, variant: str, keep: bool = False) -> tuple[list[dict], object]:
     """One record per case for this variant; the runner too when `keep` (else freed)."""
-    from bench_vit import replay_ms, time_call
+    from benchmarks.bench_vit import replay_ms, time_call
 
     from encoder_service.ops import mlp_kernels
     from encoder_service.runtime.graphs import GraphRunner

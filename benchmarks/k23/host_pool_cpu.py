@@ -5,7 +5,7 @@ last WINDOW batches' rows kept). Per batch: the copy's wall ms, the process's CP
 and minor page faults (medians after the window filled), two passes each (glibc adapts its mmap threshold to
 blocks under 32 MiB on the way).
 
-    .venv/bin/python benchmarks/k23/host_pool_cpu.py [--threads 1]
+    .venv/bin/python -m benchmarks.k23.host_pool_cpu [--threads 1]
 
 Batches: Qwen3 4 x 720p (4 x 880 x 16384 bf16, 28.8 MB each) and Qwen3 1080p (2040 x 16384, 66.8 MB).
 """
@@ -20,11 +20,9 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from encoder_service.runtime.host_pool import HostRowPool  # noqa: E402
 
 BATCHES = {"qwen3 4 x 720p": [(880, 16384)] * 4, "qwen3 1080p": [(2040, 16384)]}

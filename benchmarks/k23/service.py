@@ -198,7 +198,7 @@ def service_routes(runner):
 
 
 def runner_alone(runner, pvs, grid) -> dict:
-    from bench_vit import time_call
+    from benchmarks.bench_vit import time_call
 
     rec = {}
     with torch.inference_mode(), service_routes(runner):

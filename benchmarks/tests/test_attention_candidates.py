@@ -16,7 +16,7 @@ from benchmarks.attention import candidates as b
 from benchmarks.attention import triton_split as S
 from encoder_service.ops import attention as A
 
-SCRIPT = Path(b.__file__)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_layouts_are_the_graphs_layouts():
@@ -104,8 +104,8 @@ def test_rejected_split_kernel_host_helpers():
 
 def run_driver(tmp_path, *args, **env):
     environment = dict(os.environ, ATTN_BENCH_FAKE_WORKER="1", OUT=str(tmp_path), **env)
-    p = subprocess.run([sys.executable, str(SCRIPT), *args], env=environment, capture_output=True, text=True,
-                       timeout=240)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.attention.candidates", *args], cwd=ROOT, env=environment,
+                       capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     (result,) = tmp_path.glob("attention_candidates-*.json")  # with OUT set, the JSON goes there
     return json.loads(result.read_text())

@@ -19,7 +19,6 @@ from benchmarks.k23 import kernels, report, service
 from benchmarks.k23.common import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernels_issue23.py"
 
 
 def test_items_are_unique_and_the_essentials_come_first():
@@ -75,8 +74,8 @@ def test_variant_names_with_commas_reach_the_worker_whole():
 
 def test_driver_survives_a_worker_crash_and_writes_the_report(tmp_path):
     env = dict(os.environ, K23_FAKE_WORKER="1", OUT=str(tmp_path))
-    res = subprocess.run([sys.executable, str(SCRIPT), "--budget-s", "120", "--sections", "kernels,e2e_q25", "--sweep"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "benchmarks.kernels_issue23", "--budget-s", "120", "--sections",
+                          "kernels,e2e_q25", "--sweep"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "worker attempt 1 exit 7" in res.stdout and "worker attempt 2 exit 0" in res.stdout
     md = (tmp_path / "kernels_issue23.md").read_text()

@@ -29,7 +29,7 @@ def _has_redis_server() -> bool:
 @pytest.mark.timeout(300)  # --budget-s 220 (a loaded machine skips no phase) + its bounded waits < 280 s
 @pytest.mark.skipif(not _has_redis_server(), reason="needs a redis-server binary")
 def test_scale_out_small(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/scale_out.py", "--small", "--budget-s", "220"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.scale_out", "--small", "--budget-s", "220"], cwd=ROOT,
                           env=os.environ | {"OUT": str(tmp_path)}, capture_output=True, text=True, timeout=280)
     print(proc.stdout[-8000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_transfer_bench_small(tmp_path):
     env = os.environ | {"OUT": str(tmp_path), "N": "1", "P": "1"}
-    proc = subprocess.run([sys.executable, "benchmarks/transfer_bench.py", "--small"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.transfer_bench", "--small"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540)
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

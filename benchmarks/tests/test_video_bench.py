@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(300)
 def test_video_bench_small(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/video_bench.py", "--small"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.video_bench", "--small"], cwd=ROOT,
                           env=os.environ | {"OUT": str(tmp_path)}, capture_output=True, text=True, timeout=280)
     print(proc.stdout[-8000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -1,5 +1,5 @@
 # Source at the start of a device command, from the repo root, with `.whl` named in the run's carry:
-#   source scripts/gpu/env.sh || exit 1; python3 benchmarks/load_bench.py
+#   source scripts/gpu/env.sh || exit 1; python3 -m benchmarks.load_bench
 # Installs the carried wheels (.whl/: fastapi, uvicorn, pydantic, grpcio>=1.85.1, protobuf>=7.35.1, redis, ...;
 # scripts/gpu/check_wheels.py lists them and checks their closure against the GPU image) into /tmp/site and
 # puts /tmp/site first on PYTHONPATH, so they win over the image's older grpcio / protobuf, then the repo.
