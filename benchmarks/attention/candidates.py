@@ -55,7 +55,6 @@ cudnn-frontend's python engines report "unavailable") and says so; everything el
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -66,7 +65,7 @@ import traceback
 from functools import partial
 
 from benchmarks.common.children import module_command, module_env
-from benchmarks.common.report import out_dir, stamp, write_result
+from benchmarks.common.report import append_record, out_dir, read_records, stamp, write_result
 
 HEADS = 16
 REL_TOL = 2e-2
@@ -398,15 +397,8 @@ def env_info() -> dict:
     return info
 
 
-def _emit(path, rec):
-    with open(path, "a") as f:
-        f.write(json.dumps(rec, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _done(path) -> dict:
-    return {(r["layout"], r["candidate"]): r for r in read_results(path)
+    return {(r["layout"], r["candidate"]): r for r in read_records(path)
             if r.get("kind") == "item" and r.get("status") != "started"}
 
 
@@ -417,16 +409,17 @@ def _fake_worker(args):
     items = work_items(select_layouts(args), select_candidates(args))
     done = _done(args.results)
     marker = args.results + ".crashed_once"
-    _emit(args.results, dict(kind="env", pid=os.getpid(), fake=True))
+    append_record(args.results, dict(kind="env", pid=os.getpid(), fake=True))
     skip = set(filter(None, args.skip.split(",")))
     for i, (ln, cn) in enumerate(items):
         if (ln, cn) in done:
             continue
         base = cn.split("[")[0]
         if base in skip:
-            _emit(args.results, dict(kind="item", layout=ln, candidate=cn, status="skipped", notes=["crashed twice"]))
+            append_record(args.results, dict(kind="item", layout=ln, candidate=cn, status="skipped",
+                                             notes=["crashed twice"]))
             continue
-        _emit(args.results, dict(kind="item", layout=ln, candidate=cn, status="started"))
+        append_record(args.results, dict(kind="item", layout=ln, candidate=cn, status="started"))
         if base == os.environ.get("ATTN_BENCH_FAKE_CRASH_CAND"):
             os._exit(9)
         if base == os.environ.get("ATTN_BENCH_FAKE_HANG_CAND"):
@@ -437,7 +430,7 @@ def _fake_worker(args):
             os._exit(7)
         ms = 1.0 + 0.01 * i
         num = dict(ok=True, max_abs=1e-3, rel_l2=2e-3, rel_l2_real_rows=2e-3, nan_rows=0)
-        _emit(args.results, dict(kind="item", layout=ln, candidate=cn, status="ok", notes=[], ms_eager=ms * 1.1,
+        append_record(args.results, dict(kind="item", layout=ln, candidate=cn, status="ok", notes=[], ms_eager=ms * 1.1,
                                  ms_graph=ms, eager_num=num, graph_num=num, rng_ok_after=True, first_call_s=0.1))
     return 0
 
@@ -452,7 +445,7 @@ def worker_main(args) -> int:
     layouts = {lay["name"]: lay for lay in select_layouts(args)}
     items = work_items(list(layouts.values()), select_candidates(args))
     done = _done(args.results)
-    _emit(args.results, dict(kind="env", pid=os.getpid(), **env_info()))
+    append_record(args.results, dict(kind="env", pid=os.getpid(), **env_info()))
     args.rng_broken_by = None
     skip = set(filter(None, args.skip.split(",")))
     data: dict[str, LayoutData] = {}
@@ -466,10 +459,11 @@ def worker_main(args) -> int:
             if base in skip:
                 rec = dict(kind="item", layout=lname, candidate=cname, status="skipped",
                            notes=[f"{base} crashed the worker twice earlier in this run"])
-                _emit(args.results, rec)
+                append_record(args.results, rec)
                 done[(lname, cname)] = rec
                 continue
-            _emit(args.results, dict(kind="item", layout=lname, candidate=cname, status="started", t=time.time()))
+            append_record(args.results, dict(kind="item", layout=lname, candidate=cname, status="started",
+                                             t=time.time()))
             t0 = time.perf_counter()
             try:
                 if lname not in data:
@@ -481,18 +475,19 @@ def worker_main(args) -> int:
                 rec = dict(layout=lname, candidate=cname, status="error",
                            notes=[f"{type(e).__name__}: {str(e)[:400]}"], traceback=traceback.format_exc()[-2000:])
             rec.update(kind="item", wall_s=round(time.perf_counter() - t0, 2))
-            _emit(args.results, rec)
+            append_record(args.results, rec)
             done[(lname, cname)] = rec
             try:  # a sticky CUDA error poisons this process: the driver starts a fresh worker
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
-                _emit(args.results, dict(kind="note", text=f"CUDA context unusable after {lname}/{cname}: {e}"))
+                append_record(args.results, dict(kind="note", text=f"CUDA context unusable after {lname}/{cname}: {e}"))
                 sys.exit(3)
             if rec.get("rng_ok_after") is False:
                 args.rng_broken_by = cname
                 rest = [it for it in items if it not in done and it[1].split("[")[0] != base]
                 if rest:
-                    _emit(args.results, dict(kind="note", text=f"default RNG broken by {lname}/{cname}: new worker"))
+                    append_record(args.results,
+                                  dict(kind="note", text=f"default RNG broken by {lname}/{cname}: new worker"))
                     sys.exit(4)  # a fresh process has a fresh default RNG for the other candidates
     return 0
 
@@ -519,18 +514,6 @@ def select_candidates(args) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown candidates: {sorted(unknown)} (known: {CANDIDATES})")
     return want
-
-
-def read_results(path) -> list[dict]:
-    recs = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    recs.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut by a kill
-    return recs
 
 
 def _fmt(x, nd=3):
@@ -633,7 +616,7 @@ def driver_main(args) -> int:
           flush=True)
     restarts = 0
     while True:
-        recs = read_results(results)
+        recs = read_records(results)
         finished = {(r["layout"], r["candidate"]) for r in recs if r.get("kind") == "item" and r["status"] != "started"}
         if all(it in finished for it in items) or time.time() > deadline - 5 or restarts > args.max_restarts:
             break
@@ -669,7 +652,7 @@ def driver_main(args) -> int:
                     log.write(f"==== killed: {why} ====\n")
                     break
         rc = proc.returncode
-        recs = read_results(results)
+        recs = read_records(results)
         pending = None  # an item that started but never finished: crashed or hung
         for r in recs:
             if r.get("kind") == "item":
@@ -678,7 +661,7 @@ def driver_main(args) -> int:
         if pending is not None:
             tail = log_path.read_text()[-1500:] if log_path.exists() else ""
             notes = [f"worker exit {rc}" + (f" ({why})" if why else ""), tail[-300:].replace("\n", " | ")]
-            _emit(results, dict(kind="item", layout=pending[0], candidate=pending[1],
+            append_record(results, dict(kind="item", layout=pending[0], candidate=pending[1],
                                 status="hung/killed" if why else "crashed", notes=notes))
         print_progress(results)
         if rc == 0 or why == "time budget":
@@ -686,7 +669,7 @@ def driver_main(args) -> int:
         restarts += 1
         print(f"[bench] worker exited rc={rc}{f' ({why})' if why else ''}; restarting ({restarts})", flush=True)
     wall_s = time.time() - t_start
-    recs = read_results(results)
+    recs = read_records(results)
     text, final, winners = render(layouts, display_items(layouts, candidates), recs, wall_s)
     print("\n" + text, flush=True)
     summary = dict(env=next((r for r in recs if r.get("kind") == "env"), None),
@@ -701,7 +684,7 @@ _printed: set = set()
 
 
 def print_progress(results):
-    for r in read_results(results):
+    for r in read_records(results):
         if r.get("kind") != "item" or r["status"] == "started":
             continue
         key = (r["layout"], r["candidate"])

@@ -1,5 +1,6 @@
 """What every run leaves: the setup stamp that heads its table (date, commit, machine), its JSON, and its
-other files (markdown table, profiles, logs).
+other files (markdown table, profiles, logs); and, for a run whose items run in worker processes (a crash ends
+only its worker), the JSON-lines record stream the workers append to and the driver reads.
 
 The JSON is the run's record, the one RESULTS.md cites: benchmarks/results/<name>-<date>-<commit>.json
 (-2, -3, ... after it when that name, date and commit already have one). With $OUT set (the GPU machine,
@@ -88,3 +89,24 @@ def write_result(name: str, setup: dict, body: dict, markdown: str | None = None
     if markdown is not None:
         (out_dir() / f"{name}.md").write_text(markdown)
     return path
+
+
+def append_record(path: str, rec: dict) -> None:
+    """One record at the end of the stream, on disk before this returns: the next call may crash the process."""
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: str) -> list[dict]:
+    """Every record of the stream (none before the first), skipping a line a kill cut short."""
+    recs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut by a kill
+    return recs

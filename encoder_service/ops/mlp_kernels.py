@@ -6,7 +6,7 @@ picks one. x [N, E] -> the hidden [N, I] the down projection reads; three forms 
   gelu_tanh   Qwen3's fc1: gelu_tanh(x @ W^T + b); weight [I, E]
   quick_gelu  Qwen2's fc1: quick_gelu(x @ W^T + b); weight [I, E]
 
-Each form's backends in auto's order, measured on the H100 (benchmarks/kernels_issue23.py; RESULTS.md, issue
+Each form's backends in auto's order, measured on the H100 (benchmarks/mlp_kernels/; RESULTS.md, issue
 23), each `run(x, weight, bias, out) -> out [N, I]`; the last is the fallback, present wherever the fast path
 runs (Triton on CUDA), which needs no check:
   swiglu:     quack         quack-kernels' CuTe DSL GEMM with its swiglu epilogue on the concatenated weight

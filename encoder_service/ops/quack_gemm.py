@@ -18,7 +18,7 @@ capability 9.x when the policy asks for it, never on the CPU, never at import of
     is there, not in gemm_act's type hints).
   - `tuned=False, config=CONFIGS[activation]`: no autotuning at the first call (the autotuner sweeps ~20
     configs per new shape, timing each). "swiglu" pins 128 x 192 tiles, pingpong, cluster 1 x 2 (the
-    fastest of benchmarks/kernels_issue23.py's sweep on the H100: 0.248 ms at Qwen2.5 1080p against 0.256
+    fastest of the sweep of benchmarks/mlp_kernels/ on the H100: 0.248 ms at Qwen2.5 1080p against 0.256
     for quack's sm90 default, cluster 2 x 1); None is quack's default (gelu_tanh_approx: 0.118 ms for Qwen3's
     1080p fc1 against cuBLASLt's 0.134). JIT: `cute.compile` once per (dtypes, layouts, config, epilogue),
     M symbolic; compiled objects cached on disk (QUACK_CACHE_DIR, default /tmp/<user>/quack_cache). Launch

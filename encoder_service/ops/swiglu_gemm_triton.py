@@ -12,8 +12,8 @@ Bias, SiLU and the product run in float32 on the accumulators; one rounding to t
 Operands move by TMA (host-side tensor descriptors: 16-byte aligned rows, so E and I multiples of 8 in
 half precision, which `serves` checks). A gate tile that runs past I reads up rows into columns the store
 clips; an up tile past 2 * I reads TMA's zero fill. No host sync, no allocation but the output: capturable.
-benchmarks/k23/compile_check_swiglu.py compiles every config for sm_90a without a GPU (TMA + wgmma, no spills).
-Tile configs: CONFIGS (the benchmark, benchmarks/kernels_issue23.py, times them on the H100; DEFAULT_CONFIG
+benchmarks/mlp_kernels/compile_check_swiglu.py compiles every config for sm_90a without a GPU (TMA + wgmma, no spills).
+Tile configs: CONFIGS (the benchmark, benchmarks/mlp_kernels/, times them on the H100; DEFAULT_CONFIG
 is the one the service runs).
 """
 
@@ -47,7 +47,7 @@ class TileConfig:
                 + ("p" if self.persistent else ""))
 
 
-# The fastest of the sweep on the H100 (benchmarks/kernels_issue23.py): 0.310 ms at Qwen2.5 1080p, 0.238 at
+# The fastest of the sweep on the H100 (benchmarks/mlp_kernels/): 0.310 ms at Qwen2.5 1080p, 0.238 at
 # 8 x 448x448 (the same tile launched per tile: 0.324 / 0.249).
 DEFAULT_CONFIG = TileConfig(persistent=True)
 # What the benchmark sweeps (shared memory per stage: (block_m + 2 * block_n) * block_k * 2 bytes, plus the

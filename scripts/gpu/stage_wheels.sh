@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # HERE (no GPU), from the repo root, before the device calls that need FlashAttention-4 / quack / cudnn-frontend
-# (benchmarks/kernels_issue23.py, benchmarks/attention/candidates.py, bench_vit.py --attention fa4).
+# (benchmarks/mlp_kernels/, benchmarks/attention/candidates.py, bench_vit.py --attention fa4).
 #
 # The wheels live in a folder outside the tree or in .gpuwhl/ (ignored; NOT .whl/, which holds the service's own
 # wheels for scripts/gpu/env.sh), exactly these versions, cp312 / manylinux x86_64 for the GPU image (torch 2.11+cu130,

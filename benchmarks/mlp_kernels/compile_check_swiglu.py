@@ -3,7 +3,7 @@ config of its CONFIGS, and report what came out: registers per thread, spills, s
 227 KB per block), wgmma in the PTX, TMA copies, HGMMA in the SASS. Nothing runs; it shows the kernel lowers
 to TMA + warpgroup MMA for the H100 before device time is spent. Needs a Triton like the GPU machine's (3.6):
 
-    /tmp/triton-venv/bin/python -m benchmarks.k23.compile_check_swiglu     # from the repo root
+    /tmp/triton-venv/bin/python -m benchmarks.mlp_kernels.compile_check_swiglu     # from the repo root
 
 Exit status 1 if a config fails to compile or needs more shared memory than the H100 has.
 """
@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from benchmarks.attn.compile_check_sm90 import usage
+from benchmarks.attention.compile_check_sm90 import usage
 from encoder_service.ops import swiglu_gemm_triton as G
 
 SMEM_LIMIT = 227 * 1024

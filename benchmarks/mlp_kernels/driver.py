@@ -1,11 +1,12 @@
-"""Issue 23 on one H100 in one bounded run (~7 min): the MLP kernels `auto` now picks (quack's GEMMs with the
-activation in the epilogue) against the path before issue 23, end to end against transformers; where the
-service loses Qwen3's throughput, with runtime/host_pool.py's fix on and off; and bench_vit.py's rows of the
-README table. Installs nothing: it imports what scripts/gpu/install_wheels.sh put in /tmp/site-packages (FA4,
-CuTe DSL, quack-kernels) and, for the engine, the service's wheels (scripts/gpu/env.sh: PyAV); what is missing
-is reported "unavailable" with what to carry.
+"""The MLP kernels benchmark (issue 23) on one H100 in one bounded run (~7 min): the MLP kernels `auto` now
+picks (quack's GEMMs with the activation in the epilogue) against the path before issue 23, end to end against
+transformers; where the service loses Qwen3's throughput, with runtime/host_pool.py's fix on and off; and
+bench_vit's rows of the README table. Installs nothing: it imports what scripts/gpu/install_wheels.sh put in
+/tmp/site-packages (FA4, CuTe DSL, quack-kernels) and, for the engine, the service's wheels (scripts/gpu/env.sh:
+PyAV); what is missing is reported "unavailable" with what to carry.
 
-Four sections, each in its own process, one after the other (benchmarks/k23/: what each measures, and how):
+Four sections, each in its own process, one after the other (benchmarks/mlp_kernels/: what each measures, and
+how):
   kernels   per kernel against float32, CUDA graphs: the kernels not measured yet (Qwen2's fc1 + quick_gelu:
             cuBLAS + torch vs quack); --sweep: every candidate of the first run too (Qwen2.5's gate/up + SwiGLU
             per Triton / quack tile config and torch.compile, Qwen3's fc1 + GELU, RMSNorm, attention at D 72
@@ -17,20 +18,20 @@ Four sections, each in its own process, one after the other (benchmarks/k23/: wh
             service diagnostics on the auto runner (host copies of the rows into torch's allocator and into
             the pool, runner alone, the engine in a closed loop of 64 callers: preprocessing on the GPU / CPU /
             none, rows into torch's allocator or the pool, every image's rows kept or a cache at capacity)
-  readme    bench_vit.py for the README's table (transformers, ours with FA4 + quack, ours with torch's
+  readme    bench_vit for the README's table (transformers, ours with FA4 + quack, ours with torch's
             attention and no quack: what runs without the [fa4] extra), one process per family, each in its
             own folder ($OUT/readme_<family>/bench_vit.md and its JSON)
 A worker that crashes (illegal address, abort) or passes its deadline is replaced and goes on after the
 item it was running (recorded "crashed"); items past the time budget are reported "not run".
 
     source scripts/gpu/env.sh && PYTHONPATH=/tmp/site-packages:$PYTHONPATH BENCH_COMMIT=<commit> \
-        python3 -m benchmarks.kernels_issue23                                        # GPU, ~7 min
-    python3 -m benchmarks.kernels_issue23 --list                                      # the items; no GPU
-    python3 -m benchmarks.kernels_issue23 --small --sections e2e_q25,e2e_q3,readme   # CPU smoke test (~2 min)
+        python3 -m benchmarks.mlp_kernels                                         # GPU, ~7 min
+    python3 -m benchmarks.mlp_kernels --list                                       # the items; no GPU
+    python3 -m benchmarks.mlp_kernels --small --sections e2e_q25,e2e_q3,readme    # CPU smoke test (~2 min)
     ... --sections kernels --sweep --budget-s 200
-    OUT=/tmp/k23 ... --resume                # go on after a run cut short (the records under OUT are kept)
+    OUT=/tmp/mlp_kernels ... --resume        # go on after a run cut short (the records under OUT are kept)
 
-Writes $OUT/kernels_issue23.{md,json,jsonl} and one log per worker (OUT defaults to ./gpu_out); prints a short
+Writes $OUT/mlp_kernels.{md,json,jsonl} and one log per worker (OUT defaults to ./gpu_out); prints a short
 table last. Exit status 0 unless the driver itself fails (wrong numerics are reported, not fatal).
 """
 
@@ -45,8 +46,10 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
 from benchmarks.common.children import module_command, module_env
-from benchmarks.k23.common import emit, env_info, finished_items, read_records
+from benchmarks.common.report import append_record, commit, read_records
 
 SECTIONS = ("kernels", "e2e_q25", "e2e_q3", "readme")
 SHARE = {"kernels": 0.08, "e2e_q25": 0.17, "e2e_q3": 0.32, "readme": 0.43}  # of the time left when it starts
@@ -60,8 +63,29 @@ GRACE_S = 20.0
 # ---- workers --------------------------------------------------------------------------------------------
 
 
+def finished_items(path: str) -> set[str]:
+    """Items with a result (or marked crashed by the driver): a restarted worker skips them."""
+    return {r["item"] for r in read_records(path) if r.get("kind") == "item"}
+
+
+def env_info() -> dict:
+    from importlib.metadata import version
+
+    info = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}")
+    for dist in ("triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels", "apache-tvm-ffi"):
+        try:
+            info[dist] = version(dist)
+        except Exception:  # noqa: BLE001 - not installed
+            info[dist] = None
+    info["commit"] = commit()  # $BENCH_COMMIT on the device: its copy's git metadata is not the tree's
+    return info
+
+
 def worker_items(section: str, args) -> list[str]:
-    from benchmarks.k23 import kernels, service
+    from benchmarks.mlp_kernels import kernels, service
 
     if section == "kernels":
         return kernels.items(args.sweep)
@@ -73,14 +97,12 @@ def worker_items(section: str, args) -> list[str]:
 
 
 def worker_main(args) -> int:
-    if os.environ.get("K23_FAKE_WORKER") == "1":
+    if os.environ.get("MLP_KERNELS_FAKE_WORKER") == "1":
         return fake_worker(args)
-    import torch
-
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 references stay float32
     torch.backends.cudnn.allow_tf32 = False
     if not any(r.get("kind") == "env" for r in read_records(args.results)):  # the run's first worker
-        emit(args.results, dict(kind="env", **env_info()))
+        append_record(args.results, dict(kind="env", **env_info()))
     done = finished_items(args.results)
     state: dict = {}
     for item in worker_items(args.worker, args):
@@ -88,7 +110,7 @@ def worker_main(args) -> int:
             continue
         if time.time() > args.deadline:
             break
-        emit(args.results, dict(kind="start", item=item, t=time.time()))
+        append_record(args.results, dict(kind="start", item=item, t=time.time()))
         t0 = time.perf_counter()
         try:
             rec = run_worker_item(args.worker, item, state, args.small)
@@ -98,20 +120,18 @@ def worker_main(args) -> int:
         except Exception as e:  # noqa: BLE001 - recorded; the next item runs
             rec = dict(status="error", error=f"{type(e).__name__}: {str(e)[:400]}",
                        traceback=traceback.format_exc()[-3000:])
-        emit(args.results, dict(kind="item", item=item, wall_s=round(time.perf_counter() - t0, 2), **rec))
+        append_record(args.results, dict(kind="item", item=item, wall_s=round(time.perf_counter() - t0, 2), **rec))
         try:  # a sticky CUDA error poisons this process: the driver starts a fresh worker
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
-            emit(args.results, dict(kind="note", text=f"CUDA context unusable after {item}: {e}"))
+            append_record(args.results, dict(kind="note", text=f"CUDA context unusable after {item}: {e}"))
             return 3
     return 0
 
 
 def run_worker_item(section: str, item: str, state: dict, small: bool) -> dict:
-    import torch
-
-    from benchmarks.k23 import e2e, kernels, service
+    from benchmarks.mlp_kernels import e2e, kernels, service
 
     if section == "kernels":
         if small or not torch.cuda.is_available():
@@ -155,11 +175,11 @@ def run_worker_item(section: str, item: str, state: dict, small: bool) -> dict:
 
 
 def fake_worker(args) -> int:
-    """Harness self-test without a GPU (K23_FAKE_WORKER=1, benchmarks/tests/test_kernels_issue23.py): synthetic
+    """Harness self-test without a GPU (MLP_KERNELS_FAKE_WORKER=1, benchmarks/tests/test_mlp_kernels.py): synthetic
     records in the real shapes; the third kernels item kills the worker once (the driver's restart path)."""
     marker = args.results + ".crashed_once"
     for n, item in enumerate(i for i in worker_items(args.worker, args) if i not in finished_items(args.results)):
-        emit(args.results, dict(kind="start", item=item, t=time.time()))
+        append_record(args.results, dict(kind="start", item=item, t=time.time()))
         if args.worker == "kernels" and n == 2 and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(7)
@@ -176,7 +196,7 @@ def fake_worker(args) -> int:
                                                attention={"selected": {"one/D72/bfloat16": "fa4"}})])
         elif item.startswith("service/"):
             rec = dict(status="error", error="fake worker")
-        emit(args.results, dict(kind="item", item=item, **rec))
+        append_record(args.results, dict(kind="item", item=item, **rec))
     return 0
 
 
@@ -185,9 +205,9 @@ def fake_worker(args) -> int:
 
 def run_section(section: str, args, deadline: float, variants: list[str]) -> None:
     """Run the section's worker until its items are done, restarting it after a crash or a hang."""
-    log = open(Path(args.out) / f"k23_{section}.log", "a")
+    log = open(Path(args.out) / f"mlp_kernels_{section}.log", "a")
     for attempt in range(RESTARTS + 1):
-        cmd = module_command("benchmarks.kernels_issue23", "--worker", section, "--results", args.results,
+        cmd = module_command("benchmarks.mlp_kernels", "--worker", section, "--results", args.results,
                              "--deadline", str(deadline), "--variants", json.dumps(variants),
                              *(["--small"] if args.small else []), *(["--sweep"] if args.sweep else []))
         started = time.time()
@@ -200,7 +220,7 @@ def run_section(section: str, args, deadline: float, variants: list[str]) -> Non
         if rc == 0:
             return
         for item in running:  # the item the worker died in: recorded, the next worker goes on after it
-            emit(args.results, dict(kind="item", item=item, status="crashed", error=f"worker exit {rc}"))
+            append_record(args.results, dict(kind="item", item=item, status="crashed", error=f"worker exit {rc}"))
         if time.time() > deadline:
             return
 
@@ -216,7 +236,7 @@ def _wait(proc: subprocess.Popen, timeout_s: float):
 
 
 def run_readme(args, deadline: float) -> None:
-    """bench_vit.py once per family (its README cases, --attention auto,torch), each into its own folder;
+    """bench_vit once per family (its README cases, --attention auto,torch), each into its own folder;
     one record per family: the process's exit and its markdown. The second gets what the first left."""
     families = list(README_CASES)
     for n, family in enumerate(families):
@@ -229,7 +249,7 @@ def run_readme(args, deadline: float) -> None:
                              *(["--small"] if args.small else [arg for case in README_CASES[family]
                                                                for arg in ("--case", case)]))
         left = deadline - time.time()
-        emit(args.results, dict(kind="start", item=item, t=time.time()))
+        append_record(args.results, dict(kind="start", item=item, t=time.time()))
         with open(out / "bench_vit.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env=module_env(dict(os.environ, OUT=str(out))))
@@ -239,17 +259,18 @@ def run_readme(args, deadline: float) -> None:
                    markdown=md.read_text() if md.exists() else None)
         if rc != 0:
             rec["error"] = f"bench_vit exit {rc}; its log: {out / 'bench_vit.log'}"
-        emit(args.results, dict(kind="item", item=item, **rec))
+        append_record(args.results, dict(kind="item", item=item, **rec))
         print(f"[readme] {family}: exit {rc}", flush=True)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mlp_kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=470.0, help="whole run (default %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--list", action="store_true", help="print the items and exit (no GPU)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep $OUT/kernels_issue23.jsonl of an earlier run: its recorded items are not run again")
+                        help="keep $OUT/mlp_kernels.jsonl of an earlier run: its recorded items are not run again")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: tiny towers in float32 (the kernels section needs CUDA)")
     parser.add_argument("--sweep", action="store_true",
@@ -266,7 +287,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; known: {SECTIONS}")
     if args.list:
-        from benchmarks.k23 import kernels, service
+        from benchmarks.mlp_kernels import kernels, service
 
         print("\n".join(kernels.items(args.sweep)))
         for section, variants in E2E_VARIANTS.items():
@@ -275,13 +296,13 @@ def main() -> int:
         print("e2e/qwen3_vl/attn:<fastest D72 candidate of a --sweep, if it beats fa4>")
         print("\n".join(["service/host_copy", "service/runner_alone"]
                         + [f"service/engine[{v}]" for v in service.ENGINE_VARIANTS]))
-        print("\n".join(f"readme/{family}: bench_vit.py {' '.join(cases)}" for family, cases in README_CASES.items()))
+        print("\n".join(f"readme/{family}: bench_vit {' '.join(cases)}" for family, cases in README_CASES.items()))
         return 0
-    from benchmarks.k23 import report
+    from benchmarks.mlp_kernels import report
 
     args.out = os.environ.get("OUT", "gpu_out")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    args.results = str(Path(args.out) / "kernels_issue23.jsonl")
+    args.results = str(Path(args.out) / "mlp_kernels.jsonl")
     if os.path.exists(args.results) and not args.resume:
         os.remove(args.results)
     start = time.time()
@@ -299,11 +320,7 @@ def main() -> int:
         else:
             run_section(section, args, deadline, variants)
     md, summary, short = report.render(read_records(args.results), time.time() - start)
-    (Path(args.out) / "kernels_issue23.md").write_text(md)
-    (Path(args.out) / "kernels_issue23.json").write_text(json.dumps(summary, indent=2, default=str))
+    (Path(args.out) / "mlp_kernels.md").write_text(md)
+    (Path(args.out) / "mlp_kernels.json").write_text(json.dumps(summary, indent=2, default=str))
     print(short)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

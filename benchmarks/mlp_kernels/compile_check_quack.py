@@ -1,5 +1,5 @@
 """Trace and compile ops/quack_gemm.py's kernels (quack gemm_act: swiglu with the concatenated [gate; up]
-weight and bias, per config of benchmarks/k23/kernels.py's QUACK_CONFIGS; Qwen3's gelu_tanh_approx fc1 and
+weight and bias, per config of benchmarks/mlp_kernels/kernels.py's QUACK_CONFIGS; Qwen3's gelu_tanh_approx fc1 and
 Qwen2's quick_gelu fc1 at quack's default tile, as ops/mlp_kernels.py calls them) for sm_90a WITHOUT a GPU,
 and report what ptxas made of them: registers, spills, HGMMA (warpgroup MMA), TMA loads and stores in the
 SASS. Nothing runs: the device queries quack makes before compiling are answered with the
@@ -9,7 +9,7 @@ as quack's own async-compile workers do.
 Needs torch, Triton and the wheels of scripts/gpu/stage_wheels.sh built for the local Python, installed
 under a folder named site-packages (quack's epilogue fingerprint requires it: ops/quack_gemm.py):
 
-    PYTHONPATH=/tmp/q/site-packages QUACK_CACHE_ENABLED=0 python -m benchmarks.k23.compile_check_quack
+    PYTHONPATH=/tmp/q/site-packages QUACK_CACHE_ENABLED=0 python -m benchmarks.mlp_kernels.compile_check_quack
 
 Exit status 1 if a variant fails to trace or compile.
 """
@@ -29,7 +29,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import torch  # noqa: E402
 
-from benchmarks.k23.kernels import QUACK_CONFIGS  # noqa: E402
+from benchmarks.mlp_kernels.kernels import QUACK_CONFIGS  # noqa: E402
 from encoder_service.ops import quack_gemm as Q  # noqa: E402
 
 SASS = r"\b(HGMMA|UTMALDG|UTMASTG|MUFU\.EX2|MUFU\.TANH|MUFU\.RCP)\b"

@@ -84,7 +84,7 @@ def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def attention_variant(name: str):
     """BACKENDS["fa4"] serves head dim 72 with kernels.py's candidate `name` while inside (dense candidates
     only where the layout is one segment); "fa4": unchanged."""
-    from benchmarks.k23.kernels import attention_call
+    from benchmarks.mlp_kernels.kernels import attention_call
     from encoder_service.ops import attention
 
     if name == "fa4":

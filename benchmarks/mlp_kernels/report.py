@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.k23 import kernels
+from benchmarks.mlp_kernels import kernels
 
 
 def final_records(recs: list[dict]) -> dict[str, dict]:
@@ -176,7 +176,7 @@ def render(recs: list[dict], wall_s: float) -> tuple[str, dict, str]:
     final = final_records(recs)
     env = next((r for r in recs if r.get("kind") == "env"), {})
     picked = choices(final)
-    lines = ["# Issue 23 kernels and service diagnostics (benchmarks/kernels_issue23.py)", "",
+    lines = ["# Issue 23 kernels and service diagnostics (python -m benchmarks.mlp_kernels)", "",
              "env: " + ", ".join(f"{k}={v}" for k, v in env.items() if k != "kind") + f"; wall {wall_s:.0f} s", "",
              f"attention candidate for Qwen3's e2e from a kernels sweep: {picked['attention_72'] or 'none (fa4)'}",
              ""]

@@ -1,60 +1,15 @@
-"""What the sections share: the JSON-lines record stream (one file per run, appended by the workers, read by
-the driver), numerics against a float32 reference, and timing of one call replayed in a CUDA graph."""
+"""What the sections measure with: numerics against a float32 reference, and timing of one call replayed in a
+CUDA graph."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-from benchmarks.common.report import commit
-
 REL_TOL = 2e-2  # ||out - ref|| / ||ref|| against float32 (bf16 GEMMs land near 3e-3, attention near 5e-3)
-
-
-def emit(path: str, rec: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(rec, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_records(path: str) -> list[dict]:
-    recs = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    recs.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut by a kill
-    return recs
-
-
-def finished_items(path: str) -> set[str]:
-    """Items with a result (or marked crashed by the driver): a restarted worker skips them."""
-    return {r["item"] for r in read_records(path) if r.get("kind") == "item"}
-
-
-def env_info() -> dict:
-    from importlib.metadata import version
-
-    info = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda)
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}")
-    for dist in ("triton", "transformers", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels", "apache-tvm-ffi"):
-        try:
-            info[dist] = version(dist)
-        except Exception:  # noqa: BLE001 - not installed
-            info[dist] = None
-    info["commit"] = commit()  # $BENCH_COMMIT on the device: its copy's git metadata is not the tree's
-    return info
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -1,4 +1,4 @@
-"""benchmarks/kernels_issue23.py without a GPU, so that its one H100 run cannot fail on the harness: the item
+"""benchmarks/mlp_kernels/ without a GPU, so that its one H100 run cannot fail on the harness: the item
 lists and layouts, the attention candidate the e2e section gets (fastest passing, never a wrong one), variant
 names with commas reaching the workers whole, the driver with a fake worker (a crash in the middle, the
 report written), the report's tables, and the engine closed loop of the service section on a tiny tower on
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.k23 import kernels, report, service
-from benchmarks.k23.common import read_records
+from benchmarks.common.report import read_records
+from benchmarks.mlp_kernels import driver, kernels, report, service
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,23 +64,21 @@ def test_variant_names_with_commas_reach_the_worker_whole():
     import argparse
     import json
 
-    from benchmarks import kernels_issue23
-
     variants = ["cublaslt", "auto", "attn:fa4_tiles[192,144,smem,ol]"]
     args = argparse.Namespace(variants=json.dumps(variants), sweep=False)
-    items = kernels_issue23.worker_items("e2e_q3", args)
+    items = driver.worker_items("e2e_q3", args)
     assert items[:3] == [f"e2e/qwen3_vl/{v}" for v in variants] and "service/host_copy" in items
 
 
 def test_driver_survives_a_worker_crash_and_writes_the_report(tmp_path):
-    env = dict(os.environ, K23_FAKE_WORKER="1", OUT=str(tmp_path))
-    res = subprocess.run([sys.executable, "-m", "benchmarks.kernels_issue23", "--budget-s", "120", "--sections",
+    env = dict(os.environ, MLP_KERNELS_FAKE_WORKER="1", OUT=str(tmp_path))
+    res = subprocess.run([sys.executable, "-m", "benchmarks.mlp_kernels", "--budget-s", "120", "--sections",
                           "kernels,e2e_q25", "--sweep"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "worker attempt 1 exit 7" in res.stdout and "worker attempt 2 exit 0" in res.stdout
-    md = (tmp_path / "kernels_issue23.md").read_text()
+    md = (tmp_path / "mlp_kernels.md").read_text()
     assert "crashed: worker exit 7" in md  # the item the first worker died in
-    finals = report.final_records(read_records(str(tmp_path / "kernels_issue23.jsonl")))
+    finals = report.final_records(read_records(str(tmp_path / "mlp_kernels.jsonl")))
     assert set(kernels.items(sweep=True)) <= set(finals)  # every kernel item has a record, the crashed one too
     assert [i for i in finals if i.startswith("e2e/")] == ["e2e/qwen2_5_vl/split", "e2e/qwen2_5_vl/auto"]
     assert "| qwen2_5_vl | 1080p | auto |" in md and "mlp swiglu:quack; attn fa4" in md
@@ -134,7 +132,7 @@ def test_engine_closed_loop_on_a_tiny_tower_on_the_cpu():
 
 
 def test_e2e_variant_on_tiny_towers_on_the_cpu():
-    from benchmarks.k23 import e2e
+    from benchmarks.mlp_kernels import e2e
 
     fam = e2e.Family("qwen2_5_vl", small=True)
     recs, runner = e2e.run_variant(fam, "auto")

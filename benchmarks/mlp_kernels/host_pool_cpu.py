@@ -5,7 +5,7 @@ last WINDOW batches' rows kept). Per batch: the copy's wall ms, the process's CP
 and minor page faults (medians after the window filled), two passes each (glibc adapts its mmap threshold to
 blocks under 32 MiB on the way).
 
-    .venv/bin/python -m benchmarks.k23.host_pool_cpu [--threads 1]
+    .venv/bin/python -m benchmarks.mlp_kernels.host_pool_cpu [--threads 1]
 
 Batches: Qwen3 4 x 720p (4 x 880 x 16384 bf16, 28.8 MB each) and Qwen3 1080p (2040 x 16384, 66.8 MB).
 """

@@ -1,4 +1,4 @@
-"""Per-kernel candidates on the H100, each against float32, timed as a CUDA-graph replay (common.bench_call).
+"""Per-kernel candidates on the H100, each against float32, timed as a CUDA-graph replay (measure.bench_call).
 
 Items are named "<group>/<shape>/<candidate>":
   mlp/<q25_1080p|q25_8x448>/...   Qwen2.5's gate/up projection + SwiGLU, x [M, 1280] -> [M, 3456]:
@@ -31,7 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from benchmarks.k23.common import bench_call
+from benchmarks.mlp_kernels.measure import bench_call
 
 E25, I25 = 1280, 3456  # Qwen2.5-VL-7B: hidden, padded MLP width (3420 -> 3456)
 E3, I3 = 1152, 4352  # Qwen3-VL-8B: hidden, padded fc1 width (4304 -> 4352)
