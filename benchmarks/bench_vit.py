@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -43,15 +44,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.models import NAMES, REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
-from benchmarks.common.report import out_dir, setup_info, write_result  # noqa: E402
-from encoder_service.models.loader import load_model  # noqa: E402
-from encoder_service.ops import attention, mlp_kernels  # noqa: E402
-from encoder_service.runtime.graphs import GraphRunner  # noqa: E402
-from encoder_service.runtime.eager import EagerRunner  # noqa: E402
-from encoder_service.runtime.runner import exact_resolution_buckets  # noqa: E402
-from encoder_service.settings import DEFAULT_BUCKETS, parse_buckets  # noqa: E402
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.models import NAMES, REAL, SMALL, build_reference, patch_grid, reference_rows
+from benchmarks.common.report import out_dir, setup_info, write_result
+from encoder_service.models.loader import load_model
+from encoder_service.ops import attention, mlp_kernels
+from encoder_service.runtime.graphs import GraphRunner
+from encoder_service.runtime.eager import EagerRunner
+from encoder_service.runtime.runner import exact_resolution_buckets
+from encoder_service.settings import DEFAULT_BUCKETS, parse_buckets
 
 MIXED_SIZES = [(224, 224), (336, 336), (448, 448), (512, 384), (640, 480), (800, 600), (1024, 768), (1280, 720)]
 CASES = {
@@ -266,7 +267,7 @@ def bench_family(family, vision, cases, device, dtype, ceiling, args, out: Path,
                    transformers_ms=None, transformers_iters=0, ref32=None)
         if not args.no_transformers_timing:
             inp["transformers_ms"], inp["transformers_iters"] = time_call(
-                lambda: reference(flat, grid_thw=grid_tensor), device, 3, 30, args.budget_s)
+                functools.partial(reference, flat, grid_thw=grid_tensor), device, 3, 30, args.budget_s)
         if reference32 is not None and case in FP32_CASES:
             inp["ref32"] = reference_rows(reference32(flat.float(), grid_thw=grid_tensor))
         inputs[case] = inp

@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from benchmarks.common.report import stamp, write_result  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
-from encoder_service.cache import EmbeddingStore, Entry  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+from benchmarks.common.report import stamp, write_result
+from benchmarks.common.stats import percentile
+from encoder_service.cache import EmbeddingStore, Entry
+from tests.support.redis_server import RedisServer
 
 ENTRIES = [  # name, rows, row_width, layout
     ("Qwen2.5-VL-7B 1080p", 2691, 3584, "main"),
@@ -93,9 +93,10 @@ async def bench(url: str, iters: int) -> list[dict]:
             assert torch.equal(await redis_rows(n)(), entry.tensor[:n])
         size_mb = entry.nbytes / 1e6
         cases = [("local get (whole entry)", local_get, iters * 50, size_mb)]
-        cases += [(f"local rows [0, {n}) + copy to bytes", local_rows(n), iters * 5, n * entry.header.row_bytes / 1e6) for n in ranges]
+        row_mb = entry.header.row_bytes / 1e6
+        cases += [(f"local rows [0, {n}) + copy to bytes", local_rows(n), iters * 5, n * row_mb) for n in ranges]
         cases += [("redis GET whole entry, verified", redis_get, iters, size_mb)]
-        cases += [(f"redis GETRANGE rows [0, {n}), verified", redis_rows(n), iters, n * entry.header.row_bytes / 1e6) for n in ranges]
+        cases += [(f"redis GETRANGE rows [0, {n}), verified", redis_rows(n), iters, n * row_mb) for n in ranges]
         cases += [("redis write-behind (serialize + SET + landed notice)", redis_write, max(5, iters // 3), size_mb)]
         for what, fn, n, mb in cases:
             await fn()  # warm-up

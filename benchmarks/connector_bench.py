@@ -41,12 +41,12 @@ import time
 from pathlib import Path
 
 from benchmarks.common.children import module_command, module_env
-from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.images import make_jpegs  # noqa: E402
-from benchmarks.common.models import NAMES, build_checkpoint  # noqa: E402
-from benchmarks.common.report import setup_info, write_result  # noqa: E402
-from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.images import make_jpegs
+from benchmarks.common.models import NAMES, build_checkpoint
+from benchmarks.common.report import setup_info, write_result
+from benchmarks.common.service import in_process_service, service_settings
+from benchmarks.common.stats import percentile
 
 SIZE = (1920, 1080)
 MODES = ("shm", "http", "grpc")

@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.common.report import stamp, write_result  # noqa: E402
-from benchmarks.common.stats import rss_mib  # noqa: E402
-from tests.support.encoder_process import Replica  # noqa: E402
-from tests.support.images import image_bytes, png_with_text  # noqa: E402
+from benchmarks.common.report import stamp, write_result
+from benchmarks.common.stats import rss_mib
+from tests.support.encoder_process import Replica
+from tests.support.images import image_bytes, png_with_text
 
 ENCODED, QUEUE = "encoder_images_encoded_total", "encoder_queue_depth"
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.device import bench_device  # noqa: E402
-from benchmarks.common.models import REAL, SMALL, build_reference, patch_grid, reference_rows  # noqa: E402
-from benchmarks.common.report import setup_info, write_result  # noqa: E402
-from encoder_service.models.loader import load_model  # noqa: E402
+from benchmarks.common.device import bench_device
+from benchmarks.common.models import REAL, SMALL, build_reference, patch_grid, reference_rows
+from benchmarks.common.report import setup_info, write_result
+from encoder_service.models.loader import load_model
 
 MAX_REL_ERR = 1e-2
 
@@ -125,7 +125,8 @@ def main() -> int:
     write_result("gpu_parity", setup, dict(max_allowed=MAX_REL_ERR, results=rows), markdown(setup, rows))
     failures = [r for r in rows if not passes(r)]
     for r in failures:
-        print(f"FAIL: {r['family']} {r['case']} {r['level']}: {json.dumps({k: v for k, v in r.items() if k != 'grids'})}")
+        details = json.dumps({k: v for k, v in r.items() if k != "grids"})
+        print(f"FAIL: {r['family']} {r['case']} {r['level']}: {details}")
     worst = max(rows, key=lambda r: r["norm_rel_err"])
     print(f"worst norm rel err vs transformers {worst['norm_rel_err']:.2e} ({worst['family']} {worst['case']})")
     return 1 if failures else 0

@@ -18,7 +18,8 @@ service's own build_core).
      only: every request sends other bytes, one of a few JPEGs with the request's number in a comment);
      images/s, p50/p99 latency, and from the service's /metrics over the level: mean images per ViT batch,
      mean time from a batch's launch to its rows on the host (batches overlap: the engine launches the next
-     one while the previous one's rows are copied), mean preprocess and queue ms. Target: the best level reaches >= 90% of (1).
+     one while the previous one's rows are copied), mean preprocess and queue ms. Target: the best level
+     reaches >= 90% of (1).
   3. fetch of one cached 1080p entry, all its rows (19 MB in bf16), sequential, p50/p99 ms, EncoderClient with
      `out=` a preallocated buffer: over the HTTP and the gRPC socket, and through shared memory (client and
      server on one host; the server writes into the client's file: into `out` itself when it comes from
@@ -60,14 +61,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import children  # noqa: E402
-from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.images import make_jpegs, stamped  # noqa: E402
-from benchmarks.common.load import closed_loop, scrape  # noqa: E402
-from benchmarks.common.models import NAMES, REAL, build_checkpoint  # noqa: E402
-from benchmarks.common.report import setup_info, write_result  # noqa: E402
-from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
+from benchmarks.common import children
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.images import make_jpegs, stamped
+from benchmarks.common.load import closed_loop, scrape
+from benchmarks.common.models import NAMES, REAL, build_checkpoint
+from benchmarks.common.report import setup_info, write_result
+from benchmarks.common.service import in_process_service, service_settings
+from benchmarks.common.stats import percentile
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 LEVELS = (1, 4, 16, 64)
@@ -333,7 +334,8 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
                      f"| {100 * r['images_per_s'] / ref:.0f}% | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} "
                      f"| {_f(r['images_per_batch'], '.2f')} | {_f(r['vit_ms_per_batch'])} "
                      f"| {_f(r['preprocess_ms'])} | {_f(r['queue_ms'])} |")
-    lines += ["", "## Model only: runner.encode on the same preprocessed images (synchronized per batch; images/s from the median)", "",
+    lines += ["", "## Model only: runner.encode on the same preprocessed images (synchronized per batch; images/s "
+              "from the median)", "",
               "| batch (images) | patches | runner route | ms / batch | images/s | with D2H ms / batch "
               "| with D2H images/s | eager ms / batch | eager images/s |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -346,7 +348,8 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
               "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {f['transport']} | {f['image']} | {f['rows']} x {f['row_width']} {f['dtype']} | {f['mbytes']:.1f} "
               f"| {f['iterations']} | {f['p50_ms']:.2f} | {f['p99_ms']:.2f} | {f['min_ms']:.2f} "
-              f"| {f['gb_per_s_at_p50']:.1f} | {'met' if f['p50_ms'] <= FETCH_TARGET_MS else 'MISSED'} |" for f in fetch]
+              f"| {f['gb_per_s_at_p50']:.1f} | {'met' if f['p50_ms'] <= FETCH_TARGET_MS else 'MISSED'} |"
+              for f in fetch]
     s = summary
     lines += ["", f"Service best: {s['service_images_per_s']:.1f} images/s at concurrency {s['service_concurrency']} = "
               f"{100 * s['service_fraction']:.0f}% of model-only {ref:.1f} images/s ({s['model_only_route']}); "

@@ -39,13 +39,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.images import jpeg  # noqa: E402
-from benchmarks.common.report import setup_info, write_result  # noqa: E402
-from encoder_service.preprocessing import PreprocessConfig, make_backend, probe  # noqa: E402
-from encoder_service.preprocessing.decode import decode_rgb  # noqa: E402
-from encoder_service.preprocessing.nvjpeg import NvJpegDecoder  # noqa: E402
-from tests.support.preprocess_cases import HUB_CONFIGS, LIMITS, config_and_processor, write_checkpoint  # noqa: E402
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.images import jpeg
+from benchmarks.common.report import setup_info, write_result
+from encoder_service.preprocessing import PreprocessConfig, make_backend, probe
+from encoder_service.preprocessing.decode import decode_rgb
+from encoder_service.preprocessing.nvjpeg import NvJpegDecoder
+from tests.support.preprocess_cases import HUB_CONFIGS, LIMITS, config_and_processor, write_checkpoint
 
 BACKENDS = ("torchvision", "torchvision-nvjpeg", "pil")
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.report import stamp, write_result  # noqa: E402
-from encoder_service.client import AsyncEncoderClient  # noqa: E402
-from tests.support.encoder_process import Replica  # noqa: E402
-from tests.support.images import image_bytes, png_with_text  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+from benchmarks.common.report import stamp, write_result
+from encoder_service.client import AsyncEncoderClient
+from tests.support.encoder_process import Replica
+from tests.support.images import image_bytes, png_with_text
+from tests.support.redis_server import RedisServer
 
 COUNTERS = ("encoder_images_encoded_total", "encoder_cache_redis_claimed_elsewhere_total",
             "encoder_cache_redis_pending_waits_total", "encoder_requests_total")

@@ -72,12 +72,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import children  # noqa: E402
-from benchmarks.common.images import jpeg, make_jpegs  # noqa: E402
-from benchmarks.common.load import closed_loop  # noqa: E402
-from benchmarks.common.models import NAMES, build_checkpoint  # noqa: E402
-from benchmarks.common.report import out_dir, stamp, write_result  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
+from benchmarks.common import children
+from benchmarks.common.images import jpeg, make_jpegs
+from benchmarks.common.load import closed_loop
+from benchmarks.common.models import NAMES, build_checkpoint
+from benchmarks.common.report import out_dir, stamp, write_result
+from benchmarks.common.stats import percentile
 
 MODULE = "benchmarks.scale_out"  # its helper processes: this module with --loadgen / --consumer
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")  # Qwen3 first: part 2 (rows to another GPU) needs its rows

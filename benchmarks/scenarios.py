@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.images import jpeg  # noqa: E402
-from benchmarks.common.models import REAL, SMALL, build_checkpoint  # noqa: E402
-from benchmarks.common.report import setup_info, write_result  # noqa: E402
-from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
-from encoder_service.api.service import bind_socket  # noqa: E402
-from encoder_service.client import EncoderClient  # noqa: E402
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.images import jpeg
+from benchmarks.common.models import REAL, SMALL, build_checkpoint
+from benchmarks.common.report import setup_info, write_result
+from benchmarks.common.service import in_process_service, service_settings
+from encoder_service.api.service import bind_socket
+from encoder_service.client import EncoderClient
 
 # Peak memory for 64 images may exceed the 8-image peak by this factor and still count as "bounded".
 PEAK_GROWTH_LIMIT = 1.25

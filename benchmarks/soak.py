@@ -45,13 +45,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.report import stamp, write_result  # noqa: E402
-from benchmarks.common.stats import percentile, rss_mib  # noqa: E402
-from encoder_service import errors  # noqa: E402
-from encoder_service.client import AsyncEncoderClient  # noqa: E402
-from tests.support.encoder_process import Replica  # noqa: E402
-from tests.support.images import image_bytes, png_with_text  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
+from benchmarks.common.report import stamp, write_result
+from benchmarks.common.stats import percentile, rss_mib
+from encoder_service import errors
+from encoder_service.client import AsyncEncoderClient
+from tests.support.encoder_process import Replica
+from tests.support.images import image_bytes, png_with_text
+from tests.support.redis_server import RedisServer
 
 BASE_SIZES = [(64, 64), (96, 72), (112, 112), (160, 120), (224, 168), (200, 300), (320, 240), (128, 256)]
 RECENT = 64  # ids a session may repeat

@@ -25,7 +25,7 @@ Every fetched tensor is compared with the encode's own rows; the script exits 1 
 fails.
 
     python -m benchmarks.transfer_bench           # the GPU machine (after `source scripts/gpu/env.sh`) or any
-    python -m benchmarks.transfer_bench --small   # CI: narrower rows, few rounds (benchmarks/tests/test_transfer_bench.py)
+    python -m benchmarks.transfer_bench --small   # CI: narrower rows, few rounds (benchmarks/tests/)
     N=30 P=4,16 python -m benchmarks.transfer_bench   # rounds per variant; client processes of phases 3 and 4
     python -m benchmarks.transfer_bench --send-threads 0   # the rows written by the event loop (api/socket_send.py)
     python -m benchmarks.transfer_bench --queue-wait-s 0   # a fetch finding every send thread busy takes the loop
@@ -50,11 +50,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common.children import module_command, module_env
-from benchmarks.common.images import jpeg  # noqa: E402
-from benchmarks.common.report import stamp, write_result  # noqa: E402
-from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
-from benchmarks.common.stats import percentile  # noqa: E402
-from tests.support.vision_checkpoints import build_wide_rows  # noqa: E402
+from benchmarks.common.images import jpeg
+from benchmarks.common.report import stamp, write_result
+from benchmarks.common.service import in_process_service, service_settings
+from benchmarks.common.stats import percentile
+from tests.support.vision_checkpoints import build_wide_rows
 
 CONFIGS = {  # rounds per variant; rounds of 16 at once and of aggregates; fetches per aggregate process and round;
     # encodes per condition; client processes of the aggregates

@@ -40,11 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common.device import bench_device, sync  # noqa: E402
-from benchmarks.common.images import photo  # noqa: E402
-from benchmarks.common.models import NAMES, build_checkpoint, reference_rows  # noqa: E402
-from benchmarks.common.report import setup_info, write_result  # noqa: E402
-from benchmarks.common.service import in_process_service, service_settings  # noqa: E402
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.images import photo
+from benchmarks.common.models import NAMES, build_checkpoint, reference_rows
+from benchmarks.common.report import setup_info, write_result
+from benchmarks.common.service import in_process_service, service_settings
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 MAX_NORM_REL_ERR = 2e-2  # bf16 against transformers' bf16 tower: both round differently

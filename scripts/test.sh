@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up .venv (runtime + test tools) and runs the whole CPU test suite, then each test tier that runs another
-# engine's own code in a venv of its own: a tier is its name, NAME runs `scripts/tiers/NAME.sh`. TEST_TIERS
-# names them (default below; TEST_TIERS="" runs none). Arguments go to the main suite's pytest.
+# Sets up .venv (runtime + test tools), lints the code (ruff, configured in pyproject.toml) and runs the whole CPU
+# test suite, then each test tier that runs another engine's own code in a venv of its own: a tier is its name,
+# NAME runs `scripts/tiers/NAME.sh`. TEST_TIERS names them (default below; TEST_TIERS="" runs none). Arguments go
+# to the main suite's pytest.
 #
 # Every step runs even when one before it failed (a red main suite must not hide the tiers' state); the
 # output ends with one line per step (name, passed/failed, seconds) and the exit status is 1 when any failed.
@@ -23,6 +24,7 @@ step() {  # NAME COMMAND...: runs COMMAND, records NAME's summary line
 }
 
 step setup scripts/setup.sh test
+step lint .venv/bin/python -m ruff check .
 step main .venv/bin/python -m pytest -q -ra "$@"
 for tier in ${TEST_TIERS-$DEFAULT_TIERS}; do
   step "$tier" bash "scripts/tiers/$tier.sh"

@@ -1,8 +1,9 @@
 """Fixtures every tier shares: tiny random-weight checkpoints and real redis-servers on loopback.
 
-Tiers, each with its own conftest.py: unit/ (modules on their own), service/ (the real HTTP and gRPC
-servers over the real core), deploy/ (Dockerfile, Helm chart and scripts, offline), gpu/ (skipped without CUDA), engines/ (vLLM's, SGLang's and
-torchvision's own code, each in the venv scripts/tiers/<name>.sh builds; skipped in the main venv).
+Tiers, each with its own conftest.py: unit/ (modules on their own), service/ (the real HTTP and gRPC servers over
+the real core), deploy/ (Dockerfile, Helm chart and scripts, offline), gpu/ (skipped without CUDA), engines/
+(vLLM's, SGLang's and torchvision's own code, each in the venv scripts/tiers/<name>.sh builds; skipped in the main
+venv).
 Helpers the tiers share (test images, a redis-server runner, the in-process service, client builders) are
 in support/.
 """

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common.report import stamp, write_result  # noqa: E402
-from encoder_service.models.layers import RMSNorm  # noqa: E402
-from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata  # noqa: E402
-from encoder_service.ops import attention, attention_triton, mlp_kernels, norm, pos_embed, rotary  # noqa: E402
+from benchmarks.common.report import stamp, write_result
+from encoder_service.models.layers import RMSNorm
+from encoder_service.models.metadata import MULTI, PaddedShape, build_batch_metadata
+from encoder_service.ops import attention, attention_triton, mlp_kernels, norm, pos_embed, rotary
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -232,7 +232,8 @@ def elementwise():
     got = torch._addmm_activation(b1, h, w1.t(), use_gelu=True)
     out.append(dict(op="fc1 + gelu_tanh [8160,1152]x[1152,4352]",
                     eager_ms=bench(lambda: F.gelu(F.linear(h, w1, b1), approximate="tanh")),
-                    fused_ms=bench(lambda: torch._addmm_activation(b1, h, w1.t(), use_gelu=True)), rel_err=rel(got, ref)))
+                    fused_ms=bench(lambda: torch._addmm_activation(b1, h, w1.t(), use_gelu=True)),
+                    rel_err=rel(got, ref)))
     table = torch.randn(2304, e3, device=DEV, dtype=DT)
     idx = torch.randint(0, 2304, (n3, 4), device=DEV)
     pw = torch.rand(n3, 4, device=DEV)
@@ -257,7 +258,8 @@ def markdown(gemm_rows, ew_rows) -> str:
         else:
             lines.append(f"| {r['layout']} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['rel_err']:.1e} |")
     lines += ["", "| GEMM | M x K x N | ms | TFLOP/s |", "|---|---|---|---|"]
-    lines += [f"| {g['gemm']} | {g['m']} x {g['k']} x {g['n']} | {g['ms']:.3f} | {g['tflops']:.0f} |" for g in gemm_rows]
+    lines += [f"| {g['gemm']} | {g['m']} x {g['k']} x {g['n']} | {g['ms']:.3f} | {g['tflops']:.0f} |"
+              for g in gemm_rows]
     lines += ["", "| op | eager ms | fused ms | rel err |", "|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['eager_ms']:.3f} | {r['fused_ms']:.3f} | {r['rel_err']:.1e} |" for r in ew_rows]
     return "\n".join(lines) + "\n"

@@ -15,11 +15,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 from the start of the process (see the test module's docstring)",
                 allow_module_level=True)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
+import numpy as np
+import torch
+import triton.language as tl
 
-from encoder_service.ops.attention import reference_attention  # noqa: E402
+from encoder_service.ops.attention import reference_attention
 
 H = 2
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -27,10 +27,10 @@ from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.mlp_kernels.kernels import QUACK_CONFIGS  # noqa: E402
-from encoder_service.ops import quack_gemm as Q  # noqa: E402
+from benchmarks.mlp_kernels.kernels import QUACK_CONFIGS
+from encoder_service.ops import quack_gemm as Q
 
 SASS = r"\b(HGMMA|UTMALDG|UTMASTG|MUFU\.EX2|MUFU\.TANH|MUFU\.RCP)\b"
 

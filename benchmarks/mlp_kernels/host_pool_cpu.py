@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from encoder_service.runtime.host_pool import HostRowPool  # noqa: E402
+from encoder_service.runtime.host_pool import HostRowPool
 
 BATCHES = {"qwen3 4 x 720p": [(880, 16384)] * 4, "qwen3 1080p": [(2040, 16384)]}
 WINDOW, ITERS = 8, 24

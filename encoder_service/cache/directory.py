@@ -54,8 +54,9 @@ it, and a waiter then takes the image over (input still there) or answers 404 as
 
 Names: the marker of entry `encsvc:<fp>:<c|u>:<rest>` is `encsvc:<fp>:pending:<c|u>:<rest>`, its input
 `encsvc:<fp>:input:<c|u>:<rest>` and a caller id's binding `encsvc:<fp>:tag:u:<rest>` (no entry name has
-`pending`, `input` or `tag` in the third place, so they never collide, and no braces); the marker's channel is the same string as the marker (Redis keeps channel names
-apart from key names). Names outside that scheme (tests) get `<name>:pending` and `<name>:input`.
+`pending`, `input` or `tag` in the third place, so they never collide, and no braces); the marker's channel is the
+same string as the marker (Redis keeps channel names apart from key names). Names outside that scheme (tests) get
+`<name>:pending` and `<name>:input`.
 """
 
 from __future__ import annotations

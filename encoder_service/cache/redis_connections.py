@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 try:  # deadlines for a block of awaits; unlike asyncio.wait_for on 3.11, they never swallow a cancellation
     from asyncio import timeout, timeout_at  # 3.11+
 except ImportError:  # 3.10: redis-py depends on async-timeout there
-    from async_timeout import timeout, timeout_at  # type: ignore[no-redef]
+    from async_timeout import timeout, timeout_at  # type: ignore[no-redef]  # noqa: F401 - timeout_at: redis_tier's
 
 
 class PoolTimeout(Exception):

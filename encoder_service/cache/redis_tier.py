@@ -126,7 +126,8 @@ class RedisTier:
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
             located=0, copies=0, copies_dropped=0, copies_dropped_full=0,
-            notices_dropped=0, bindings_checked=0, restarts_seen=0, pending_marked=0, pending_elsewhere=0, pending_settled=0, pending_waits=0,
+            notices_dropped=0, bindings_checked=0, restarts_seen=0, pending_marked=0, pending_elsewhere=0,
+            pending_settled=0, pending_waits=0,
             pending_wakeups=0, pending_timeouts=0, pending_failures=0, pending_orphaned=0,
         )  # fmt: skip
         self.health = RedisHealth(self._conns, self._subscriber, url, self.counters, probe_min_s=o.probe_min_s,

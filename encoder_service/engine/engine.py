@@ -148,8 +148,9 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._slot = asyncio.Semaphore(1)
         self._wakeup = asyncio.Event()
+        loops = (("encoder-gpu", self._gpu_loop), ("encoder-complete", self._complete_loop))
         self._threads = [threading.Thread(target=self._thread_main, args=(loop_fn,), name=name, daemon=True)
-                         for name, loop_fn in (("encoder-gpu", self._gpu_loop), ("encoder-complete", self._complete_loop))]
+                         for name, loop_fn in loops]
         for thread in self._threads:
             thread.start()
         self._batcher = asyncio.create_task(self._batch_loop(), name="encoder-batcher")

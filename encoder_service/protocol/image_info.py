@@ -23,7 +23,8 @@ class ImageInfo:  # answered once the header is read and sized, before the ViT r
 
     def to_json(self) -> dict:
         """The answer's HTTP JSON object (grid_thw a list)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ImageInfo)} | {"grid_thw": list(self.grid_thw)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ImageInfo)}
+        return fields | {"grid_thw": list(self.grid_thw)}
 
     @classmethod
     def from_json(cls, d: dict, **extra):

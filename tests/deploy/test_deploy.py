@@ -354,12 +354,14 @@ def test_env_values_follow_values():
         "ENCODER_PREPROCESS": "torchvision-nvjpeg", "ENCODER_EXIF_ORIENTATION": "false",
         "ENCODER_HASH": "xxh3_128", "ENCODER_CUDA_GRAPHS": "false", "ENCODER_GRAPH_BUCKETS": "2048,8192",
         "ENCODER_MAX_PIXELS": "16777216", "ENCODER_ALLOW_URL_HOSTS": "images.example.com,cdn.example.com",
-        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug", "ENCODER_ACCESS_LOG": "true",
+        "ENCODER_CACHE_BYTES": "8GiB", "ENCODER_LEASE_S": "120", "ENCODER_LOG_LEVEL": "debug",
+        "ENCODER_ACCESS_LOG": "true",
         "ENCODER_ATTENTION": "torch",
     }
     assert {k: env[k]["value"] for k in expect} == expect
     assert env["NCCL_DEBUG"]["value"] == "WARN"  # extraEnv
-    secret_refs = {k: env[k]["valueFrom"]["secretKeyRef"] for k in ("ENCODER_AUTH_TOKEN", "ENCODER_REDIS_URL", "HF_TOKEN")}
+    secret_refs = {k: env[k]["valueFrom"]["secretKeyRef"]
+                   for k in ("ENCODER_AUTH_TOKEN", "ENCODER_REDIS_URL", "HF_TOKEN")}
     assert secret_refs == {
         "ENCODER_AUTH_TOKEN": {"name": "enc-encoder-service", "key": "auth-token"},
         "ENCODER_REDIS_URL": {"name": "enc-encoder-service", "key": "redis-url"},
@@ -369,7 +371,8 @@ def test_env_values_follow_values():
     assert set(secret["stringData"]) == {"auth-token", "redis-url", "hf-token"}
     # Defaults leave optional knobs to the service (no empty strings), and auth off means no token var.
     env = env_of(encoder_container(render()))
-    assert not {"ENCODER_REVISION", "ENCODER_AUTH_TOKEN", "ENCODER_ALLOW_URL_HOSTS", "ENCODER_MAX_PINNED_BYTES"} & set(env)
+    unset = {"ENCODER_REVISION", "ENCODER_AUTH_TOKEN", "ENCODER_ALLOW_URL_HOSTS", "ENCODER_MAX_PINNED_BYTES"}
+    assert not unset & set(env)
     assert not find(render(), "Secret")
 
 
@@ -426,7 +429,8 @@ def test_internal_redis_arguments(scenario, maxmemory):
     assert limit_gi > int(maxmemory.removesuffix("gb"))
     assert dep["spec"]["strategy"]["type"] == "Recreate"
     policy = one(docs, "NetworkPolicy")
-    assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "encoder"
+    peers = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert peers["app.kubernetes.io/component"] == "encoder"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -573,7 +577,8 @@ def test_servicemonitor_only_with_crd():
                     "ServiceMonitor")
     # With auth on, Prometheus presents the same bearer token the service checks.
     (sm,) = find(render("auth-values", api_versions=(SERVICE_MONITOR_API,)), "ServiceMonitor")
-    assert sm["spec"]["endpoints"][0]["authorization"]["credentials"] == {"name": "enc-encoder-service", "key": "auth-token"}
+    assert sm["spec"]["endpoints"][0]["authorization"]["credentials"] == {"name": "enc-encoder-service",
+                                                                          "key": "auth-token"}
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 

@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60  # bound on any one wait; nothing here takes more than a second when it works
+LINT = "python -m ruff check ."  # the lint step's command line, as the stand-in python logs it
 
 
 def executable(path: Path, body: str) -> Path:
@@ -36,12 +37,13 @@ def scratch_repo(tmp_path: Path, script: str) -> Path:
 
 @pytest.fixture
 def test_sh(tmp_path):
-    """test.sh with a set-up that does nothing, a main suite that exits $MAIN_RC, and tiers `good` (exit 0) and
-    `bad` (exit 3); each step appends its name and arguments to log.txt."""
+    """test.sh with a set-up that does nothing, a lint that exits $LINT_RC, a main suite that exits $MAIN_RC, and
+    tiers `good` (exit 0) and `bad` (exit 3); each step appends its command line to log.txt."""
     repo = scratch_repo(tmp_path, "test.sh")
     log = repo / "log.txt"
     executable(repo / "scripts" / "setup.sh", f'echo "setup $*" >> {log}\n')
-    executable(repo / ".venv" / "bin" / "python", f'echo "main $*" >> {log}\nexit "${{MAIN_RC:-0}}"\n')
+    executable(repo / ".venv" / "bin" / "python",
+               f'echo "python $*" >> {log}\ncase "$2" in ruff) exit "${{LINT_RC:-0}}";; esac\nexit "${{MAIN_RC:-0}}"\n')
     executable(repo / "scripts" / "tiers" / "good.sh", f'echo "good $*" >> {log}\n')
     executable(repo / "scripts" / "tiers" / "bad.sh", f'echo "bad $*" >> {log}\nexit 3\n')
 
@@ -66,22 +68,30 @@ def summary(stdout: str) -> dict[str, tuple[str, int]]:
 
 def test_every_step_runs_after_a_failure_and_the_summary_says_which_failed(test_sh):
     done, ran = test_sh("-k", "some thing", MAIN_RC="1", TEST_TIERS="bad good")
-    assert ran == ["setup test", "main -m pytest -q -ra -k some thing", "bad ", "good "]
+    assert ran == ["setup test", LINT, "python -m pytest -q -ra -k some thing", "bad ", "good "]
     assert done.returncode == 1, done.stderr
     assert {step: outcome for step, (outcome, _) in summary(done.stdout).items()} == {
-        "setup": "passed", "main": "failed (exit 1)", "bad": "failed (exit 3)", "good": "passed"}
-    assert list(summary(done.stdout)) == ["setup", "main", "bad", "good"]  # in the order they ran
+        "setup": "passed", "lint": "passed", "main": "failed (exit 1)", "bad": "failed (exit 3)", "good": "passed"}
+    assert list(summary(done.stdout)) == ["setup", "lint", "main", "bad", "good"]  # in the order they ran
+
+
+def test_a_lint_error_fails_the_run_and_the_main_suite_still_runs(test_sh):
+    done, ran = test_sh(LINT_RC="1", TEST_TIERS="")
+    assert ran == ["setup test", LINT, "python -m pytest -q -ra"]
+    assert done.returncode == 1, done.stderr
+    assert {step: outcome for step, (outcome, _) in summary(done.stdout).items()} == {
+        "setup": "passed", "lint": "failed (exit 1)", "main": "passed"}
 
 
 def test_all_passed_exits_zero(test_sh):
     done, ran = test_sh(TEST_TIERS="good")
-    assert done.returncode == 0 and ran == ["setup test", "main -m pytest -q -ra", "good "]
-    assert set(summary(done.stdout)) == {"setup", "main", "good"}
+    assert done.returncode == 0 and ran == ["setup test", LINT, "python -m pytest -q -ra", "good "]
+    assert set(summary(done.stdout)) == {"setup", "lint", "main", "good"}
 
 
 def test_no_tiers(test_sh):
     done, ran = test_sh(TEST_TIERS="")
-    assert done.returncode == 0 and ran == ["setup test", "main -m pytest -q -ra"]
+    assert done.returncode == 0 and ran == ["setup test", LINT, "python -m pytest -q -ra"]
 
 
 def test_a_tier_is_its_script(test_sh):
@@ -89,7 +99,7 @@ def test_a_tier_is_its_script(test_sh):
     done, _ = test_sh(TEST_TIERS="good missing")
     assert done.returncode == 1 and summary(done.stdout)["missing"][0].startswith("failed")
     done, _ = test_sh()  # the default list: none of its tiers exist in the scratch copy
-    defaults = [step for step in summary(done.stdout) if step not in ("setup", "main")]
+    defaults = [step for step in summary(done.stdout) if step not in ("setup", "lint", "main")]
     assert defaults and all((ROOT / "scripts" / "tiers" / f"{tier}.sh").is_file() for tier in defaults)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.engine_tier import require  # noqa: E402
+from tests.support.engine_tier import require
 
 require("torchvision", "scripts/tiers/torchvision.sh")
 
@@ -76,7 +76,8 @@ def test_sizes_needing_no_resize(family):
     factor = backend.cfg.factor
     for height, width in ((factor * 10, factor * 14), (factor * 3, factor * 40)):
         data = encode(rgb_image(height, width), "PNG")
-        assert backend.preprocess(data).grid_thw[1:] == (height // backend.cfg.patch_size, width // backend.cfg.patch_size)
+        patch = backend.cfg.patch_size
+        assert backend.preprocess(data).grid_thw[1:] == (height // patch, width // patch)
         assert_same_as_transformers(data, family)
 
 

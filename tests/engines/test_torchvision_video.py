@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.support.engine_tier import require  # noqa: E402
+from tests.support.engine_tier import require
 
 require("torchvision", "scripts/tiers/torchvision.sh")
 

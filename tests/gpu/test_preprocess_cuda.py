@@ -24,13 +24,13 @@ import torch
 
 pytest.importorskip("torchvision", reason="nvJPEG and transformers' torchvision processor need torchvision")
 
-from transformers import Qwen2VLImageProcessor  # noqa: E402 - needs torchvision
+from transformers import Qwen2VLImageProcessor
 
-from encoder_service.preprocessing import PreprocessConfig, make_backend, probe  # noqa: E402
-from encoder_service.preprocessing.decode import decode_rgb  # noqa: E402
-from encoder_service.preprocessing.nvjpeg import NvJpegDecoder  # noqa: E402
-from encoder_service.runtime.runner import make_runner  # noqa: E402
-from tests.support.preprocess_cases import (  # noqa: E402
+from encoder_service.preprocessing import PreprocessConfig, make_backend, probe
+from encoder_service.preprocessing.decode import decode_rgb
+from encoder_service.preprocessing.nvjpeg import NvJpegDecoder
+from encoder_service.runtime.runner import make_runner
+from tests.support.preprocess_cases import (
     CASES,
     JPEGS,
     LIMITS,

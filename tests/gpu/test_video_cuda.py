@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("torchvision", reason="transformers' video processors need torchvision")
 
-from transformers import AutoVideoProcessor  # noqa: E402 - needs torchvision
+from transformers import AutoVideoProcessor
 
-from encoder_service.preprocessing import (  # noqa: E402
+from encoder_service.preprocessing import (
     VideoConfig,
     VideoLimits,
     VideoOptions,
@@ -29,8 +29,8 @@ from encoder_service.preprocessing import (  # noqa: E402
     preprocess_group,
     probe_video,
 )
-from tests.support.preprocess_cases import HUB_CONFIGS, QWEN2_5, QWEN3, write_checkpoint  # noqa: E402
-from tests.support.video_cases import make_clip  # noqa: E402
+from tests.support.preprocess_cases import HUB_CONFIGS, QWEN2_5, QWEN3, write_checkpoint
+from tests.support.video_cases import make_clip
 
 QWEN3_VIDEO_FILE = {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
                     "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,

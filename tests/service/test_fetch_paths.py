@@ -170,7 +170,8 @@ def test_split_fetch_answers_like_one_fetch(service_qwen3, monkeypatch):
         width = infos[0].row_width
 
         def fetches() -> float:
-            return service_qwen3.sample("encoder_requests_total", {"transport": "http", "method": "fetch", "outcome": "ok"})
+            return service_qwen3.sample("encoder_requests_total",
+                                        {"transport": "http", "method": "fetch", "outcome": "ok"})
 
         n0 = fetches()
         a = whole.fetch(layout.items, 0, layout.prompt_len, out=torch.zeros(layout.prompt_len, width))

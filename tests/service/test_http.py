@@ -243,7 +243,8 @@ def test_malformed_multipart_is_a_400_naming_the_problem(service, case):
     ctype, body, needle = BAD_MULTIPARTS[case]
 
     def internal() -> float:
-        return service.sample("encoder_requests_total", {"transport": "http", "method": "encode", "outcome": "internal"})
+        return service.sample("encoder_requests_total",
+                              {"transport": "http", "method": "encode", "outcome": "internal"})
 
     before = internal()
     with client(service) as c:

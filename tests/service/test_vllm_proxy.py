@@ -78,7 +78,8 @@ def test_settings():
     s = settings_module.resolve_proxy(parser.parse_args(["--vllm-url", "http://v:1/"]),
                             env={"ENCODER_PROXY_ENCODER_URL": "grpc://e:2", "ENCODER_PROXY_PORT": "9"})
     assert (s.encoder_url, s.vllm_url, s.port, s.host) == ("grpc://e:2", "http://v:1", 9, "127.0.0.1")
-    for argv, env, match in [([], {}, "--encoder-url"), (["--encoder-url", "e:1", "--vllm-url", "http://v"], {}, "http"),
+    for argv, env, match in [([], {}, "--encoder-url"),
+                             (["--encoder-url", "e:1", "--vllm-url", "http://v"], {}, "http"),
                              (["--encoder-url", "http://e", "--vllm-url", "grpc://v"], {}, "HTTP"),
                              (["--encoder-url", "http://e", "--vllm-url", "http://v", "--port", "0"], {}, "port")]:
         with pytest.raises(ValueError, match=match):

@@ -115,7 +115,8 @@ def test_options():
 def test_staged_rows_equal_the_clients_fetch(request, fixture, transport, shm, shm_dir):
     svc = request.getfixturevalue(fixture)
     with sync_client(svc, "http") as client:
-        infos = client.encode([png(224, 168, 300 + len(transport + shm)), png(84, 56, 302), png(224, 168, 300 + len(transport + shm))])
+        seed = 300 + len(transport + shm)
+        infos = client.encode([png(224, 168, seed), png(84, 56, 302), png(224, 168, seed)])
         expected = {i.id: client.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos}
     assert infos[0].id == infos[2].id and len(expected) == 2
     table = table_for(svc, transport, shm, shm_dir)

@@ -1,11 +1,11 @@
 """The graph runner (runtime/graphs.py): padding, segment boundaries, order, spill, copy-out.
 
-CPU (CI): `GraphRunner(capture=False)` does everything but capture/replay (static buffers, padding,
-copy-in of every buffer, the tower run on the static buffers, copy-out), for every tiny family, in float64;
-each image's output must equal the tower run on that image alone, unpadded, to 1e-12 of its scale (GEMMs of
-other shapes may round differently by an ulp or so; a boundary or padding error shows at 1e-2 and above). The batches include the SGLang
-stale-boundary case (equal patch totals, different image sizes, replayed one after another on the same
-graph) and a batch for each graph of every bucket the service captures.
+CPU (CI): `GraphRunner(capture=False)` does everything but capture/replay (static buffers, padding, copy-in of every
+buffer, the tower run on the static buffers, copy-out), for every tiny family, in float64; each image's output must
+equal the tower run on that image alone, unpadded, to 1e-12 of its scale (GEMMs of other shapes may round
+differently by an ulp or so; a boundary or padding error shows at 1e-2 and above). The batches include the SGLang
+stale-boundary case (equal patch totals, different image sizes, replayed one after another on the same graph) and a
+batch for each graph of every bucket the service captures.
 
 tests/gpu/test_graphs_cuda.py runs the same batches (tests/support/graph_cases.py) through captured graphs.
 """

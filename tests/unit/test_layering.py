@@ -1,9 +1,9 @@
-"""The package's import rules, read from its source: every import statement of every module under
-encoder_service/ (at module level, inside functions, under TYPE_CHECKING alike: a lazy import is still an
-arrow), parsed with ast, nothing imported. Data flows down: each part of the package imports only the parts below it that MAY_IMPORT
-names, so the layering in docs/architecture.md stays true; and no two modules import each other, directly or
-round a circle. Beside the package, one direction between tests and benchmarks: benchmarks/ may use
-tests/support/, nothing under tests/ imports benchmarks/ (a benchmark's own tests live in benchmarks/tests/)."""
+"""The package's import rules, read from its source: every import statement of every module under encoder_service/
+(at module level, inside functions, under TYPE_CHECKING alike: a lazy import is still an arrow), parsed with ast,
+nothing imported. Data flows down: each part of the package imports only the parts below it that MAY_IMPORT names,
+so the layering in docs/architecture.md stays true; and no two modules import each other, directly or round a
+circle. Beside the package, one direction between tests and benchmarks: benchmarks/ may use tests/support/, nothing
+under tests/ imports benchmarks/ (a benchmark's own tests live in benchmarks/tests/)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The preprocessing backends (preprocessing/backends.py) in the main venv, which has no torchvision.
 
-The torchvision backend on the CPU: deterministic, thread-safe, the PIL backend's layout and shapes, apart
-from it only by resize rounding (its bit-for-bit parity with transformers' torchvision processor needs
-torchvision: tests/engines/test_torchvision_processor.py, run by scripts/tiers/torchvision.sh). The nvJPEG path's dispatch with a stand-in
-decoder (the real one needs CUDA: tests/gpu). Limits before any decode, for every backend. Settings,
+The torchvision backend on the CPU: deterministic, thread-safe, the PIL backend's layout and shapes, apart from it
+only by resize rounding (its bit-for-bit parity with transformers' torchvision processor needs torchvision:
+tests/engines/test_torchvision_processor.py, run by scripts/tiers/torchvision.sh). The nvJPEG path's dispatch with a
+stand-in decoder (the real one needs CUDA: tests/gpu). Limits before any decode, for every backend. Settings,
 fingerprints, and the core serving with each backend.
 """
 
@@ -105,7 +105,8 @@ def test_torchvision_backend_is_deterministic_across_threads(cfg):
 def test_cast_to_the_tower_dtype_equals_casting_after(dtype, cfg):
     for backend in backends(cfg):
         for data in ((DATA / "rocket.jpg").read_bytes(), IMAGES["rgba_png"]()):
-            assert torch.equal(backend.preprocess(data, dtype).pixel_values, backend.preprocess(data).pixel_values.to(dtype))
+            cast = backend.preprocess(data).pixel_values.to(dtype)
+            assert torch.equal(backend.preprocess(data, dtype).pixel_values, cast)
 
 
 def test_patchify_is_merge_block_order():
@@ -129,7 +130,8 @@ def test_limits_are_checked_from_the_header_before_decoding(name):
     with pytest.raises(LimitExceeded, match="decoded pixel count of the 9000x9000 image"):
         backend.preprocess(png_header_only(9000, 9000))  # no pixel data: a decode would fail otherwise
     with pytest.raises(LimitExceeded, match="encoded image size in bytes"):
-        make_backend(name, backend.cfg, ImageLimits(1000, 1 << 26), "cpu").preprocess((DATA / "rocket.jpg").read_bytes())
+        small = make_backend(name, backend.cfg, ImageLimits(1000, 1 << 26), "cpu")
+        small.preprocess((DATA / "rocket.jpg").read_bytes())
     with pytest.raises(LimitExceeded, match="aspect ratio"):
         backend.preprocess(encode(rgb_image(1, 201), "PNG"))
 

@@ -19,7 +19,7 @@ INSTALL_HINT = "pip install 'pyzmq>=25.1.2' (in a checkout of this repository: p
 def require_zmq() -> None:
     """Fail at startup, before the model loads, when --sglang-protocol is on without pyzmq."""
     try:
-        import zmq  # noqa: F401
+        import zmq
         import zmq.asyncio  # noqa: F401
     except ImportError as exc:
         raise SettingsError(f"--sglang-protocol / ENCODER_SGLANG_PROTOCOL needs pyzmq, which is not importable "

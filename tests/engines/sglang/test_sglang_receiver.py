@@ -39,8 +39,8 @@ os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # docs: the language side'
 os.environ.setdefault("SGLANG_ENCODER_RECV_TIMEOUT", "60")
 # Not plain "sglang": tests/engines is on sys.path (its conftest), so this directory passes for a namespace
 # package of that name where SGLang is not installed.
-from tests.support.engine_tier import require  # noqa: E402
-from tests.support.waits import wait_for  # noqa: E402
+from tests.support.engine_tier import require
+from tests.support.waits import wait_for
 
 require("sglang.srt", "scripts/tiers/sglang.sh")
 

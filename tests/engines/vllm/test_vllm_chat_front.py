@@ -12,7 +12,7 @@ import time
 import blake3
 import pytest
 
-from tests.support.engine_tier import require  # noqa: E402
+from tests.support.engine_tier import require
 
 require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 

@@ -14,7 +14,7 @@ from collections import namedtuple
 
 import pytest
 
-from tests.support.engine_tier import require  # noqa: E402
+from tests.support.engine_tier import require
 
 require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 
@@ -128,7 +128,8 @@ def test_bad_items_fail_only_their_request(encoders, checkpoints, shm_dir, vllm_
     assert inst.run(requests) == {"good": OK, "unknown": "error", "evicted": "error", "grid": "error"}
     assert inst.local_encodes == {}
     assert set(inst.gathered) == {good.id} and torch.equal(inst.gathered[good.id], fetched(encoder, good))
-    assert "f" * 32 not in inst.encoder_cache and victim.id not in inst.encoder_cache and other.id not in inst.encoder_cache
+    assert ("f" * 32 not in inst.encoder_cache and victim.id not in inst.encoder_cache
+            and other.id not in inst.encoder_cache)
     assert inst.connector.table.counters["failed_requests"] == 3
 
 

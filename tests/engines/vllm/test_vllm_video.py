@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.engine_tier import require  # noqa: E402
+from tests.support.engine_tier import require
 
 require("vllm.config", "scripts/tiers/vllm.sh")  # not just any "vllm"
 

@@ -27,5 +27,5 @@ def test_no_staging_file_is_left(stack):
         log = lane.vllm.log_path.read_text(errors="replace")
         assert "force killing remaining process EngineCore" in log, lane.vllm.log_tail()  # vLLM's default
     # the tracker unlinks them as it exits, just after its API server
-    wait_for(lambda: staging_files(SHM_DIR, pids) == [], lambda: f"staging files unlinked: {staging_files(SHM_DIR, pids)}",
-             30, poll_s=0.1)
+    wait_for(lambda: staging_files(SHM_DIR, pids) == [],
+             lambda: f"staging files unlinked: {staging_files(SHM_DIR, pids)}", 30, poll_s=0.1)
