@@ -99,7 +99,8 @@ class EmbeddingStore:
         self.local = LocalTier(
             local_bytes, local_bytes // 2 if max_pinned_bytes is None else max_pinned_bytes, clock=clock
         )
-        self.redis = RedisTier(redis_url, RedisOptions(ttl_s=redis_ttl_s, **(redis_options or {}))) if redis_url else None
+        self.redis = (RedisTier(redis_url, RedisOptions(ttl_s=redis_ttl_s, **(redis_options or {})))
+                      if redis_url else None)
         self.counters = dict(reshared=0, bindings_lost=0)
         self.rebind_s, self.rebind_batch = rebind_s, rebind_batch
         self._tasks: list[asyncio.Task] = []
