@@ -396,12 +396,12 @@ class EncoderCore:
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
-        if shm is not None and self.shm is None:
-            raise shm_writer.disabled()
         if ipc is not None:
             if shm is not None:
                 raise errors.InvalidInput("a fetch asks for shm or ipc, not both")
             self.ipc.ack(ipc.ack)  # earlier fetches' copies are done
+        if shm is not None and self.shm is None:
+            raise shm_writer.disabled()
         if not items:
             raise errors.InvalidInput("no items in the fetch")
         self._check_id_count("fetch items", len(items))
