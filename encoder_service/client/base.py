@@ -316,6 +316,11 @@ class EncoderClient:
         self.fetch_paths["ipc"] += 1
         return _result(start, end, (header, out))
 
+    @property
+    def ipc_off(self) -> str | None:
+        """Why this client does not fetch by IPC (a refused open, gRPC), None while it may."""
+        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
+
     def release(self, ids) -> int:
         """End the encode pins of `ids` early (done with them); returns how many had one. Entries stay cached."""
         return self._transport.release(_ids(ids), self.timeout)
@@ -448,6 +453,11 @@ class AsyncEncoderClient:
             return None
         self.fetch_paths["ipc"] += 1
         return _result(start, end, (header, out))
+
+    @property
+    def ipc_off(self) -> str | None:
+        """See EncoderClient.ipc_off."""
+        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
 
     async def release(self, ids) -> int:
         """See EncoderClient.release."""
