@@ -9,8 +9,9 @@ is on, on this host (the same boot id) and of a kind this process reads; then th
   2. the answer places each segment's rows in the server's arena (else says why not: step 5);
   3. `CudaIpcReader` opens the arena's handle once per server process (its `generation`) and device
      (cudaIpcOpenMemHandle with lazy peer access, with out's device current), then each segment's bytes are
-     copied into out's rows at position - start on the current stream (casting to out's dtype), and that
-     stream is synchronized (the same contract as the other paths: when fetch returns, `out` has the rows);
+     copied into out's rows at position - start (cudaMemcpyAsync on out's device's current stream; through a
+     temporary, then cast, when `out` is of another dtype), and that stream is synchronized (the same contract
+     as the other paths: when fetch returns, `out` has the rows);
   4. the copy finished less than the answer's `lease_s` after the request was sent: the server kept those
      bytes still (it holds them at least that long from its receipt). Else they may have been rewritten:
      the fetch goes the next way. Either way its token is acknowledged (`Acks`: with the next fetch, or on a
@@ -41,30 +42,29 @@ ACK_WAIT_S = 1.0  # the background thread's longest sleep (it ends at close)
 
 
 class CudaIpcReader:
-    """Opens arenas' IPC handles on CUDA devices: one mapping per (generation, device), the older generation's
-    closed when a newer one appears (the server restarted). Thread-safe."""
+    """Opens arenas' IPC handles on CUDA devices (one mapping per (generation, device); the older generation's
+    closed when a newer one appears: the server restarted) and copies byte ranges out of them with
+    cudaMemcpyAsync on the device's current stream. Thread-safe."""
 
     kind = cuda_ipc.KIND
 
     def __init__(self):
-        self._maps: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}  # -> (pointer, uint8 view)
+        self._maps: dict[tuple[str, int], int] = {}  # (generation, device index) -> the opened pointer
         self._lock = threading.Lock()
 
     def accepts(self, out: torch.Tensor) -> bool:
         return out.is_cuda
 
-    def arena(self, handle: bytes, generation: str, size: int, device: torch.device) -> torch.Tensor:
-        """The arena's `size` bytes as a uint8 tensor on `device` (opening the handle the first time)."""
-        key = (generation, device.index if device.index is not None else torch.cuda.current_device())
-        with self._lock:
-            got = self._maps.get(key)
-            if got is None:
-                for old in [k for k in self._maps if k[1] == key[1]]:  # a restarted server's: nobody copies now
-                    self._close(old)
-                with torch.cuda.device(key[1]):
-                    ptr = cuda_ipc.open_handle(handle)
-                    got = self._maps[key] = (ptr, torch.as_tensor(cuda_ipc.DeviceBytes(ptr, size), device=device))
-            return got[1]
+    def copy(self, handle: bytes, generation: str, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Queue each (arena offset, nbytes, contiguous destination on one device) copy on that device's current
+        stream (opening the handle there the first time)."""
+        device = pieces[0][2].device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        base = self._open(handle, generation, index)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        with torch.cuda.device(index):
+            for offset, nbytes, dst in pieces:
+                cuda_ipc.memcpy_async(dst.data_ptr(), base + offset, nbytes, stream)
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
@@ -74,8 +74,18 @@ class CudaIpcReader:
             for key in list(self._maps):
                 self._close(key)
 
+    def _open(self, handle: bytes, generation: str, index: int) -> int:
+        with self._lock:
+            ptr = self._maps.get((generation, index))
+            if ptr is None:
+                for old in [k for k in self._maps if k[1] == index]:  # a restarted server's: nobody copies now
+                    self._close(old)
+                with torch.cuda.device(index):
+                    ptr = self._maps[(generation, index)] = cuda_ipc.open_handle(handle)
+            return ptr
+
     def _close(self, key: tuple[str, int]) -> None:
-        ptr, _ = self._maps.pop(key)
+        ptr = self._maps.pop(key)
         try:
             with torch.cuda.device(key[1]):
                 torch.cuda.synchronize()
@@ -201,19 +211,27 @@ class IpcPath:
             self.reader.close()
 
     def _copy(self, header: wire.WireHeader, answer: IpcPlacement, out: torch.Tensor, start: int) -> bool:
+        """Each segment's bytes into its rows of `out` (through a temporary of the rows' dtype when `out` is of
+        another dtype or not contiguous there), then the stream synchronized."""
         wire.check_out(header, out, start)
         if answer.kind != self.reader.kind:
             self._say("kind", f"the server's arena is {answer.kind}, this client reads {self.reader.kind}")
             return False
-        dtype = torch_dtype(header.dtype)
-        row_bytes = header.row_bytes
-        if any(o % dtype.itemsize or o + s.num_rows * row_bytes > answer.size
-               for o, s in zip(answer.offsets, header.segments)):
-            raise wire.WireError(f"IPC offsets {answer.offsets[:4]} outside the {answer.size}-byte arena")
-        arena = self.reader.arena(answer.handle, answer.generation, answer.size, out.device)
+        dtype, row_bytes = torch_dtype(header.dtype), header.row_bytes
+        pieces, casts = [], []
         for offset, s in zip(answer.offsets, header.segments):
-            rows = arena[offset:offset + s.num_rows * row_bytes].view(dtype).view(s.num_rows, header.row_width)
-            out[s.position - start:s.position - start + s.num_rows].copy_(rows)
+            nbytes = s.num_rows * row_bytes
+            if offset % dtype.itemsize or offset + nbytes > answer.size:
+                raise wire.WireError(f"IPC offset {offset} (+{nbytes}) outside the {answer.size}-byte arena")
+            dst = out[s.position - start:s.position - start + s.num_rows]
+            if dst.dtype != dtype or not dst.is_contiguous():
+                casts.append((dst, torch.empty((s.num_rows, header.row_width), dtype=dtype, device=out.device)))
+                dst = casts[-1][1]
+            pieces.append((offset, nbytes, dst))
+        if pieces:
+            self.reader.copy(answer.handle, answer.generation, pieces)
+        for dst, rows in casts:
+            dst.copy_(rows)
         self.reader.synchronize(out.device)
         return True
 

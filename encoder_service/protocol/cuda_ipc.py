@@ -22,6 +22,7 @@ import threading
 KIND = "cuda"  # the protocol's name for an arena of cudaMalloc memory (protocol/ipc.py: IpcPlacement.kind)
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 LAZY_ENABLE_PEER_ACCESS = 0x01  # cudaIpcMemLazyEnablePeerAccess: the consumer may sit on another GPU
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 SONAMES = ("libcudart.so.13", "libcudart.so.12")
 
 
@@ -74,6 +75,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(vp), _Handle, ctypes.c_uint]
     lib.cudaIpcOpenMemHandle.restype = err
     lib.cudaIpcCloseMemHandle.argtypes, lib.cudaIpcCloseMemHandle.restype = [vp], err
+    lib.cudaMemcpyAsync.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
+    lib.cudaMemcpyAsync.restype = err
     lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [err], ctypes.c_char_p
 
 
@@ -115,6 +118,15 @@ def open_handle(handle: bytes) -> int:
 
 def close_handle(ptr: int) -> None:
     _check(cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue a copy of `nbytes` from device pointer `src` to `dst` on `stream` (a raw cudaStream_t): across
+    GPUs too, once the source was opened with peer access. Pointers, not tensors, on the consumer's side: torch
+    would place a tensor over an opened handle on the device the memory physically sits on (its pointer
+    attributes), which need not be the device whose context opened it."""
+    _check(cudart().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes, MEMCPY_DEFAULT,
+                                    ctypes.c_void_p(stream)), "cudaMemcpyAsync")
 
 
 class DeviceBytes:

@@ -69,7 +69,14 @@ class HostStandInReader:
     def accepts(self, out: torch.Tensor) -> bool:
         return out.device.type == "cpu"
 
-    def arena(self, handle: bytes, generation: str, size: int, device: torch.device) -> torch.Tensor:
+    def copy(self, handle: bytes, generation: str, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        arena = self._arena(handle, generation)
+        for offset, nbytes, dst in pieces:
+            if offset + nbytes > arena.numel():
+                raise OSError(f"bytes [{offset}, {offset + nbytes}) outside the {arena.numel()}-byte stand-in arena")
+            dst.view(-1).view(torch.uint8).copy_(arena[offset:offset + nbytes])
+
+    def _arena(self, handle: bytes, generation: str) -> torch.Tensor:
         with self._lock:
             if generation not in self._maps:
                 if self.refuse:
@@ -79,8 +86,6 @@ class HostStandInReader:
                     raise OSError(f"not a host stand-in handle: {handle[:24]!r}")
                 with open(os.path.join(self.directory, name), "r+b") as f:
                     mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
-                if len(mm) < size:
-                    raise OSError(f"the stand-in arena is {len(mm)} bytes, the answer says {size}")
                 self._maps = {generation: torch.frombuffer(mm, dtype=torch.uint8)}  # an older one: closed
                 self.opened += 1
             return self._maps[generation]

@@ -104,6 +104,18 @@ def test_ipc_fetch_equals_the_socket_fetch(svc, standin_dir):
     assert svc.sample("encoder_ipc_fetches_total", {"outcome": "held"}) >= fetched
 
 
+def test_an_out_of_another_dtype_or_strided_gets_the_rows_cast(svc, standin_dir):
+    with client(svc, standin_dir) as c:
+        (info,) = c.encode(IMAGES[:1], wait=True)
+        ref = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+        wide = torch.zeros(info.num_tokens + 2, info.row_width, dtype=torch.float64)
+        strided = torch.zeros(info.row_width, info.num_tokens).t()  # rows not contiguous
+        c.fetch([(info.id, 2)], 0, info.num_tokens + 2, out=wide)
+        c.fetch([(info.id, 0)], 0, info.num_tokens, out=strided)
+        assert torch.equal(wide[2:], ref.double()) and torch.equal(strided, ref)
+        assert c.fetch_paths == {"ipc": 2, "socket": 1}
+
+
 def test_async_client_fetches_by_ipc(svc, standin_dir):
     async def go():
         async with AsyncEncoderClient.http(svc.url, timeout=30, ipc=HostStandInReader(str(standin_dir))) as c:
@@ -130,7 +142,7 @@ def test_a_consumer_in_another_process(svc, standin_dir, tmp_path):
     done = subprocess.run([sys.executable, "-m", "tests.support.ipc_consumer", str(job)], capture_output=True,
                           text=True, timeout=90, check=True)
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer == {"paths": {"ipc": len(fetches)}, "opened": 1}
+    assert answer == {"paths": {"ipc": len(fetches)}, "opened": 1, "ipc_off": None}
     for k, ref in enumerate(refs):
         assert (tmp_path / f"{k}.bin").read_bytes() == ref.rows.view(-1).view(torch.uint8).numpy().tobytes()
 

@@ -11,6 +11,8 @@ scheduler side, which then stages.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,3 +146,21 @@ def test_no_ipc_without_a_worker_kind_or_when_off(svc, standin_dir):
             assert fetcher.mode == "shm"
         finally:
             fetcher.close()
+
+
+def test_a_worker_in_another_process(svc, standin_dir, tmp_path):
+    """The connector's two sides in a process of their own (tests/support/ipc_consumer.py, what the GPU tier
+    runs on CUDA): every item left on the encoder's side and loaded by IPC, equal to the client's fetch."""
+    with EncoderClient.http(svc.url, timeout=30) as c:
+        infos = c.encode([png(112, 112, 85), png(84, 140, 86)], wait=True)
+        refs = [c.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(dict(url=svc.url, via="connector", device="cpu", standin_dir=str(standin_dir),
+                                   out_dir=str(tmp_path), fetches=[dict(items=[[i.id, 0]], start=0, end=i.num_tokens)
+                                                                   for i in infos])))
+    done = subprocess.run([sys.executable, "-m", "tests.support.ipc_consumer", str(job)], capture_output=True,
+                          text=True, timeout=90, check=True)
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["staged"] == ["ipc", "ipc"] and answer["paths"] == {"ipc": 2} and answer["ipc_off"] is None
+    for k, ref in enumerate(refs):
+        assert (tmp_path / f"{k}.bin").read_bytes() == ref.view(-1).view(torch.uint8).numpy().tobytes()
