@@ -31,7 +31,7 @@ class CudaArenaMemory:
     kind = cuda_ipc.KIND
 
     def __init__(self, device: torch.device, nbytes: int):
-        self.device, self.nbytes = device, nbytes
+        self.nbytes = nbytes
         with torch.cuda.device(device):
             self._ptr = cuda_ipc.malloc(nbytes)
             try:
@@ -40,6 +40,7 @@ class CudaArenaMemory:
             except BaseException:
                 cuda_ipc.free(self._ptr)
                 raise
+        self.device = self.bytes.device  # with its index ("cuda" alone never equals the outputs' "cuda:0")
 
     def close(self) -> None:
         if self._ptr:

@@ -37,13 +37,15 @@ class IpcLoader:
         self.options, self.device, self._reader = options, torch.device(device), reader
         self._client: EncoderClient | None = None
         self._lock = threading.Lock()
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream: torch.cuda.Stream | None = None  # made at the first load, once vLLM has set up the device
 
     def load(self, rows: IpcRows) -> torch.Tensor:
         """The item's `[num_rows, row_width]` rows on this worker's device (RuntimeError if the encoder's rows
         are not the ones planned)."""
         items, per_item = fetch_items(rows.item_id, rows.num_rows, rows.groups)
         client = self.client()
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
         if self._stream is None:
             out = torch.empty((rows.num_rows, rows.row_width), dtype=torch_dtype(rows.dtype), device=self.device)
             result = client.fetch(items, 0, rows.num_rows, out=out)
