@@ -120,6 +120,11 @@ def _ipc_reply(answer: dict | httpx.Response) -> tuple[wire.WireHeader, IpcPlace
         raise wire.WireError(f"not a fetch by IPC's answer: {exc!r:.200}") from None
 
 
+def _raw_ack(raw: RawHttp, tokens: list[str], timeout) -> int:
+    body = json.dumps({"tokens": tokens}, separators=(",", ":")).encode()
+    return int(raw.post("/v1/fetch/ack", body, timeout, read_json, accept=JSON)["released"])
+
+
 def _check(response: httpx.Response) -> httpx.Response:
     if response.is_success:
         return response
@@ -230,6 +235,10 @@ class HttpTransport:
         return _ipc_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def ack_ipc(self, tokens: list[str], timeout) -> int:
+        """On a plain socket when there is one (the client's acks thread calls it beside fetches: httpx's
+        request handling would cost them CPU), else through httpx."""
+        if self._raw.raw is not None:
+            return _raw_ack(self._raw.raw, tokens, timeout)
         return int(self._post("/v1/fetch/ack", timeout, json={"tokens": tokens}).json()["released"])
 
     def release(self, ids, timeout):
@@ -293,11 +302,7 @@ class AsyncHttpTransport:
     def ack_ipc(self, tokens: list[str], timeout) -> int:
         """Blocking (the client's acks thread calls it), on a plain socket; without one (https, a proxy) the
         tokens go only with later fetches (client/ipc.py: Acks), and the rest end at their lease."""
-        raw = self._raw.raw
-        if raw is None:
-            return 0
-        body = json.dumps({"tokens": tokens}).encode()
-        return int(raw.post("/v1/fetch/ack", body, timeout, read_json, accept=JSON)["released"])
+        return _raw_ack(self._raw.raw, tokens, timeout) if self._raw.raw is not None else 0
 
     async def release(self, ids, timeout):
         return int((await self._post("/v1/release", timeout, json={"ids": ids})).json()["released"])
