@@ -414,7 +414,8 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
                   "| batch | MB of rows / image | runner images/s | with the arena copy images/s | arena copy "
                   "ms / image | host copy (D2H + out of staging) ms / image |", "|---|---|---|---|---|---|",
                   f"| {a['batch']} | {a['row_mb']:.3g} | {_f(a.get('model_images_per_s'), '.1f')} "
-                  f"| {_f(a.get('model_and_arena_copy_images_per_s'), '.1f')} | {_f(a.get('arena_copy_ms_per_image'), '.3f')} "
+                  f"| {_f(a.get('model_and_arena_copy_images_per_s'), '.1f')} "
+                  f"| {_f(a.get('arena_copy_ms_per_image'), '.3f')} "
                   f"| {_f(a['host_copy_ms_per_image'], '.3f')} |", ""]
     paths = [r for name, part in p.items() if name.startswith("paths") for r in part["rows"]]
     if paths:
@@ -447,7 +448,8 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
         lines += [f"## 4. End to end: distinct 720p JPEGs, encode wait=true, all rows into a device `out`, release; "
                   "one client process", "",
                   "| fetch | consumer | concurrency | requests | errors | images/s | % of model alone | p50 ms "
-                  "| fetch p50 ms | fetches by path | client loop CPU s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| fetch p50 ms | fetches by path | client loop CPU s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in e2e:
             share = 100 * r["images_per_s"] / ref if ref else None
             lines.append(f"| {r['variant']} | {r['consumer']} | {r['concurrency']} | {r['requests']} | {r['errors']} "

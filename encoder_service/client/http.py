@@ -163,8 +163,8 @@ class _RawFetch:
         return None if got is None else (got[0], dest.finish())
 
     def fetch_shm(self, body: bytes, timeout, cancel: Cancel | None = None) -> dict | None:
-        """An shm fetch's (or a fetch by IPC's) JSON answer, or None as above. httpx's request handling costs as much as the fetch
-        itself when the rows are a small shm write (~0.5 ms on the CPU box)."""
+        """An shm fetch's (or a fetch by IPC's) JSON answer, or None as above. httpx's request handling costs as
+        much as the fetch itself when the rows are a small shm write (~0.5 ms on the CPU box)."""
         return self._post(body, timeout, read_json, JSON, cancel)
 
     def _post(self, body: bytes, timeout, read, accept: str, cancel: Cancel | None):

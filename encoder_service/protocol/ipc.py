@@ -6,13 +6,14 @@ its host by the kernel's boot id (`this_host()`: containers of one host share it
 server answers the wire header's fields and, instead of rows, `"ipc"`:
 
   - `IpcPlacement`: every segment's rows sit in the server's arena, one device allocation of `size` bytes
-    exported once as a CUDA IPC handle (64 bytes, base64), at `offsets[k]` (segment k's rows are `num_rows x row_bytes` bytes from
-    there, row-major, as on the wire). `generation` is random per server process (a restarted server has a
-    new allocation, so a new handle: open it again). `token` holds those byte ranges for the consumer: the
-    server never reuses them until the token is acknowledged (POST /v1/fetch/ack {"tokens"}, or `ack` in a
-    later fetch's request) or `lease_s` has passed since the server got the request. So a consumer that
-    measures from before sending its request to after its copies finished, and finds less than `lease_s`,
-    read rows the server kept still; past that it must not use them (fetch again another way).
+    exported once as a CUDA IPC handle (64 bytes, base64), at `offsets[k]` (segment k's rows are
+    `num_rows x row_bytes` bytes from there, row-major, as on the wire). `generation` is random per server
+    process (a restarted server has a new allocation, so a new handle: open it again). `token` holds those
+    byte ranges for the consumer: the server never reuses them until the token is acknowledged (POST
+    /v1/fetch/ack {"tokens"}, or `ack` in a later fetch's request) or `lease_s` has passed since it placed
+    them (after it got the request). So a consumer that measures from before sending its request to after
+    its copies finished, and finds less than `lease_s`, read rows the server kept still; past that it must
+    not use them (fetch again another way).
     A probe (`hold` false) answers where the rows are and holds nothing (`token` None: never read them).
   - `IpcUnavailable(reason)`: not this fetch (IPC off, another host, a row not in the arena, holds full):
     the consumer fetches the same chunk the next way (shared memory, then the socket). Not an error.
