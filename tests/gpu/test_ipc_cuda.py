@@ -36,8 +36,9 @@ DEVICES = ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def svc(request, tiny_checkpoint):
-    """Tiny Qwen3-VL (deepstack rows) on cuda:0, bf16, CUDA graphs as the service runs them, a 64 MiB arena."""
-    settings = make_settings(tiny_checkpoint("qwen3_vl"), "--device", "cuda:0", "--dtype", "bfloat16",
+    """Tiny Qwen3-VL (deepstack rows) on cuda:0, float32 (as tests/gpu/test_video_core_cuda.py runs the tiny
+    towers), CUDA graphs as the service runs them, a 64 MiB arena."""
+    settings = make_settings(tiny_checkpoint("qwen3_vl"), "--device", "cuda:0", "--dtype", "float32",
                              "--ipc-arena-bytes", "64MiB")
     service = RunningService(settings, tiny_checkpoint("qwen3_vl"))
     request.addfinalizer(service.close)
@@ -58,7 +59,7 @@ def encoded(svc):
 
 def socket_rows(svc, items, start, end, width) -> torch.Tensor:
     with EncoderClient.http(svc.url, timeout=60, ipc="off") as c:
-        out = torch.full((end - start, width), float("nan"), dtype=torch.bfloat16)
+        out = torch.full((end - start, width), float("nan"), dtype=getattr(torch, svc.core.dtype))
         c.fetch(items, start, end, out=out)
         return out
 
@@ -93,8 +94,9 @@ def test_the_arena_holds_each_image_rows_bit_for_bit(svc, encoded):
         answer = httpx.post(svc.url + "/v1/fetch", json=body, timeout=30).json()["ipc"]
         assert "offsets" in answer, answer
         (offset,) = answer["offsets"]
-        nbytes = info.num_tokens * info.row_width * 2
-        on_gpu = arena.memory.bytes[offset:offset + nbytes].view(torch.bfloat16).view(info.num_tokens, -1)
+        dtype = getattr(torch, info.dtype)
+        nbytes = info.num_tokens * info.row_width * dtype.itemsize
+        on_gpu = arena.memory.bytes[offset:offset + nbytes].view(dtype).view(info.num_tokens, -1)
         assert raw(on_gpu) == raw(socket_rows(svc, [(info.id, 0)], 0, info.num_tokens, info.row_width))
 
 
@@ -103,8 +105,9 @@ def test_a_consumer_in_the_server_process_gets_the_rows_the_next_way(svc, encode
     info = infos[0]
     with EncoderClient.http(svc.url, timeout=60) as c:
         out = torch.full((info.num_tokens, info.row_width), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        # (bf16: another dtype than the rows', so the copy goes through a temporary and a cast)
         c.fetch([(info.id, 0)], 0, info.num_tokens, out=out)
-        assert raw(out) == raw(socket_rows(svc, [(info.id, 0)], 0, info.num_tokens, info.row_width))
+        assert raw(out) == raw(socket_rows(svc, [(info.id, 0)], 0, info.num_tokens, info.row_width).bfloat16())
         # CUDA does not open a handle in the process that exported it: the client says why and goes on
         assert c.fetch_paths == {"socket": 1} and c.ipc_off is not None or c.fetch_paths == {"ipc": 1}
 
