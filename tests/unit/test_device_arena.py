@@ -176,3 +176,27 @@ def test_host_copier_binds_each_image_to_its_host_rows(make_arena):
     offsets, _ = arena.place(host, hold=False)
     for part, offset in zip(host, offsets):
         assert torch.equal(arena_rows(arena, offset, part), part)
+
+
+def test_no_arena_on_a_cpu_or_when_off(tmp_path):
+    from encoder_service.runtime.arena_memory import make_arena
+
+    assert make_arena("cpu", None, 5.0) is None  # auto on a CPU: off (CUDA only)
+    assert make_arena("cpu", 1 << 20, 5.0) is None
+    assert make_arena("cpu", 0, 5.0, memory=HostStandInMemory.factory(str(tmp_path))) is None  # 0: off
+    arena = make_arena("cpu", 1 << 20, 5.0, memory=HostStandInMemory.factory(str(tmp_path)))
+    try:
+        assert arena.capacity == 1 << 20 and arena.memory.kind == "host-standin"
+    finally:
+        arena.close()
+
+
+def test_a_missing_cuda_runtime_is_a_clear_error(monkeypatch):
+    """Where no libcudart loads, every IPC call raises CudaIpcError (its callers fall back), never an OSError."""
+    from encoder_service.protocol import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "_lib", None)
+    monkeypatch.setattr(cuda_ipc, "_mapped_cudart", lambda: [])
+    monkeypatch.setattr(cuda_ipc, "SONAMES", ("libcudart-that-is-not-there.so.99",))
+    with pytest.raises(cuda_ipc.CudaIpcError, match="no CUDA runtime library"):
+        cuda_ipc.open_handle(b"\0" * 64)
