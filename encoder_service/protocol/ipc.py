@@ -25,12 +25,11 @@ import base64
 import re
 from dataclasses import dataclass
 
-from encoder_service.protocol.cuda_ipc import HANDLE_BYTES, KIND
+from encoder_service.protocol.cuda_ipc import HANDLE_BYTES
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 MAX_ACK_TOKENS = 1024  # tokens one request may acknowledge
 TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
-CUDA = KIND  # the kind of arena a real server has (the test stand-in's: encoder_service/testing/host_ipc.py)
 
 _host: str | None = None
 
@@ -72,7 +71,7 @@ class IpcRequest:
 
 @dataclass(frozen=True)
 class IpcPlacement:
-    kind: str  # CUDA, or the test stand-in's kind
+    kind: str  # protocol/cuda_ipc.py: KIND ("cuda"), or the CPU tests' stand-in's (testing/host_ipc.py)
     handle: bytes  # HANDLE_BYTES
     generation: str  # per server process
     size: int  # bytes of the arena the handle opens
