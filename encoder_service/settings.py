@@ -145,6 +145,10 @@ class ServerSettings:
     shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
     send_threads: int = 8  # threads writing fetched rows onto HTTP sockets (api/socket_send.py); 0: the loop
+    # Rows GPU to GPU for consumers on this host (runtime/device_arena.py): the arena's bytes (None: auto, 0: off)
+    # and how long a fetch by IPC holds its rows at most without an acknowledgement.
+    ipc_arena_bytes: int | None = None
+    ipc_lease_s: float = 5.0
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
     sglang_protocol: bool = False
     sglang_port: int = 8100
@@ -245,6 +249,10 @@ def _advertised(text: str) -> str:
     return str(text).rstrip("/")
 
 
+def _size_or_auto(text: str) -> int | None:
+    return None if str(text).strip().lower() == "auto" else _non_negative(parse_size)(text)
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -338,6 +346,11 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "access_log": (parse_bool, "false", "log one line per request (transport, method, outcome, seconds, request id)"),
     "shm_fetch": (parse_bool, "false", "let clients on this host fetch rows through shared-memory files"),
     "shm_dir": (str, DEFAULT_SHM_DIR, "directory of those files (client and server must share it)"),
+    "ipc_arena_bytes": (_size_or_auto, "auto", "device row arena for fetches by IPC (rows GPU to GPU on this host): "
+                                               "auto (a quarter of the GPU memory free after startup, at most "
+                                               "8GiB), a size, or 0 (off); always off on a CPU"),
+    "ipc_lease_s": (_positive(float), "5", "how long a fetch by IPC holds its rows in the arena at most when its "
+                                           "consumer does not acknowledge its copy"),
     "send_threads": (_non_negative(int), "8", "threads that write fetched rows onto HTTP sockets, several "
                                               "fetches at once (0: the event loop writes them)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
@@ -503,6 +516,7 @@ def _build(v: dict) -> Settings:
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
                               access_log=v["access_log"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"], send_threads=v["send_threads"],
+                              ipc_arena_bytes=v["ipc_arena_bytes"], ipc_lease_s=v["ipc_lease_s"],
                               sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"],
                               advertise_url=v["advertise_url"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],

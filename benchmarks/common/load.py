@@ -10,6 +10,7 @@ of its load-generator processes. `scrape`: the unlabelled samples of a service's
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Iterable
@@ -26,7 +27,8 @@ def scrape(url: str) -> dict[str, float]:
 
 async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int, level_s: float, timeout_s: float,
                       flow: str = "e2e", transport: str = "http", cross: bool = False, verify_every: int = 0,
-                      worker_offset: int = 0, count: int | None = None) -> dict:
+                      worker_offset: int = 0, count: int | None = None, out_device: str = "cpu",
+                      client_kw: dict | None = None) -> dict:
     """`targets`: [{"http": url, "grpc": host:port}] per replica. Runs until the `count` images run out (None:
     `images` is an endless stream) or `level_s` has passed (requests in flight then finish, each bounded by
     `timeout_s`). `flow`: "encode" (wait=true), "e2e" (that, a fetch of all the image's rows into the worker's
@@ -34,7 +36,9 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
     is waited out as its Retry-After says. `verify_every` n > 0: every
     n-th crossing fetch is fetched again on the encoding replica and compared bit for bit (the same encode's
     rows through Redis and from the encoder's own tier: a difference is a wrong row). `worker_offset`: this
-    process's first worker number (so that processes spread their workers' encodes over the replicas)."""
+    process's first worker number (so that processes spread their workers' encodes over the replicas).
+    `out_device`: where each worker's buffer is (a CUDA device: as an LLM server's input embeddings; with HTTP a
+    fetch into it goes GPU to GPU when it can, client/ipc.py); `client_kw`: more options of the HTTP clients."""
     import httpx
     import torch
 
@@ -42,7 +46,8 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
     from encoder_service.errors import Overloaded
 
     limits = httpx.Limits(max_connections=workers + 4, max_keepalive_connections=workers + 4)
-    clients = [AsyncEncoderClient.http(t["http"], timeout=timeout_s, limits=limits) if transport == "http" else
+    clients = [AsyncEncoderClient.http(t["http"], timeout=timeout_s, limits=limits, **(client_kw or {}))
+               if transport == "http" else
                AsyncEncoderClient.grpc(t["grpc"], timeout=timeout_s) for t in targets]
     rec = dict(latencies=[], encode_ms=[], fetch_ms={"same": [], "other": []}, errors=[], hits=0, wrong_rows=0,
                verified=0)
@@ -71,7 +76,8 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
                     t1 = time.perf_counter()
                     if flow != "encode":
                         if out is None or out.shape[0] < info.num_tokens:
-                            out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype))
+                            out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype),
+                                              device=out_device)
                         rows = out[:info.num_tokens]
                         await fetcher.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
                         rec["fetch_ms"]["other" if other else "same"].append((time.perf_counter() - t1) * 1e3)
@@ -101,5 +107,6 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
     finally:
         for client in clients:
             await client.close()
+    paths = sum((c.fetch_paths for c in clients), collections.Counter())  # how the fetches went (ipc, socket, ...)
     return rec | dict(tokens=sorted(tokens), t0=start, t1=time.time(), images=count, cpu_s=cpu_s,
-                      loop_cpu_s=loop_cpu_s)
+                      loop_cpu_s=loop_cpu_s, fetch_paths=dict(paths))

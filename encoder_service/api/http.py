@@ -9,6 +9,9 @@ POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"
                   (application/octet-stream; application/safetensors when Accept asks for it).
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
                   (protocol/shm.py) and the answer is JSON: the wire header's fields + "shm_bytes".
+                  With "ipc": {"host", "hold", "ack"} (protocol/ipc.py) the answer is JSON: the wire header's
+                  fields + "ipc": where each segment's rows sit in the device row arena, or why not.
+POST /v1/fetch/ack  JSON {"tokens": [...]} -> {"released": n}: ends the holds of fetches by IPC.
 POST /v1/fetch/pickup  JSON {"token"} -> the payload of the gRPC Fetch that left that ticket (api/pickup.py).
 POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
 GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
@@ -50,6 +53,7 @@ from encoder_service.errors import EncoderServiceError, InvalidInput, NotFound, 
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
+from encoder_service.protocol.ipc import IpcError, IpcRequest
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.timing import timing_headers
 
@@ -103,6 +107,12 @@ class ShmJson(_Strict):
     by_position: bool = False
 
 
+class IpcJson(_Strict):
+    host: str  # the consumer's boot id
+    hold: bool = True
+    ack: list[str] = []  # tokens of earlier fetches by IPC whose copies are done
+
+
 class FetchJson(_Strict):
     items: list[FetchItemJson]
     start: int
@@ -110,6 +120,11 @@ class FetchJson(_Strict):
     timeout_s: float | None = None
     shm: ShmJson | None = None
     peer: Literal["fetch", "copy"] | None = None  # another replica fetching (core/peers.py): only what is here
+    ipc: IpcJson | None = None
+
+
+class AckJson(_Strict):
+    tokens: list[str]
 
 
 class ReleaseJson(_Strict):
@@ -167,6 +182,10 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
     @app.post("/v1/fetch")
     async def fetch(request: Request):
         return await _served(request, "fetch", _fetch)
+
+    @app.post("/v1/fetch/ack")
+    async def ack(request: Request):
+        return await _served(request, "ack", _ack)
 
     @app.post("/v1/fetch/pickup")
     async def pickup(request: Request):
@@ -235,10 +254,14 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
     async def _fetch(request: Request) -> Response:
         body = await _json_body(request, FetchJson)
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
+        ipc = _ipc_request(body.ipc.host, body.ipc.hold, body.ipc.ack) if body.ipc is not None else None
         result = await _unless_disconnected(request, core.fetch(
             [FetchItem(it.id, it.offset) for it in body.items], body.start, body.end, timeout_s=body.timeout_s,
-            shm=shm, peer=body.peer))
+            shm=shm, ipc=ipc, peer=body.peer))
         header = wire.WireHeader.of_fetch(result)
+        if result.ipc is not None:  # where the rows sit on the GPU (or why not): the header and that answer
+            return JSONResponse(header.to_dict() | {"ipc": result.ipc.to_dict()},
+                                headers=dict(timing_headers(result.timings)))
         if shm is not None:  # the rows are in the client's file: the header alone answers
             return JSONResponse(header.to_dict() | {"shm_bytes": result.shm_bytes},
                                 headers=dict(timing_headers(result.timings)))
@@ -264,6 +287,10 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
         return bodies.parse(model, await bodies.bounded(request, max_body).body())
+
+    async def _ack(request: Request) -> Response:
+        body = await _json_body(request, AckJson)
+        return JSONResponse({"released": core.ipc.ack(_ipc_request("", True, body.tokens).ack)})
 
     async def _release(request: Request) -> Response:
         body = await _json_body(request, ReleaseJson)
@@ -294,6 +321,13 @@ async def _unless_disconnected(request: Request, call: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _ipc_request(host: str, hold: bool, ack: list[str]) -> IpcRequest:
+    try:
+        return IpcRequest(host, hold, tuple(ack))
+    except IpcError as exc:
+        raise InvalidInput(str(exc)) from None
 
 
 def _error_response(exc: Exception) -> JSONResponse:

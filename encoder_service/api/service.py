@@ -32,22 +32,28 @@ log = logging.getLogger("encoder_service")
 HTTP_KEEP_ALIVE_S = 120
 
 
-def build_core(settings: Settings, *, loaded=None) -> EncoderCore:
-    """Load the model (unless `loaded` is given), make the runner, the store and the core (not started)."""
+def build_core(settings: Settings, *, loaded=None, ipc_memory=None) -> EncoderCore:
+    """Load the model (unless `loaded` is given), make the runner, the device row arena (once the graphs are
+    captured: it is sized from the memory left), the store and the core (not started). `ipc_memory(nbytes)`:
+    the arena's memory instead of cudaMalloc (the CPU tests' host stand-in, encoder_service/testing/host_ipc.py)."""
     from encoder_service.cache import EmbeddingStore
     from encoder_service.models.loader import load_model
     from encoder_service.preprocessing import PreprocessConfig
+    from encoder_service.runtime.arena_memory import make_arena
     from encoder_service.runtime.runner import make_runner
 
     m, e, c = settings.model, settings.engine, settings.cache
     if loaded is None:
         loaded = load_model(m.model, device=m.device, dtype=m.dtype, revision=m.revision)
     runner = make_runner(loaded, cuda_graphs=e.cuda_graphs, buckets=list(e.graph_buckets), attention=e.attention)
+    srv = settings.server
+    arena = make_arena(loaded.device, srv.ipc_arena_bytes, srv.ipc_lease_s, memory=ipc_memory)
     cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
     store = EmbeddingStore(c.cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s, lease_s=c.lease_s,
                            max_pinned_bytes=c.max_pinned_bytes,
                            redis_options=dict(row_copy_bytes=c.redis_row_copy_bytes))
-    return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store, metrics=Metrics())
+    return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store, metrics=Metrics(),
+                       ipc_arena=arena)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -273,4 +279,7 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         f"auth: {'bearer token' if s.server.auth_token else 'off'}",
         "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
                                if service.sglang_address else "off"),
+        "ipc fetch (rows GPU to GPU, consumers on this host, HTTP): " + (
+            f"device row arena {format_size(ipc['arena_bytes'])} on {ipc['device']}, hold lease {ipc['lease_s']:g}s"
+            if (ipc := core.ipc.metadata()) else "off"),
     ])

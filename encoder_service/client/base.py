@@ -6,7 +6,9 @@ A transport (client/http.py, client/grpc_transport.py) implements, sync or async
   fetch(items: list[(id, offset)], start, end, dest: Destination, timeout) -> (WireHeader, rows)
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
   release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
-With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket.
+With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket. A fetch
+into a CUDA `out` from a server on this host with IPC on goes GPU to GPU first (client/ipc.py; HTTP clients,
+`ipc="auto"`), then the way above. `fetch_paths` counts the fetches each way went ("ipc", "shm", "socket").
 Calls that fail with 503 / UNAVAILABLE or an unreachable server are tried again within the client's timeout
 (`retry`: client/retry.py; None: never).
 
@@ -22,6 +24,8 @@ import asyncio
 import io
 import os
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -31,6 +35,7 @@ from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
 from encoder_service.client.owners import AsyncOwnerRouting, OwnerRouting
+from encoder_service.client.ipc import IpcPath
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
@@ -42,6 +47,8 @@ from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
 
 FETCH_STREAMS = 4  # at most this many connections for one fetch
 SPLIT_BYTES = 16 << 20  # and at least this many bytes of `out` for each
+ACK_TIMEOUT_S = 5.0  # one acknowledgement of IPC holds (client/ipc.py)
+_UNKNOWN = object()  # the server's IPC metadata, not asked yet
 
 
 def image_source(image) -> ImageSource:
@@ -187,6 +194,15 @@ class _ShmFetch:
             self._staging = None
 
 
+def _ipc_path(transport, ipc) -> IpcPath | None:
+    """The client's fetch by IPC: "auto" (a CUDA reader once a CUDA `out` comes), "off", or a reader (the CPU
+    tests' host stand-in, encoder_service/testing/host_ipc.py); None on transports without it (gRPC)."""
+    ack = getattr(transport, "ack_ipc", None)
+    if ipc == "off" or ipc is False or ack is None:
+        return None
+    return IpcPath(None if ipc == "auto" else ipc, lambda tokens: ack(tokens, ACK_TIMEOUT_S))
+
+
 def _need_shm(shm: ShmBuffers | None) -> ShmBuffers:
     if shm is None:
         raise InvalidInput("alloc_rows needs a client built with shm=True")
@@ -202,11 +218,13 @@ class EncoderClient:
     """
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
-                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY):
+                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY, ipc="auto"):
         self._transport = transport if retry is None else Retrying(transport, retry)
         self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
+        self._ipc, self._ipc_meta = _ipc_path(transport, ipc), _UNKNOWN
+        self.fetch_paths: Counter[str] = Counter()
         self._staging_buffers = StagingBuffers()
         self._threads: ThreadPoolExecutor | None = None  # the extra streams of split fetches (made on first use)
         self._threads_lock = threading.Lock()  # fetch may be called from several threads
@@ -214,13 +232,13 @@ class EncoderClient:
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
-             retry: RetryPolicy | None = DEFAULT_RETRY, follow_owner: bool = True, **kw):
+             retry: RetryPolicy | None = DEFAULT_RETRY, ipc="auto", follow_owner: bool = True, **kw):
         """`follow_owner`: fetch straight from the replica an encode answer named as the rows' owner, when it
         answers (client/owners.py); off: every fetch goes to `base_url`."""
         transport = HttpTransport(base_url, token=token, **kw)
         if follow_owner:
             transport = OwnerRouting(transport, lambda url: HttpTransport(url, token=token, **kw), base_url)
-        return cls(transport, timeout, _buffers(shm, shm_dir), fetch_streams, retry)
+        return cls(transport, timeout, _buffers(shm, shm_dir), fetch_streams, retry, ipc)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
@@ -251,6 +269,11 @@ class EncoderClient:
         any dtype, CPU or CUDA) gets each segment's rows at row position - start, and is the answer's rows.
         After a fetch into `out` fails or is cancelled, a stream may still write its rows there for a moment."""
         items = fetch_items(items)
+        if self._ipc is not None and out is not None and self._ipc.candidate(out):
+            got = self._fetch_ipc(items, start, end, out)
+            if got is not None:
+                return got
+        self.fetch_paths["shm" if self._shm is not None else "socket"] += 1
         if self._shm is None:
             parts = split_points(start, end, out, self.fetch_streams)
             if len(parts) == 1:
@@ -285,6 +308,24 @@ class EncoderClient:
         with Destination(out, start, self._staging_buffers) as dest:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
+    def _fetch_ipc(self, items, start: int, end: int, out: torch.Tensor) -> FetchedRows | None:
+        """The rows GPU to GPU (client/ipc.py), or None: fetch them the next way."""
+        if self._ipc_meta is _UNKNOWN:
+            self._ipc_meta = self.metadata().get("ipc")
+        if not self._ipc.wants(out, self._ipc_meta):
+            return None
+        sent = time.monotonic()
+        header, answer = self._transport.fetch_ipc(items, start, end, self._ipc.request(), self.timeout)
+        if self._ipc.finish(header, answer, out, start, sent) is None:
+            return None
+        self.fetch_paths["ipc"] += 1
+        return _result(start, end, (header, out))
+
+    @property
+    def ipc_off(self) -> str | None:
+        """Why this client does not fetch by IPC (a refused open, gRPC), None while it may."""
+        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
+
     def release(self, ids) -> int:
         """End the encode pins of `ids` early (done with them); returns how many had one. Entries stay cached."""
         return self._transport.release(_ids(ids), self.timeout)
@@ -309,6 +350,8 @@ class EncoderClient:
         try:
             if self._threads is not None:
                 self._threads.shutdown(wait=True)
+            if self._ipc is not None:
+                self._ipc.close()  # its last acknowledgements first
             self._transport.close()
         finally:
             self._staging_buffers.close()
@@ -326,22 +369,24 @@ class AsyncEncoderClient:
     """asyncio client, same methods as EncoderClient (shm too). Build with AsyncEncoderClient.http / .grpc."""
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
-                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY):
+                 fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY, ipc="auto"):
         self._transport = transport if retry is None else AsyncRetrying(transport, retry)
         self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None
+        self._ipc, self._ipc_meta = _ipc_path(transport, ipc), _UNKNOWN
+        self.fetch_paths: Counter[str] = Counter()
         self._staging_buffers = StagingBuffers()
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
              shm_dir: str = DEFAULT_DIR, fetch_streams: int = FETCH_STREAMS,
-             retry: RetryPolicy | None = DEFAULT_RETRY, follow_owner: bool = True, **kw):
+             retry: RetryPolicy | None = DEFAULT_RETRY, ipc="auto", follow_owner: bool = True, **kw):
         """`follow_owner`: as EncoderClient.http's."""
         transport = AsyncHttpTransport(base_url, token=token, **kw)
         if follow_owner:
             transport = AsyncOwnerRouting(transport, lambda url: AsyncHttpTransport(url, token=token, **kw), base_url)
-        return cls(transport, timeout, _buffers(shm, shm_dir), fetch_streams, retry)
+        return cls(transport, timeout, _buffers(shm, shm_dir), fetch_streams, retry, ipc)
 
     @classmethod
     def grpc(cls, target: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
@@ -368,6 +413,11 @@ class AsyncEncoderClient:
     async def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """See EncoderClient.fetch."""
         items = fetch_items(items)
+        if self._ipc is not None and out is not None and self._ipc.candidate(out):
+            got = await self._fetch_ipc(items, start, end, out)
+            if got is not None:
+                return got
+        self.fetch_paths["shm" if self._shm is not None else "socket"] += 1
         if self._shm is None:
             parts = split_points(start, end, out, self.fetch_streams)
             if len(parts) == 1:
@@ -399,6 +449,24 @@ class AsyncEncoderClient:
         with Destination(out, start, self._staging_buffers) as dest:
             return _result(start, end, await self._transport.fetch(items, start, end, dest, self.timeout))
 
+    async def _fetch_ipc(self, items, start: int, end: int, out: torch.Tensor) -> FetchedRows | None:
+        """See EncoderClient._fetch_ipc (the copy and its synchronization on a thread, off the loop)."""
+        if self._ipc_meta is _UNKNOWN:
+            self._ipc_meta = (await self.metadata()).get("ipc")
+        if not self._ipc.wants(out, self._ipc_meta):
+            return None
+        sent = time.monotonic()
+        header, answer = await self._transport.fetch_ipc(items, start, end, self._ipc.request(), self.timeout)
+        if await asyncio.to_thread(self._ipc.finish, header, answer, out, start, sent) is None:
+            return None
+        self.fetch_paths["ipc"] += 1
+        return _result(start, end, (header, out))
+
+    @property
+    def ipc_off(self) -> str | None:
+        """See EncoderClient.ipc_off."""
+        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
+
     async def release(self, ids) -> int:
         """See EncoderClient.release."""
         return await self._transport.release(_ids(ids), self.timeout)
@@ -417,6 +485,8 @@ class AsyncEncoderClient:
 
     async def close(self) -> None:
         try:
+            if self._ipc is not None:
+                await asyncio.to_thread(self._ipc.close)  # its last acknowledgements first
             await self._transport.close()
         finally:
             self._staging_buffers.close()

@@ -7,7 +7,8 @@ on a plain socket straight into its destination (client/raw_http.py; the async t
 read on its own threads, which receive in parallel with the GIL released); https, a proxy, or an answer the
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
 (the rows are in the client's file), read on the same plain sockets: through httpx the request's own cost
-was that of the write it asks for.
+was that of the write it asks for. So does a fetch by IPC (the header and where the rows sit on the server's
+GPU: client/ipc.py); its acknowledgements (`ack_ipc`) are blocking calls, made on the client's acks thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from encoder_service.client.raw_http import (JSON, OCTET, READ_THREADS, Cancel, 
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
+from encoder_service.protocol.ipc import IpcError, IpcPlacement, IpcUnavailable, answer_from_dict
 
 log = logging.getLogger(__name__)
 # httpx options that route requests somewhere the raw reader would not go.
@@ -94,9 +96,9 @@ def _embedding(d: dict):
     return wire.rows_from_bytes(base64.b64decode(e["data"]), e["dtype"], int(e["shape"][1]), int(e["shape"][0]))
 
 
-def _fetch_json(items, start: int, end: int, timeout, shm: dict | None = None) -> dict:
+def _fetch_json(items, start: int, end: int, timeout, shm: dict | None = None, ipc: dict | None = None) -> dict:
     body = {"items": [{"id": i, "offset": o} for i, o in items], "start": start, "end": end, "timeout_s": timeout}
-    return body | {"shm": shm} if shm is not None else body
+    return body | ({"shm": shm} if shm is not None else {}) | ({"ipc": ipc} if ipc is not None else {})
 
 
 def _shm_reply(answer: dict | httpx.Response) -> tuple[wire.WireHeader, int]:
@@ -106,6 +108,21 @@ def _shm_reply(answer: dict | httpx.Response) -> tuple[wire.WireHeader, int]:
         return wire.WireHeader.from_dict(d), int(d["shm_bytes"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise wire.WireError(f"not an shm fetch answer: {exc!r}") from None
+
+
+def _ipc_reply(answer: dict | httpx.Response) -> tuple[wire.WireHeader, IpcPlacement | IpcUnavailable]:
+    """(header, where the rows sit or why not) of a fetch by IPC's JSON answer."""
+    d = answer.json() if isinstance(answer, httpx.Response) else answer
+    header = wire.WireHeader.from_dict(d)
+    try:
+        return header, answer_from_dict(d["ipc"], len(header.segments))
+    except (KeyError, TypeError, IpcError) as exc:
+        raise wire.WireError(f"not a fetch by IPC's answer: {exc!r:.200}") from None
+
+
+def _raw_ack(raw: RawHttp, tokens: list[str], timeout) -> int:
+    body = json.dumps({"tokens": tokens}, separators=(",", ":")).encode()
+    return int(raw.post("/v1/fetch/ack", body, timeout, read_json, accept=JSON)["released"])
 
 
 def _check(response: httpx.Response) -> httpx.Response:
@@ -122,8 +139,8 @@ def _raw(base_url: str, token: str | None, httpx_kw: dict) -> RawHttp | None:
     return RawHttp.for_url(base_url, _headers(token), trust_env=httpx_kw.get("trust_env", True))
 
 
-def _fetch_body(items, start: int, end: int, timeout, shm: dict | None = None) -> bytes:
-    return json.dumps(_fetch_json(items, start, end, timeout, shm), separators=(",", ":")).encode()
+def _fetch_body(items, start: int, end: int, timeout, shm: dict | None = None, ipc: dict | None = None) -> bytes:
+    return json.dumps(_fetch_json(items, start, end, timeout, shm, ipc), separators=(",", ":")).encode()
 
 
 def _decoded(response: httpx.Response, dest: Destination):
@@ -146,8 +163,8 @@ class _RawFetch:
         return None if got is None else (got[0], dest.finish())
 
     def fetch_shm(self, body: bytes, timeout, cancel: Cancel | None = None) -> dict | None:
-        """An shm fetch's JSON answer, or None as above. httpx's request handling costs as much as the fetch
-        itself when the rows are a small shm write (~0.5 ms on the CPU box)."""
+        """An shm fetch's (or a fetch by IPC's) JSON answer, or None as above. httpx's request handling costs as
+        much as the fetch itself when the rows are a small shm write (~0.5 ms on the CPU box)."""
         return self._post(body, timeout, read_json, JSON, cancel)
 
     def _post(self, body: bytes, timeout, read, accept: str, cancel: Cancel | None):
@@ -210,6 +227,20 @@ class HttpTransport:
             return _shm_reply(got)
         return _shm_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
+    def fetch_ipc(self, items, start, end, ipc: dict, timeout):
+        body = _fetch_body(items, start, end, timeout, ipc=ipc)
+        got = self._raw.fetch_shm(body, timeout)
+        if got is not None:
+            return _ipc_reply(got)
+        return _ipc_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
+
+    def ack_ipc(self, tokens: list[str], timeout) -> int:
+        """On a plain socket when there is one (the client's acks thread calls it beside fetches: httpx's
+        request handling would cost them CPU), else through httpx."""
+        if self._raw.raw is not None:
+            return _raw_ack(self._raw.raw, tokens, timeout)
+        return int(self._post("/v1/fetch/ack", timeout, json={"tokens": tokens}).json()["released"])
+
     def release(self, ids, timeout):
         return int(self._post("/v1/release", timeout, json={"ids": ids}).json()["released"])
 
@@ -259,6 +290,19 @@ class AsyncHttpTransport:
             if got is not None:
                 return _shm_reply(got)
         return _shm_reply(await self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
+
+    async def fetch_ipc(self, items, start, end, ipc: dict, timeout):
+        body = _fetch_body(items, start, end, timeout, ipc=ipc)
+        if self._raw.raw is not None:
+            got = await in_thread(self._threads, partial(self._raw.fetch_shm, body, timeout))
+            if got is not None:
+                return _ipc_reply(got)
+        return _ipc_reply(await self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
+
+    def ack_ipc(self, tokens: list[str], timeout) -> int:
+        """Blocking (the client's acks thread calls it), on a plain socket; without one (https, a proxy) the
+        tokens go only with later fetches (client/ipc.py: Acks), and the rest end at their lease."""
+        return _raw_ack(self._raw.raw, tokens, timeout) if self._raw.raw is not None else 0
 
     async def release(self, ids, timeout):
         return int((await self._post("/v1/release", timeout, json={"ids": ids})).json()["released"])

@@ -98,6 +98,9 @@ class Retrying:
     def fetch_shm(self, items, start, end, target, timeout):
         return self._call(self._transport.fetch_shm, items, start, end, target, timeout=timeout)
 
+    def fetch_ipc(self, items, start, end, ipc, timeout):
+        return self._call(self._transport.fetch_ipc, items, start, end, ipc, timeout=timeout)
+
     def release(self, ids, timeout):
         return self._call(self._transport.release, ids, timeout=timeout)
 

@@ -35,6 +35,7 @@ from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flights
 from encoder_service.core.replicas import Replicas
 from encoder_service.core.image_encode import ImageEncoder
+from encoder_service.core.ipc_fetch import IpcCollector, IpcFetches
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics, build_labels
 from encoder_service.core.peers import Peers
@@ -45,6 +46,7 @@ from encoder_service.core.video_flights import VideoFlights
 from encoder_service.core.videos import ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Job
 from encoder_service.protocol.dtypes import dtype_name
+from encoder_service.protocol.ipc import IpcRequest
 from encoder_service.protocol.shm import ShmTarget, placements
 from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment, plan_chunk
@@ -57,7 +59,8 @@ class EncoderCore:
     """Built by `build_core(settings)` (api/service.py); `start()` warms up, then `ready()` turns true."""
 
     def __init__(self, settings: Settings, *, loaded, runner, preprocess_cfg: preprocessing.PreprocessConfig,
-                 store: EmbeddingStore, metrics: Metrics | None = None):
+                 store: EmbeddingStore, metrics: Metrics | None = None, ipc_arena=None):
+        """`ipc_arena`: the device row arena (runtime/device_arena.py) for fetches by IPC; None: IPC is off."""
         self.settings = settings
         self.loaded, self.runner, self.spec = loaded, runner, loaded.spec
         self.preprocess_cfg = preprocess_cfg
@@ -79,7 +82,7 @@ class EncoderCore:
             pin_memory=torch.device(loaded.device).type == "cuda")  # pinned host memory needs CUDA
         self.engine = Engine(encode=runner.encode,
                              batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
-                             max_queue=settings.engine.max_queue, metrics=self.metrics)
+                             max_queue=settings.engine.max_queue, metrics=self.metrics, arena=ipc_arena)
         # Rows of ids other replicas hold come over their row path (peers.py); only with Redis (the directory).
         self.peers = None if store.redis is None else Peers(
             token=settings.server.auth_token, row_width=self.spec.row_width, dtype=loaded.dtype,
@@ -95,6 +98,8 @@ class EncoderCore:
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self.metrics.registry.register(CacheCollector(store, self.shm))
+        self.ipc = IpcFetches(ipc_arena)  # core/ipc_fetch.py
+        self.metrics.registry.register(IpcCollector(self.ipc))
         self.metrics.build_info(**build_labels(attention=settings.engine.attention,
                                                preprocess=settings.model.preprocess))
         self._ready = False
@@ -160,6 +165,7 @@ class EncoderCore:
             self.peers.close()
         if self.shm is not None:
             await asyncio.to_thread(self.shm.close)  # waits for copies in flight
+        self.ipc.close()
 
     def live(self) -> bool:
         return not self._started or self.engine.alive
@@ -190,6 +196,7 @@ class EncoderCore:
                        "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
                        "max_fetch_bytes": s.limits.max_fetch_bytes, "url_images": bool(s.limits.allow_url_hosts)},
             "shm_fetch": self.shm is not None,
+            "ipc": self.ipc.metadata(),
             "video": self._video_metadata(),
         }
 
@@ -246,9 +253,11 @@ class EncoderCore:
 
     # ---- fetch -----------------------------------------------------------------------------------------
     async def fetch(self, items: list[FetchItem], start: int, end: int, timeout_s: float | None = None,
-                    shm: ShmTarget | None = None, peer: str | None = None) -> FetchResult:
+                    shm: ShmTarget | None = None, ipc: IpcRequest | None = None, peer: str | None = None
+                    ) -> FetchResult:
         """The rows of `items` inside [start, end); with `shm`, written into that client file instead (the
-        target is checked before any wait for rows) and the result carries `shm_bytes`, no rows. `peer`: the
+        target is checked before any wait for rows) and the result carries `shm_bytes`, no rows; with `ipc`,
+        where the rows sit in the device row arena (core/ipc_fetch.py) or why not, no rows. `peer`: the
         fetch comes from another replica (core/peers.py): answered from what is here only (flights, the local
         tier), never from a third replica; "copy" (that replica keeps the rows) ends no pin here, "fetch" (for
         its client) does, as the client's own fetch would."""
@@ -257,6 +266,10 @@ class EncoderCore:
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
+        if ipc is not None:
+            if shm is not None:
+                raise errors.InvalidInput("a fetch asks for shm or ipc, not both")
+            self.ipc.ack(ipc.ack)  # earlier fetches' copies are done
         if shm is not None and self.shm is None:
             raise shm_writer.disabled()
         if not items:
@@ -270,7 +283,7 @@ class EncoderCore:
         except TimeoutError:
             raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
-        if shm is None and len(segments) > 1:  # gathered into one new tensor (below): bounded
+        if shm is None and ipc is None and len(segments) > 1:  # gathered into one new tensor (below): bounded
             nbytes, limit = sum(s.num_rows for s in segments) * self._row_bytes, self.settings.limits.max_fetch_bytes
             if nbytes > limit:
                 raise errors.LimitExceeded("bytes of rows the fetch gathers", nbytes, f"{limit} (--max-fetch-bytes)",
@@ -303,6 +316,9 @@ class EncoderCore:
         timings = {"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3}
         common = dict(segments=segments, dtype=self.dtype, row_width=self.spec.row_width, layout=self.spec.layout,
                       timings=timings)
+        if ipc is not None:  # where the rows sit on the GPU; delivered (pins) once the consumer acknowledges
+            answer = self.ipc.answer(ipc, parts, lambda: self._delivered(keys, segments, sizes))
+            return FetchResult(rows=None, ipc=answer, **common)
         if mapping is not None:  # each segment's rows straight to its place in the file: no concatenation
             if any(p.numel() * p.element_size() != n for (_, n), p in zip(places, parts)):
                 self.shm.release(mapping)  # rows of another width or dtype than checked: never write past them

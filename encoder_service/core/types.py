@@ -53,3 +53,4 @@ class FetchResult:
     layout: str
     timings: dict[str, float] = field(default_factory=dict)  # ms
     shm_bytes: int | None = None  # bytes written into the caller's ShmTarget
+    ipc: object | None = None  # a fetch by IPC: protocol/ipc.py IpcPlacement or IpcUnavailable, instead of rows

@@ -119,7 +119,8 @@ class Reservation:
 
 class Engine:
     def __init__(self, *, encode: EncodeFn, batch_tokens: int, buckets: Sequence[int] = (),
-                 max_queue: int = 256, cpu_threads: int | None = None, metrics=None):
+                 max_queue: int = 256, cpu_threads: int | None = None, metrics=None, arena=None):
+        """`arena`: the device row arena (runtime/device_arena.py) the rows also go into, for fetches by IPC."""
         self._encode = encode
         self._scheduler = Scheduler(batch_budget(batch_tokens, buckets))
         self.max_queue = max_queue
@@ -129,7 +130,7 @@ class Engine:
         self._preparing = 0  # submitted images whose prepare (decode, resize, patchify) has not finished
         self._prepare_s: float | None = None  # moving average of one prepare on a CPU thread, for Retry-After
         self._metrics = metrics
-        self._copier = HostCopier()
+        self._copier = HostCopier(arena=arena)
         self._to_gpu: queue.Queue = queue.Queue()
         self._in_flight: queue.Queue = queue.Queue(maxsize=1)  # launched batches waiting for their rows
         self._on_gpu: set[WorkItem] = set()  # handed to the GPU thread, not answered yet (loop-side view)

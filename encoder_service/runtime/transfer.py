@@ -11,6 +11,10 @@ allocator rounds blocks up to powers of two). That memory comes from the copier'
 the copy. The staging buffer goes back to torch's pinned cache when the HostRows is dropped.
 
 CPU outputs (the eager CPU runner) pass through as they are: already owned and on the host.
+
+With a device row arena (runtime/device_arena.py, `arena`): each image's rows are also copied device to
+device into a slot of it, queued on the same side stream before the host copy (the event covers both), and
+once the event is done (`wait`) each slot is bound to the image's owned host rows, for fetches by IPC.
 """
 
 from __future__ import annotations
@@ -19,39 +23,47 @@ from typing import Sequence
 
 import torch
 
+from encoder_service.runtime.device_arena import DeviceArena, Slot
 from encoder_service.runtime.host_pool import HostRowPool
 
 
 class HostRows:
     """Outputs on their way to the host; `wait()` -> one owned, contiguous CPU tensor per image."""
 
-    def __init__(self, views: list[torch.Tensor], event: torch.cuda.Event | None, pool: HostRowPool):
+    def __init__(self, views: list[torch.Tensor], event: torch.cuda.Event | None, pool: HostRowPool,
+                 arena: DeviceArena | None = None, slots: list[Slot | None] | None = None):
         self._views = views  # [num_tokens_i, row_width] views of the pinned staging buffer (or CPU outputs)
         self._event = event
         self._pool = pool
+        self._arena, self._slots = arena, slots  # each image's slot of the device row arena (None: not in it)
 
     def wait(self) -> list[torch.Tensor]:
         if self._event is None:
-            return [v.contiguous() for v in self._views]
-        self._event.synchronize()
-        rows = []
-        for v in self._views:
-            owned = self._pool.take(v.numel() * v.element_size()).view(v.dtype).view(v.shape)
-            rows.append(owned.copy_(v))
+            rows = [v.contiguous() for v in self._views]
+        else:
+            self._event.synchronize()
+            rows = []
+            for v in self._views:
+                owned = self._pool.take(v.numel() * v.element_size()).view(v.dtype).view(v.shape)
+                rows.append(owned.copy_(v))
+        if self._arena is not None:
+            self._arena.bind(self._slots, rows)
         return rows
 
 
 class HostCopier:
     """One side stream per device for the output copies (used by the engine's GPU thread only), and the pool
-    the rows land in (`pool` None: a HostRowPool with its defaults)."""
+    the rows land in (`pool` None: a HostRowPool with its defaults); `arena`: the device row arena, if any."""
 
-    def __init__(self, pool: HostRowPool | None = None):
+    def __init__(self, pool: HostRowPool | None = None, arena: DeviceArena | None = None):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.pool = pool if pool is not None else HostRowPool()
+        self.arena = arena
 
     def start(self, outputs: Sequence[torch.Tensor]) -> HostRows:
-        if not any(o.is_cuda for o in outputs):
-            return HostRows(list(outputs), None, self.pool)
+        if not any(o.is_cuda for o in outputs):  # (an arena here is the CPU tests' host stand-in)
+            slots = self.arena.store(outputs) if self.arena is not None else None
+            return HostRows(list(outputs), None, self.pool, self.arena, slots)
         device = next(o.device for o in outputs if o.is_cuda)
         stream = self._streams.get(device)
         if stream is None:
@@ -61,6 +73,7 @@ class HostCopier:
         staging = torch.empty(sum(nbytes), dtype=torch.uint8, pin_memory=True)
         views, offset = [], 0
         with torch.cuda.stream(stream):
+            slots = self.arena.store(outputs) if self.arena is not None else None  # device to device, first
             for o, n in zip(outputs, nbytes):
                 view = staging[offset : offset + n].view(o.dtype).view(o.shape)
                 view.copy_(o, non_blocking=True)
@@ -70,4 +83,4 @@ class HostCopier:
                 offset += n
             event = torch.cuda.Event()
             event.record(stream)
-        return HostRows(views, event, self.pool)
+        return HostRows(views, event, self.pool, self.arena, slots)

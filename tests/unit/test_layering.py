@@ -29,7 +29,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     # the flow: no transport; a replica fetches rows from another as a client does (core/peers.py)
     "core": {"engine", "preprocessing", "models", "cache", "client", "protocol", "ranges", "errors", "settings", ""},
     "engine": {"runtime", "models", "errors", "settings"},
-    "runtime": {"models", "ops", "errors", "settings"},
+    # the device row arena makes its CUDA IPC handle with the calls its consumers open it with (protocol/cuda_ipc.py)
+    "runtime": {"models", "ops", "errors", "settings", "protocol.cuda_ipc"},
     "preprocessing": {"models", "errors", "settings"},
     # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves
     "client": {"protocol", "ranges", "errors"},

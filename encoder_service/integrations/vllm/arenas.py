@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from encoder_service.integrations.vllm.worker import ShmRows
+from encoder_service.integrations.vllm.worker import IpcRows, ShmRows
 from encoder_service.protocol.dtypes import torch_dtype
 
 
@@ -59,18 +59,20 @@ class _Arena:
 
 @dataclass(eq=False)
 class StagedRows:
-    """One item's rows in an arena: `rows` is the `[num_rows, row_width]` view, `ref` what a worker needs."""
+    """One item's rows in an arena: `rows` is the `[num_rows, row_width]` view, `ref` what a worker needs. Rows
+    left on the encoder's GPU (fetch.py, by IPC) have no arena here: `rows` and `arena` None, `ref` an IpcRows."""
 
     item_id: str
-    rows: torch.Tensor
-    ref: ShmRows
-    arena: _Arena
+    rows: torch.Tensor | None
+    ref: ShmRows | IpcRows
+    arena: _Arena | None
     start: int
     span: int  # rows taken in the arena (num_rows + 1: the guard row)
 
     @property
     def nbytes(self) -> int:
-        return self.ref.nbytes
+        """Bytes staged in our host memory (none for rows left on the encoder's GPU)."""
+        return self.ref.nbytes if self.arena is not None else 0
 
 
 class RowArenas:

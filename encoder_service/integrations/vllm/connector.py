@@ -10,8 +10,11 @@ Scheduler side (EngineCore process)          -> staging.StagingTable
   build_connector_meta(scheduler_output)        the step's loads; forget what vLLM evicted
   take_unavailable_requests()                   requests whose item can't be had (vLLM fails them)
   request_finished(request)                     release the encoder's pins of its ids
+  update_connector_output(output)               a worker may not open the encoder's IPC memory: stage from now on
 Worker side (each worker)                    -> worker.RowLoader
-  start_load_caches(encoder_cache)              staged rows -> the worker's device -> encoder_cache[identifier]
+  start_load_caches(encoder_cache)              staged rows -> the worker's device -> encoder_cache[identifier];
+                                                rows on the encoder's GPU: fetched by IPC (ipc_loads.py)
+  build_connector_worker_meta()                 tells the scheduler side once that IPC was refused here
 
 Items are images and videos. Our id is the item's `uuid` in the chat request: vLLM keeps a client uuid as the
 identifier when the request has no `mm_processor_kwargs` and the server no `--media-io-kwargs` for the item's
@@ -30,17 +33,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.base import (ECConnectorBase, ECConnectorMetadata, ECConnectorRole,
+                                                             ECConnectorWorkerMetadata)
 
 from encoder_service.integrations.vllm import PARAMS_KEY
 from encoder_service.integrations.vllm.fetch import RowFetcher
+from encoder_service.integrations.vllm.ipc_loads import IpcLoader
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.staging import Need, StagingTable
 from encoder_service.integrations.vllm.worker import ItemLoad, RowLoader
 from encoder_service.models import configs
+from encoder_service.protocol.cuda_ipc import KIND as CUDA_IPC
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -57,6 +64,19 @@ class EncoderServiceMetadata(ECConnectorMetadata):
 
     loads: list[ItemLoad] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EncoderServiceWorkerMetadata(ECConnectorWorkerMetadata):
+    """Workers -> scheduler, one per step when there is news: why a worker may not open the encoder's IPC
+    memory (sent once per worker; the scheduler side stages in host memory from then on)."""
+
+    ipc_refused: str | None = None
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        if self.ipc_refused is None and isinstance(other, EncoderServiceWorkerMetadata):
+            self.ipc_refused = other.ipc_refused
+        return self
 
 
 def item_ids(request: Request) -> list[str]:
@@ -107,13 +127,16 @@ class EncoderServiceConnector(ECConnectorBase):
         self.row_width = configs.row_width(model_config.hf_config.to_dict()) if model_config is not None else None
         self.table: StagingTable | None = None
         self.loader: RowLoader | None = None
+        self._told_ipc_refused = False
         if model_config is not None:
             _check_deepstack(model_config)
         if role == ECConnectorRole.SCHEDULER:
-            self.table = StagingTable(RowFetcher(self.options, self.row_width))
+            self.table = StagingTable(RowFetcher(self.options, self.row_width, ipc_kind=_worker_ipc_kind()))
         else:
             dtype = model_config.dtype if model_config is not None else None
-            self.loader = RowLoader(_worker_device(), dtype if isinstance(dtype, torch.dtype) else None)
+            device = _worker_device()
+            self.loader = RowLoader(device, dtype if isinstance(dtype, torch.dtype) else None,
+                                    ipc=IpcLoader(self.options, device) if device.type == "cuda" else None)
 
     # ---- scheduler side ---------------------------------------------------------------------------------
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
@@ -138,6 +161,11 @@ class EncoderServiceConnector(ECConnectorBase):
     def take_unavailable_requests(self) -> set[str]:
         return self.table.take_failed()
 
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if isinstance(meta, EncoderServiceWorkerMetadata) and meta.ipc_refused:
+            self.table.fetcher.ipc_refused(meta.ipc_refused)
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         try:
             ids = item_ids(request)
@@ -159,6 +187,13 @@ class EncoderServiceConnector(ECConnectorBase):
                         encoder_cache[load.identifier] = self.loader.load(load, self.row_width)
         self.loader.retain(meta.files)
 
+    def build_connector_worker_meta(self) -> EncoderServiceWorkerMetadata | None:
+        refused = self.loader.ipc.refused if self.loader is not None and self.loader.ipc is not None else None
+        if refused is None or self._told_ipc_refused:
+            return None
+        self._told_ipc_refused = True
+        return EncoderServiceWorkerMetadata(refused)
+
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
         pass  # a consumer saves nothing: the encoder service is the producer
 
@@ -179,6 +214,13 @@ def _needs(request: Request, num_computed_tokens: int) -> list[Need]:
             needs.append(Need(feature.identifier, item_id, request.get_num_encoder_embeds(index),
                               frame_groups(feature)))
     return needs
+
+
+def _worker_ipc_kind() -> str | None:
+    """The IPC memory vLLM's workers can open: CUDA's on a CUDA platform, else none (no fetch by IPC)."""
+    from vllm.platforms import current_platform
+
+    return CUDA_IPC if current_platform.is_cuda() else None
 
 
 def _worker_device() -> torch.device:

@@ -1,5 +1,7 @@
 """Fetching, scheduler side: an item's rows from the encoder service into a range of our arenas (arenas.py),
-over shared memory (the encoder writes into our file) or a socket (our client writes what it brings).
+over shared memory (the encoder writes into our file) or a socket (our client writes what it brings); or, by
+IPC, a probe that finds the rows in the encoder's device row arena and leaves them there for the workers to
+copy GPU to GPU (ipc_loads.py; rows not there are staged as above).
 
 vLLM's encoder cache holds an image's rows, or a video's: all its frame groups' rows, group after group
 (Qwen3-VL's timestamp text between groups is not in it). The encoder caches a video per frame group, so a
@@ -22,8 +24,9 @@ from encoder_service.client.http import HttpTransport
 from encoder_service.client.shm import ShmBuffers
 from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
 from encoder_service.integrations.vllm.options import ConnectorOptions
-from encoder_service.integrations.vllm.worker import ShmRows
+from encoder_service.integrations.vllm.worker import IpcRows, ShmRows
 from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.ipc import IpcPlacement, IpcRequest, this_host
 from encoder_service.protocol.video_info import GROUP_SEP
 
 log = logging.getLogger("encoder_service.integrations.vllm")
@@ -37,21 +40,32 @@ class RowFetcher:
     """Fetches items' rows from the encoder service into our arenas (scheduler side; also the benchmark's).
 
     Thread-safe: `fetch` blocks (call it from worker threads). `mode` is "shm" (the encoder writes into our
-    file), "http" or "grpc" (our client writes what the socket brings). With shm "auto", an encoder that
+    file), "http" or "grpc" (our client writes what the socket brings), or "ipc" (rows left on the encoder's
+    GPU for the workers, items not there staged the shm / socket way). With shm "auto", an encoder that
     can't reach our files (another container's /dev/shm) turns the fetcher to the socket once, logged.
+    `ipc_kind`: the IPC memory vLLM's workers can open (protocol/cuda_ipc.py: KIND on CUDA workers; None:
+    no IPC); with ipc "auto", IPC is used when the encoder's arena is of that kind, on this host, over HTTP.
     """
 
-    def __init__(self, options: ConnectorOptions, expected_width: int | None = None):
-        self.options, self.expected_width = options, expected_width
+    def __init__(self, options: ConnectorOptions, expected_width: int | None = None, ipc_kind: str | None = None):
+        self.options, self.expected_width, self.ipc_kind = options, expected_width, ipc_kind
         self._buffers = ShmBuffers(options.shm_dir)
         self.arenas = RowArenas(self._buffers, options.arena_bytes, options.fetch_timeout_s)
         self._lock = threading.Lock()
         self._clients: dict[bool, object] = {}  # shm? -> EncoderClient
         self._meta: dict | None = None
         self._shm: bool | None = None if options.shm == "auto" else options.shm == "on"
+        self._ipc: bool | None = None if options.ipc == "auto" and ipc_kind else False
+        self._probe_transport: HttpTransport | None = None
+        self._said_unplaced = False
 
     @property
     def mode(self) -> str:
+        return "ipc" if self._ipc else self.staging_mode
+
+    @property
+    def staging_mode(self) -> str:
+        """How rows not on the encoder's GPU come (the only way without IPC)."""
         return "shm" if self._shm else self.options.transport
 
     def _client(self, shm: bool):
@@ -83,29 +97,36 @@ class RowFetcher:
         torch_dtype(meta["dtype"])
         if self._shm is None:
             self._shm = bool(meta.get("shm_fetch")) and _is_this_host(urlsplit(self.options.url).hostname or "")
+        if self._ipc is None:
+            ipc = meta.get("ipc") or {}
+            self._ipc = (self.options.transport == "http" and ipc.get("kind") == self.ipc_kind
+                         and ipc.get("host") == this_host() != "")
         log.info("encoder service %s (%s, rows %d wide, %s): fetching over %s", self.options.url, family, width,
-                 meta["dtype"], self.mode)
+                 meta["dtype"], "ipc, else " + self.staging_mode if self._ipc else self.mode)
         self._meta = meta
         return meta
 
     def fetch(self, item_id: str, num_rows: int, groups: int | None = None) -> StagedRows:
-        """Item `item_id`'s rows, exactly `num_rows` of them, staged in an arena; ItemUnavailable else.
-        `groups`: a video's frame groups, each num_rows / groups rows (None: an image)."""
+        """Item `item_id`'s rows, exactly `num_rows` of them, staged in an arena, or by IPC left on the encoder's
+        GPU (`ref` an IpcRows); ItemUnavailable else. `groups`: a video's frame groups, each num_rows / groups
+        rows (None: an image)."""
         meta = self.metadata()
         width, dtype = int(meta["row_width"]), meta["dtype"]
         items, per_item = fetch_items(item_id, num_rows, groups)
         # One row more than planned: an item with more rows than vLLM planned shows as num_rows + 1.
         span = num_rows + 1
-        arena, start = self.arenas.take(span, width, dtype)
+        arena = start = None
         ok = False
         try:
+            if self._ipc:
+                placed = self._probe(item_id, items, per_item, span)
+                if placed is not None:
+                    _check_count(item_id, placed, num_rows, groups)
+                    ok = True
+                    return StagedRows(item_id, None, IpcRows(item_id, groups, num_rows, width, dtype), None, 0, 0)
+            arena, start = self.arenas.take(span, width, dtype)
             got = self._fetch_into(item_id, items, per_item, arena.rows[start:start + span])
-            if got != num_rows:
-                more = "more than " if got > num_rows else ""
-                raise ItemUnavailable(
-                    f"item {item_id!r} has {more}{min(got, num_rows)} rows at the encoder service, vLLM planned "
-                    f"{num_rows} placeholder tokens for it: the {_grid_key(groups)} sent to vLLM must be the one "
-                    "our encode answered, and both sides must use the same merge size")
+            _check_count(item_id, got, num_rows, groups)
             ok = True
         except ItemUnavailable:
             raise
@@ -120,15 +141,43 @@ class RowFetcher:
         except Exception as exc:  # noqa: BLE001 - the wire, a file: the request fails, the engine goes on
             raise ItemUnavailable(f"fetch of item {item_id!r} failed: {type(exc).__name__}: {exc}") from None
         finally:
-            if not ok:  # the encoder may still write a timed-out fetch: the range rests a while
+            if not ok and arena is not None:  # the encoder may still write a timed-out fetch: the range rests
                 self.arenas.give(arena, start, span, quarantine=True)
         offset = start * arena.rows.stride(0) * arena.rows.element_size()
         ref = ShmRows(arena.name, self.options.shm_dir, offset, num_rows, width, dtype)
         return StagedRows(item_id, arena.rows[start:start + num_rows], ref, arena, start, span)
 
     def drop(self, staged: StagedRows) -> None:
-        """The item's range back to its arena (no worker may read it any more)."""
-        self.arenas.give(staged.arena, staged.start, staged.span)
+        """The item's range back to its arena (no worker may read it any more); rows left on the encoder's GPU
+        have none."""
+        if staged.arena is not None:
+            self.arenas.give(staged.arena, staged.start, staged.span)
+
+    def ipc_refused(self, why: str) -> None:
+        """A worker may not open the encoder's IPC handle (vLLM's worker -> scheduler metadata): stage every
+        later item in host memory."""
+        if self._ipc:
+            log.warning("a vLLM worker can't open the encoder's IPC memory (%s): staging rows over %s from now on",
+                        why, self.staging_mode)
+            self._ipc = False
+
+    def _probe(self, item_id: str, items: list[tuple[str, int]], per_item: int, span: int) -> int | None:
+        """How many rows the item has (checked as `_fetch_into` checks them) when all of them are in the
+        encoder's device row arena; None when they are not (logged once): stage them instead. Holds nothing:
+        each worker's own fetch by IPC holds what it copies."""
+        with self._lock:
+            if self._probe_transport is None:
+                self._probe_transport = HttpTransport(self.options.url, token=self.options.auth_token)
+        request = IpcRequest(this_host(), hold=False).to_dict()
+        header, answer = self._probe_transport.fetch_ipc(items, 0, span, request, self.options.fetch_timeout_s)
+        got = checked_rows(item_id, items, per_item, header.segments)
+        if isinstance(answer, IpcPlacement):
+            return got
+        if not self._said_unplaced:
+            log.info("item %s is not on the encoder's GPU (%s): staging it over %s (logged once)", item_id,
+                     answer.reason, self.staging_mode)
+            self._said_unplaced = True
+        return None
 
     def _fetch_into(self, item_id: str, items: list[tuple[str, int]], per_item: int, out: torch.Tensor) -> int:
         """Rows [0, len(out)) of `items` into `out`; how many rows the item has there (checked: one segment per
@@ -143,15 +192,7 @@ class RowFetcher:
                         "from now on", self.options.url, exc)
             self._shm = False
             result = self._client(False).fetch(items, 0, out.shape[0], out=out)
-        segments = list(result.segments)
-        if [(s.id, s.position, s.row_start) for s in segments] != [(i, at, 0) for i, at in items]:
-            raise ItemUnavailable(f"fetch of item {item_id!r}: unexpected segments {result.segments}")
-        for s in segments[:-1]:
-            if s.num_rows != per_item:
-                raise ItemUnavailable(
-                    f"frame group {s.id!r} has {s.num_rows} rows at the encoder service, vLLM planned {per_item} "
-                    "a group: the video_grid_thw sent to vLLM must be the one our encode answered")
-        return sum(s.num_rows for s in segments)
+        return checked_rows(item_id, items, per_item, result.segments)
 
     def release(self, ids: list[str]) -> None:
         try:
@@ -167,6 +208,8 @@ class RowFetcher:
                 c.close()
             except Exception:  # noqa: BLE001
                 pass
+        if self._probe_transport is not None:
+            self._probe_transport.close()
         self.arenas.close()
         self._buffers.close()  # unlinks every file (tensors still viewing them keep their mappings)
 
@@ -180,6 +223,29 @@ def fetch_items(item_id: str, num_rows: int, groups: int | None) -> tuple[list[t
         raise ItemUnavailable(f"video {item_id!r}: vLLM planned {num_rows} rows in {groups} frame groups")
     per_group = num_rows // groups
     return [(f"{item_id}{GROUP_SEP}{g}", g * per_group) for g in range(groups)], per_group
+
+
+def checked_rows(item_id: str, items: list[tuple[str, int]], per_item: int, segments) -> int:
+    """How many rows a fetch of `items` (fetch_items) found, checked: one segment per fetch item, at its offset
+    from its row 0, each but the last `per_item` rows; ItemUnavailable else."""
+    segments = list(segments)
+    if [(s.id, s.position, s.row_start) for s in segments] != [(i, at, 0) for i, at in items]:
+        raise ItemUnavailable(f"fetch of item {item_id!r}: unexpected segments {segments}")
+    for s in segments[:-1]:
+        if s.num_rows != per_item:
+            raise ItemUnavailable(
+                f"frame group {s.id!r} has {s.num_rows} rows at the encoder service, vLLM planned {per_item} "
+                "a group: the video_grid_thw sent to vLLM must be the one our encode answered")
+    return sum(s.num_rows for s in segments)
+
+
+def _check_count(item_id: str, got: int, num_rows: int, groups: int | None) -> None:
+    if got != num_rows:
+        more = "more than " if got > num_rows else ""
+        raise ItemUnavailable(
+            f"item {item_id!r} has {more}{min(got, num_rows)} rows at the encoder service, vLLM planned "
+            f"{num_rows} placeholder tokens for it: the {_grid_key(groups)} sent to vLLM must be the one "
+            "our encode answered, and both sides must use the same merge size")
 
 
 def _grid_key(groups: int | None) -> str:

@@ -12,6 +12,7 @@ from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.settings import parse_bool, parse_size
 
 SHM_MODES = ("auto", "on", "off")
+IPC_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class ConnectorOptions:
     shm: "auto" (shared memory when the encoder runs --shm-fetch and `url` names this host), "on", "off".
     shm_dir: the encoder's --shm-dir (both sides must see the same directory); also where the staged rows
         live in socket mode.
+    ipc: "auto" (rows GPU to GPU, ipc_loads.py: when the encoder has a device row arena on this host, `url` is
+        HTTP and vLLM's workers are on CUDA; an item whose rows are not in the encoder's arena goes the `shm`
+        way) or "off".
     max_staged_bytes: bound on rows fetched ahead of need and not yet taken by vLLM (sizes: "1GiB", ...).
     arena_bytes: size of one staging file (rows of many items; an item larger than this gets its own).
     fetch_threads: fetches in flight at once.
@@ -36,6 +40,7 @@ class ConnectorOptions:
     auth_token: str | None = field(default=None, repr=False)
     shm: str = "auto"
     shm_dir: str = DEFAULT_DIR
+    ipc: str = "auto"
     max_staged_bytes: int = 1 << 30
     arena_bytes: int = 128 << 20
     fetch_threads: int = 4
@@ -49,6 +54,8 @@ class ConnectorOptions:
             raise ValueError(f"url must be http://host:port or grpc://host:port, got {self.url!r}")
         if self.shm not in SHM_MODES:
             raise ValueError(f"shm must be one of {', '.join(SHM_MODES)}, got {self.shm!r}")
+        if self.ipc not in IPC_MODES:
+            raise ValueError(f"ipc must be one of {', '.join(IPC_MODES)}, got {self.ipc!r}")
         if not os.path.isabs(self.shm_dir):
             raise ValueError(f"shm_dir must be an absolute path, got {self.shm_dir!r}")
         for name in ("max_staged_bytes", "arena_bytes", "fetch_threads", "fetch_timeout_s", "wait_timeout_s"):
@@ -72,6 +79,7 @@ class ConnectorOptions:
                              "is required")
         parsers: dict[str, Callable] = {
             "url": str, "auth_token": lambda v: str(v) if v else None, "shm": _shm_mode, "shm_dir": str,
+            "ipc": _ipc_mode,
             "max_staged_bytes": _size, "arena_bytes": _size, "fetch_threads": int,
             "fetch_timeout_s": float, "wait_timeout_s": float,
             "release_on_finish": lambda v: v if isinstance(v, bool) else parse_bool(v)}
@@ -89,6 +97,13 @@ class ConnectorOptions:
 
 def _size(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(value)
+
+
+def _ipc_mode(value) -> str:
+    if isinstance(value, bool):
+        return "auto" if value else "off"
+    text = str(value).strip().lower()
+    return text if text in IPC_MODES else ("auto" if parse_bool(text) else "off")
 
 
 def _shm_mode(value) -> str:

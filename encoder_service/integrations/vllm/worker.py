@@ -1,5 +1,6 @@
-"""The worker side, vLLM-free: where an item's staged rows are (`ShmRows`, `ItemLoad`: what the scheduler side
-puts into the step's metadata) and the copy onto the worker's device (`RowLoader`)."""
+"""The worker side, vLLM-free: where an item's staged rows are (`ShmRows`, or `IpcRows`: left on the encoder's
+GPU; `ItemLoad`: what the scheduler side puts into the step's metadata) and the copy onto the worker's device
+(`RowLoader`; rows left on the encoder's GPU: ipc_loads.py)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,29 @@ class ShmRows:
 
 
 @dataclass(frozen=True)
+class IpcRows:
+    """An item's rows left on the encoder's GPU, in its device row arena (each worker fetches them itself by
+    IPC: ipc_loads.py): our id, a video's frame groups (None: an image), the rows' shape and dtype. Plain and
+    picklable, as ShmRows (no IPC handle in it: the worker's own fetch gets one)."""
+
+    item_id: str
+    groups: int | None
+    num_rows: int
+    row_width: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_width * torch_dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
 class ItemLoad:
     """One item for a worker to load this step: vLLM's key and the rows it planned, and where they are."""
 
     identifier: str
     num_rows: int
-    rows: ShmRows
+    rows: ShmRows | IpcRows
 
 
 class _Mapped:
@@ -70,12 +88,14 @@ class RowLoader:
     The scheduler side stages items in a few large files (arenas), so a worker keeps each file mapped
     (`retain` unmaps those no longer in use). On CUDA a mapping is registered with the driver
     (cudaHostRegister: page-locked), so the copy is a DMA that does not stall the host; without it (or if
-    registration fails) it is an ordinary pageable copy.
+    registration fails) it is an ordinary pageable copy. Rows left on the encoder's GPU (IpcRows) are fetched
+    by `ipc` (ipc_loads.py: IpcLoader) straight onto the device.
     """
 
-    def __init__(self, device: torch.device | str, dtype: torch.dtype | None = None, *, pin: bool = True):
+    def __init__(self, device: torch.device | str, dtype: torch.dtype | None = None, *, pin: bool = True, ipc=None):
         self.device, self.dtype = torch.device(device), dtype
         self.pin = pin and self.device.type == "cuda"
+        self.ipc = ipc
         self._maps: dict[str, _Mapped] = {}
 
     def load(self, load: ItemLoad, row_width: int | None = None) -> torch.Tensor:
@@ -85,11 +105,16 @@ class RowLoader:
         if rows.num_rows != load.num_rows or (row_width is not None and rows.row_width != row_width):
             raise RuntimeError(f"staged rows of {load.identifier} are {rows.num_rows} x {rows.row_width}, the "
                                f"model planned {load.num_rows} x {row_width}: not loading them")
-        m = self._map(rows)
         src_dtype = torch_dtype(rows.dtype)
-        src = m.bytes[rows.offset:rows.offset + rows.nbytes].view(src_dtype).view(rows.num_rows, rows.row_width)
-        out = torch.empty((rows.num_rows, rows.row_width), dtype=src_dtype, device=self.device)
-        out.copy_(src, non_blocking=m.registered)
+        if isinstance(rows, IpcRows):
+            if self.ipc is None:
+                raise RuntimeError(f"{load.identifier}: rows on the encoder's GPU, and this worker fetches none")
+            out = self.ipc.load(rows)
+        else:
+            m = self._map(rows)
+            src = m.bytes[rows.offset:rows.offset + rows.nbytes].view(src_dtype).view(rows.num_rows, rows.row_width)
+            out = torch.empty((rows.num_rows, rows.row_width), dtype=src_dtype, device=self.device)
+            out.copy_(src, non_blocking=m.registered)
         return out if self.dtype in (None, src_dtype) else out.to(self.dtype)
 
     def retain(self, names: Iterable[str]) -> None:
@@ -103,6 +128,8 @@ class RowLoader:
 
     def close(self) -> None:
         self.retain(())
+        if self.ipc is not None:
+            self.ipc.close()
 
     def _map(self, rows: ShmRows) -> _Mapped:
         if not NAME_RE.match(rows.name):

@@ -154,6 +154,8 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_ACCESS_LOG" $srv.accessLog)
     (list "ENCODER_SHM_FETCH" $srv.shmFetch)
     (list "ENCODER_SHM_DIR" $srv.shmDir)
+    (list "ENCODER_IPC_ARENA_BYTES" $srv.ipcArenaBytes)
+    (list "ENCODER_IPC_LEASE_S" $srv.ipcLeaseS)
     (list "ENCODER_SEND_THREADS" $srv.sendThreads)
     (list "ENCODER_REDIS_ROW_COPY_BYTES" (ternary "" $srv.redisRowCopyBytes (eq .Values.redis.mode "none")))
     (list "ENCODER_SGLANG_PROTOCOL" (ternary "true" "" .Values.sglang.enabled))

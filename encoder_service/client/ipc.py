@@ -1,0 +1,245 @@
+"""The consumer's side of the fetch by IPC (protocol/ipc.py): rows straight from the encoder's GPU memory into
+`out` on this process's GPU, one device-to-device copy per segment, no host memory on the way.
+
+A client (client/base.py) tries it first for a fetch into a CUDA `out` when the server's /v1/metadata says IPC
+is on, on this host (the same boot id) and of a kind this process reads; then the way it fetches otherwise
+(shared memory with shm=True, else the socket). For one fetch:
+
+  1. POST /v1/fetch with "ipc" (and the hold tokens of earlier fetches whose copies are done, `Acks`);
+  2. the answer places each segment's rows in the server's arena (else says why not: step 5);
+  3. `CudaIpcReader` opens the arena's handle once per server process (its `generation`) and device
+     (cudaIpcOpenMemHandle with lazy peer access, with out's device current), then each segment's bytes are
+     copied into out's rows at position - start (cudaMemcpyAsync on out's device's current stream; through a
+     temporary, then cast, when `out` is of another dtype), and that stream is synchronized (the same contract
+     as the other paths: when fetch returns, `out` has the rows);
+  4. the copy finished less than the answer's `lease_s` after the request was sent: the server kept those
+     bytes still (it holds them at least that long from its receipt). Else they may have been rewritten:
+     the fetch goes the next way. Either way its token is acknowledged (`Acks`: with the next fetch, or on a
+     background thread a few ms later);
+  5. any reason not to (the server's answer, a refused open, a lease passed) -> the next way, with one log
+     line per reason. A refused open (a container without the right capabilities, MIG, a sandboxed kernel, the
+     server's own process) turns IPC off for this client; the rest are per fetch.
+Server errors (an unknown id, a timeout) are raised as on every path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from encoder_service.protocol import cuda_ipc, wire
+from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.ipc import MAX_ACK_TOKENS, IpcPlacement, IpcRequest, IpcUnavailable, this_host
+
+log = logging.getLogger("encoder_service.client")
+
+ACK_DELAY_S = 0.005  # a token waits this long for a fetch to carry it before the background thread sends it
+ACK_WAIT_S = 1.0  # the background thread's longest sleep (it ends at close)
+
+
+class CudaIpcReader:
+    """Opens arenas' IPC handles on CUDA devices (one mapping per (generation, device); the older generation's
+    closed when a newer one appears: the server restarted) and copies byte ranges out of them with
+    cudaMemcpyAsync on the device's current stream. Thread-safe."""
+
+    kind = cuda_ipc.KIND
+
+    def __init__(self):
+        self._maps: dict[tuple[str, int], int] = {}  # (generation, device index) -> the opened pointer
+        self._lock = threading.Lock()
+
+    def accepts(self, out: torch.Tensor) -> bool:
+        return out.is_cuda
+
+    def copy(self, handle: bytes, generation: str, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Queue each (arena offset, nbytes, contiguous destination on one device) copy on that device's current
+        stream (opening the handle there the first time)."""
+        device = pieces[0][2].device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        base = self._open(handle, generation, index)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        with torch.cuda.device(index):
+            for offset, nbytes, dst in pieces:
+                cuda_ipc.memcpy_async(dst.data_ptr(), base + offset, nbytes, stream)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.current_stream(device).synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._maps):
+                self._close(key)
+
+    def _open(self, handle: bytes, generation: str, index: int) -> int:
+        with self._lock:
+            ptr = self._maps.get((generation, index))
+            if ptr is None:
+                for old in [k for k in self._maps if k[1] == index]:  # a restarted server's: nobody copies now
+                    self._close(old)
+                with torch.cuda.device(index):
+                    ptr = self._maps[(generation, index)] = cuda_ipc.open_handle(handle)
+            return ptr
+
+    def _close(self, key: tuple[str, int]) -> None:
+        ptr = self._maps.pop(key)
+        try:
+            with torch.cuda.device(key[1]):
+                torch.cuda.synchronize()
+                cuda_ipc.close_handle(ptr)
+        except (cuda_ipc.CudaIpcError, RuntimeError) as exc:
+            log.debug("closing an IPC mapping failed: %s", exc)
+
+
+class Acks:
+    """Hold tokens whose copies are done, on their way back: taken by the next IPC fetch (`take`), else sent
+    by a background thread (`post(tokens)`, blocking) once the oldest has waited ACK_DELAY_S. A failed send
+    is dropped: the server's lease ends those holds anyway."""
+
+    def __init__(self, post: Callable[[list[str]], None]):
+        self._post = post
+        self._pending: list[str] = []
+        self._since = 0.0  # when the oldest pending token came
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, token: str) -> None:
+        with self._cv:
+            if not self._pending:
+                self._since = time.monotonic()
+            self._pending.append(token)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="encoder-ipc-acks", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def take(self) -> list[str]:
+        with self._cv:
+            taken, self._pending = self._pending[:MAX_ACK_TOKENS], self._pending[MAX_ACK_TOKENS:]
+            self._since = time.monotonic()
+            return taken
+
+    def close(self) -> None:
+        """Send what is pending (once), stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(ACK_WAIT_S + 1.0)
+        self._send(self.take())
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                wait = ACK_WAIT_S if not self._pending else self._since + ACK_DELAY_S - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+            self._send(self.take())
+
+    def _send(self, tokens: list[str]) -> None:
+        if tokens:
+            try:
+                self._post(tokens)
+            except Exception as exc:  # noqa: BLE001 - the holds end at their lease
+                log.debug("acknowledging %d IPC holds failed: %s", len(tokens), exc)
+
+
+class IpcPath:
+    """One client's fetch by IPC: its reader (None until a CUDA `out` needs the default one), the server's
+    IPC metadata, its acknowledgements, and why it is off (for good) if it is."""
+
+    def __init__(self, reader=None, post_ack: Callable[[list[str]], None] | None = None):
+        self.reader = reader
+        self.acks = Acks(post_ack) if post_ack is not None else None
+        self.off: str | None = None
+        self._said: set[str] = set()
+
+    def candidate(self, out: torch.Tensor) -> bool:
+        """Whether a fetch into `out` may go by IPC at all (before asking the server anything)."""
+        if self.off is not None:
+            return False
+        return out.is_cuda if self.reader is None else self.reader.accepts(out)
+
+    def wants(self, out: torch.Tensor, meta: dict | None) -> bool:
+        """Whether to try IPC for a fetch into `out`, given the server's metadata["ipc"]."""
+        if not self.candidate(out) or not meta or meta.get("host") != this_host() or not this_host():
+            return False
+        if self.reader is None:
+            self.reader = CudaIpcReader()
+        return meta.get("kind") == self.reader.kind
+
+    def request(self) -> dict:
+        return IpcRequest(this_host(), hold=True, ack=tuple(self.acks.take() if self.acks else ())).to_dict()
+
+    def finish(self, header: wire.WireHeader, answer: IpcPlacement | IpcUnavailable, out: torch.Tensor,
+               start: int, sent: float) -> torch.Tensor | None:
+        """Copy the placed rows into `out` (`sent`: time.monotonic() before the request went); `out`, or None
+        (the rows are not there: fetch them the next way)."""
+        if isinstance(answer, IpcUnavailable):
+            self._say(answer.reason, "the server: " + answer.reason)
+            return None
+        try:
+            copied = self._copy(header, answer, out, start)
+        except wire.WireError:
+            self._ack(answer)
+            raise  # `out` can't hold the rows: the next way would say the same
+        except (cuda_ipc.CudaIpcError, OSError, RuntimeError) as exc:
+            self._ack(answer)
+            self.off = f"{type(exc).__name__}: {exc}"
+            log.warning("fetch by IPC is off for this client (%s); fetching over the next path from now on", exc)
+            return None
+        elapsed = time.monotonic() - sent
+        self._ack(answer)
+        if not copied:
+            return None
+        if elapsed >= answer.lease_s:  # the server may have reused those bytes while we read them
+            self._say("lease", f"the copy ended {elapsed:.3f}s after the request, past the {answer.lease_s:g}s hold")
+            return None
+        return out
+
+    def close(self) -> None:
+        if self.acks is not None:
+            self.acks.close()
+        if self.reader is not None:
+            self.reader.close()
+
+    def _copy(self, header: wire.WireHeader, answer: IpcPlacement, out: torch.Tensor, start: int) -> bool:
+        """Each segment's bytes into its rows of `out` (through a temporary of the rows' dtype when `out` is of
+        another dtype or not contiguous there), then the stream synchronized."""
+        wire.check_out(header, out, start)
+        if answer.kind != self.reader.kind:
+            self._say("kind", f"the server's arena is {answer.kind}, this client reads {self.reader.kind}")
+            return False
+        dtype, row_bytes = torch_dtype(header.dtype), header.row_bytes
+        pieces, casts = [], []
+        for offset, s in zip(answer.offsets, header.segments):
+            nbytes = s.num_rows * row_bytes
+            if offset % dtype.itemsize or offset + nbytes > answer.size:
+                raise wire.WireError(f"IPC offset {offset} (+{nbytes}) outside the {answer.size}-byte arena")
+            dst = out[s.position - start:s.position - start + s.num_rows]
+            if dst.dtype != dtype or not dst.is_contiguous():
+                casts.append((dst, torch.empty((s.num_rows, header.row_width), dtype=dtype, device=out.device)))
+                dst = casts[-1][1]
+            pieces.append((offset, nbytes, dst))
+        if pieces:
+            self.reader.copy(answer.handle, answer.generation, pieces)
+        for dst, rows in casts:
+            dst.copy_(rows)
+        self.reader.synchronize(out.device)
+        return True
+
+    def _ack(self, answer: IpcPlacement) -> None:
+        if answer.token is not None and self.acks is not None:
+            self.acks.add(answer.token)
+
+    def _say(self, key: str, why: str) -> None:
+        """One log line per reason (INFO the first time, DEBUG after)."""
+        log.log(logging.DEBUG if key in self._said else logging.INFO, "fetch by IPC: %s; fetching the next way", why)
+        self._said.add(key)
