@@ -38,6 +38,7 @@ from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
+from encoder_service.runtime.host_pool import HostRowPool
 
 FETCH_STREAMS = 4  # at most this many connections for one fetch
 SPLIT_BYTES = 16 << 20  # and at least this many bytes of `out` for each
@@ -146,12 +147,12 @@ class _ShmFetch:
 
     `out` inside an alloc_rows file (CPU, contiguous, the payload's dtype and width, >= end - start rows):
     the server writes each segment at its row (by_position); nothing to copy here. Otherwise the packed
-    rows land in a staging file: one copy into `out`, or into a new tensor when there is no `out`.
+    rows land in a staging file: one copy into `out`, or into memory of `rows` when there is no `out`.
     """
 
-    def __init__(self, buffers: ShmBuffers, out: torch.Tensor | None, start: int, end: int, dtype: str,
-                 row_width: int):
-        self._buffers, self._out, self._start, self._staging = buffers, out, start, None
+    def __init__(self, buffers: ShmBuffers, rows: HostRowPool, out: torch.Tensor | None, start: int, end: int,
+                 dtype: str, row_width: int):
+        self._buffers, self._rows, self._out, self._start, self._staging = buffers, rows, out, start, None
         t = torch_dtype(dtype)
         direct = (out is not None and out.device.type == "cpu" and out.dtype == t and out.dim() == 2
                   and out.shape[1] == row_width and out.shape[0] >= end - start and out.is_contiguous())
@@ -175,8 +176,11 @@ class _ShmFetch:
         if header.payload_bytes > f.size:
             raise wire.WireError(f"the header announces {header.payload_bytes} row bytes, over the "
                                  f"{f.size}-byte staging file")
-        rows = f.data[:header.payload_bytes].view(torch_dtype(header.dtype)).view(header.num_rows, header.row_width)
-        return rows.clone() if self._out is None else wire.place_rows(header, rows, self._out, self._start)
+        dtype = torch_dtype(header.dtype)
+        rows = f.data[:header.payload_bytes].view(dtype).view(header.num_rows, header.row_width)
+        if self._out is not None:
+            return wire.place_rows(header, rows, self._out, self._start)
+        return self._rows.take(header.payload_bytes).view(dtype).view(rows.shape).copy_(rows)
 
     def close(self, ok: bool) -> None:
         """After a failed fetch (a timeout, say) the server may still be writing into the staging file:
@@ -207,6 +211,7 @@ class EncoderClient:
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
         self._staging_buffers = StagingBuffers()
+        self._row_pool = HostRowPool()  # the rows of fetches without `out` (client/destination.py)
         self._threads: ThreadPoolExecutor | None = None  # the extra streams of split fetches (made on first use)
         self._threads_lock = threading.Lock()  # fetch may be called from several threads
 
@@ -244,7 +249,9 @@ class EncoderClient:
     def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """The rows of `items` ((id, offset) pairs) in chunk [start, end). `out` ([>= end - start, row_width],
         any dtype, CPU or CUDA) gets each segment's rows at row position - start, and is the answer's rows.
-        After a fetch into `out` fails or is cancelled, a stream may still write its rows there for a moment."""
+        After a fetch into `out` fails or is cancelled, a stream may still write its rows there for a moment.
+        Without `out` the rows are a tensor of their own, on host memory this client reuses once every view
+        of an answer's rows is dropped: drop them when done, and the next fetch skips fresh pages' faults."""
         items = fetch_items(items)
         if self._shm is None:
             parts = split_points(start, end, out, self.fetch_streams)
@@ -267,7 +274,7 @@ class EncoderClient:
         if self._geometry is None:
             meta = self.metadata()
             self._geometry = (meta["dtype"], int(meta["row_width"]))
-        plan, ok = _ShmFetch(self._shm, out, start, end, *self._geometry), False
+        plan, ok = _ShmFetch(self._shm, self._row_pool, out, start, end, *self._geometry), False
         try:
             header, shm_bytes = self._transport.fetch_shm(items, start, end, plan.target, self.timeout)
             result = _result(start, end, (header, plan.finish(header, shm_bytes)))
@@ -277,7 +284,7 @@ class EncoderClient:
             plan.close(ok)
 
     def _fetch_part(self, items, start: int, end: int, out: torch.Tensor | None) -> FetchedRows:
-        with Destination(out, start, self._staging_buffers) as dest:
+        with Destination(out, start, self._staging_buffers, self._row_pool) as dest:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
     def release(self, ids) -> int:
@@ -307,6 +314,7 @@ class EncoderClient:
             self._transport.close()
         finally:
             self._staging_buffers.close()
+            self._row_pool.close()
             if self._shm is not None:
                 self._shm.close()
 
@@ -327,6 +335,7 @@ class AsyncEncoderClient:
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None
         self._staging_buffers = StagingBuffers()
+        self._row_pool = HostRowPool()
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
@@ -378,7 +387,7 @@ class AsyncEncoderClient:
         if self._geometry is None:
             meta = await self.metadata()
             self._geometry = (meta["dtype"], int(meta["row_width"]))
-        plan, ok = _ShmFetch(self._shm, out, start, end, *self._geometry), False
+        plan, ok = _ShmFetch(self._shm, self._row_pool, out, start, end, *self._geometry), False
         try:
             header, shm_bytes = await self._transport.fetch_shm(items, start, end, plan.target, self.timeout)
             result = _result(start, end, (header, plan.finish(header, shm_bytes)))
@@ -388,7 +397,7 @@ class AsyncEncoderClient:
             plan.close(ok)
 
     async def _fetch_part(self, items, start: int, end: int, out: torch.Tensor | None) -> FetchedRows:
-        with Destination(out, start, self._staging_buffers) as dest:
+        with Destination(out, start, self._staging_buffers, self._row_pool) as dest:
             return _result(start, end, await self._transport.fetch(items, start, end, dest, self.timeout))
 
     async def release(self, ids) -> int:
@@ -412,6 +421,7 @@ class AsyncEncoderClient:
             await self._transport.close()
         finally:
             self._staging_buffers.close()
+            self._row_pool.close()
             if self._shm is not None:
                 self._shm.close()
 

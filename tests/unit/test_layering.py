@@ -29,8 +29,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "engine": {"runtime", "models", "errors", "settings"},
     "runtime": {"models", "ops", "errors", "settings"},
     "preprocessing": {"models", "errors", "settings"},
-    # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves
-    "client": {"protocol", "ranges", "errors"},
+    # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves; and the
+    # host memory pool the server's rows come from, for the rows of its own fetches
+    "client": {"protocol", "ranges", "errors", "runtime.host_pool"},
     "settings": {"protocol", "errors"},
     "cache": {"errors", ""},
     "protocol": {"ranges", "errors"},
