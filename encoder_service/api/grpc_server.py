@@ -135,7 +135,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         async with self._rpc(context, "release"):
-            return pb.ReleaseResponse(released=self._core.release(list(request.ids)))
+            return msgs.release_to_proto(self._core.release(list(request.ids)))
 
     async def Metadata(self, request: pb.MetadataRequest, context) -> pb.MetadataResponse:
         async with self._rpc(context):

@@ -10,7 +10,8 @@ POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
                   (protocol/shm.py) and the answer is JSON: the wire header's fields + "shm_bytes".
 POST /v1/fetch/pickup  JSON {"token"} -> the payload of the gRPC Fetch that left that ticket (api/pickup.py).
-POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
+POST /v1/release  JSON {"ids": [...]} -> {"released": n, "invalid": [{"id", "reason"}]}: ends those ids' encode
+                  pins early; malformed ids are listed in "invalid" (not released), the others released.
 GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
      /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
@@ -266,7 +267,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
 
     async def _release(request: Request) -> Response:
         body = await _json_body(request, ReleaseJson)
-        return JSONResponse({"released": core.release(body.ids)})
+        return JSONResponse(core.release(body.ids).to_json())
 
     return app
 

@@ -5,7 +5,7 @@ A transport (client/http.py, client/grpc_transport.py) implements, sync or async
   encode_videos(videos: list[VideoSource], wait, return_embeddings, timeout) -> list[VideoInfo]
   fetch(items: list[(id, offset)], start, end, dest: Destination, timeout) -> (WireHeader, rows)
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
-  release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
+  release(ids: list[str], timeout) -> Released (protocol/release.py);  metadata(timeout) -> dict;  close()
 With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket.
 Calls that fail with 503 / UNAVAILABLE or an unreachable server are tried again within the client's timeout
 (`retry`: client/retry.py; None: never).
@@ -32,7 +32,7 @@ from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransp
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
-from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, ReleaseCount, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
@@ -287,9 +287,11 @@ class EncoderClient:
         with Destination(out, start, self._staging_buffers, self._row_pool) as dest:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
-    def release(self, ids) -> int:
-        """End the encode pins of `ids` early (done with them); returns how many had one. Entries stay cached."""
-        return self._transport.release(_ids(ids), self.timeout)
+    def release(self, ids) -> ReleaseCount:
+        """End the encode pins of `ids` early (done with them); returns how many had one (an int), whose
+        `invalid` lists the malformed ids sent, each with why: those were not released, the others were.
+        Entries stay cached."""
+        return ReleaseCount(self._transport.release(_ids(ids), self.timeout))
 
     def iter_chunks(self, layout, chunk_size: int, out=None) -> Iterator[FetchedRows]:
         """Per chunk of `layout` ((items, prompt_len) or PromptLayout), the rows it needs.
@@ -400,9 +402,9 @@ class AsyncEncoderClient:
         with Destination(out, start, self._staging_buffers, self._row_pool) as dest:
             return _result(start, end, await self._transport.fetch(items, start, end, dest, self.timeout))
 
-    async def release(self, ids) -> int:
+    async def release(self, ids) -> ReleaseCount:
         """See EncoderClient.release."""
-        return await self._transport.release(_ids(ids), self.timeout)
+        return ReleaseCount(await self._transport.release(_ids(ids), self.timeout))
 
     async def iter_chunks(self, layout, chunk_size: int, out=None) -> AsyncIterator[FetchedRows]:
         """See EncoderClient.iter_chunks."""

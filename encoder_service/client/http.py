@@ -26,6 +26,7 @@ from encoder_service.client.raw_http import (JSON, OCTET, READ_THREADS, Cancel, 
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
+from encoder_service.protocol.release import Released
 
 log = logging.getLogger(__name__)
 # httpx options that route requests somewhere the raw reader would not go.
@@ -211,7 +212,7 @@ class HttpTransport:
         return _shm_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def release(self, ids, timeout):
-        return int(self._post("/v1/release", timeout, json={"ids": ids}).json()["released"])
+        return Released.from_json(self._post("/v1/release", timeout, json={"ids": ids}).json())
 
     def metadata(self, timeout):
         try:
@@ -261,7 +262,7 @@ class AsyncHttpTransport:
         return _shm_reply(await self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     async def release(self, ids, timeout):
-        return int((await self._post("/v1/release", timeout, json={"ids": ids})).json()["released"])
+        return Released.from_json((await self._post("/v1/release", timeout, json={"ids": ids})).json())
 
     async def metadata(self, timeout):
         try:
