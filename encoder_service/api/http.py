@@ -47,7 +47,7 @@ from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.api.rows_response import RowsResponse
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, NotFound, UnsupportedMediaType
+from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded, NotFound, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
@@ -321,13 +321,12 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
 async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInput], list[VideoInput]]:
     """`image` fields (one image each), `video` fields (one video file each) and `frame` fields (together, in
     order, one video given as its frames, at most --max-images of them here: JSON takes more; options in the
-    query: api/video_bodies.py)."""
-    # One more file than allowed so the core's count check names the limit (instead of the parser's).
-    files = max(settings.limits.max_images, settings.video.max_videos) + 1
+    query: api/video_bodies.py). Each may be a file part or a plain field."""
+    max_images, bounds = settings.limits.max_images, _part_bounds(settings)
     try:
-        form = await request.form(max_files=files, max_fields=files + 16)
+        form = await request.form(max_files=bounds["files"], max_fields=bounds["fields"])
     except HTTPException as exc:  # the parser's own 400: no boundary, no boundary lines, too many parts
-        raise InvalidInput(f"multipart body: {exc.detail}") from None
+        raise _multipart_error(exc.detail, settings) from None
     try:
         async def read(field: str) -> list[bytes]:
             return [await part.read() if hasattr(part, "read") else str(part).encode() for part in form.getlist(field)]
@@ -336,6 +335,9 @@ async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInp
         options = video_bodies.query_options(q) if "video" in form or "frame" in form else {}
         videos = [VideoInput(data=data, **options) for data in await read("video")]
         frames = await read("frame")
+        if len(frames) > max_images:
+            raise LimitExceeded("number of frame fields in the multipart body", len(frames),
+                                f"{max_images} (--max-images; JSON takes a video's frames up to --max-video-frames)")
         if frames:
             videos.append(VideoInput(frames=tuple(frames), **options))
         if not images and not videos and len(form) > 0:
@@ -344,6 +346,28 @@ async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInp
         return images, videos
     finally:
         await form.close()  # its spooled files
+
+
+def _part_bounds(settings) -> dict[str, int]:
+    """The most file parts and plain fields the multipart parser reads (it keeps every part, files spooled):
+    above what any request takes (max_videos - 1 video files and max_images frames, or max_images images; as
+    plain fields too, with 16 of the client's own), so that the counts checked after it (_multipart_media's,
+    the core's) name the limit a request went over and what it sent."""
+    files = settings.limits.max_images + settings.video.max_videos
+    return {"files": files, "fields": files + 16}
+
+
+def _multipart_error(detail: str, settings) -> InvalidInput:
+    """The parser's refusal as our error: too many parts names the bound it stopped at (having read one more
+    part) and the limits the bound stands for; anything else (no boundary, a part without a name) as it said."""
+    kind = next((k for k in ("files", "fields") if detail.startswith(f"Too many {k}.")), None)
+    if kind is None:
+        return InvalidInput(f"multipart body: {detail}")
+    limit, max_images = _part_bounds(settings)[kind], settings.limits.max_images
+    return LimitExceeded(f"multipart body: number of {'file parts' if kind == 'files' else 'plain fields'}",
+                         f"at least {limit + 1}", f"{limit} (no request takes more: at most {max_images} images, "
+                         f"--max-images, or {settings.video.max_videos} videos, --max-videos, one of them as up "
+                         f"to {max_images} frame fields)")
 
 
 def _qbool(q, name: str) -> bool:
