@@ -17,6 +17,7 @@ from tests.support.images import image_bytes as png
 from tests.support.images import noise_image as pil_image
 
 from tests.support.clients import async_client, sync_client
+from tests.support.waits import async_wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,6 +133,7 @@ def test_rows_fetched_without_out_reuse_the_memory_of_rows_the_caller_dropped(se
 
 
 async def test_the_async_client_reuses_rows_memory_too(service):
+    """Its reads run on a thread, which lets go of the rows a moment after the call returns: waited for."""
     async with async_client(service, "http") as c:
         c._row_pool = HostRowPool(min_bytes=PAGE)
         (info,) = await c.encode([png(224, 168, 9)], wait=True, return_embeddings=True)
@@ -139,6 +141,7 @@ async def test_the_async_client_reuses_rows_memory_too(service):
             fetched = await c.fetch([(info.id, 0)], 0, info.num_tokens)
             assert torch.equal(fetched.rows, info.embedding)
             del fetched
+            await async_wait_for(lambda: c._row_pool.stats()["idle_mappings"] == 1, "the rows' memory back", 10)
         assert c._row_pool.taken == {"reused": 2, "fresh": 1, "small": 0}
 
 
