@@ -19,9 +19,10 @@ JSON bodies are strict: unknown fields, and values of another JSON type ("5" or 
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
-A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), is
-counted as the outcome `cancelled` and logged at debug; in the second case the core's call is cancelled, so
-the images and rows it waited for lose a waiter at once (core/flight.py: nobody left, the work is dropped).
+A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), or
+before a fetch's rows are all sent (a request is observed until its answer is sent: `_Served`), is counted
+as the outcome `cancelled` and logged at debug; in the second case the core's call is cancelled, so the
+images and rows it waited for lose a waiter at once (core/flight.py: nobody left, the work is dropped).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from encoder_service.api import bodies, video_bodies
 from encoder_service.api import errors as api_errors
@@ -160,42 +162,6 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         auth.check(request.headers.get("authorization"))
         return core.metadata()
 
-    @app.post("/v1/encode")
-    async def encode(request: Request):
-        return await _served(request, "encode", _encode)
-
-    @app.post("/v1/fetch")
-    async def fetch(request: Request):
-        return await _served(request, "fetch", _fetch)
-
-    @app.post("/v1/fetch/pickup")
-    async def pickup(request: Request):
-        return await _served(request, "pickup", _pickup)
-
-    @app.post("/v1/release")
-    async def release(request: Request):
-        return await _served(request, "release", _release)
-
-    async def _served(request: Request, method: str, handler) -> Response:
-        """One request (api/requests.py: its id, metrics, access line) around its handler; errors are answered
-        here so they are counted too. Every answer carries the request id."""
-        with served(metrics, "http", method, request.headers.get(REQUEST_ID), access_log=access_log) as serving:
-            try:
-                response = await handler(request)
-            except EncoderServiceError as exc:
-                serving.observed.failed(exc)
-                response = _error_response(exc)
-            except ClientDisconnect:  # gone mid-upload or mid-call: nobody reads an answer, not our failure
-                serving.observed.cancelled()
-                log.debug("HTTP %s: the client disconnected before its answer", method)
-                response = Response(status_code=499)  # "client closed request" (nginx's code), for access logs
-            except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
-                serving.observed.failed(exc)
-                log.exception("HTTP %s failed", method)
-                response = _error_response(exc)
-            response.headers[REQUEST_ID] = serving.request_id
-            return response
-
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
@@ -269,7 +235,50 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         body = await _json_body(request, ReleaseJson)
         return JSONResponse(core.release(body.ids).to_json())
 
+    for path, method, handler in (("/v1/encode", "encode", _encode), ("/v1/fetch", "fetch", _fetch),
+                                  ("/v1/fetch/pickup", "pickup", _pickup), ("/v1/release", "release", _release)):
+        app.router.add_route(path, _Served(method, handler, metrics, access_log), methods=["POST"])
     return app
+
+
+class _Served:
+    """One POST endpoint as an ASGI app (starlette routes to an object that is not a function as it is), so
+    that its request (api/requests.py: its id, metrics, access line) is observed until its answer is sent:
+    rows a client left before taking count `cancelled`, not `ok` (api/rows_response.py: `delivered`). Errors
+    are answered here so they are counted too; every answer carries the request id."""
+
+    def __init__(self, method: str, handler, metrics, access_log: bool):
+        self._method, self._handler, self._metrics, self._access_log = method, handler, metrics, access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request, method = Request(scope, receive, send), self._method
+        with served(self._metrics, "http", method, request.headers.get(REQUEST_ID),
+                    access_log=self._access_log) as serving:
+            response = await self._answer(request, serving)
+            response.headers[REQUEST_ID] = serving.request_id
+            try:
+                await response(scope, receive, send)
+            except Exception as exc:  # the answer could not be sent (a bug: the server logs it)
+                serving.observed.failed(exc)
+                raise
+            if isinstance(response, RowsResponse) and not response.delivered:
+                serving.observed.cancelled()
+                log.debug("HTTP %s: the client left before its rows were sent", method)
+
+    async def _answer(self, request: Request, serving) -> Response:
+        try:
+            return await self._handler(request)
+        except EncoderServiceError as exc:
+            serving.observed.failed(exc)
+            return _error_response(exc)
+        except ClientDisconnect:  # gone mid-upload or mid-call: nobody reads an answer, not our failure
+            serving.observed.cancelled()
+            log.debug("HTTP %s: the client disconnected before its answer", self._method)
+            return Response(status_code=499)  # "client closed request" (nginx's code), for access logs
+        except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
+            serving.observed.failed(exc)
+            log.exception("HTTP %s failed", self._method)
+            return _error_response(exc)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
