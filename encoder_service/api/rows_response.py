@@ -61,8 +61,9 @@ class RowsResponse(Response):
                 await send({"type": "http.response.body", "body": rows[lo:lo + SEND_BYTES], "more_body": lo < last})
             self.delivered = True
         finally:
+            # Not awaited: the request is counted in this same step of the loop as its last bytes were written,
+            # so a client that has read them and then asks the metrics sees it counted.
             gone.cancel()
-            await asyncio.gather(gone, return_exceptions=True)
 
 
 async def _disconnect(receive: Receive) -> None:
