@@ -90,7 +90,8 @@ def _curl(url: str, body_file: str, n: int) -> list[float]:
 
 
 def _variants(job: dict, loop) -> list[tuple[str, object, bool, str]]:
-    """(name, client, async?, out kind) of phase 1."""
+    """(name, client, async?, out kind) of phase 1. Out kinds: a preallocated tensor on "cpu" or "cuda",
+    "alloc" (alloc_rows: shared memory), "none" (no `out`: the rows are a tensor the client provides)."""
     import httpx
     import torch
 
@@ -104,9 +105,11 @@ def _variants(job: dict, loop) -> list[tuple[str, object, bool, str]]:
         return loop.run_until_complete(build())
 
     v = [("http", EncoderClient.http(url, fetch_streams=1), False, "cpu"),
+         ("http, no out (the client's rows)", EncoderClient.http(url, fetch_streams=1), False, "none"),
          ("http, split", EncoderClient.http(url), False, "cpu"),
          ("http async", aio(lambda: AsyncEncoderClient.http(url, fetch_streams=1)), True, "cpu"),
          ("grpc (rows picked up over http)", EncoderClient.grpc(grpc, fetch_streams=1), False, "cpu"),
+         ("grpc, no out (the client's rows)", EncoderClient.grpc(grpc, fetch_streams=1), False, "none"),
          ("grpc, split", EncoderClient.grpc(grpc), False, "cpu"),
          ("grpc async", aio(lambda: AsyncEncoderClient.grpc(grpc, fetch_streams=1)), True, "cpu"),
          ("grpc stream, 1 MiB messages", EncoderClient.grpc(grpc, fetch_streams=1, pickup=False), False, "cpu"),
@@ -144,7 +147,7 @@ def single(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
         outs, ms, cpu = {}, {v[0]: [] for v in variants}, {v[0]: [] for v in variants}
         for vname, client, is_async, kind in variants:
             outs[vname] = (client.alloc_rows(n, ref.shape[1], torch.bfloat16) if kind == "alloc" else
-                           torch.empty(n, ref.shape[1], dtype=torch.bfloat16, device=kind))
+                           None if kind == "none" else torch.empty(n, ref.shape[1], dtype=torch.bfloat16, device=kind))
         failed = set()  # a variant that raised is reported in the checks and measured no further
         for k in range(cfg["rounds"] + 1):  # round 0 warms connections and buffers
             for vname, client, is_async, _ in variants:
@@ -154,7 +157,7 @@ def single(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
                 try:
                     call = client.fetch([(entry["id"], 0)], 0, n, out=outs[vname])
                     got = loop.run_until_complete(call) if is_async else call
-                    if outs[vname].is_cuda:
+                    if got.rows.is_cuda:
                         torch.cuda.synchronize()
                 except Exception as exc:  # noqa: BLE001 - the other variants still run
                     checks.append(f"{name} {vname}: {type(exc).__name__}: {exc}"[:300])
@@ -166,6 +169,7 @@ def single(job: dict, cfg: dict, checks: list[str]) -> list[dict]:
                     cpu[vname].append((c1 - c0) * 1e3)
                 elif not torch.equal(got.rows.cpu(), ref):
                     checks.append(f"{name} {vname}: rows differ from the encode's")
+                del got  # a caller done with the rows of one fetch before the next (no `out`: they can be reused)
         base = _stats(curl, nbytes)
         rows.append(dict(entry=name, variant="curl", streams=1, **base, vs_curl=1.0))
         for vname, client, _, kind in variants:
@@ -492,7 +496,8 @@ def encode_under_load(job_path: Path, job: dict, cfg: dict, checks: list[str]) -
 
 # ---- report -----------------------------------------------------------------------------------------------
 def _single_table(rows: list[dict], first: str) -> list[str]:
-    lines = ["## One fetch at a time into a preallocated tensor (median of the rounds; x curl: GB/s over curl's)",
+    lines = ["## One fetch at a time into a preallocated tensor, or with no `out` where the client says so (median of "
+             "the rounds; x curl: GB/s over curl's)",
              "", "| entry | client | streams | median ms | p90 ms | best ms | GB/s | x curl | client CPU ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

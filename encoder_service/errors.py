@@ -62,6 +62,18 @@ class PayloadTooLarge(LimitExceeded):
 
     kind = "payload_too_large"
 
+    @classmethod
+    def declared(cls, length: int, limit: int) -> PayloadTooLarge:
+        """A body whose Content-Length is over `limit` (refused unread)."""
+        return cls("request body bytes (Content-Length)", length, f"{limit} (--max-body-bytes)")
+
+    @classmethod
+    def received(cls, received: int, limit: int) -> PayloadTooLarge:
+        """A body without Content-Length (chunked) found over `limit` while read: `received` bytes so far (the
+        rest is never read, so its size is unknown)."""
+        return cls("request body bytes (no Content-Length: counted while read)", f"at least {received}",
+                   f"{limit} (--max-body-bytes)")
+
 
 class NotFound(EncoderServiceError):
     """Unknown or evicted id. HTTP 404 / NOT_FOUND."""

@@ -507,6 +507,8 @@ def _build(v: dict) -> Settings:
         raise SettingsError(f"--max-pinned-bytes ({pinned}) is over --cache-bytes ({v['cache_bytes']})")
     if not os.path.isabs(v["shm_dir"]):
         raise SettingsError(f"--shm-dir / ENCODER_SHM_DIR must be an absolute path, got {v['shm_dir']!r}")
+    if v["shm_fetch"]:
+        _check_shm_dir(v["shm_dir"])
     if v["redis_url"] and not re.match(r"^(redis|rediss|unix)://", v["redis_url"]):
         raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
     return Settings(
@@ -532,3 +534,13 @@ def _build(v: dict) -> Settings:
 
 
 _VIDEO_OPTIONS = [f.name for f in dataclasses.fields(VideoSettings)]
+
+
+def _check_shm_dir(path: str) -> None:
+    """With --shm-fetch, the directory the server opens clients' files in (core/shm_writer.py) must be one it
+    can open: said at start-up, naming the flag, rather than when the core is built."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    except OSError as exc:
+        raise SettingsError(f"--shm-dir / ENCODER_SHM_DIR {path!r} is not a directory this server can open "
+                            f"({exc.strerror}); --shm-fetch needs one shared with its clients") from None

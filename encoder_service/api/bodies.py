@@ -17,7 +17,7 @@ def bounded(request: Request, limit: int) -> Request:
     """A view of `request` whose body reads raise PayloadTooLarge past `limit` bytes (never buffered beyond)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge("request body bytes (Content-Length)", int(declared), limit)
+        raise PayloadTooLarge.declared(int(declared), limit)
     received = 0
     receive: Receive = request.receive
 
@@ -27,7 +27,7 @@ def bounded(request: Request, limit: int) -> Request:
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
             if received > limit:
-                raise PayloadTooLarge("request body bytes", f"over {limit}", limit)
+                raise PayloadTooLarge.received(received, limit)
         return message
 
     return Request(request.scope, bounded_receive)

@@ -7,6 +7,11 @@ the client's FetchRequest.max_message_bytes (capped at MAX_FETCH_MESSAGE_BYTES).
 by protocol/wire.py from views of the rows (one copy, not protobuf's three). A Fetch with a
 ShmTarget answers the header alone (the rows are in the client's file, protocol/shm.py); one asking for a
 pickup answers the header with a ticket when the HTTP port can serve the rows (api/pickup.py).
+
+grpc.aio parses a request in its own code, before the handler runs: bytes that are no message of the method's
+type would end the call UNKNOWN "Unexpected DecodeError", with an ERROR and a traceback logged per call, and
+uncounted. Each method's deserializer here answers an `Undecodable` marker instead, which the handler answers
+as every bad request (INVALID_ARGUMENT, counted as `invalid_input`), logged as one WARNING a minute at most.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from encoder_service.api import errors as api_errors
@@ -25,7 +33,7 @@ from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.core import FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
-from encoder_service.errors import EncoderServiceError, Overloaded
+from encoder_service.errors import EncoderServiceError, InvalidInput, Overloaded
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol import wire
 from encoder_service.protocol.proto import encoder_pb2 as pb
@@ -47,6 +55,7 @@ _REQUEST_OVERHEAD_BYTES = 1 << 20
 # Row bytes per Fetch data message (read per call, so tests can shrink it to get many messages).
 FETCH_DATA_BYTES = wire.GRPC_DATA_BYTES
 MAX_FETCH_MESSAGE_BYTES = 16 << 20  # the most a client's max_message_bytes gets
+UNDECODABLE_LOG_EVERY_S = 60.0  # at most one WARNING line this often about undecodable requests
 
 
 async def start(core, settings, pickups: Pickups | None = None, http_port: int | None = None
@@ -64,9 +73,14 @@ async def start(core, settings, pickups: Pickups | None = None, http_port: int |
             # traffic instead of failing to start.
             ("grpc.so_reuseport", 0),
         ])
-    _add_servicer(EncoderServicer(core, pickups, http_port), server)
+    rarely = _RareWarning(UNDECODABLE_LOG_EVERY_S)  # one per server: its own minute
+    handlers = _handlers(pb_grpc.add_EncoderServicer_to_server, EncoderServicer(core, pickups, http_port))
+    # Fetch's serializer passes our own framed data messages through.
+    handlers["Fetch"] = handlers["Fetch"]._replace(response_serializer=msgs.serialize_fetch_chunk)
+    _register(server, pb.DESCRIPTOR.services_by_name["Encoder"], handlers, rarely)
     health_servicer = ReadinessHealth(core)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _register(server, health_pb2.DESCRIPTOR.services_by_name["Health"],
+              _handlers(health_pb2_grpc.add_HealthServicer_to_server, health_servicer), rarely)
     address = f"{settings.server.host}:{settings.server.grpc_port}"
     try:
         server.add_insecure_port(address)
@@ -77,8 +91,8 @@ async def start(core, settings, pickups: Pickups | None = None, http_port: int |
     return server, health_servicer
 
 
-def _add_servicer(servicer: EncoderServicer, server) -> None:
-    """The generated registration, with Fetch's serializer passing our own framed data messages through."""
+def _handlers(add_to_server, servicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers a generated `add_..._to_server` registers for `servicer`, by method name."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     class _Collect:
@@ -88,10 +102,60 @@ def _add_servicer(servicer: EncoderServicer, server) -> None:
         def add_registered_method_handlers(self, _, method_handlers):
             handlers.update(method_handlers)
 
-    pb_grpc.add_EncoderServicer_to_server(servicer, _Collect())
-    handlers["Fetch"] = handlers["Fetch"]._replace(response_serializer=msgs.serialize_fetch_chunk)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    add_to_server(servicer, _Collect())
+    return handlers
+
+
+def _register(server, service, handlers: dict[str, grpc.RpcMethodHandler], rarely: _RareWarning) -> None:
+    """`handlers` of `service` (its protobuf ServiceDescriptor) on `server`, each method's deserializer
+    answering an `Undecodable` marker for bytes it cannot parse."""
+    methods = service.methods_by_name
+    handlers = {name: handler._replace(request_deserializer=_lenient(
+        handler.request_deserializer, methods[name].input_type.full_name, f"/{service.full_name}/{name}", rarely))
+        for name, handler in handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are no message of its method's type (what the deserializer answers for them)."""
+
+    message: str  # the type's full name
+    reason: str  # protobuf's
+
+    def error(self) -> InvalidInput:
+        return InvalidInput(f"the request is not an {self.message} message ({self.reason})")
+
+
+def _lenient(deserialize, message: str, method: str, rarely: _RareWarning):
+    """`deserialize`, with an `Undecodable` for bytes it cannot parse (instead of raising in grpc.aio's code)."""
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            rarely.note(method)
+            return Undecodable(message, str(exc).removeprefix(f"Error parsing message with type '{message}': "))
+
+    return parse
+
+
+class _RareWarning:
+    """One WARNING about undecodable requests per `every_s` at most, with how many came since the last one (any
+    number of garbage requests costs a few log lines, not a traceback each)."""
+
+    def __init__(self, every_s: float):
+        self._every_s, self._next, self._count = every_s, 0.0, 0
+
+    def note(self, method: str) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now >= self._next:
+            log.warning("undecodable gRPC requests: %d since the last such line (the latest to %s), each answered "
+                        "INVALID_ARGUMENT and counted in encoder_requests_total (this line: at most every %g s)",
+                        self._count, method, self._every_s)
+            self._next, self._count = now + self._every_s, 0
 
 
 class EncoderServicer(pb_grpc.EncoderServicer):
@@ -99,7 +163,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
         self._core, self._pickups, self._http_port = core, pickups, http_port
 
     async def Encode(self, request: pb.EncodeRequest, context) -> pb.EncodeResponse:
-        async with self._rpc(context, "encode") as call:
+        async with self._rpc(context, request, "encode") as call:
             images = [_image_input(img) for img in request.images]
             videos = [_video_input(v) for v in request.videos]
             result = await self._core.encode(images, wait=request.wait, return_embeddings=request.return_embeddings,
@@ -112,7 +176,7 @@ class EncoderServicer(pb_grpc.EncoderServicer):
     async def Fetch(self, request: pb.FetchRequest, context) -> None:
         # context.write rather than an async generator: a client that goes away cancels this coroutine at
         # its pending write, so the rows are released at once (a dropped generator waits for the GC).
-        async with self._rpc(context, "fetch") as call:
+        async with self._rpc(context, request, "fetch") as call:
             items = [FetchItem(id=i.id, offset=i.offset) for i in request.items]
             shm = (ShmTarget(request.shm.name, request.shm.offset, request.shm.by_position)
                    if request.HasField("shm") else None)
@@ -138,17 +202,18 @@ class EncoderServicer(pb_grpc.EncoderServicer):
                 await context.write(wire.grpc_data_message(piece))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        async with self._rpc(context, "release"):
-            return pb.ReleaseResponse(released=self._core.release(list(request.ids)))
+        async with self._rpc(context, request, "release"):
+            return msgs.release_to_proto(self._core.release(list(request.ids)))
 
     async def Metadata(self, request: pb.MetadataRequest, context) -> pb.MetadataResponse:
-        async with self._rpc(context):
+        async with self._rpc(context, request):
             return pb.MetadataResponse(json=json.dumps(self._core.metadata(), default=str))
 
     @contextlib.asynccontextmanager
-    async def _rpc(self, context, method: str | None = None):
-        """The one place errors become gRPC statuses. A `method` is served as HTTP serves its requests
-        (api/requests.py: request id in the trailing metadata, metrics, access line)."""
+    async def _rpc(self, context, request, method: str | None = None):
+        """The one place errors become gRPC statuses (an `Undecodable` request's too: before the handler's body
+        runs). A `method` is served as HTTP serves its requests (api/requests.py: request id in the trailing
+        metadata, metrics, access line)."""
         core = self._core
         given = dict(context.invocation_metadata() or ()).get(REQUEST_ID)
         with (served(core.metrics, "grpc", method, given, access_log=core.settings.server.access_log) if method
@@ -156,6 +221,8 @@ class EncoderServicer(pb_grpc.EncoderServicer):
             call = _Call(context, serving.request_id if serving is not None else None)
             call.trailing()
             try:
+                if isinstance(request, Undecodable):
+                    raise request.error()
                 yield call
             except asyncio.CancelledError:  # the client left (or its deadline passed) mid-call: not our failure
                 log.debug("gRPC %s cancelled by the client", method or "call")
@@ -290,9 +357,17 @@ class ReadinessHealth(health.aio.HealthServicer):
             await self.set(service, status)
 
     async def Check(self, request, context):
+        await _refuse_undecodable(request, context)
         await self._refresh()
         return await super().Check(request, context)
 
     async def Watch(self, request, context):
+        await _refuse_undecodable(request, context)
         await self._refresh()
         return await super().Watch(request, context)
+
+
+async def _refuse_undecodable(request, context) -> None:
+    """Health's calls are not requests of the metrics: an undecodable one is answered, not counted."""
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error().message)

@@ -13,7 +13,8 @@ POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"
                   fields + "ipc": where each segment's rows sit in the device row arena, or why not.
 POST /v1/fetch/ack  JSON {"tokens": [...]} -> {"released": n}: ends the holds of fetches by IPC.
 POST /v1/fetch/pickup  JSON {"token"} -> the payload of the gRPC Fetch that left that ticket (api/pickup.py).
-POST /v1/release  JSON {"ids": [...]} -> {"released": n}: ends those ids' encode pins early.
+POST /v1/release  JSON {"ids": [...]} -> {"released": n, "invalid": [{"id", "reason"}]}: ends those ids' encode
+                  pins early; malformed ids are listed in "invalid" (not released), the others released.
 GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" | "off"}), /v1/metadata,
      /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
@@ -21,9 +22,10 @@ JSON bodies are strict: unknown fields, and values of another JSON type ("5" or 
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
-A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), is
-counted as the outcome `cancelled` and logged at debug; in the second case the core's call is cancelled, so
-the images and rows it waited for lose a waiter at once (core/flight.py: nobody left, the work is dropped).
+A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), or
+before a fetch's rows are all sent (a request is observed until its answer is sent: `_Served`), is counted
+as the outcome `cancelled` and logged at debug; in the second case the core's call is cancelled, so the
+images and rows it waited for lose a waiter at once (core/flight.py: nobody left, the work is dropped).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from encoder_service.api import bodies, video_bodies
 from encoder_service.api import errors as api_errors
@@ -49,7 +52,7 @@ from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.api.rows_response import RowsResponse
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, NotFound, UnsupportedMediaType
+from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded, NotFound, UnsupportedMediaType
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
@@ -175,46 +178,6 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
         auth.check(request.headers.get("authorization"))
         return core.metadata()
 
-    @app.post("/v1/encode")
-    async def encode(request: Request):
-        return await _served(request, "encode", _encode)
-
-    @app.post("/v1/fetch")
-    async def fetch(request: Request):
-        return await _served(request, "fetch", _fetch)
-
-    @app.post("/v1/fetch/ack")
-    async def ack(request: Request):
-        return await _served(request, "ack", _ack)
-
-    @app.post("/v1/fetch/pickup")
-    async def pickup(request: Request):
-        return await _served(request, "pickup", _pickup)
-
-    @app.post("/v1/release")
-    async def release(request: Request):
-        return await _served(request, "release", _release)
-
-    async def _served(request: Request, method: str, handler) -> Response:
-        """One request (api/requests.py: its id, metrics, access line) around its handler; errors are answered
-        here so they are counted too. Every answer carries the request id."""
-        with served(metrics, "http", method, request.headers.get(REQUEST_ID), access_log=access_log) as serving:
-            try:
-                response = await handler(request)
-            except EncoderServiceError as exc:
-                serving.observed.failed(exc)
-                response = _error_response(exc)
-            except ClientDisconnect:  # gone mid-upload or mid-call: nobody reads an answer, not our failure
-                serving.observed.cancelled()
-                log.debug("HTTP %s: the client disconnected before its answer", method)
-                response = Response(status_code=499)  # "client closed request" (nginx's code), for access logs
-            except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
-                serving.observed.failed(exc)
-                log.exception("HTTP %s failed", method)
-                response = _error_response(exc)
-            response.headers[REQUEST_ID] = serving.request_id
-            return response
-
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
@@ -294,9 +257,53 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> FastAPI:
 
     async def _release(request: Request) -> Response:
         body = await _json_body(request, ReleaseJson)
-        return JSONResponse({"released": core.release(body.ids)})
+        return JSONResponse(core.release(body.ids).to_json())
 
+    for path, method, handler in (("/v1/encode", "encode", _encode), ("/v1/fetch", "fetch", _fetch),
+                                  ("/v1/fetch/ack", "ack", _ack), ("/v1/fetch/pickup", "pickup", _pickup),
+                                  ("/v1/release", "release", _release)):
+        app.router.add_route(path, _Served(method, handler, metrics, access_log), methods=["POST"])
     return app
+
+
+class _Served:
+    """One POST endpoint as an ASGI app (starlette routes to an object that is not a function as it is), so
+    that its request (api/requests.py: its id, metrics, access line) is observed until its answer is sent:
+    rows a client left before taking count `cancelled`, not `ok` (api/rows_response.py: `delivered`). Errors
+    are answered here so they are counted too; every answer carries the request id."""
+
+    def __init__(self, method: str, handler, metrics, access_log: bool):
+        self._method, self._handler, self._metrics, self._access_log = method, handler, metrics, access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request, method = Request(scope, receive, send), self._method
+        with served(self._metrics, "http", method, request.headers.get(REQUEST_ID),
+                    access_log=self._access_log) as serving:
+            response = await self._answer(request, serving)
+            response.headers[REQUEST_ID] = serving.request_id
+            try:
+                await response(scope, receive, send)
+            except Exception as exc:  # the answer could not be sent (a bug: the server logs it)
+                serving.observed.failed(exc)
+                raise
+            if isinstance(response, RowsResponse) and not response.delivered:
+                serving.observed.cancelled()
+                log.debug("HTTP %s: the client left before its rows were sent", method)
+
+    async def _answer(self, request: Request, serving) -> Response:
+        try:
+            return await self._handler(request)
+        except EncoderServiceError as exc:
+            serving.observed.failed(exc)
+            return _error_response(exc)
+        except ClientDisconnect:  # gone mid-upload or mid-call: nobody reads an answer, not our failure
+            serving.observed.cancelled()
+            log.debug("HTTP %s: the client disconnected before its answer", self._method)
+            return Response(status_code=499)  # "client closed request" (nginx's code), for access logs
+        except Exception as exc:  # a bug, not a request problem: the traceback in the log, not in the answer
+            serving.observed.failed(exc)
+            log.exception("HTTP %s failed", self._method)
+            return _error_response(exc)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
@@ -355,13 +362,12 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
 async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInput], list[VideoInput]]:
     """`image` fields (one image each), `video` fields (one video file each) and `frame` fields (together, in
     order, one video given as its frames, at most --max-images of them here: JSON takes more; options in the
-    query: api/video_bodies.py)."""
-    # One more file than allowed so the core's count check names the limit (instead of the parser's).
-    files = max(settings.limits.max_images, settings.video.max_videos) + 1
+    query: api/video_bodies.py). Each may be a file part or a plain field."""
+    max_images, bounds = settings.limits.max_images, _part_bounds(settings)
     try:
-        form = await request.form(max_files=files, max_fields=files + 16)
+        form = await request.form(max_files=bounds["files"], max_fields=bounds["fields"])
     except HTTPException as exc:  # the parser's own 400: no boundary, no boundary lines, too many parts
-        raise InvalidInput(f"multipart body: {exc.detail}") from None
+        raise _multipart_error(exc.detail, settings) from None
     try:
         async def read(field: str) -> list[bytes]:
             return [await part.read() if hasattr(part, "read") else str(part).encode() for part in form.getlist(field)]
@@ -370,6 +376,9 @@ async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInp
         options = video_bodies.query_options(q) if "video" in form or "frame" in form else {}
         videos = [VideoInput(data=data, **options) for data in await read("video")]
         frames = await read("frame")
+        if len(frames) > max_images:
+            raise LimitExceeded("number of frame fields in the multipart body", len(frames),
+                                f"{max_images} (--max-images; JSON takes a video's frames up to --max-video-frames)")
         if frames:
             videos.append(VideoInput(frames=tuple(frames), **options))
         if not images and not videos and len(form) > 0:
@@ -378,6 +387,28 @@ async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInp
         return images, videos
     finally:
         await form.close()  # its spooled files
+
+
+def _part_bounds(settings) -> dict[str, int]:
+    """The most file parts and plain fields the multipart parser reads (it keeps every part, files spooled):
+    above what any request takes (max_videos - 1 video files and max_images frames, or max_images images; as
+    plain fields too, with 16 of the client's own), so that the counts checked after it (_multipart_media's,
+    the core's) name the limit a request went over and what it sent."""
+    files = settings.limits.max_images + settings.video.max_videos
+    return {"files": files, "fields": files + 16}
+
+
+def _multipart_error(detail: str, settings) -> InvalidInput:
+    """The parser's refusal as our error: too many parts names the bound it stopped at (having read one more
+    part) and the limits the bound stands for; anything else (no boundary, a part without a name) as it said."""
+    kind = next((k for k in ("files", "fields") if detail.startswith(f"Too many {k}.")), None)
+    if kind is None:
+        return InvalidInput(f"multipart body: {detail}")
+    limit, max_images = _part_bounds(settings)[kind], settings.limits.max_images
+    return LimitExceeded(f"multipart body: number of {'file parts' if kind == 'files' else 'plain fields'}",
+                         f"at least {limit + 1}", f"{limit} (no request takes more: at most {max_images} images, "
+                         f"--max-images, or {settings.video.max_videos} videos, --max-videos, one of them as up "
+                         f"to {max_images} frame fields)")
 
 
 def _qbool(q, name: str) -> bool:

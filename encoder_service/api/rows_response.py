@@ -12,16 +12,22 @@ whole-body message on 3.12 with httptools and under half of it on 3.11 or with h
 once more); most of that CPU is the kernel's send path (system time) either way. So when uvicorn serves with
 httptools, a pool thread writes the rows on the socket instead (api/socket_send.py: several fetches' copies
 run at once, off the loop); the slices are the fallback.
+
+`delivered` says, once the response was sent, whether the rows reached the connection: False when the client
+left before they were all handed over (the thread's send failed; or, on the slice path, the server saw the
+connection close: uvicorn then drops what is sent, silently). The request's metrics count that `cancelled`
+(api/http.py observes a request until its answer is sent).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from encoder_service.api.socket_send import EXTENSION, GONE, NOT_TAKEN, SENT
+from encoder_service.api.socket_send import EXTENSION, NOT_TAKEN, SENT
 
 # Rows per body message: about what a loopback socket takes in one send, so most slices go to the kernel at
 # once; large enough that the per-message cost (an await, a transport write) is negligible.
@@ -31,6 +37,7 @@ SEND_BYTES = 4 << 20
 class RowsResponse(Response):
     def __init__(self, prefix: bytes, rows: memoryview, media_type: str, headers: Mapping[str, str]):
         self._prefix, self._rows = prefix, rows
+        self.delivered = False  # (module docstring)
         super().__init__(None, 200, {**headers, "content-length": str(len(prefix) + len(rows))}, media_type)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,7 +48,24 @@ class RowsResponse(Response):
         outcome = await writer.write(rows) if writer is not None else NOT_TAKEN
         if outcome == SENT:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if outcome in (SENT, GONE):
+        if outcome != NOT_TAKEN:
+            self.delivered = outcome == SENT
             return
-        for lo in range(0, len(rows), SEND_BYTES):
-            await send({"type": "http.response.body", "body": rows[lo:lo + SEND_BYTES], "more_body": lo < last})
+        # The request's body is read: until the response ends, receive() answers only a disconnect.
+        gone = asyncio.ensure_future(_disconnect(receive))
+        try:
+            for lo in range(0, len(rows), SEND_BYTES):
+                await asyncio.sleep(0)  # the watch runs (a send to a closed connection returns at once)
+                if gone.done():
+                    return
+                await send({"type": "http.response.body", "body": rows[lo:lo + SEND_BYTES], "more_body": lo < last})
+            self.delivered = True
+        finally:
+            # Not awaited: the request is counted in this same step of the loop as its last bytes were written,
+            # so a client that has read them and then asks the metrics sees it counted.
+            gone.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -145,19 +145,26 @@ class RowWriter:
         if len(rows) < MIN_BYTES or not await _drained(transport) or not await self._free.take(QUEUE_WAIT_S):
             return NOT_TAKEN
         try:
-            if transport.is_closing():
-                return GONE
+            if transport.is_closing():  # the peer left (its connection_lost may not have run yet)
+                return await _gone(transport)
             fd = transport.get_extra_info("socket").fileno()
             await asyncio.get_running_loop().run_in_executor(self._pool, _sendall, fd, rows)
         except OSError as e:  # the peer left, or it stopped reading for SEND_TIMEOUT_S
             log.info("fetch rows not delivered, closing the connection: %s", e)
-            transport.close()
-            await asyncio.sleep(0)  # the protocol's connection_lost runs: uvicorn sees the client gone
-            return GONE
+            return await _gone(transport)
         finally:
             self._free.give()
         self._cycle.expected_content_length -= len(rows)
         return SENT
+
+
+async def _gone(transport) -> str:
+    """GONE, once uvicorn knows the connection is over: aborted (unsent bytes dropped: nobody reads them), so
+    its connection_lost is scheduled at once and runs before this returns. A response that ends unfinished on
+    a connection uvicorn still thinks open is an ERROR in its log."""
+    transport.abort()  # (on a transport closing already: its connection_lost is scheduled already)
+    await asyncio.sleep(0)
+    return GONE
 
 
 async def _drained(transport) -> bool:

@@ -23,8 +23,8 @@ to tune it, `retry=None` to turn it off; client/retry.py).
 
 from encoder_service.client.base import AsyncEncoderClient, EncoderClient
 from encoder_service.client.retry import RetryPolicy
-from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, ReleaseCount, VideoInfo, VideoSource
 from encoder_service.ranges import PromptLayout, Segment
 
 __all__ = ["AsyncEncoderClient", "EncoderClient", "FetchedRows", "ImageInfo", "ImageSource", "PromptLayout",
-           "RetryPolicy", "Segment", "VideoInfo", "VideoSource"]
+           "ReleaseCount", "RetryPolicy", "Segment", "VideoInfo", "VideoSource"]

@@ -5,7 +5,7 @@ A transport (client/http.py, client/grpc_transport.py) implements, sync or async
   encode_videos(videos: list[VideoSource], wait, return_embeddings, timeout) -> list[VideoInfo]
   fetch(items: list[(id, offset)], start, end, dest: Destination, timeout) -> (WireHeader, rows)
   fetch_shm(items, start, end, target: {"name", "offset", "by_position"}, timeout) -> (WireHeader, shm_bytes)
-  release(ids: list[str], timeout) -> int;  metadata(timeout) -> dict;  close()
+  release(ids: list[str], timeout) -> Released (protocol/release.py);  metadata(timeout) -> dict;  close()
 With `shm=True` a client fetches through shared-memory files (client/shm.py) instead of the socket. A fetch
 into a CUDA `out` from a server on this host with IPC on goes GPU to GPU first (client/ipc.py; HTTP clients,
 `ipc="auto"`), then the way above. `fetch_paths` counts the fetches each way went ("ipc", "shm", "socket").
@@ -38,12 +38,13 @@ from encoder_service.client.owners import AsyncOwnerRouting, OwnerRouting
 from encoder_service.client.ipc import IpcPath
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
-from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, VideoInfo, VideoSource
+from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, ReleaseCount, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
+from encoder_service.runtime.host_pool import HostRowPool
 
 FETCH_STREAMS = 4  # at most this many connections for one fetch
 SPLIT_BYTES = 16 << 20  # and at least this many bytes of `out` for each
@@ -154,12 +155,12 @@ class _ShmFetch:
 
     `out` inside an alloc_rows file (CPU, contiguous, the payload's dtype and width, >= end - start rows):
     the server writes each segment at its row (by_position); nothing to copy here. Otherwise the packed
-    rows land in a staging file: one copy into `out`, or into a new tensor when there is no `out`.
+    rows land in a staging file: one copy into `out`, or into memory of `rows` when there is no `out`.
     """
 
-    def __init__(self, buffers: ShmBuffers, out: torch.Tensor | None, start: int, end: int, dtype: str,
-                 row_width: int):
-        self._buffers, self._out, self._start, self._staging = buffers, out, start, None
+    def __init__(self, buffers: ShmBuffers, rows: HostRowPool, out: torch.Tensor | None, start: int, end: int,
+                 dtype: str, row_width: int):
+        self._buffers, self._rows, self._out, self._start, self._staging = buffers, rows, out, start, None
         t = torch_dtype(dtype)
         direct = (out is not None and out.device.type == "cpu" and out.dtype == t and out.dim() == 2
                   and out.shape[1] == row_width and out.shape[0] >= end - start and out.is_contiguous())
@@ -183,8 +184,11 @@ class _ShmFetch:
         if header.payload_bytes > f.size:
             raise wire.WireError(f"the header announces {header.payload_bytes} row bytes, over the "
                                  f"{f.size}-byte staging file")
-        rows = f.data[:header.payload_bytes].view(torch_dtype(header.dtype)).view(header.num_rows, header.row_width)
-        return rows.clone() if self._out is None else wire.place_rows(header, rows, self._out, self._start)
+        dtype = torch_dtype(header.dtype)
+        rows = f.data[:header.payload_bytes].view(dtype).view(header.num_rows, header.row_width)
+        if self._out is not None:
+            return wire.place_rows(header, rows, self._out, self._start)
+        return self._rows.take(header.payload_bytes).view(dtype).view(rows.shape).copy_(rows)
 
     def close(self, ok: bool) -> None:
         """After a failed fetch (a timeout, say) the server may still be writing into the staging file:
@@ -226,6 +230,7 @@ class EncoderClient:
         self._ipc, self._ipc_meta = _ipc_path(transport, ipc), _UNKNOWN
         self.fetch_paths: Counter[str] = Counter()
         self._staging_buffers = StagingBuffers()
+        self._row_pool = HostRowPool()  # the rows of fetches without `out` (client/destination.py)
         self._threads: ThreadPoolExecutor | None = None  # the extra streams of split fetches (made on first use)
         self._threads_lock = threading.Lock()  # fetch may be called from several threads
 
@@ -267,7 +272,9 @@ class EncoderClient:
     def fetch(self, items, start: int, end: int, out: torch.Tensor | None = None) -> FetchedRows:
         """The rows of `items` ((id, offset) pairs) in chunk [start, end). `out` ([>= end - start, row_width],
         any dtype, CPU or CUDA) gets each segment's rows at row position - start, and is the answer's rows.
-        After a fetch into `out` fails or is cancelled, a stream may still write its rows there for a moment."""
+        After a fetch into `out` fails or is cancelled, a stream may still write its rows there for a moment.
+        Without `out` the rows are a tensor of their own, on host memory this client reuses once every view
+        of an answer's rows is dropped: drop them when done, and the next fetch skips fresh pages' faults."""
         items = fetch_items(items)
         if self._ipc is not None and out is not None and self._ipc.candidate(out):
             got = self._fetch_ipc(items, start, end, out)
@@ -295,7 +302,7 @@ class EncoderClient:
         if self._geometry is None:
             meta = self.metadata()
             self._geometry = (meta["dtype"], int(meta["row_width"]))
-        plan, ok = _ShmFetch(self._shm, out, start, end, *self._geometry), False
+        plan, ok = _ShmFetch(self._shm, self._row_pool, out, start, end, *self._geometry), False
         try:
             header, shm_bytes = self._transport.fetch_shm(items, start, end, plan.target, self.timeout)
             result = _result(start, end, (header, plan.finish(header, shm_bytes)))
@@ -305,7 +312,7 @@ class EncoderClient:
             plan.close(ok)
 
     def _fetch_part(self, items, start: int, end: int, out: torch.Tensor | None) -> FetchedRows:
-        with Destination(out, start, self._staging_buffers) as dest:
+        with Destination(out, start, self._staging_buffers, self._row_pool) as dest:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
     def _fetch_ipc(self, items, start: int, end: int, out: torch.Tensor) -> FetchedRows | None:
@@ -326,9 +333,11 @@ class EncoderClient:
         """Why this client does not fetch by IPC (a refused open, gRPC), None while it may."""
         return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
 
-    def release(self, ids) -> int:
-        """End the encode pins of `ids` early (done with them); returns how many had one. Entries stay cached."""
-        return self._transport.release(_ids(ids), self.timeout)
+    def release(self, ids) -> ReleaseCount:
+        """End the encode pins of `ids` early (done with them); returns how many had one (an int), whose
+        `invalid` lists the malformed ids sent, each with why: those were not released, the others were.
+        Entries stay cached."""
+        return ReleaseCount(self._transport.release(_ids(ids), self.timeout))
 
     def iter_chunks(self, layout, chunk_size: int, out=None) -> Iterator[FetchedRows]:
         """Per chunk of `layout` ((items, prompt_len) or PromptLayout), the rows it needs.
@@ -355,6 +364,7 @@ class EncoderClient:
             self._transport.close()
         finally:
             self._staging_buffers.close()
+            self._row_pool.close()
             if self._shm is not None:
                 self._shm.close()
 
@@ -377,6 +387,7 @@ class AsyncEncoderClient:
         self._ipc, self._ipc_meta = _ipc_path(transport, ipc), _UNKNOWN
         self.fetch_paths: Counter[str] = Counter()
         self._staging_buffers = StagingBuffers()
+        self._row_pool = HostRowPool()
 
     @classmethod
     def http(cls, base_url: str, *, token: str | None = None, timeout: float | None = 60.0, shm: bool = False,
@@ -436,7 +447,7 @@ class AsyncEncoderClient:
         if self._geometry is None:
             meta = await self.metadata()
             self._geometry = (meta["dtype"], int(meta["row_width"]))
-        plan, ok = _ShmFetch(self._shm, out, start, end, *self._geometry), False
+        plan, ok = _ShmFetch(self._shm, self._row_pool, out, start, end, *self._geometry), False
         try:
             header, shm_bytes = await self._transport.fetch_shm(items, start, end, plan.target, self.timeout)
             result = _result(start, end, (header, plan.finish(header, shm_bytes)))
@@ -446,7 +457,7 @@ class AsyncEncoderClient:
             plan.close(ok)
 
     async def _fetch_part(self, items, start: int, end: int, out: torch.Tensor | None) -> FetchedRows:
-        with Destination(out, start, self._staging_buffers) as dest:
+        with Destination(out, start, self._staging_buffers, self._row_pool) as dest:
             return _result(start, end, await self._transport.fetch(items, start, end, dest, self.timeout))
 
     async def _fetch_ipc(self, items, start: int, end: int, out: torch.Tensor) -> FetchedRows | None:
@@ -467,9 +478,9 @@ class AsyncEncoderClient:
         """See EncoderClient.ipc_off."""
         return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
 
-    async def release(self, ids) -> int:
+    async def release(self, ids) -> ReleaseCount:
         """See EncoderClient.release."""
-        return await self._transport.release(_ids(ids), self.timeout)
+        return ReleaseCount(await self._transport.release(_ids(ids), self.timeout))
 
     async def iter_chunks(self, layout, chunk_size: int, out=None) -> AsyncIterator[FetchedRows]:
         """See EncoderClient.iter_chunks."""
@@ -490,6 +501,7 @@ class AsyncEncoderClient:
             await self._transport.close()
         finally:
             self._staging_buffers.close()
+            self._row_pool.close()
             if self._shm is not None:
                 self._shm.close()
 

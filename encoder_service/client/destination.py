@@ -1,6 +1,10 @@
 """Where a fetch's rows land on the client, whatever the transport (protocol/wire.py: RowWriter does the writing).
 
-- No `out`: a new [num_rows, row_width] tensor the socket reads into (the rows are the caller's).
+- No `out`: a [num_rows, row_width] tensor the socket reads into, the caller's to keep, on memory of the
+  client's `HostRowPool` (runtime/host_pool.py): fresh pages cost a page fault per 4 KiB at their first
+  touch, which made such fetches several times slower than into a preallocated `out` (transfer_bench.py's
+  "no out" variants), so the pool hands out again the pages of rows the caller has dropped (never while
+  any view of them lives).
 - `out` a contiguous CPU tensor of the payload's dtype: each segment's bytes straight at its row
   `position - start` (no copy on the client).
 - any other `out` (on a CUDA device, of another dtype, strided): the packed rows into a staging buffer the
@@ -17,6 +21,7 @@ import torch
 
 from encoder_service.protocol.dtypes import DTYPES
 from encoder_service.protocol.wire import RowWriter, WireHeader, is_direct
+from encoder_service.runtime.host_pool import HostRowPool
 
 STAGING_ROUND_BYTES = 4 << 20  # sizes rounded up so chunks of similar size reuse one buffer
 STAGING_IDLE = 4  # idle buffers kept (more exist only while that many staged fetches overlap)
@@ -65,10 +70,11 @@ class StagingBuffers:
 
 class Destination:
     """One fetch's destination: `writer(header)` once the header is known, then the transport feeds the
-    writer; `finish()` gives the rows (the caller's `out`, or a new tensor); `close()` in every case."""
+    writer; `finish()` gives the rows (the caller's `out`, or a tensor on memory of `rows`); `close()` in
+    every case."""
 
-    def __init__(self, out: torch.Tensor | None, start: int, buffers: StagingBuffers):
-        self._out, self._start, self._buffers = out, start, buffers
+    def __init__(self, out: torch.Tensor | None, start: int, buffers: StagingBuffers, rows: HostRowPool):
+        self._out, self._start, self._buffers, self._rows = out, start, buffers, rows
         self._pinned = out is not None and out.device.type == "cuda"
         self._staging: torch.Tensor | None = None
         self._writer: RowWriter | None = None
@@ -76,7 +82,10 @@ class Destination:
     def writer(self, header: WireHeader) -> RowWriter:
         """The writer for a payload with `header` (again after a failed attempt: a new writer, and the same
         staging buffer when it is large enough)."""
-        staged = self._out is not None and header.payload_bytes > 0 and not is_direct(self._out, DTYPES[header.dtype])
+        if self._out is None:  # the caller's rows: memory back in the pool once the caller drops them
+            self._writer = RowWriter(header, None, self._start, self._rows.take(header.payload_bytes))
+            return self._writer
+        staged = header.payload_bytes > 0 and not is_direct(self._out, DTYPES[header.dtype])
         if staged and (self._staging is None or self._staging.numel() < header.payload_bytes):
             self.close()
             self._staging = self._buffers.take(header.payload_bytes, self._pinned)

@@ -202,7 +202,8 @@ class GrpcTransport:
 
     def release(self, ids, timeout):
         try:
-            return self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=timeout, metadata=self._md).released
+            return msgs.release_from_proto(self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=timeout,
+                                                              metadata=self._md))
         except grpc.RpcError as exc:
             raise _error(exc) from exc
 
@@ -275,7 +276,7 @@ class AsyncGrpcTransport:
             response = await self._stub.Release(pb.ReleaseRequest(ids=ids), timeout=timeout, metadata=self._md)
         except grpc.RpcError as exc:
             raise _error(exc) from exc
-        return response.released
+        return msgs.release_from_proto(response)
 
     async def metadata(self, timeout):
         try:

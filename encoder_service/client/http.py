@@ -28,6 +28,7 @@ from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, Vide
 from encoder_service.errors import DeadlineExceeded, Unavailable
 from encoder_service.protocol import wire
 from encoder_service.protocol.ipc import IpcError, IpcPlacement, IpcUnavailable, answer_from_dict
+from encoder_service.protocol.release import Released
 
 log = logging.getLogger(__name__)
 # httpx options that route requests somewhere the raw reader would not go.
@@ -242,7 +243,7 @@ class HttpTransport:
         return int(self._post("/v1/fetch/ack", timeout, json={"tokens": tokens}).json()["released"])
 
     def release(self, ids, timeout):
-        return int(self._post("/v1/release", timeout, json={"ids": ids}).json()["released"])
+        return Released.from_json(self._post("/v1/release", timeout, json={"ids": ids}).json())
 
     def metadata(self, timeout):
         try:
@@ -305,7 +306,7 @@ class AsyncHttpTransport:
         return _raw_ack(self._raw.raw, tokens, timeout) if self._raw.raw is not None else 0
 
     async def release(self, ids, timeout):
-        return int((await self._post("/v1/release", timeout, json={"ids": ids})).json()["released"])
+        return Released.from_json((await self._post("/v1/release", timeout, json={"ids": ids})).json())
 
     async def metadata(self, timeout):
         try:

@@ -11,6 +11,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.protocol import image_info, video_info
+from encoder_service.protocol.release import InvalidId, Released
 from encoder_service.protocol.video_request import OPTIONS, VideoRequest
 from encoder_service.ranges import Segment
 
@@ -72,3 +73,15 @@ class FetchedRows:
     rows: torch.Tensor | None
     dtype: str | None = None
     layout: str | None = None
+
+
+class ReleaseCount(int):
+    """What `release` answers: how many ids had a pin to drop (an int), and `invalid`: the malformed ids sent,
+    each with why (protocol/release.py: InvalidId), which were not released while the others were."""
+
+    invalid: tuple[InvalidId, ...]
+
+    def __new__(cls, answer: Released) -> ReleaseCount:
+        count = super().__new__(cls, answer.released)
+        count.invalid = answer.invalid
+        return count

@@ -47,6 +47,7 @@ from encoder_service.core.videos import ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Job
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.ipc import IpcRequest
+from encoder_service.protocol.release import InvalidId, Released
 from encoder_service.protocol.shm import ShmTarget, placements
 from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment, plan_chunk
@@ -415,13 +416,20 @@ class EncoderCore:
         return rows
 
     # ---- release ---------------------------------------------------------------------------------------
-    def release(self, ids: list[str]) -> int:
+    def release(self, ids: list[str]) -> Released:
         """End the encode pins (leases) of `ids` early: one holder per distinct id, as encode pinned one per
-        distinct image. Returns how many ids had a pin to drop; unknown, expired or already released ids count
-        0 (not an error); malformed ids are InvalidInput. Entries stay cached (plain LRU entries now)."""
+        distinct image. Answers how many ids had a pin to drop; unknown, expired or already released ids count
+        0 (not an error); malformed ones are answered as invalid, with why, and the others released all the
+        same. Entries stay cached (plain LRU entries now)."""
         self._check_id_count("ids to release", len(ids))
-        names = {self._release_names(i) for i in ids}  # a video id: the key names of its frame groups
-        return sum(any([self.store.release(name) for name in group]) for group in names)
+        names, invalid = set(), {}
+        for public_id in ids:
+            try:
+                names.add(self._release_names(public_id))  # a video id: the key names of its frame groups
+            except errors.InvalidInput as exc:
+                invalid.setdefault(public_id, InvalidId.of(public_id, exc.message))
+        return Released(sum(any([self.store.release(name) for name in group]) for group in names),
+                        tuple(invalid.values()))
 
     def key_of(self, public_id: str) -> CacheKey:
         """The key of an id a client sent back: an image's, or a video's frame group's (a video id alone is

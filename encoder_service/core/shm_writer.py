@@ -70,14 +70,8 @@ class ShmWriter:
     copies on the pool; `_lock` covers what the pool's done-callbacks touch."""
 
     def __init__(self, directory: str, *, max_open: int = MAX_OPEN, threads: int = COPY_THREADS):
-        self.directory = directory
-        try:
-            self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            from encoder_service.settings import SettingsError
-
-            raise SettingsError(f"--shm-dir / ENCODER_SHM_DIR {directory!r} is not a usable directory: "
-                                f"{exc.strerror}") from None
+        self.directory = directory  # (settings.py checked it at start-up)
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._max_open = max_open
         self._open: OrderedDict[tuple, _Mapping] = OrderedDict()
         self._lock = threading.Lock()

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,8 +144,8 @@ class VideoReader:
     def probe(self, index: int, data: Video, video: VideoInput) -> ProbedVideo:
         """CPU thread: the header, the plan and the key of one video."""
         try:
-            options = VideoOptions(fps=video.fps, num_frames=video.num_frames, sample_frames=video.sample_frames,
-                                   min_pixels=video.min_pixels, max_pixels=video.max_pixels)
+            # The processor's options by their names (all of OPTIONS but frames_fps, which is about the frames).
+            options = VideoOptions(**{f.name: getattr(video, f.name) for f in dataclasses.fields(VideoOptions)})
             plan = plan_video(probe_video(data, self.limits, frames_fps=video.frames_fps), self.cfg, options,
                               self.limits)
         except errors.EncoderServiceError as exc:

@@ -1,5 +1,5 @@
-"""Conversions between encoder.v1 messages and wire headers / encode answers (images and videos), shared by
-the gRPC server and client."""
+"""Conversions between encoder.v1 messages and wire headers / encode answers (images and videos) / release
+answers, shared by the gRPC server and client."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from encoder_service.protocol import wire
 from encoder_service.protocol.image_info import ImageInfo
 from encoder_service.protocol.proto import encoder_pb2 as pb
+from encoder_service.protocol.release import InvalidId, Released
 from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
 
@@ -59,6 +60,15 @@ def video_info_from_proto(msg: pb.VideoInfo, cls: type[VideoInfo] = VideoInfo, *
                group_timestamps=tuple(msg.group_timestamps) or None, row_width=msg.row_width,
                hidden_size=msg.hidden_size, layout=msg.layout, dtype=msg.dtype, cached=msg.cached,
                owner=msg.owner or None, **extra)
+
+
+def release_to_proto(answer: Released) -> pb.ReleaseResponse:
+    return pb.ReleaseResponse(released=answer.released,
+                              invalid=[pb.InvalidId(id=i.id, reason=i.reason) for i in answer.invalid])
+
+
+def release_from_proto(msg: pb.ReleaseResponse) -> Released:
+    return Released(msg.released, tuple(InvalidId(i.id, i.reason) for i in msg.invalid))
 
 
 def serialize_fetch_chunk(message: pb.FetchChunk | bytes) -> bytes:

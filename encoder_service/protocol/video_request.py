@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Option -> the type of its value.
+# Option -> the type of its value. Every place that names the options again agrees with this table (their
+# names, order and types: tests/unit/test_video_options.py): VideoRequest below, the HTTP JSON's VideoJson, the
+# proto's Video, preprocessing/video.py's VideoOptions (all but frames_fps, the rate of given frames).
 OPTIONS: dict[str, type] = {"fps": float, "num_frames": int, "sample_frames": bool, "min_pixels": int,
                             "max_pixels": int, "frames_fps": float}
 

@@ -15,7 +15,7 @@ entry's buffer without being joined to anything. Receivers read into `RowWriter.
 bytes land straight in a caller-given buffer (`out`, the LLM's input-embeddings rows for the chunk: row
 `position - start`) when it is a contiguous CPU tensor of the payload's dtype; otherwise they are staged once
 on the CPU (a caller-given, e.g. pinned, `staging` buffer or a new tensor) and copied (casting, to any
-device) into `out`.
+device) into `out`. Without `out` the packed rows (in `staging` or a new tensor) are the answer.
 """
 
 from __future__ import annotations
@@ -260,11 +260,13 @@ class RowWriter:
     """Receives a payload's row bytes and puts each segment's rows in place: pushed in pieces of any size
     (`write`), or read straight into place (`readinto`: a socket's recv_into, no intermediate bytes).
 
-    Without `out`: rows land in a new [num_rows, row_width] tensor, segment after segment.
     With `out` ([>= end - start, row_width]): segment rows land at out[position - start]; directly when `out`
-    is a contiguous CPU tensor of the payload's dtype, else staged packed in `staging` (a uint8 CPU tensor of
+    is a contiguous CPU tensor of the payload's dtype, else packed in `staging` (a uint8 CPU tensor of
     >= payload_bytes, e.g. pinned memory for a CUDA `out`: then one host-to-device copy per segment) or a new
     tensor, and copied (casting) by `finish`.
+    Without `out`: rows land packed, segment after segment, in `staging` or a new tensor, and that
+    [num_rows, row_width] view is the answer: the caller's to keep, so `staging` must be memory nobody
+    reuses while the answer lives (client/destination.py: memory of the client's HostRowPool).
     """
 
     def __init__(self, header: WireHeader, out: torch.Tensor | None = None, start: int = 0,
@@ -277,7 +279,7 @@ class RowWriter:
             self._dest = out
             targets = [(s.position - start, s.num_rows) for s in header.segments]
         else:
-            if out is not None and staging is not None:  # without `out` the rows are the caller's: never staged
+            if staging is not None:
                 if staging.numel() < header.payload_bytes:
                     raise ValueError(f"staging buffer of {staging.numel()} bytes for {header.payload_bytes} row bytes")
                 self._dest = staging[:header.payload_bytes].view(dtype).view(header.num_rows, header.row_width)

@@ -19,9 +19,13 @@ rows under `min_bytes` come from torch's allocator (glibc reuses its heap for sm
 each would spend the process's map count, vm.max_map_count). `min_bytes=math.inf`: never pooled (every row
 from torch's allocator, what the service did before the pool).
 
-Thread safety: `take` runs on one thread (the engine's completion thread); mappings come back on whichever
-thread drops the last reference, possibly inside `take` itself (a garbage collection there). A returning
-mapping is queued and filed by whoever holds the lock, never waiting for it.
+The client (client/destination.py) takes the rows of a fetch without `out` from one too: a caller that drops
+each chunk's rows before the next fetch reads into pages already touched.
+
+Thread safety: `take` may run on several threads at once (the server's completion thread; the client's
+fetch threads); mappings come back on whichever thread drops the last reference, possibly inside `take`
+itself (a garbage collection there). A returning mapping is queued and filed by whoever holds the lock,
+never waiting for it.
 """
 
 from __future__ import annotations
@@ -54,11 +58,11 @@ class HostRowPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """An owned, contiguous uint8 CPU tensor of `nbytes` (contents undefined)."""
         if nbytes < self.min_bytes or nbytes == 0:  # (a mapping cannot be empty)
-            self.taken["small"] += 1
+            self._count("small")
             return torch.empty(nbytes, dtype=torch.uint8)
         size = -(-nbytes // PAGE) * PAGE
         block = self._reuse(size)
-        self.taken["reused" if block is not None else "fresh"] += 1
+        self._count("reused" if block is not None else "fresh")
         if block is None:
             block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -74,6 +78,16 @@ class HostRowPool:
         self._file_returned()
         with self._lock:
             return dict(self.taken, idle_mappings=len(self._idle), idle_bytes=self._idle_bytes)
+
+    def close(self) -> None:
+        """The idle mappings go back to the kernel, and so will those given back from now on."""
+        with self._lock:
+            self.max_idle_bytes = 0
+            self._file_locked()
+
+    def _count(self, source: str) -> None:
+        with self._lock:  # (several threads may take at once: no count lost)
+            self.taken[source] += 1
 
     def _reuse(self, size: int) -> mmap.mmap | None:
         """An idle mapping resized to `size`: the smallest at least that big, else the biggest (grown)."""

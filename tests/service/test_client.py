@@ -12,10 +12,12 @@ import torch
 from encoder_service import errors
 from encoder_service.client import EncoderClient, PromptLayout
 from encoder_service.ranges import chunks, plan_chunk
+from encoder_service.runtime.host_pool import PAGE, HostRowPool
 from tests.support.images import image_bytes as png
 from tests.support.images import noise_image as pil_image
 
 from tests.support.clients import async_client, sync_client
+from tests.support.waits import async_wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,6 +112,37 @@ def test_iter_chunks_into_the_callers_buffer(service, transport):
         item = layout.items[0]
         c.fetch([item], item[1], item[1] + 10, out=half)
         assert torch.equal(half[:item[2]], full[item[0]][:10].half())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS + ["grpc, rows on the stream"])
+def test_rows_fetched_without_out_reuse_the_memory_of_rows_the_caller_dropped(service, transport):
+    kw = {"pickup": False} if transport.endswith("stream") else {}
+    with sync_client(service, transport.split(",")[0], **kw) as c:
+        c._row_pool = HostRowPool(min_bytes=PAGE)  # the rows here are small: pool them all
+        (info,) = c.encode([png(224, 168, 9)], wait=True, return_embeddings=True)
+        assert info.embedding.numel() * info.embedding.element_size() > PAGE
+        for _ in range(2):
+            rows = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+            assert torch.equal(rows, info.embedding)
+            kept = rows[1:3]
+            del rows
+            held = c.fetch([(info.id, 0)], 0, info.num_tokens).rows  # `kept` is the caller's: other memory
+            assert torch.equal(held, info.embedding) and torch.equal(kept, info.embedding[1:3])
+            del held, kept
+        assert c._row_pool.taken == {"reused": 2, "fresh": 2, "small": 0}
+
+
+async def test_the_async_client_reuses_rows_memory_too(service):
+    """Its reads run on a thread, which lets go of the rows a moment after the call returns: waited for."""
+    async with async_client(service, "http") as c:
+        c._row_pool = HostRowPool(min_bytes=PAGE)
+        (info,) = await c.encode([png(224, 168, 9)], wait=True, return_embeddings=True)
+        for _ in range(3):
+            fetched = await c.fetch([(info.id, 0)], 0, info.num_tokens)
+            assert torch.equal(fetched.rows, info.embedding)
+            del fetched
+            await async_wait_for(lambda: c._row_pool.stats()["idle_mappings"] == 1, "the rows' memory back", 10)
+        assert c._row_pool.taken == {"reused": 2, "fresh": 1, "small": 0}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

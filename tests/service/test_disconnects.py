@@ -13,10 +13,14 @@ round's leftovers would make the next one's requests 429.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
+import shutil
+import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -167,3 +171,49 @@ def test_grpc_fetches_cancelled_by_their_clients_are_cancelled_not_internal(serv
     errors_logged = [r for r in caplog.records if r.name == "encoder_service.api.grpc_server" and
                      r.levelno >= logging.ERROR]
     assert errors_logged == []
+
+
+@pytest.fixture(scope="module")
+def large_images_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-VL checkpoint whose processor resizes images to up to 1024 tokens (not 64)."""
+    path = tmp_path_factory.mktemp("large-images") / "qwen2_5_vl"
+    shutil.copytree(tiny_checkpoint("qwen2_5_vl"), path)
+    config = json.loads((path / "preprocessor_config.json").read_text())
+    (path / "preprocessor_config.json").write_text(json.dumps(config | {"max_pixels": 1024 * 28 * 28}))
+    return path
+
+
+@pytest.mark.parametrize("send_threads", ["2", "0"])
+def test_an_http_fetch_whose_client_leaves_mid_body_is_cancelled_not_ok(request, large_images_checkpoint,
+                                                                         send_threads, caplog):
+    """Issue 32: HTTP observed a request until its handler returned, before its rows were sent, so a client that
+    left mid-body was counted `ok` (gRPC's observation covers its writes). Rows written by a send thread
+    (api/socket_send.py) and through ASGI (--send-threads 0) alike. One image placed 128 times makes a body of
+    25 MB, more than loopback socket buffers hold; the client reads the status line and leaves."""
+    svc = running(request, large_images_checkpoint, "--send-threads", send_threads)
+    with EncoderClient.http(svc.url, timeout=WAIT_S) as client:
+        (info,) = client.encode([image_bytes(896, 896, seed=12, fmt="JPEG")], wait=True)
+    copies = svc.settings.limits.max_images * 16  # the most items a fetch takes
+    body = json.dumps({"items": [{"id": info.id, "offset": k * info.num_tokens} for k in range(copies)],
+                       "start": 0, "end": copies * info.num_tokens}).encode()
+    assert copies * info.num_tokens * info.row_width * 4 > 16 << 20
+
+    def fetches(outcome: str) -> float:
+        return svc.sample("encoder_requests_total", {"transport": "http", "method": "fetch", "outcome": outcome})
+
+    host, port = svc.url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window it offers)
+        sock.settimeout(WAIT_S)
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/fetch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    # closed with unread bytes: the kernel resets the connection, the server's sends fail
+    wait_for(lambda: fetches("cancelled") == 1, "the fetch to be counted cancelled", WAIT_S)
+    assert fetches("ok") == 0 and svc.sample("encoder_in_flight_requests") == 0
+    with EncoderClient.http(svc.url, timeout=WAIT_S) as client:  # a fetch read to its end is ok, as before
+        assert client.fetch([(info.id, 0)], 0, info.num_tokens).rows.shape[0] == info.num_tokens
+    wait_for(lambda: fetches("ok") == 1, "the whole fetch to be counted ok", WAIT_S)
+    assert fetches("cancelled") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import threading
 
 import grpc
 import httpx
 import pytest
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_service import errors
@@ -127,6 +129,58 @@ async def test_bad_input_gets_a_status_and_a_message(service, call, code, words)
         with pytest.raises(errors.EncoderServiceError, match=words) as exc:
             await call(c, info)
         assert exc.value.status == getattr(grpc.StatusCode, code)
+    await _serving(service)
+
+
+def undecodable(message: type, n: int, seed: int) -> list[bytes]:
+    """`n` seeded random payloads that `message` cannot parse (most random bytes are not a message)."""
+    rng, found = random.Random(seed), []
+    for _ in range(50 * n):  # bounded: about a third of random payloads parse
+        payload = rng.randbytes(rng.randrange(1, 200))
+        try:
+            message.FromString(payload)
+        except DecodeError:
+            found.append(payload)
+            if len(found) == n:
+                return found
+    raise AssertionError(f"only {len(found)} undecodable payloads found")
+
+
+async def test_undecodable_messages_are_invalid_argument_counted_and_logged_rarely(service, caplog):
+    """Issue 31 item 9: bytes that are no message of the method answered UNKNOWN "Unexpected DecodeError",
+    with an ERROR and a traceback each, uncounted. Sent raw (no serializer) on a real channel; Health's are
+    answered too (its calls are not counted)."""
+    caplog.set_level(logging.DEBUG)
+    encoder, health = "/encoder.v1.Encoder/", "/grpc.health.v1.Health/"
+    methods = {encoder + "Encode": ("encode", pb.EncodeRequest, "unary_unary"),
+               encoder + "Fetch": ("fetch", pb.FetchRequest, "unary_stream"),
+               encoder + "Release": ("release", pb.ReleaseRequest, "unary_unary"),
+               encoder + "Metadata": (None, pb.MetadataRequest, "unary_unary"),
+               health + "Check": (None, health_pb2.HealthCheckRequest, "unary_unary"),
+               health + "Watch": (None, health_pb2.HealthCheckRequest, "unary_stream")}
+
+    def counted(method: str) -> float:
+        return service.sample("encoder_requests_total", {"transport": "grpc", "method": method,
+                                                         "outcome": "invalid_input"})
+
+    before = {name: counted(label) for name, (label, _, _) in methods.items() if label}
+    async with grpc.aio.insecure_channel(service.grpc_address) as channel:
+        for seed, (path, (label, message, kind)) in enumerate(methods.items()):
+            call = getattr(channel, kind)(path)  # bytes in, bytes out
+            for payload in undecodable(message, 20, seed):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    answer = call(payload, timeout=WAIT_S)
+                    await (answer if kind == "unary_unary" else answer.read())
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+                assert exc.value.details().startswith(
+                    f"the request is not an {message.DESCRIPTOR.full_name} message ("), exc.value.details()
+    for name, (label, _, _) in methods.items():
+        if label:
+            assert counted(label) == before[name] + 20, name
+    ours = [r for r in caplog.records if r.name.startswith(("encoder_service", "grpc"))]
+    assert not [r for r in ours if r.levelno >= logging.ERROR or r.exc_info]
+    rare = [r for r in ours if "undecodable" in r.getMessage()]
+    assert len(rare) == 1 and rare[0].levelno == logging.WARNING, [r.getMessage() for r in rare]
     await _serving(service)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import http.client
 import logging
+import re
 import socket
 import time
 
@@ -224,15 +225,10 @@ def _multipart(*parts: tuple[str, bytes, bool], boundary: str = "xyz") -> bytes:
     return out + f"--{boundary}--\r\n".encode()
 
 
-# (content type, body) -> 400 naming the problem; the test service takes 8 images (9 files parse: the core
-# names the image limit; 10 are over the parser's file limit).
+# (content type, body) -> 400 naming the problem (too many parts: test_limits_say_the_limit_and_what_was_sent).
 BAD_MULTIPARTS = {
     "no boundary": ("multipart/form-data", b"x", "missing boundary"),
     "no boundary lines": ("multipart/form-data; boundary=xyz", b"x" * 64, "invalid multipart"),
-    "too many files": ("multipart/form-data; boundary=xyz",
-                       _multipart(*[("image", image_bytes(32, 32, 1), True)] * 10), "too many files"),
-    "too many fields": ("multipart/form-data; boundary=xyz", _multipart(*[("note", b"n", False)] * 30),
-                        "too many fields"),
     "a part without a name": ("multipart/form-data; boundary=xyz",
                               b"--xyz\r\nContent-Disposition: form-data\r\n\r\nabc\r\n--xyz--\r\n", '"name" must be'),
 }
@@ -257,6 +253,47 @@ def test_malformed_multipart_is_a_400_naming_the_problem(service, case):
     assert internal() == before
 
 
+def test_limits_say_the_limit_and_what_was_sent(service):
+    """Each limit a request goes over answers with the limit and what was sent (issue 31 item 8): the body's
+    bytes with or without Content-Length; a multipart body's images, frames and parts, whether the images
+    come as files or plain fields. The test service takes 8 images, 4 videos and 2 MiB bodies."""
+    limits, max_videos = service.settings.limits, service.settings.video.max_videos
+    assert (limits.max_images, max_videos, limits.max_body_bytes) == (8, 4, 2 << 20)
+    parts_note = "(no request takes more: at most 8 images, --max-images, or 4 videos, --max-videos, one of them " \
+                 "as up to 8 frame fields)"
+    image = image_bytes(32, 32, 1)
+
+    def multipart(c: httpx.Client, *parts: tuple[str, bytes, bool]) -> httpx.Response:
+        return c.post("/v1/encode", content=_multipart(*parts), headers={"content-type": "multipart/form-data; "
+                                                                                      "boundary=xyz"})
+
+    with client(service) as c:
+        r = c.post("/v1/encode", content=b"\0" * (3 << 20), headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 413 and r.json()["error"]["message"] == (
+            "request body bytes (Content-Length) is 3145728, over the limit of 2097152 (--max-body-bytes)")
+        r = c.post("/v1/encode", content=iter([b"\0" * (256 << 10)] * 12),  # chunked: no Content-Length
+                   headers={"content-type": "application/octet-stream"})
+        message = r.json()["error"]["message"]
+        sent = re.fullmatch(r"request body bytes \(no Content-Length: counted while read\) is at least (\d+), "
+                            r"over the limit of 2097152 \(--max-body-bytes\)", message)
+        assert r.status_code == 413 and sent and 2097152 < int(sent[1]) <= 3 << 20, message
+        for as_file in (True, False):
+            r = multipart(c, *[("image", image, as_file)] * 9)
+            assert r.status_code == 400 and r.json()["error"]["message"] == (
+                "number of images in the request is 9, over the limit of 8"), r.text
+        r = multipart(c, *[("frame", image, True)] * 9)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "number of frame fields in the multipart body is 9, over the limit of 8 (--max-images; JSON takes a "
+            "video's frames up to --max-video-frames)"), r.text
+        r = multipart(c, *[("image", image, True)] * 20)
+        assert r.status_code == 400 and r.json()["error"] == {"kind": "limit", "message": (
+            f"multipart body: number of file parts is at least 13, over the limit of 12 {parts_note}")}, r.text
+        r = multipart(c, *[("note", b"n", False)] * 40)
+        assert r.status_code == 400 and r.json()["error"] == {"kind": "limit", "message": (
+            f"multipart body: number of plain fields is at least 29, over the limit of 28 {parts_note}")}, r.text
+        assert_still_serving(c)
+
+
 def test_routing_errors_answer_in_the_error_shape(service):
     with client(service) as c:
         for method, path, status, kind in (("GET", "/v1/encode", 405, "invalid_input"),
@@ -272,21 +309,6 @@ def test_truncated_jpeg_without_wait_fails_at_fetch(service):
         info = encode_json(c, [truncated_jpeg(6)]).json()["images"][0]  # header is fine: answered
         r = c.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 0}], "start": 0, "end": 4})
         assert r.status_code == 400 and "trunc" in r.json()["error"]["message"].lower(), r.text
-        assert_still_serving(c)
-
-
-def test_body_too_large_is_413(service):
-    big = b"\0" * (3 << 20)  # limit is 2 MiB
-    with client(service) as c:
-        r = c.post("/v1/encode", content=big, headers={"content-type": "application/octet-stream"})
-        assert r.status_code == 413 and "request body" in r.json()["error"]["message"]
-
-        def stream():  # chunked: no Content-Length, so the server must count
-            for _ in range(12):
-                yield b"\0" * (256 << 10)
-
-        r = c.post("/v1/encode", content=stream(), headers={"content-type": "application/octet-stream"})
-        assert r.status_code == 413 and "request body" in r.json()["error"]["message"]
         assert_still_serving(c)
 
 
@@ -473,7 +495,8 @@ def test_pins_full_is_429_and_pins_that_can_never_fit_are_400(request, tiny_chec
         # Neither can two images that fit alone but not together.
         r = encode_json(c, [image_bytes(64, 64, 59), image_bytes(64, 64, 60)])
         assert r.status_code == 400 and "for the request's 2 images is 1536" in r.json()["error"]["message"]
-        assert c.post("/v1/release", json={"ids": [first.json()["images"][0]["id"]]}).json() == {"released": 1}
+        released = c.post("/v1/release", json={"ids": [first.json()["images"][0]["id"]]}).json()
+        assert released == {"released": 1, "invalid": []}
         assert encode_json(c, [image_bytes(64, 64, 56)]).status_code == 200  # the 429 was worth retrying
     with EncoderClient.grpc(svc.grpc_address) as g:
         with pytest.raises(errors.InvalidInput, match=r"image 0: embedding bytes to pin is 3072.*--max-pinned-bytes"):

@@ -71,7 +71,7 @@ def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path)
         for k in range(16):  # 16 x 768 bytes through an 8 KiB tier, each released: the oldest go
             ids.append(encode(c, k)["id"])
             assert scrape(c)["encoder_cache_pinned_bytes"] == 768  # until the release
-            assert c.post("/v1/release", json={"ids": ids[-1:]}).json() == {"released": 1}
+            assert c.post("/v1/release", json={"ids": ids[-1:]}).json() == {"released": 1, "invalid": []}
         m = scrape(c)
         assert m["encoder_cache_misses_total"] == 16 and m["encoder_images_encoded_total"] == 16
         assert m["encoder_cache_local_evictions_total"] == 16 - m["encoder_cache_local_entries"] > 0

@@ -1,7 +1,8 @@
 """Release of encode pins (POST /v1/release, Encoder.Release, client.release) against the real servers.
 
 After a release the id's pin is gone (the store says so) and the entry is still fetchable while cached;
-unknown ids count 0, malformed ones are 4xx, the id count is limited, auth applies.
+unknown ids count 0, malformed ones are answered as invalid with why while the others are released, the id
+count is limited (4xx), auth applies.
 """
 
 from __future__ import annotations
@@ -64,14 +65,28 @@ async def test_each_encode_holds_its_own_pin(service, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_malformed_ids_are_answered_and_the_good_ones_released(service, transport):
+    async with async_client(service, transport) as c:
+        a, b = await c.encode([png(112, 56, 80 + len(transport)), png(56, 112, 82 + len(transport))])
+        long_garbage = "x" * 5000
+        got = await c.release(["not an id", a.id, "u:has space", "not an id", b.id + "#0", long_garbage,
+                               "f" * 32])
+        assert got == 1 and isinstance(got, int)  # `a` released; the unknown content id counts 0
+        assert not pinned(service, a.id) and pinned(service, b.id)
+        assert [i.id for i in got.invalid] == ["not an id", "u:has space", b.id + "#0", "x" * 200]
+        reasons = [i.reason for i in got.invalid]
+        assert reasons[0].startswith("malformed id 'not an id': not a 32-hex-digit content id")
+        assert "malformed id 'u:has space'" in reasons[1] and "malformed id" in reasons[2]
+        assert len(reasons[3]) < 400  # the id is cut in the reason too
+        assert (await c.release([b.id])).invalid == ()
+        assert not pinned(service, b.id)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_bad_releases(service, auth_service, transport):
     from tests.support.service import AUTH_TOKEN
 
     async with async_client(service, transport) as c:
-        with pytest.raises(errors.InvalidInput, match="malformed id 'not an id'"):
-            await c.release(["not an id"])
-        with pytest.raises(errors.InvalidInput, match="malformed id"):
-            await c.release(["u:has space"])
         limit = service.settings.limits.max_images * 16
         with pytest.raises(errors.InvalidInput, match=f"number of ids to release is {limit + 1}, over the limit"):
             await c.release(["f" * 32] * (limit + 1))
@@ -93,13 +108,19 @@ def test_release_http_body_checks(service):
             assert r.status_code == 400 and r.json()["error"]["kind"] == "invalid_input", (body, r.text)
         r = h.post("/v1/release", content=b"ids=x", headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 415
-        assert h.post("/v1/release", json={"ids": ["f" * 32]}).json() == {"released": 0}
+        assert h.post("/v1/release", json={"ids": ["f" * 32]}).json() == {"released": 0, "invalid": []}
+        r = h.post("/v1/release", json={"ids": ["f" * 32, "../x"]})
+        assert r.status_code == 200 and r.json()["released"] == 0
+        assert [i["id"] for i in r.json()["invalid"]] == ["../x"] and "malformed id" in r.json()["invalid"][0]["reason"]
 
 
 async def test_release_grpc_status(service):
     async with grpc.aio.insecure_channel(service.grpc_address) as channel:
         stub = pb_grpc.EncoderStub(channel)
+        answer = await stub.Release(pb.ReleaseRequest(ids=["../x", "0" * 32]), timeout=30)
+        assert answer.released == 0 and [i.id for i in answer.invalid] == ["../x"]
+        assert "malformed id" in answer.invalid[0].reason
         with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await stub.Release(pb.ReleaseRequest(ids=["../x"]), timeout=30)
-        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed id" in exc.value.details()
-        assert (await stub.Release(pb.ReleaseRequest(ids=["0" * 32]), timeout=30)).released == 0
+            limit = service.settings.limits.max_images * 16
+            await stub.Release(pb.ReleaseRequest(ids=["0" * 32] * (limit + 1)), timeout=30)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "over the limit" in exc.value.details()

@@ -27,6 +27,7 @@ from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.ranges import chunks, plan_chunk
+from encoder_service.runtime.host_pool import PAGE, HostRowPool
 from tests.support.images import image_bytes as png
 
 from tests.support.clients import async_client, sync_client
@@ -157,6 +158,17 @@ def test_a_failed_fetch_does_not_reuse_its_staging_file(shm_service, shm_dir):
             c.fetch([("f" * 32, 0)], 0, 4)
         assert c._shm.files() == [] and not (shm_dir / used).exists()  # the server might still write into it
         assert c.fetch([(info.id, 0)], 0, info.num_tokens).rows.shape[0] == info.num_tokens
+
+
+def test_rows_without_out_are_copied_out_of_staging_into_reused_memory(shm_service, shm_dir):
+    with sync_client(shm_service, "http", shm=True, shm_dir=str(shm_dir)) as c:
+        c._row_pool = HostRowPool(min_bytes=PAGE)  # the rows here are small: pool them all
+        (info,) = c.encode([png(224, 168, 9)], wait=True, return_embeddings=True)
+        for _ in range(3):
+            rows = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+            assert torch.equal(rows, info.embedding)
+            del rows
+        assert c._row_pool.taken == {"reused": 2, "fresh": 1, "small": 0}
 
 
 def test_server_keeps_a_bounded_lru_of_mappings(shm_service, shm_dir):

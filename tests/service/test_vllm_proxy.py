@@ -10,6 +10,7 @@ import argparse
 import base64
 import io
 import json
+import re
 
 import grpc
 import httpx
@@ -286,6 +287,17 @@ async def test_proxy_video_errors(service, transport):
             assert f"video option {option_name(kwargs)}=" in error["message"], error
         r = await client.post("/v1/chat/completions", json=chat_with(video_url(b"x" * (1 << 20))))
         assert (r.status_code, r.json()["error"]["type"]) == (413, "payload_too_large"), r.text
+        assert re.fullmatch(r"request body bytes \(Content-Length\) is \d+, over the limit of 1048576 "
+                            r"\(--max-body-bytes\)", r.json()["error"]["message"]), r.text
+
+        async def chunked():  # no Content-Length: counted while read
+            for _ in range(5):
+                yield b"x" * (256 << 10)
+
+        r = await client.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]["message"]) == (413, (
+            "request body bytes (no Content-Length: counted while read) is at least 1310720, over the limit of "
+            "1048576 (--max-body-bytes)")), r.text
     assert seen == []
     with sync_client(service, "http") as c:
         (img,) = c.encode([image])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,10 +46,10 @@ def test_flag_beats_env_beats_default():
     assert "secret" not in repr(Settings.from_args(["--model", "m", "--auth-token", "secret"], env={}))
 
 
-def test_shm_fetch_switch():
+def test_shm_fetch_switch(tmp_path):
     assert Settings.from_args(["--model", "m"], env={}).server.shm_fetch is False
-    s = Settings.from_args(["--model", "m"], env={"ENCODER_SHM_FETCH": "true", "ENCODER_SHM_DIR": "/run/shm"})
-    assert s.server.shm_fetch is True and s.server.shm_dir == "/run/shm"
+    s = Settings.from_args(["--model", "m"], env={"ENCODER_SHM_FETCH": "true", "ENCODER_SHM_DIR": str(tmp_path)})
+    assert s.server.shm_fetch is True and s.server.shm_dir == str(tmp_path)
     s = Settings.from_args(["--model", "m", "--no-shm-fetch"], env={"ENCODER_SHM_FETCH": "1"})
     assert s.server.shm_fetch is False and s.server.shm_dir == "/dev/shm"
     assert Settings.from_args(["--model", "m", "--shm-fetch"], env={}).server.shm_fetch is True
@@ -60,6 +61,15 @@ def test_exif_orientation_switch():
     assert Settings.from_args(["--model", "m"], env={"ENCODER_EXIF_ORIENTATION": "off"}).model.exif_orientation is False
     s = Settings.from_args(["--model", "m", "--exif-orientation"], env={"ENCODER_EXIF_ORIENTATION": "false"})
     assert s.model.exif_orientation is True  # the flag wins
+
+
+def test_shm_dir_is_checked_when_settings_are_read_with_shm_fetch_on(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "missing", tmp_path / "file"):
+        named = rf"--shm-dir / ENCODER_SHM_DIR '{re.escape(str(path))}' is not a directory this server can open "
+        with pytest.raises(SettingsError, match=named + r"\((No such file or directory|Not a directory)\)"):
+            Settings.from_args(["--model", "m", "--shm-fetch", "--shm-dir", str(path)], env={})
+        assert Settings.from_args(["--model", "m", "--shm-dir", str(path)], env={}).server.shm_dir == str(path)  # off
 
 
 @pytest.mark.parametrize("args, env, needle", [

@@ -1,6 +1,8 @@
 """Where a fetch's rows land on the client (client/destination.py): an `out` that can't take the payload's
 bytes in place (on a CUDA device, another dtype, strided) is staged in a host buffer the client reuses. Here
-on the CPU, through the same code a CUDA `out` takes (only the buffers' page-locking differs: tests/gpu)."""
+on the CPU, through the same code a CUDA `out` takes (only the buffers' page-locking differs: tests/gpu).
+Without `out` the rows are the caller's, on memory of the client's HostRowPool: reused once dropped, never
+while the caller holds them."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from encoder_service.client import destination
 from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.protocol.wire import WireHeader
 from encoder_service.ranges import Segment
+from encoder_service.runtime.host_pool import PAGE, HostRowPool
 
 WIDTH = 8
 
@@ -28,7 +31,7 @@ def fetch(buffers: StagingBuffers, n: int, seed: int) -> None:
     rows = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     header = WireHeader.of([Segment("a", 2, 0, n // 2), Segment("b", 2 + n // 2, 0, n - n // 2)], rows, "main")
     out = torch.zeros(n + 4, WIDTH)
-    with Destination(out, 0, buffers) as dest:
+    with Destination(out, 0, buffers, HostRowPool()) as dest:
         dest.writer(header).write(rows.view(torch.uint8).numpy().tobytes())
         got = dest.finish()
     assert got is out and torch.equal(out[2:2 + n], rows.float()) and not out[:2].any() and not out[2 + n:].any()
@@ -75,7 +78,7 @@ def test_overlapping_fetches_never_share_a_buffer():
     rows = [torch.full((5, WIDTH), float(k), dtype=torch.bfloat16) for k in range(4)]
     for k in range(4):  # four streams of equal size open at once, as a split fetch's are
         header = WireHeader.of([Segment("a", 0, 0, 5)], rows[k], "main")
-        dest = Destination(torch.zeros(5, WIDTH), 0, buffers)
+        dest = Destination(torch.zeros(5, WIDTH), 0, buffers, HostRowPool())
         dest.writer(header).write(rows[k].view(torch.uint8).numpy().tobytes())
         dests.append(dest)
         staging = dest._staging
@@ -108,7 +111,7 @@ def test_overlapping_fetches_never_share_a_buffer():
 def test_an_abandoned_buffer_is_not_reused():
     """A cancelled fetch's reader thread may still write into its buffer: it never goes back to the pool."""
     buffers = StagingBuffers()
-    dest = Destination(torch.zeros(4, WIDTH), 0, buffers)
+    dest = Destination(torch.zeros(4, WIDTH), 0, buffers, HostRowPool())
     dest.writer(WireHeader("bfloat16", WIDTH, "main", (Segment("a", 0, 0, 4),)))
     dest.abandon()
     dest.close()
@@ -120,8 +123,30 @@ def test_an_out_written_in_place_or_no_out_takes_no_buffer():
     rows = torch.randn(4, WIDTH)
     header = WireHeader.of([Segment("a", 0, 0, 4)], rows, "main")
     for out in (torch.zeros(4, WIDTH), None):
-        with Destination(out, 0, buffers) as dest:
+        with Destination(out, 0, buffers, HostRowPool()) as dest:
             dest.writer(header).write(rows.numpy().tobytes())
             got = dest.finish()
             assert dest._staging is None and torch.equal(got, rows) and (out is None or got is out)
     assert buffers.idle() == []
+
+
+def test_rows_without_out_are_the_callers_on_pool_memory_reused_once_dropped():
+    pool = HostRowPool(min_bytes=PAGE)
+    rows = torch.randn(300, WIDTH)  # 9,600 bytes: pooled (over a page)
+    header = WireHeader.of([Segment("a", 0, 0, 100), Segment("b", 7, 0, 200)], rows, "main")
+
+    def fetch_rows() -> torch.Tensor:
+        with Destination(None, 0, StagingBuffers(), pool) as dest:
+            dest.writer(header).write(rows.numpy().tobytes())
+            return dest.finish()
+
+    first = fetch_rows()
+    address = first.data_ptr()
+    assert torch.equal(first, rows) and pool.taken == {"reused": 0, "fresh": 1, "small": 0}
+    kept = first[5:9]  # a view keeps the memory the caller's
+    del first
+    second = fetch_rows()
+    assert second.data_ptr() != address and torch.equal(kept, rows[5:9]) and pool.taken["fresh"] == 2
+    del kept, second  # every view of both dropped: both mappings idle, the next fetch reuses one
+    third = fetch_rows()
+    assert torch.equal(third, rows) and pool.taken["reused"] == 1

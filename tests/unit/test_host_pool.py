@@ -155,3 +155,37 @@ def test_huge_pages_only_advise():
     assert int(t.sum()) == 3 * (4 * MB + 3)
     del t
     assert pool.take(4 * MB).numel() == 4 * MB and pool.stats()["reused"] == 1
+
+
+def test_takes_from_several_threads_get_disjoint_memory_and_are_all_counted():
+    """The client's fetch threads take at once (client/destination.py)."""
+    pool = HostRowPool(min_bytes=PAGE)
+    kept: list[list[torch.Tensor]] = [[] for _ in range(4)]
+
+    def take(mine: list[torch.Tensor]):
+        for i in range(100):
+            t = pool.take(PAGE * (1 + i % 3))
+            if i % 2:
+                mine.append(t)  # the others are dropped at once: reused by any thread
+
+    threads = [threading.Thread(target=take, args=(k,)) for k in kept]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads)
+    live = [t for mine in kept for t in mine]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in live)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert pool.taken["fresh"] + pool.taken["reused"] == 400
+
+
+def test_close_gives_the_idle_mappings_back_and_keeps_none_after():
+    pool = HostRowPool(min_bytes=MB)
+    held = pool.take(2 * MB)
+    pool.take(3 * MB)  # dropped at once: idle
+    assert idle(pool) == 3 * MB
+    pool.close()
+    assert idle(pool) == 0
+    del held  # given back after the close: not kept either
+    assert idle(pool) == 0 and pool.stats()["idle_mappings"] == 0

@@ -32,8 +32,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # the device row arena makes its CUDA IPC handle with the calls its consumers open it with (protocol/cuda_ipc.py)
     "runtime": {"models", "ops", "errors", "settings", "protocol.cuda_ipc"},
     "preprocessing": {"models", "errors", "settings"},
-    # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves
-    "client": {"protocol", "ranges", "errors"},
+    # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves; and the
+    # host memory pool the server's rows come from, for the rows of its own fetches
+    "client": {"protocol", "ranges", "errors", "runtime.host_pool"},
     "settings": {"protocol", "errors"},
     "cache": {"errors", ""},
     "protocol": {"ranges", "errors"},

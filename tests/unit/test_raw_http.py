@@ -17,6 +17,7 @@ from encoder_service.client.http import HttpTransport
 from encoder_service.client.raw_http import Cancel, NotRaw, RawHttp, read_fetch
 from encoder_service.protocol import wire
 from encoder_service.ranges import Segment
+from encoder_service.runtime.host_pool import HostRowPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,7 +101,7 @@ def serve(request):
 
 
 def fetch(raw: RawHttp, out=None, cancel=None):
-    dest = Destination(out, 0, StagingBuffers())
+    dest = Destination(out, 0, StagingBuffers(), HostRowPool())
     header, _ = raw.post("/v1/fetch", b"{}", 10, read_fetch(dest.writer), cancel=cancel)
     return header, dest.finish()
 
@@ -180,7 +181,7 @@ def test_an_unexpected_answer_turns_the_transport_to_httpx(serve):
     transport = HttpTransport(f"http://127.0.0.1:{serve(script).port}")
     try:
         for _ in range(2):
-            header, rows = transport.fetch([("a", 0)], 0, 6, Destination(None, 0, StagingBuffers()), 10)
+            header, rows = transport.fetch([("a", 0)], 0, 6, Destination(None, 0, StagingBuffers(), HostRowPool()), 10)
             assert header == HEADER and torch.equal(rows, ROWS)
             assert transport._raw.raw is None
     finally:

@@ -237,12 +237,12 @@ async def _body(request, limit: int) -> bytes:
     """The request's body, at most `limit` bytes (PayloadTooLarge past it: never buffered beyond)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise errors.PayloadTooLarge("request body bytes (Content-Length)", int(declared), limit)
+        raise errors.PayloadTooLarge.declared(int(declared), limit)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise errors.PayloadTooLarge("request body bytes", f"over {limit}", limit)
+            raise errors.PayloadTooLarge.received(len(body), limit)
     return bytes(body)
 
 

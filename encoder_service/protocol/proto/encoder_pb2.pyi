@@ -205,10 +205,20 @@ class ReleaseRequest(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "invalid")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
     released: int
-    def __init__(self, released: _Optional[int] = ...) -> None: ...
+    invalid: _containers.RepeatedCompositeFieldContainer[InvalidId]
+    def __init__(self, released: _Optional[int] = ..., invalid: _Optional[_Iterable[_Union[InvalidId, _Mapping]]] = ...) -> None: ...
+
+class InvalidId(_message.Message):
+    __slots__ = ("id", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    reason: str
+    def __init__(self, id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class MetadataRequest(_message.Message):
     __slots__ = ()
