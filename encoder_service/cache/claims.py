@@ -140,13 +140,18 @@ class Claims:
                 self.inputs_skipped += 1
                 claims[key].input = None
         taken = [key for key, at in zip(claims, marker_at) if not replies[at]]
-        elsewhere, replace = [], []
+        elsewhere, replace, again = [], [], []
         if taken:
             for key, value in zip(taken, await self._conns.pipelined(*(("get", marker_name(k)) for k in taken))):
                 live = is_pending(value) and pending_owner(value) != self.owner
-                (elsewhere if live else replace).append(key)
-        if replace:
-            await self._conns.pipelined(*(("set", marker_name(k), claims[k].value, self._px) for k in replace))
+                # Gone between the NX and the GET (its owner settled it): claimed with NX again, not replaced,
+                # so that a replica claiming it meanwhile keeps it.
+                (elsewhere if live else again if value is None else replace).append(key)
+        if replace or again:
+            replies = await self._conns.pipelined(
+                *(("set", marker_name(k), claims[k].value, self._px) for k in replace),
+                *(("set", marker_name(k), claims[k].value, self._px, True) for k in again))
+            elsewhere += [k for k, ok in zip(again, replies[len(replace):]) if not ok]
         for key, claim in claims.items():
             claim.epoch = epoch
             if key in elsewhere:  # its owner renews that marker, not us

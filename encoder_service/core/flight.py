@@ -200,17 +200,17 @@ class Flights:
                                content_tag=located.header.content_tag)
 
     async def _wait_elsewhere(self, flight: Flight, data: Any, deadline: float) -> bool:
-        """Another replica claimed the image first: wait for its rows (then read them: False) rather than
-        encode them twice. Its failure is this flight's (raised). Once it is gone (ORPHANED), Redis cannot
-        tell (down) or lost it, claim the image here: False when this replica got it (encode it here), True
-        when another one did first (wait for that one)."""
+        """Another replica claimed the image first: wait for its rows rather than encode them twice. Its
+        failure is this flight's (raised). Once its claim is settled (the rows landed: the fill reads them next,
+        should their replica still give them), gone (ORPHANED), or Redis cannot tell (down) or lost it, claim
+        the image here: False when this replica got it (read the rows, else encode it here), True when another
+        one did first (wait for that one). Never encode without the claim: two replicas that outlived the
+        replica holding the rows would both encode it again."""
         key = flight.key
         settled = await self._store.wait_for(key, max(0.0, deadline - time.monotonic()))
         if settled is Settled.TIMED_OUT:
             raise errors.DeadlineExceeded(f"id {key.id!r}: the replica encoding it did not finish within the "
                                           f"lease ({self._lease_s:g} s)")
-        if settled is Settled.LANDED:
-            return False  # read them (gone already? then it is encoded here)
         kept = {key.name: data} if isinstance(data, bytes) else {}  # a video's frame group keeps no bytes
         marked = await self._store.mark_pending([key], self._lease_s, {key.name: flight.content_tag}, kept)
         return key.name in marked.elsewhere

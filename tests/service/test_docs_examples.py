@@ -81,7 +81,7 @@ def test_readme_fetch_and_release(service, tmp_path):
     example_files(tmp_path)
     run_shell(documented_block("encode-json", README, DOC_HTTP, service.url), tmp_path)
     released = json.loads(run_shell(documented_block("fetch-release", README, DOC_HTTP, service.url), tmp_path))
-    assert released == {"released": 1}
+    assert released == {"released": 1, "invalid": []}
     with sync_client(service, "http") as client:  # released: still cached, an ordinary LRU entry
         expect = client.fetch([("u:photo-1", 5)], 0, 2048)
     header, rows = wire.decode_http((tmp_path / "rows.bin").read_bytes())
