@@ -31,7 +31,8 @@ class CudaIpcError(RuntimeError):
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]  # passed by value to cudaIpcOpenMemHandle
+    # Bytes, not chars: a c_char array reads back cut at its first NUL (a handle is binary).
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]  # passed by value to cudaIpcOpenMemHandle
 
 
 _lib: ctypes.CDLL | None = None
@@ -111,7 +112,7 @@ def open_handle(handle: bytes) -> int:
     if len(handle) != HANDLE_BYTES:
         raise CudaIpcError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
     ptr = ctypes.c_void_p()
-    _check(cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr), _Handle(handle), LAZY_ENABLE_PEER_ACCESS),
+    _check(cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr), _Handle.from_buffer_copy(handle), LAZY_ENABLE_PEER_ACCESS),
            "cudaIpcOpenMemHandle")
     return int(ptr.value)
 

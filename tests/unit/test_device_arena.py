@@ -200,3 +200,13 @@ def test_a_missing_cuda_runtime_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cuda_ipc, "SONAMES", ("libcudart-that-is-not-there.so.99",))
     with pytest.raises(cuda_ipc.CudaIpcError, match="no CUDA runtime library"):
         cuda_ipc.open_handle(b"\0" * 64)
+
+
+def test_an_ipc_handle_of_any_bytes_survives_the_c_struct():
+    """A handle is 64 binary bytes, NULs included: it must come out of (and go into) the C struct whole (a
+    c_char array read back cut at the first NUL: a 4-byte handle, caught only on a GPU)."""
+    from encoder_service.protocol.cuda_ipc import HANDLE_BYTES, _Handle
+
+    raw = bytes([1, 0, 2, 0] + [0] * 56 + [7, 0, 0, 9])
+    assert len(raw) == HANDLE_BYTES
+    assert bytes(_Handle.from_buffer_copy(raw).reserved) == raw
