@@ -12,10 +12,11 @@ The tier (redis_tier.py) owns one, runs its heartbeat, and answers the Redis err
 at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by itself), each claim
 until its lease ends at the latest. Image bytes stay in Redis for their lease, after the rows land too (so
 that another replica can encode the image again should this one die); this replica keeps at most
-`input_budget` bytes of them there at a time: `max_input_bytes`, a quarter of Redis's maxmemory when that is
-smaller, and on a Redis that never evicts (noeviction) only what fits under half its maxmemory as last read
-(`redis_memory`): past it an image's bytes are not kept (counted), and neither is one Redis refuses, full:
-the markers and the directory always come first. `epoch` is the tier's count of recoveries: a claim last written in an
+`input_budget` bytes of them there at a time (`max_input_bytes`, a quarter of Redis's maxmemory when that is
+smaller): past it the oldest it kept are deleted to make room, the newest images (those most likely not yet
+fetched) always kept. On a Redis that never evicts (noeviction) an image's bytes are kept only while Redis is
+under half full as last read (`redis_memory`): else, and when Redis refuses them, not kept (counted); the
+markers and the directory always come first. `epoch` is the tier's count of recoveries: a claim last written in an
 earlier one (or never: Redis was away when it was made) is written again, input included, by the next beat.
 """
 
@@ -51,11 +52,14 @@ class Claims:
         self._px = int(pending_ttl_s * 1000)
         self._max_claims, self._max_input_bytes = max_claims, max_input_bytes
         self._claims: OrderedDict[str, Claim] = OrderedDict()
-        self._kept: collections.deque[tuple[float, int]] = collections.deque()  # inputs sent: (until, bytes)
+        # Inputs sent, oldest first: (until, bytes, key); those the budget pushes out, to DEL with the next write.
+        self._kept: collections.deque[tuple[float, int, str]] = collections.deque()
+        self._to_delete: list[str] = []
         self._kept_bytes = 0
         self._redis_maxmemory = 0  # 0: unknown, or no limit
         self._headroom: int | None = None  # bytes inputs may still take on a Redis that never evicts
         self.inputs_skipped = 0
+        self.inputs_pushed_out = 0  # deleted to make room for newer ones
         self.lock = asyncio.Lock()  # a beat never interleaves with a claim's NX or a settle
 
     def __len__(self) -> int:
@@ -76,12 +80,16 @@ class Claims:
         for key in dict.fromkeys(keys):
             data = inputs.get(key)
             if data is not None:
-                if self.input_bytes + len(data) > self.input_budget or \
-                        (self._headroom is not None and len(data) > self._headroom):
+                if len(data) > self.input_budget or (self._headroom is not None and len(data) > self._headroom):
                     self.inputs_skipped += 1
                     data = None
                 else:
-                    self._kept.append((until, len(data)))
+                    while self.input_bytes + len(data) > self.input_budget:  # the oldest make room
+                        _, nbytes, old = self._kept.popleft()
+                        self._kept_bytes -= nbytes
+                        self._to_delete.append(old)
+                        self.inputs_pushed_out += 1
+                    self._kept.append((until, len(data), key))
                     self._kept_bytes += len(data)
                     if self._headroom is not None:
                         self._headroom -= len(data)
@@ -124,7 +132,8 @@ class Claims:
         reason to stop: its marker is written all the same. Returns the names another replica holds. Raises
         what Redis raised for a marker. Hold `lock`."""
         lease_px = max(1, int(lease_s * 1000))
-        commands, marker_at, input_at = [], [], {}
+        deleting, self._to_delete = self._to_delete, []  # inputs the budget pushed out (best effort)
+        commands, marker_at, input_at = [("delete", *map(input_name, deleting))] if deleting else [], [], {}
         for key, claim in claims.items():
             if claim.input is not None:  # first: a marker anyone sees has its input beside it
                 input_at[key] = len(commands)

@@ -741,6 +741,7 @@ class RedisTier:
             pending_unsettled=len(self._claims),
             input_bytes=self._claims.input_bytes,
             inputs_skipped=self._claims.inputs_skipped,
+            inputs_pushed_out=self._claims.inputs_pushed_out,
         )
 
 

@@ -6,7 +6,6 @@
     await store.start() ... await store.close()
     await store.get(key)                          -> Entry | None       local, then a row copy in Redis (promoted)
     store.put(key, entry)                                               local; its location written behind to Redis
-    store.keep(key, entry)                                              local only (rows pulled from another replica)
     store.failed(key, exc)                                              an encode of `key` failed (Redis: published)
     store.peek(key)                               -> Entry | None       local only; no accounting, no LRU move
     await store.header(key)                       -> EntryHeader | None local, else Redis's directory
@@ -169,10 +168,6 @@ class EmbeddingStore:
         """Rows [start, end) of the local tier's entry (a read-only view, an LRU hit), or None."""
         entry = self.local.get(_name(key))
         return entry.rows(start, end) if entry is not None else None
-
-    def keep(self, key: Key, entry: Entry) -> None:
-        """Rows pulled from another replica, kept in the local tier only (that replica owns them)."""
-        self.local.put(_name(key), entry)
 
     def forget_location(self, key: Key, owner: str) -> None:
         """A fetch found that `owner` does not give `key`'s rows (gone, or lost them): both are looked up

@@ -131,6 +131,10 @@ STORE: dict[str, Stat] = {
     "redis_pending_orphaned": _counter("encoder_cache_redis_pending_orphaned",
                                        "Waits that found the replica encoding the id gone (its marker expired or "
                                        "released, the image bytes kept): the image is encoded here instead"),
+    "redis_inputs_pushed_out": _counter("encoder_cache_redis_inputs_pushed_out",
+                                        "Image bytes this replica kept in Redis deleted to make room for newer ones "
+                                        "(its share of Redis for them is full): those images can no longer be "
+                                        "encoded again elsewhere should this replica die"),
     "redis_inputs_skipped": _counter("encoder_cache_redis_inputs_skipped",
                                      "Accepted images whose bytes were not kept in Redis (this replica's kept "
                                      "bytes were at their bound): should it die before their rows land, no "

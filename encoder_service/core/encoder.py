@@ -92,7 +92,7 @@ class EncoderCore:
                                lease_s=settings.cache.lease_s, peers=self.peers)
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
         self.replicas = Replicas(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
-                                 row_bytes=self._row_bytes, layout=self.spec.layout, peers=self.peers)
+                                 row_bytes=self._row_bytes, peers=self.peers)
         self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.replicas, self.metrics,
                                           max_images=lim.max_images, row_bytes=self._row_bytes, info=self._info)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled
+from encoder_service.cache import CacheKey, EmbeddingStore, Marked, Settled
 from encoder_service.cache.keys import CALLER_PREFIX
 from encoder_service.core.flight import Flight, Flights
 from encoder_service.core.images import ImageReader, Probed
@@ -67,14 +67,14 @@ class GroupClaim(NamedTuple):
 
 
 class Replicas:
-    """`row_bytes`: one row's bytes (what a taken-over id's pin reserves per token); `layout`: the rows' (an
-    entry of rows pulled whole is kept here); `peers`: the row path to other replicas (None: no Redis)."""
+    """`row_bytes`: one row's bytes (what a taken-over id's pin reserves per token); `peers`: the row path to
+    other replicas (None: no Redis)."""
 
     def __init__(self, store: EmbeddingStore, metrics: Metrics, *, flights: Flights, images: ImageReader,
-                 engine: Engine, row_bytes: int, layout: str, peers: Peers | None):
+                 engine: Engine, row_bytes: int, peers: Peers | None):
         self.store, self.metrics = store, metrics
         self._flights, self._images, self._engine, self._row_bytes = flights, images, engine, row_bytes
-        self._layout, self._peers = layout, peers
+        self._peers = peers
         self._failing = False  # the last marking failed: log again only after one succeeds
 
     @property
@@ -168,17 +168,14 @@ class Replicas:
 
     async def rows_elsewhere(self, key: CacheKey, start: int, end: int, deadline: Deadline) -> torch.Tensor | None:
         """Rows [start, end) of `key`, which no tier here has: from the replica the directory names (only
-        those rows, over its row path: peers.py; all of them are kept here too). Should that replica be gone,
+        those rows, over its row path: peers.py; passed on, not kept here). Should that replica be gone,
         or no longer hold them, a row copy in Redis answers, else this replica takes the image over (encodes it
         from the bytes kept in Redis, once across replicas: a flight here claims it) and answers from that
         flight. None: nobody has the rows nor the bytes (404). Unavailable while Redis is down."""
         if self._peers is None:
             return None
         rows, located = await self._peers.from_owner(self.store, key, start, end, deadline.left(), copy=False)
-        if rows is not None:
-            if start == 0 and end == located.header.num_rows:  # the whole entry: kept, the next fetch is local
-                self.store.keep(key, Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
-                                                     content_tag=located.header.content_tag))
+        if rows is not None:  # passed on, not kept: their pages go back to the pool for the next pull (warm)
             return rows
         if located is not None and located.copy:
             rows = await self.store.read_rows(key, start, end)

@@ -8,7 +8,7 @@ path (core/peers.py). An LLM server's encode reaches replica A and its fetch of 
   - A's encode failing (a JPEG cut short: its header is fine, its decode fails in A's engine) gives B that
     400, not a 404;
   - an id nobody encoded is a 404 on B at once;
-  - 128 concurrent fetches on B of ids only A holds all succeed, from A, and B keeps them after;
+  - 128 concurrent fetches on B of ids only A holds all succeed, from A (B passes them on, keeps none);
   - a Redis far too small for the rows (2 MB, no eviction) holds the directory and the fetches all work;
   - an id A serves from its own tier after Redis evicted its location is written there again by A's encode;
   - fetches of ids A has in flight or locally send Redis nothing;
@@ -155,7 +155,7 @@ def test_128_concurrent_fetches_of_ids_only_a_holds(replicas, shared_redis):
     assert not failures, failures[:3]
     assert all(torch.equal(g.rows, expected[i.id]) for g, i in zip(got, infos))
     assert b.sample("encoder_cache_hits_total", {"tier": "peer"}) - hits == 128
-    assert all(b.core.store.peek(n) is not None for n in names)  # pulled whole: kept, the next fetch is local
+    assert all(b.core.store.peek(n) is None for n in names)  # passed on, not kept: the rows stay on A
 
 
 def test_a_redis_far_too_small_for_the_rows_holds_the_directory(request, tiny_checkpoint, redis_server_noevict):

@@ -391,3 +391,18 @@ async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_
         gate.set()
         await a.redis.flush()
         assert a.stats()["redis_writes"] == 1 and a.stats()["reshared"] == 0
+
+
+async def test_the_newest_images_bytes_are_kept_the_oldest_make_room(redis_server):
+    """Image bytes stay in Redis for the lease, after the rows land too. Under load a replica's share of them
+    fills up: before, every newer image went unkept, so the images most likely still unfetched were the ones
+    no other replica could encode again should this one die (404s after a SIGKILL). Now the oldest make room."""
+    async with replicas(redis_server.url, max_input_bytes=3000) as (a, b):
+        for k in range(6):
+            assert await a.mark_pending([f"k{k}"], inputs={f"k{k}": bytes([k]) * 1000})
+            a.put(f"k{k}", make_entry(k))  # landed: the bytes stay
+        await a.redis.flush()
+        assert a.stats()["redis_inputs_pushed_out"] == 3 and a.stats()["redis_inputs_skipped"] == 0
+        await a.mark_pending(["next"], inputs={"next": b"n" * 1000})  # pushes k3 out, deletes k0..k3 in Redis
+        kept = [await b.input(f"k{k}") for k in range(6)]
+        assert kept == [None] * 4 + [bytes([k]) * 1000 for k in (4, 5)] and await b.input("next") == b"n" * 1000
