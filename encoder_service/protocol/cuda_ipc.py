@@ -79,10 +79,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cudaMemcpyAsync.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
     lib.cudaMemcpyAsync.restype = err
     lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [err], ctypes.c_char_p
+    lib.cudaGetLastError.argtypes, lib.cudaGetLastError.restype = [], err
 
 
 def _check(code: int, what: str) -> None:
     if code != 0:
+        # The runtime keeps the error as its last one: cleared here, or torch's next check of it (any later
+        # kernel launch on this thread) raises it as its own (an AcceleratorError far from here).
+        cudart().cudaGetLastError()
         text = cudart().cudaGetErrorString(code)
         raise CudaIpcError(f"{what} failed: CUDA error {code} ({text.decode(errors='replace') if text else '?'})")
 
