@@ -26,10 +26,11 @@ Per family:
      GPU 1 (GPU 0 with one GPU) fetches the rows of a 720p (28.8 MB) and a 1080p (66.8 MB) image that
      replica A encoded on GPU 0, through each path the service offers: the HTTP socket and gRPC into a CUDA
      `out` (the client stages them in pinned memory, one copy), shared memory (--shm-fetch) into an
-     `alloc_rows` buffer registered with CUDA then one copy, and shared memory into a CUDA `out`; next to a
-     pinned host-to-device copy and a device-to-device copy of the same bytes (GPU 0 -> GPU 1, peer; GPU 0
-     -> GPU 0 with one GPU). Time from the fetch call to the rows on the device (synchronized); every
-     path's rows checked bit for bit. The service has no GPU-direct path (CUDA IPC, NIXL) to compare.
+     `alloc_rows` buffer registered with CUDA then one copy, shared memory into a CUDA `out`, and CUDA IPC
+     (HTTP, one device-to-device copy out of A's row arena; the socket and shared-memory clients have IPC
+     off); next to a pinned host-to-device copy and a device-to-device copy of the same bytes (GPU 0 ->
+     GPU 1, peer; GPU 0 -> GPU 0 with one GPU). Time from the fetch call to the rows on the device
+     (synchronized); every path's rows checked bit for bit.
   4. replica A SIGKILLed while its engine holds a burst of no-wait 1080p encodes whose fetches wait on B:
      each fetch's outcome (rows, an error kind, no answer within the 15 s it waits) and time after the
      kill, for the fetches already waiting and for fresh ones sent after the kill (issue 22's failover, on
@@ -241,8 +242,11 @@ def consumer_main(job_path: str) -> int:
                 torch.cuda.synchronize(d)
 
     shm = dict(shm=True, shm_dir=job["shm_dir"])
-    clients = dict(http=EncoderClient.http(job["http"]), grpc=EncoderClient.grpc(job["grpc"]),
-                   http_shm=EncoderClient.http(job["http"], **shm), grpc_shm=EncoderClient.grpc(job["grpc"], **shm))
+    # The socket rows with IPC off: an HTTP client on A's host would take the IPC path into a CUDA `out`
+    # (its own row below, where the server offers it).
+    clients = dict(http=EncoderClient.http(job["http"], ipc="off"), grpc=EncoderClient.grpc(job["grpc"]),
+                   http_shm=EncoderClient.http(job["http"], ipc="off", **shm),
+                   grpc_shm=EncoderClient.grpc(job["grpc"], **shm), http_ipc=EncoderClient.http(job["http"]))
     registered, rows, checks, notes = [], [], [], []
     try:
         for k, size in enumerate(job["sizes"]):
@@ -278,6 +282,8 @@ def consumer_main(job_path: str) -> int:
                  via_buffer(clients["http_shm"])),
                 ("shm grpc, device out", "shared memory (gRPC) -> device `out` (client's staging file, pageable copy)",
                  lambda: clients["grpc_shm"].fetch(item, 0, n, out=out)),
+                ("ipc", "CUDA IPC (HTTP) -> device `out` (one device-to-device copy from A's arena)",
+                 lambda: clients["http_ipc"].fetch(item, 0, n, out=out)),
                 ("device copy", f"reference: device-to-device copy {source} -> {device}",
                  lambda: out.copy_(on_source))]
             if cuda:
@@ -299,6 +305,9 @@ def consumer_main(job_path: str) -> int:
                 rows.append(dict(image=label(size), key=key, path=name, rows=n, row_width=ref.shape[1],
                                  mbytes=ref.nbytes / 1e6, gb_s=ref.nbytes / s["p50_ms"] / 1e6, **s))
             clients["http"].release([info.id])
+        if not clients["http_ipc"].fetch_paths["ipc"]:  # the row measured the next way the client took
+            notes.append("The CUDA IPC row went another way: "
+                         f"{clients['http_ipc'].ipc_off or 'the server offers no IPC (a CPU out, or no arena)'}")
     finally:
         for buf in registered:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())

@@ -51,4 +51,4 @@ def test_scale_out_small(tmp_path):
     assert sum(kill["fresh"]["after_kill"].values()) == kill["images"]  # every fresh fetch has an outcome
     paths = {(r["image"], r["key"]) for r in result["transfer"]}
     assert {key for _, key in paths} == {"http", "grpc", "shm grpc", "shm http", "shm grpc, device out",
-                                         "device copy"}
+                                         "ipc", "device copy"}
