@@ -403,25 +403,29 @@ def _met(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "MISSED")
 
 
+def _head(title: str, *columns: str, note: str | None = None) -> list[str]:
+    """A section's title, a note under it, and its table's header."""
+    return [title, ""] + ([note, ""] if note else []) + ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def markdown(setup: dict, run: Run, server: dict) -> str:
     p = run.parts
     lines = ["# Rows GPU to GPU on one host (issue 34)", "", ", ".join(f"{k}: {v}" for k, v in setup.items()), ""]
     model = p.get("model alone and the arena's copy")
     if model:
         a = model["arena"]
-        lines += ["## 1. Model alone, and the arena's copy (720p images, one engine batch)", "",
-                  f"Reference (best model-only images/s): {model['reference']:.1f} ({model['route']}).", "",
-                  "| batch | MB of rows / image | runner images/s | with the arena copy images/s | arena copy "
-                  "ms / image | host copy (D2H + out of staging) ms / image |", "|---|---|---|---|---|---|",
-                  f"| {a['batch']} | {a['row_mb']:.3g} | {_f(a.get('model_images_per_s'), '.1f')} "
+        lines += _head("## 1. Model alone, and the arena's copy (720p images, one engine batch)", "batch",
+                       "MB of rows / image", "runner images/s", "with the arena copy images/s", "arena copy ms / image",
+                       "host copy (D2H + out of staging) ms / image",
+                       note=f"Reference (best model-only images/s): {model['reference']:.1f} ({model['route']}).")
+        lines += [f"| {a['batch']} | {a['row_mb']:.3g} | {_f(a.get('model_images_per_s'), '.1f')} "
                   f"| {_f(a.get('model_and_arena_copy_images_per_s'), '.1f')} "
                   f"| {_f(a.get('arena_copy_ms_per_image'), '.3f')} "
                   f"| {_f(a['host_copy_ms_per_image'], '.3f')} |", ""]
     paths = [r for name, part in p.items() if name.startswith("paths") for r in part["rows"]]
     if paths:
-        lines += ["## 2. All rows of one cached entry into a device `out` in another process, ms", "",
-                  "| image | MB | consumer | path | served by | p50 | p90 | min | first fetch (opens the handle) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += _head("## 2. All rows of one cached entry into a device `out` in another process, ms", "image", "MB",
+                       "consumer", "path", "served by", "p50", "p90", "min", "first fetch (opens the handle)")
         lines += [f"| {r['image']} | {r['mbytes']:.3g} | {r['consumer']} | {r['path']} | {r['served']} "
                   f"| {_f(r['p50_ms'])} | {_f(r['p90_ms'])} | {_f(r['min_ms'])} | {_f(r['first_ms'])} |" for r in paths]
         big = [r for r in paths if r["key"] == "ipc" and r["image"] == "1080p" and r["consumer"] != "cpu"]
@@ -431,9 +435,9 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
         lines.append("")
     conn = [r for name, part in p.items() if name.startswith("connector") for r in part["rows"]]
     if conn:
-        lines += ["## 3. vLLM connector, cached 1080p image (warm) onto the worker's device, ms (p50 / p90)", "",
-                  "| consumer | mode | served by | MB | staged (scheduler side) | on the device (worker) | total |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += _head("## 3. vLLM connector, cached 1080p image (warm) onto the worker's device, ms (p50 / p90)",
+                       "consumer", "mode", "served by", "MB", "staged (scheduler side)", "on the device (worker)",
+                       "total")
         lines += [f"| {r['consumer']} | {r['mode']} | {r['served']} | {r['mbytes']:.3g} | "
                   + " | ".join(f"{_f(r[k]['p50_ms'])} / {_f(r[k]['p90_ms'])}" for k in ("staged", "device", "total"))
                   + " |" for r in conn]
@@ -445,11 +449,9 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
     e2e = [part for name, part in p.items() if name.startswith("e2e")]
     if e2e:
         ref = model["reference"] if model else None
-        lines += ["## 4. End to end: distinct 720p JPEGs, encode wait=true, all rows into a device `out`, release; "
-                  "one client process", "",
-                  "| fetch | consumer | concurrency | requests | errors | images/s | % of model alone | p50 ms "
-                  "| fetch p50 ms | fetches by path | client loop CPU s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += _head("## 4. End to end: distinct 720p JPEGs, encode wait=true, all rows into a device `out`, "
+                       "release; one client process", "fetch", "consumer", "concurrency", "requests", "errors",
+                       "images/s", "% of model alone", "p50 ms", "fetch p50 ms", "fetches by path", "client loop CPU s")
         for r in e2e:
             share = 100 * r["images_per_s"] / ref if ref else None
             lines.append(f"| {r['variant']} | {r['consumer']} | {r['concurrency']} | {r['requests']} | {r['errors']} "

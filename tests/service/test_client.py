@@ -14,6 +14,7 @@ from encoder_service.client import EncoderClient, PromptLayout
 from encoder_service.ranges import chunks, plan_chunk
 from encoder_service.runtime.host_pool import PAGE, HostRowPool
 from tests.support.images import image_bytes as png
+from tests.support.layouts import prompt_layout
 from tests.support.images import noise_image as pil_image
 
 from tests.support.clients import async_client, sync_client
@@ -38,13 +39,8 @@ class FetchSpy:
         return getattr(self.inner, name)
 
 
-def prompt_layout(infos) -> PromptLayout:
-    """text(4) img0 text(3) img1 img2 text(6)."""
-    items, offset = [], 4
-    for k, info in enumerate(infos):
-        items.append((info.id, offset, info.num_tokens))
-        offset += info.num_tokens + (3 if k == 0 else 0)
-    return PromptLayout(items, offset + 6)
+def layout_of(infos) -> PromptLayout:
+    return prompt_layout(infos, lead=4, gap=3, tail=6)
 
 
 def check_chunks(got, layout: PromptLayout, full: dict, chunk_size: int) -> None:
@@ -69,7 +65,7 @@ def test_sync_client(service, transport, tmp_path):
         assert all(full[i.id].shape == (i.num_tokens, i.row_width) for i in infos)
         again = c.encode([path])  # a Path; already encoded: cached, same id
         assert again[0].id == infos[1].id and again[0].cached and again[0].embedding is None
-        layout = prompt_layout(infos)
+        layout = layout_of(infos)
         c._transport = spy = FetchSpy(c._transport)
         for chunk_size in (5, 16, 1000):
             spy.calls.clear()
@@ -86,7 +82,7 @@ async def test_async_client(service_qwen3, transport):
         infos = await c.encode([png(256, 256, 4), png(64, 96, 5), png(128, 64, 6)], return_embeddings=True)
         full = {i.id: i.embedding for i in infos}
         assert infos[0].layout == "main+deepstack3" and infos[0].row_width == 4 * infos[0].hidden_size
-        layout = prompt_layout(infos)
+        layout = layout_of(infos)
         for chunk_size in (3, 40):
             got = [chunk async for chunk in c.iter_chunks((list(layout.items), layout.prompt_len), chunk_size)]
             check_chunks(got, layout, full, chunk_size)
@@ -98,7 +94,7 @@ def test_iter_chunks_into_the_callers_buffer(service, transport):
     with sync_client(service, transport) as c:
         infos = c.encode([png(168, 112, 7), png(56, 56, 8)], return_embeddings=True)
         full = {i.id: i.embedding for i in infos}
-        layout = prompt_layout(infos)
+        layout = layout_of(infos)
         width = infos[0].row_width
         embeds = torch.zeros(layout.prompt_len, width)  # the LLM's input-embeddings for the whole prompt
         for chunk in c.iter_chunks(layout, 7, out=lambda s, e: embeds[s:e]):

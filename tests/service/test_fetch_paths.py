@@ -16,6 +16,7 @@ from encoder_service.client import base as client_base
 from encoder_service.client import destination
 from encoder_service.ranges import chunks, plan_chunk
 from tests.support.images import image_bytes as png
+from tests.support.layouts import prompt_layout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,12 +42,8 @@ def _client(svc, path: str, asynchronous: bool, shm_dir, **kw):
 
 
 def _layout(infos) -> PromptLayout:
-    """text(5) img0 text(2) img1 img2 text(3): chunks cut images and hold several."""
-    items, offset = [], 5
-    for k, info in enumerate(infos):
-        items.append((info.id, offset, info.num_tokens))
-        offset += info.num_tokens + (2 if k == 0 else 0)
-    return PromptLayout(items, offset + 3)
+    """Chunks that cut images and hold several."""
+    return prompt_layout(infos, lead=5, gap=2, tail=3)
 
 
 def _out(kind: str, n: int, width: int) -> torch.Tensor | None:

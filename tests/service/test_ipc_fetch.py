@@ -26,6 +26,7 @@ from encoder_service.protocol.ipc import this_host
 from encoder_service.ranges import chunks, plan_chunk
 from encoder_service.testing.host_ipc import HostStandInMemory, HostStandInReader
 from tests.support.images import image_bytes as png
+from tests.support.layouts import prompt_layout, wanted
 from tests.support.service import RunningService, make_settings
 from tests.support.waits import wait_for
 
@@ -58,16 +59,7 @@ def client(svc, directory, **kw) -> EncoderClient:
 
 
 def layout_of(infos) -> PromptLayout:
-    """text(3) img0 text(5) img1 img2 (adjacent) text(2)."""
-    items, offset = [], 3
-    for k, info in enumerate(infos):
-        items.append((info.id, offset, info.num_tokens))
-        offset += info.num_tokens + (0 if k == 1 else 5)
-    return PromptLayout(items, offset + 2)
-
-
-def wanted(layout: PromptLayout, start: int, end: int):
-    return [(i, o) for i, o, n in layout.items if o < end and start < o + n]
+    return prompt_layout(infos, lead=3, gap=5, tail=7)
 
 
 def nan_out(n: int, width: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ scheduler side, which then stages.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 import subprocess
 import sys
 
@@ -52,14 +53,19 @@ def svc(request, tiny_checkpoint, standin_dir):
     return service(request, tiny_checkpoint("qwen3_vl"), standin_dir)
 
 
+@contextmanager
 def sides(svc, directory, *, refuse: bool = False, **extra):
     """The scheduler side's table and one worker's loader, both as the connector builds them (the workers'
-    IPC kind: the stand-in's)."""
+    IPC kind: the stand-in's), closed on leaving."""
     options = ConnectorOptions.from_extra_config({"url": svc.url, "shm_dir": str(directory), **extra})
     width = row_width(json.loads((svc.checkpoint / "config.json").read_text()))
     table = StagingTable(RowFetcher(options, width, ipc_kind=KIND))
     loader = RowLoader("cpu", None, ipc=IpcLoader(options, "cpu", reader=HostStandInReader(str(directory), refuse)))
-    return table, loader, width
+    try:
+        yield table, loader, width
+    finally:
+        table.close()
+        loader.close()
 
 
 def staged_load(table: StagingTable, need: Need, request_id: str):
@@ -71,8 +77,7 @@ def staged_load(table: StagingTable, need: Need, request_id: str):
 
 
 def test_an_item_in_the_arena_stays_there_and_the_worker_copies_it(svc, standin_dir):
-    table, loader, width = sides(svc, standin_dir)
-    try:
+    with sides(svc, standin_dir) as (table, loader, width):
         with EncoderClient.http(svc.url, timeout=30) as c:
             (info,) = c.encode([png(112, 112, 81)], wait=True)
             reference = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
@@ -82,14 +87,10 @@ def test_an_item_in_the_arena_stays_there_and_the_worker_copies_it(svc, standin_
         rows = loader.load(load, width)
         assert torch.equal(rows, reference)
         assert loader.ipc.client().fetch_paths == {"ipc": 1}
-    finally:
-        table.close()
-        loader.close()
 
 
 def test_a_video_is_all_its_frame_groups(svc, standin_dir):
-    table, loader, width = sides(svc, standin_dir)
-    try:
+    with sides(svc, standin_dir) as (table, loader, width):
         with EncoderClient.http(svc.url, timeout=30) as c:
             (video,) = c.encode_videos([make_clip("mp4_h264", frames=5, width=128, height=96)], wait=True)
             items = video.fetch_items(0)
@@ -98,29 +99,21 @@ def test_a_video_is_all_its_frame_groups(svc, standin_dir):
         load = staged_load(table, Need("v", video.id, video.num_tokens, groups), "r2")
         assert isinstance(load.rows, IpcRows) and load.rows.groups == groups
         assert torch.equal(loader.load(load, width), reference)
-    finally:
-        table.close()
-        loader.close()
 
 
 def test_an_item_not_in_the_arena_is_staged(request, tiny_checkpoint, standin_dir):
     small = service(request, tiny_checkpoint("qwen3_vl"), standin_dir, arena="1KiB")  # no entry fits
-    table, loader, width = sides(small, standin_dir)
-    try:
+    with sides(small, standin_dir) as (table, loader, width):
         with EncoderClient.http(small.url, timeout=30) as c:
             (info,) = c.encode([png(112, 112, 82)], wait=True)
             reference = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
         load = staged_load(table, Need(info.id, info.id, info.num_tokens), "r3")
         assert isinstance(load.rows, ShmRows) and table.fetcher.mode == "ipc"  # per item: IPC stays on
         assert torch.equal(loader.load(load, width), reference)
-    finally:
-        table.close()
-        loader.close()
 
 
 def test_a_refused_worker_still_loads_and_the_scheduler_side_stages_after(svc, standin_dir):
-    table, loader, width = sides(svc, standin_dir, refuse=True)
-    try:
+    with sides(svc, standin_dir, refuse=True) as (table, loader, width):
         with EncoderClient.http(svc.url, timeout=30) as c:
             a, b = c.encode([png(112, 112, 83), png(112, 112, 84)], wait=True)
             reference = c.fetch([(a.id, 0)], 0, a.num_tokens).rows
@@ -132,9 +125,6 @@ def test_a_refused_worker_still_loads_and_the_scheduler_side_stages_after(svc, s
         assert table.fetcher.mode == "shm"
         load_b = staged_load(table, Need(b.id, b.id, b.num_tokens), "r5")
         assert isinstance(load_b.rows, ShmRows)
-    finally:
-        table.close()
-        loader.close()
 
 
 def test_no_ipc_without_a_worker_kind_or_when_off(svc, standin_dir):

@@ -18,8 +18,16 @@ from encoder_service.protocol.shm import NAME_RE
 log = logging.getLogger("encoder_service.integrations.vllm")
 
 
+class _RowsBytes:
+    """`nbytes` of a record with `num_rows`, `row_width` and `dtype` (a dtype's name)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_width * torch_dtype(self.dtype).itemsize
+
+
 @dataclass(frozen=True)
-class ShmRows:
+class ShmRows(_RowsBytes):
     """Where an item's staged rows are: `num_rows` rows of `row_width` `dtype` values at byte `offset` of
     the file `directory/name`. Plain and picklable (it rides in vLLM's scheduler output)."""
 
@@ -30,13 +38,9 @@ class ShmRows:
     row_width: int
     dtype: str
 
-    @property
-    def nbytes(self) -> int:
-        return self.num_rows * self.row_width * torch_dtype(self.dtype).itemsize
-
 
 @dataclass(frozen=True)
-class IpcRows:
+class IpcRows(_RowsBytes):
     """An item's rows left on the encoder's GPU, in its device row arena (each worker fetches them itself by
     IPC: ipc_loads.py): our id, a video's frame groups (None: an image), the rows' shape and dtype. Plain and
     picklable, as ShmRows (no IPC handle in it: the worker's own fetch gets one)."""
@@ -46,10 +50,6 @@ class IpcRows:
     num_rows: int
     row_width: int
     dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_rows * self.row_width * torch_dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
