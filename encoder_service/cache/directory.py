@@ -8,8 +8,8 @@ asked for the same new image at once, and a replica may die (or lose Redis) mid-
     next to the entry with NX (`RedisTier.mark_pending`): `pending <content tag: 16 hex> <owner>`. The first
     replica to set it encodes the image; one that finds another owner's marker does not encode it too, it
     waits for that replica's rows (core/flight.py). A caller id's marker carries the content tag of its
-    bytes (keys.py: content_tag), as its entry's header will: a replica asked to encode the id with other
-    bytes meanwhile sees the conflict.
+    bytes (keys.py: content_tag), as its entry's header will (the binding below, not the marker, decides a
+    conflict; replicas before the binding read it from the marker, so it stays in the format).
   - A caller id's *binding*: before a replica admits anything of an encode with caller ids, it binds each id
     to the content tag of its bytes with SET NX of the id's binding, then reads the binding back
     (`RedisTier.bind_tags`): the first replica to bind an id decides what it names, on every replica; every
@@ -183,15 +183,6 @@ def pending_value(content_tag: int = 0, owner: str = "") -> bytes:
 
 def is_pending(value: bytes | None) -> bool:
     return value is not None and (value == PENDING or value.startswith(PENDING + b" "))
-
-
-def pending_tag(value: bytes | None) -> int:
-    """The content tag a pending marker carries; 0 when none (or not a pending marker)."""
-    parts = value.split(b" ") if is_pending(value) else []
-    try:
-        return int(parts[1], 16) if len(parts) > 1 else 0
-    except ValueError:
-        return 0
 
 
 def pending_owner(value: bytes | None) -> str:

@@ -1,13 +1,18 @@
 """The service core, under both transports (api/): one module per step of an encode and a fetch.
 
   encoder.py     EncoderCore: encode / fetch / release / metadata / readiness; the only place that knows the flow
+  image_encode.py, encode_steps.py
+                 an encode of images; the steps it shares with video_encode.py
+  id_rows.py     where a fetched id's rows come from: its flight, the local tier, another replica
   types.py       what it takes and answers (ImageInput, VideoInput, EncodeResult, FetchItem, FetchResult)
   images.py      an image from request bytes to engine input: read (urls.py), probe (key + size), prepare
   videos.py      a video to engine input, frame group by frame group: read, probe (limits, plan, key), one
                  decoder per video, prepare; video_flights.py: a video's groups fed to the engine in order, a
                  window at a time; video_encode.py: an encode of videos (admission, pins, the answer)
   flight.py      the one single flight: a Flight per id (waiters, queue permit, a fill that calls store and engine)
-  handoff.py     across replicas (Redis): mark accepted ids pending; a fetch waits for another replica's encode
+  replicas.py    across replicas (Redis): claim accepted ids; a fetch waits for another replica's encode, then
+                 gets the rows from it (peers.py: its row path), or encodes the image again should it be gone
+  ipc_fetch.py   a fetch answered with where the rows sit on the GPU (CUDA IPC) instead of the rows
   timeouts.py    timeout_s (None / 0: don't wait / > 0), one Deadline over waits in turn, the bounded gather
   shm_writer.py  shared-memory fetch, server side: rows into a co-located client's file
   urls.py        allow-listed URL images

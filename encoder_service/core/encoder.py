@@ -5,10 +5,10 @@ hits, admission and pins all or none, claims in Redis, flights, the answer befor
 they share are encode_steps.py). Each id rides one flight (flight.py, the one single flight), whose fill
 reads the store and, on a miss, submits the image to the engine (decoded on a CPU thread, encoded on the
 GPU thread) and puts its rows in the store. `wait=True` waits for the rows (and can return them).
-fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image (sized by its
-flight, else by the cache entry's header, else, with Redis, by the header of the rows another replica is
-encoding once they land: handoff.py); the store reads only those (waiting for images still encoding). One
-`timeout_s` covers the waits and the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
+fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image, sized and read
+where each id's rows are (id_rows.py: its flight, the local tier, else, with Redis, the replica that holds
+them: replicas.py), only those rows (waiting for images still encoding). One `timeout_s` covers the waits and
+the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
 client's shared-memory file instead of the result (shm_writer.py).
 Pins: each id is pinned from its encode until a fetch has delivered every one of its rows (per row, since the
 pin began: chunked fetches add up), the caller releases it, or its lease ends; rows stay in the LRU after.
@@ -34,6 +34,7 @@ from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.flight import Flights
 from encoder_service.core.replicas import Replicas
+from encoder_service.core.id_rows import IdRows
 from encoder_service.core.image_encode import ImageEncoder
 from encoder_service.core.ipc_fetch import IpcCollector, IpcFetches
 from encoder_service.core.images import ImageReader, Probed, warmup_image
@@ -96,6 +97,7 @@ class EncoderCore:
         self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.replicas, self.metrics,
                                           max_images=lim.max_images, row_bytes=self._row_bytes, info=self._info)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
+        self.id_rows = IdRows(store, self.flights, self.videos.video_flights, self.replicas, self.metrics)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
         self.metrics.registry.register(CacheCollector(store, self.shm))
@@ -280,7 +282,7 @@ class EncoderCore:
         deadline = timeouts.Deadline(timeout_s)  # one timeout over the sizes (a wait on another replica) and rows
         try:
             sizes = dict(zip(keys, await timeouts.gather_within(
-                deadline.bound(), *(self._num_tokens(k, deadline, peer) for k in keys.values()))))
+                deadline.bound(), *(self.id_rows.num_tokens(k, deadline, peer) for k in keys.values()))))
         except TimeoutError:
             raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
@@ -290,8 +292,7 @@ class EncoderCore:
                 raise errors.LimitExceeded("bytes of rows the fetch gathers", nbytes, f"{limit} (--max-fetch-bytes)",
                                            hint="fetch the prompt chunk by chunk")
         if deadline.dont_wait:  # rows still encoding are not ready (cached ones, here or in Redis, are)
-            encoding = sorted({s.id for s in segments if keys[s.id].name in self.flights
-                               or (is_video_id(s.id) and self.videos.video_flights.encoding(keys[s.id]))})
+            encoding = sorted({s.id for s in segments if self.id_rows.encoding(keys[s.id])})
             if encoding:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(encoding)} of the chunk's images "
                                               f"are still encoding (first: {encoding[0]!r})")
@@ -302,7 +303,7 @@ class EncoderCore:
         t_plan = time.perf_counter()
         try:
             parts = await timeouts.gather_within(deadline.bound(),
-                                                 *(self._rows(keys[s.id], s, deadline, peer) for s in segments))
+                                                 *(self.id_rows.rows(keys[s.id], s, deadline, peer) for s in segments))
         except BaseException as exc:
             if mapping is not None:
                 self.shm.release(mapping)
@@ -357,63 +358,6 @@ class EncoderCore:
     def _rows_late(timeout_s: float | None, t0: float) -> errors.DeadlineExceeded:
         return errors.DeadlineExceeded(f"rows were not ready within timeout_s={timeout_s} "
                                        f"(waited {time.perf_counter() - t0:.3f}s)")
-
-    async def _num_tokens(self, key, deadline: timeouts.Deadline, peer: str | None) -> int:
-        """The id's row count: how its last encode here failed (raised), else its flight's, else its entry's
-        header (local tier, else where Redis's directory says the rows are), else that of the rows another
-        replica is encoding, once they land (replicas.py; no Redis round trip for ids known here). A peer's
-        fetch: only what is here."""
-        self.flights.raise_failure(key)
-        flight = self.flights.get(key.name)
-        if flight is not None:
-            return flight.num_tokens
-        if is_video_id(key.id):  # a frame group its video's driver is on
-            group_tokens = self.videos.video_flights.group_tokens(key)
-            if group_tokens is not None:
-                return group_tokens
-        if peer is not None:
-            entry = self.store.peek(key)
-            if entry is None:
-                raise errors.NotFound(f"id {key.id!r} is not held by this replica (asked by another one)")
-            return entry.num_rows
-        header = await self.store.header(key)
-        if header is None:  # another replica's encode: its rows once they land, or taken over here
-            return await self.replicas.num_tokens_elsewhere(key, deadline)
-        return header.num_rows
-
-    async def _rows(self, key, seg: Segment, deadline: timeouts.Deadline, peer: str | None) -> torch.Tensor:
-        """The segment's rows: of the id's flight once it lands (its fill may not have reached the store yet:
-        it waits for the id's pending marker first), else how the id's encode failed here, if it did (its
-        flight may have ended since `_num_tokens`), else from the local tier (or a row copy in Redis), else
-        from the replica that holds them (replicas.py: peer to peer; should it be gone, this replica encodes
-        the image again from its kept bytes); no rows: NotFound. A peer's fetch: only what is here."""
-        frame_group = is_video_id(key.id)
-        if frame_group:  # its video's driver may not have reached it yet
-            await self.videos.video_flights.started(key)
-        tier = "local"
-        with self.flights.waiting(key.name) as flight:
-            if flight is not None:
-                try:
-                    landed = await asyncio.shield(flight.task)
-                except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
-                    raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
-                rows = landed.entry.rows(seg.row_start, seg.row_end)
-            else:  # its flight may have failed since the chunk was sized from it: that failure answers
-                self.flights.raise_failure(key)
-                if frame_group:
-                    self.videos.video_flights.raise_failure(key)
-                if peer is not None:
-                    entry = self.store.peek(key)
-                    rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
-                else:
-                    rows = self.store.local_rows(key, seg.row_start, seg.row_end)
-                    if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
-                        tier = "peer"
-                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
-        if rows is None:
-            raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
-        self.metrics.cache_hits.labels(tier=tier).inc()
-        return rows
 
     # ---- release ---------------------------------------------------------------------------------------
     def release(self, ids: list[str]) -> Released:

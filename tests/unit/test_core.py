@@ -355,14 +355,14 @@ async def test_a_fetch_sized_by_a_flight_that_fails_before_its_rows_are_read_get
     truncated = truncated_jpeg(7)
     (info,) = (await core.encode(inputs(truncated))).images
     flight = core.flights.get(key_of(core, truncated).name)
-    num_tokens = core._num_tokens
+    num_tokens = core.id_rows.num_tokens
 
     async def sized_then_failed(key, deadline, peer):
         n = await num_tokens(key, deadline, peer)
         await asyncio.gather(flight.task, return_exceptions=True)
         return n
 
-    core._num_tokens = sized_then_failed
+    core.id_rows.num_tokens = sized_then_failed
     with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{info.id}' failed: .*trunc"):
         await core.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S)
 

@@ -1,0 +1,87 @@
+"""Where one id's rows come from, for a fetch (core/encoder.py): its row count, then the rows of a segment.
+
+In order: how the id's last encode here failed (raised), its flight (rows once it lands), a video's frame
+group its driver has not reached yet (video_flights.py), the local tier (or a row copy in Redis), else the
+replica that holds them (replicas.py: peer to peer; should it be gone, this replica encodes the image again
+from its kept bytes). A fetch from another replica (`peer`) is answered from what is here only (flights, the
+local tier), never from a third replica. No rows anywhere: NotFound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from encoder_service import errors
+from encoder_service.cache import CacheKey, EmbeddingStore
+from encoder_service.cache.video_keys import is_video_id
+from encoder_service.core import timeouts
+from encoder_service.core.flight import Flights
+from encoder_service.core.metrics import Metrics
+from encoder_service.core.replicas import Replicas
+from encoder_service.core.video_flights import VideoFlights
+from encoder_service.ranges import Segment
+
+
+class IdRows:
+    def __init__(self, store: EmbeddingStore, flights: Flights, video_flights: VideoFlights, replicas: Replicas,
+                 metrics: Metrics):
+        self.store, self.flights, self.video_flights = store, flights, video_flights
+        self.replicas, self.metrics = replicas, metrics
+
+    def encoding(self, key: CacheKey) -> bool:
+        """Its rows are still being encoded here (a flight, or a frame group its video's driver is on)."""
+        return key.name in self.flights or (is_video_id(key.id) and self.video_flights.encoding(key))
+
+    async def num_tokens(self, key: CacheKey, deadline: timeouts.Deadline, peer: str | None) -> int:
+        """The id's row count: its flight's, else its entry's header (local tier, else where Redis's directory
+        says the rows are), else that of the rows another replica is encoding, once they land (no Redis round
+        trip for ids known here)."""
+        self.flights.raise_failure(key)
+        flight = self.flights.get(key.name)
+        if flight is not None:
+            return flight.num_tokens
+        if is_video_id(key.id):  # a frame group its video's driver is on
+            group_tokens = self.video_flights.group_tokens(key)
+            if group_tokens is not None:
+                return group_tokens
+        if peer is not None:
+            entry = self.store.peek(key)
+            if entry is None:
+                raise errors.NotFound(f"id {key.id!r} is not held by this replica (asked by another one)")
+            return entry.num_rows
+        header = await self.store.header(key)
+        if header is None:  # another replica's encode: its rows once they land, or taken over here
+            return await self.replicas.num_tokens_elsewhere(key, deadline)
+        return header.num_rows
+
+    async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, peer: str | None) -> torch.Tensor:
+        """The segment's rows [seg.row_start, seg.row_end) of the id: [n, row_width]."""
+        frame_group = is_video_id(key.id)
+        if frame_group:  # its video's driver may not have reached it yet
+            await self.video_flights.started(key)
+        tier = "local"
+        with self.flights.waiting(key.name) as flight:
+            if flight is not None:  # its fill may not have reached the store yet
+                try:
+                    landed = await asyncio.shield(flight.task)
+                except errors.EncoderServiceError as exc:  # shared by the flight's waiters: each gets a copy
+                    raise exc.prefixed(f"encode of id {key.id!r} failed: ") from None
+                rows = landed.entry.rows(seg.row_start, seg.row_end)
+            else:  # its flight may have failed since the chunk was sized from it: that failure answers
+                self.flights.raise_failure(key)
+                if frame_group:
+                    self.video_flights.raise_failure(key)
+                if peer is not None:
+                    entry = self.store.peek(key)
+                    rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
+                else:
+                    rows = self.store.local_rows(key, seg.row_start, seg.row_end)
+                    if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
+                        tier = "peer"
+                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
+        if rows is None:
+            raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
+        self.metrics.cache_hits.labels(tier=tier).inc()
+        return rows
