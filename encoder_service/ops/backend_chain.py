@@ -177,7 +177,7 @@ def check_against_float32(make_inputs: Callable[[], CheckInputs], compare: Calla
             call()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as runtime/graphs.py captures
             out = call()
         refill()
         out.fill_(float("nan"))

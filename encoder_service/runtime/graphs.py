@@ -90,7 +90,9 @@ class _Graph:
                     tower(self.pixels, self.meta)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            # thread_local: a CUDA call another thread of the process makes meanwhile (a server's pinned
+            # staging, a client's copy) cannot invalidate this capture, as it would in the default global mode
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.out = tower(self.pixels, self.meta)
 
     @torch.inference_mode()
