@@ -1,6 +1,7 @@
-"""Dependency closure of the wheels in .whl/ against the GPU image's package list (KINDS.md).
+"""Dependency closure of the wheels in .whl/ against the GPU image's package list (the device tool's KINDS.md,
+a markdown page that lists the image's packages).
 
-    python3 scripts/gpu/check_wheels.py [--kinds /work/.library/device/KINDS.md]
+    python3 scripts/gpu/check_wheels.py --kinds PATH/KINDS.md [--wheels .whl]
 
 For each wheel: its non-extra Requires-Dist for CPython 3.12 on x86_64 Linux, and where each need is met:
 another carried wheel (its version checked against the specifier) or the image's list (names only: the
@@ -57,7 +58,7 @@ def project_needs() -> list[Requirement]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", default="/work/.library/device/KINDS.md")
+    parser.add_argument("--kinds", required=True, help="the page that lists the GPU image's packages")
     parser.add_argument("--wheels", default=str(ROOT / ".whl"))
     args = parser.parse_args()
     image = image_packages(Path(args.kinds))
