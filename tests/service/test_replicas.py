@@ -10,6 +10,7 @@ path (core/peers.py). An LLM server's encode reaches replica A and its fetch of 
   - an id nobody encoded is a 404 on B at once;
   - 128 concurrent fetches on B of ids only A holds all succeed, from A (B passes them on, keeps none);
   - a Redis far too small for the rows (2 MB, no eviction) holds the directory and the fetches all work;
+  - a Redis behind a 16 KB/s link: the rows cross replica to replica all the same;
   - an id A serves from its own tier after Redis evicted its location is written there again by A's encode;
   - fetches of ids A has in flight or locally send Redis nothing;
   - a new image sent to both replicas at once is encoded once (issue 22 item 4): one claims it, the other
@@ -22,6 +23,7 @@ A's engine is held at its decode step (`held_decode`) so that "still running" is
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,12 +31,14 @@ import httpx
 import pytest
 import redis
 import torch
+from PIL import Image
 
 from encoder_service import errors
 from encoder_service.cache import key_from_id
 from encoder_service.cache.directory import location_name
 from encoder_service.client import AsyncEncoderClient
 from tests.support.clients import sync_client
+from tests.support.forwarder import Forwarder
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.service import RunningService, held_decode, running
 from tests.support.waits import wait_for
@@ -178,6 +182,40 @@ def test_a_redis_far_too_small_for_the_rows_holds_the_directory(request, tiny_ch
     assert sum(r.numel() * r.element_size() for r in own) > 3 * room
     assert all(torch.equal(x, y) for x, y in zip(crossed, own))
     assert a.sample("encoder_cache_redis_dropped_writes_total", {"reason": "failed"}) == 0
+
+
+def flat_png(size: int, k: int) -> bytes:
+    """A one-colour PNG: a few hundred bytes of input for a tiny tower's most rows (64 tokens)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), (k * 37 % 256, k * 91 % 256, 200)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_a_redis_slower_than_the_rows_does_not_slow_a_cross_replica_fetch(request, tiny_checkpoint, shared_redis):
+    """Both replicas reach Redis over a link of 16 KB/s each way (tests/support/forwarder.py): the claims, the
+    image bytes and the directory cross it; the rows, several times what that link carries within the fetches'
+    timeout, reach B from A over A's row path. Through Redis they could not have."""
+    rate = 16_000
+    host, port = shared_redis.url.removeprefix("redis://").split("/")[0].split(":")
+    slow = Forwarder([(host, int(port))], rate=rate)
+    request.addfinalizer(slow.close)
+    slow_url = slow.url.replace("http://", "redis://") + "/0"
+    checkpoint = tiny_checkpoint("qwen3_vl")
+    a = running(request, checkpoint, "--redis-url", slow_url)
+    b = running(request, checkpoint, "--redis-url", slow_url)
+    datas = [flat_png(256, k) for k in range(40)]
+    with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:  # each call times out after WAIT_S
+        infos = [info for k in range(0, 40, 8) for info in on_a.encode(datas[k:k + 8], wait=True)]
+        own = [on_a.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+        hits = b.sample("encoder_cache_hits_total", {"tier": "peer"})
+        crossed = [on_b.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+    assert sum(r.numel() * r.element_size() for r in own) > 2 * rate * WAIT_S
+    assert all(torch.equal(x, y) for x, y in zip(crossed, own))
+    assert b.sample("encoder_cache_hits_total", {"tier": "peer"}) - hits == len(infos)
+    with redis.Redis.from_url(slow_url) as through_the_link:  # the link is as slow as said
+        t0 = time.monotonic()
+        through_the_link.set("encsvc:test:slow-link", bytes(rate))
+        assert time.monotonic() - t0 >= 0.9
 
 
 def test_an_id_a_serves_locally_but_redis_evicted_is_fetched_on_b(replicas, shared_redis):
