@@ -37,8 +37,9 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from redis.exceptions import OutOfMemoryError, RedisError
@@ -55,6 +56,7 @@ from encoder_service.cache.subscriber import Subscriber, SubscriberLost
 from encoder_service.errors import Unavailable
 
 log = logging.getLogger("encoder_service.cache.redis")
+T = TypeVar("T")
 
 # Verify (hash) values larger than this in a worker thread so the event loop keeps serving.
 _THREAD_BYTES = 1 << 20
@@ -480,12 +482,8 @@ class RedisTier:
             claims = self._claims.add(keys, lease_s, tags or {}, inputs or {})
             if not claims or self.health.not_writing() is not None:
                 return Marked(False)
-            try:
-                elsewhere = await self._claims.write(claims, lease_s, self.health.epoch)
-            except PoolTimeout:
-                return Marked(False)
-            except RedisError as exc:
-                self.health.on_error(exc, writing=True)
+            elsewhere = await self._or_none(self._claims.write(claims, lease_s, self.health.epoch), writing=True)
+            if elsewhere is None:
                 return Marked(False)
         self.counters["pending_marked"] += len(claims) - len(elsewhere)
         self.counters["pending_elsewhere"] += len(elsewhere)
@@ -510,12 +508,8 @@ class RedisTier:
             if not grace:
                 commands.append(("set", binding, directory.binding_value(tag), self._ttl_px, True))
             commands += [("get", binding), ("pexpire", binding, self._ttl_px)]
-        try:
-            replies = await self._conns.pipelined(*commands, raise_on_error=False)
-        except PoolTimeout:
-            return {}
-        except RedisError as exc:
-            self.health.on_error(exc)
+        replies = await self._or_none(self._conns.pipelined(*commands, raise_on_error=False))
+        if replies is None:
             return {}
         step = 2 if grace else 3
         bound = {}
@@ -543,12 +537,8 @@ class RedisTier:
         OOM, or on an error."""
         if not keys or self.health.not_writing() is not None:
             return []
-        try:
-            found = await self._conns.pipelined(*(("touch", directory.location_name(k), k) for k in keys))
-        except PoolTimeout:
-            return []
-        except RedisError as exc:
-            self.health.on_error(exc)
+        found = await self._or_none(self._conns.pipelined(*(("touch", directory.location_name(k), k) for k in keys)))
+        if found is None:
             return []
         return [k for k, n in zip(keys, found) if not n and k not in self._writing]
 
@@ -723,6 +713,17 @@ class RedisTier:
             log.warning("redis tier: ignoring bad value at %s: %s (%d bad values since the last such line; "
                         "encoder_cache_redis_corrupt_values_total counts them all)", key, exc.message, unlogged)
             self._corrupt_logged_at, self._corrupt_logged = now, self.counters["corrupt"]
+
+    async def _or_none(self, command: Awaitable[T], *, writing: bool = False) -> T | None:
+        """The command's reply, or None when it failed: the pool busy (counted where it happened), or a Redis
+        error (noted in its health; `writing`: an OOM reply pauses writes)."""
+        try:
+            return await command
+        except PoolTimeout:
+            return None
+        except RedisError as exc:
+            self.health.on_error(exc, writing=writing)
+            return None
 
     def _on_subscriber_lost(self, exc: Exception) -> None:
         if isinstance(exc, UNREACHABLE):
