@@ -17,8 +17,9 @@ when two GPUs are visible), as an LLM server is:
      the device: the best path before IPC), socket (HTTP into the device `out`), and the raw device copy
      (a tensor on the encoder's GPU copied into `out` in the consumer's process, no service).
   3. the vLLM connector, warm (the 1080p entry cached at the encoder, not at the connector), as
-     benchmarks/connector_bench.py drives it: scheduler side staged (ensure polled) -> the worker's load on
-     its device (synchronized), by ipc and by shm.
+     benchmarks/connector_bench.py drives it: scheduler side staged (ensure polled; by ipc: its fetch holds
+     the rows in the encoder's arena) -> the worker's load on its device (synchronized; by ipc: its copy
+     under that hold, no request), by ipc and by shm.
   4. end to end: one client process on the last consumer device, concurrency 64, distinct 720p JPEGs (each
      request's bytes its own), encode wait=true, fetch of all rows into a CUDA `out`, release; images/s by
      ipc and by socket, as % of part 1's reference.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -56,6 +58,7 @@ from benchmarks.common.models import NAMES, build_checkpoint
 from benchmarks.common.report import ROOT, setup_info, write_result
 from benchmarks.common.service import in_process_service, service_settings
 from benchmarks.common.stats import percentile
+from encoder_service.protocol.ipc import IpcRequest, this_host
 
 FAMILY = "qwen3_vl"
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
@@ -106,8 +109,11 @@ class Consumer:
         return EncoderClient.http(self.job["url"], timeout=120, **kw)
 
     def paths(self) -> dict:
+        from encoder_service.client.http import HttpTransport
+
         rows, checks, notes = [], [], []
-        with self.client(ipc="off") as plain, self.client(ipc=self.reader) as ipc, \
+        with contextlib.closing(HttpTransport(self.job["url"])) as probes, self.client(ipc="off") as plain, \
+                self.client(ipc=self.reader) as ipc, \
                 self.client(ipc="off", shm=True, shm_dir=self.job["shm_dir"]) as shm:
             for k, (name, size) in enumerate(SIZES.items()):
                 (info,) = plain.encode([jpeg(*size, seed=7000 + k)], wait=True)
@@ -120,8 +126,11 @@ class Consumer:
                 ipc.fetch(item, 0, n, out=out)
                 self.sync()
                 first_ms = (time.perf_counter() - t0) * 1e3
+                probe = IpcRequest(this_host(), hold=False).to_dict()
                 variants = [
                     ("ipc", "fetch by IPC into the device `out` (GPU to GPU)", lambda: ipc.fetch(item, 0, n, out=out)),
+                    ("ipc request", "its HTTP request alone: a probe (nothing held, nothing copied)",
+                     lambda: probes.fetch_ipc(item, 0, n, probe, 120)),
                     ("shm", "shared memory into a registered alloc_rows buffer, then one copy to the device",
                      lambda: (shm.fetch(item, 0, n, out=buf), out.copy_(buf, non_blocking=registered))),
                     ("socket", "HTTP socket into the device `out`", lambda: plain.fetch(item, 0, n, out=out)),
@@ -131,6 +140,10 @@ class Consumer:
                     out.fill_(float("nan"))
                     paths_before = dict(ipc.fetch_paths)
                     ms = _timed(fn, self.n, self.sync)
+                    if key == "ipc request":
+                        rows.append(dict(image=name, key=key, path=what, served="probe", consumer=str(self.device),
+                                         mbytes=ref.nbytes / 1e6, first_ms=None, **_stats(ms)))
+                        continue
                     if not torch.equal(out.cpu(), ref):
                         checks.append(f"{name} {key}: rows on {self.device} differ from the socket fetch's")
                     served = key
@@ -191,6 +204,8 @@ class Consumer:
                         got = loader.load(load, width)
                         self.sync()
                         t2 = time.perf_counter()
+                        if loader.ipc is not None:  # what the connector passes on (worker -> scheduler)
+                            table.fetcher.copied(loader.ipc.take_copied())
                         if i == 0 and not torch.equal(got.cpu(), ref):
                             checks.append(f"connector {mode}: rows on {self.device} differ from the socket fetch's")
                         if i >= 2:
@@ -266,7 +281,8 @@ def model_and_arena(core, device, small: bool) -> dict:
         with_arena.append(lambda: arena.store(runner.encode(pvs, grids)))
     for key, fn in zip(("model", "model_and_arena_copy"), with_arena):
         row[f"{key}_images_per_s"] = batch / (percentile(_timed(fn, n, lambda: sync(device)), 50) / 1e3)
-    return dict(model=model, reference=reference, route=route, arena=row)
+    return dict(model=model, reference=reference, route=route, arena=row,
+                solo=getattr(runner, "solo_timings", None))
 
 
 class Run:
@@ -422,6 +438,10 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
                   f"| {_f(a.get('model_and_arena_copy_images_per_s'), '.1f')} "
                   f"| {_f(a.get('arena_copy_ms_per_image'), '.3f')} "
                   f"| {_f(a['host_copy_ms_per_image'], '.3f')} |", ""]
+        if model.get("solo"):
+            lines += ["Exact buckets, k images alone (k replays) against packed (one multi graph), ms: " + "; ".join(
+                f"{b}: {t['images']} x {t['alone_ms']:.2f} vs {t['packed_ms']:.2f} "
+                f"({'alone' if t['solo'] else 'packed'})" for b, t in model["solo"].items()), ""]
     paths = [r for name, part in p.items() if name.startswith("paths") for r in part["rows"]]
     if paths:
         lines += _head("## 2. All rows of one cached entry into a device `out` in another process, ms", "image", "MB",

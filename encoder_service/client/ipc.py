@@ -97,7 +97,11 @@ class CudaIpcReader:
 class Acks:
     """Hold tokens whose copies are done, on their way back: taken by the next IPC fetch (`take`), else sent
     by a background thread (`post(tokens)`, blocking) once the oldest has waited ACK_DELAY_S. A failed send
-    is dropped: the server's lease ends those holds anyway."""
+    is dropped: the server's lease ends those holds anyway.
+
+    The thread is woken only from its idle wait (nothing pending): while fetches follow each other it wakes
+    at its own deadlines, so a fetch does not pay a thread switch (measured: waking it on every fetch cost
+    about a third of a small fetch's time on a 2-core host)."""
 
     def __init__(self, post: Callable[[list[str]], None]):
         self._post = post
@@ -105,6 +109,7 @@ class Acks:
         self._since = 0.0  # when the oldest pending token came
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._idle = False  # the thread waits with nothing pending (add wakes it)
         self._closed = False
 
     def add(self, token: str) -> None:
@@ -115,7 +120,8 @@ class Acks:
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name="encoder-ipc-acks", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._idle:
+                self._cv.notify()
 
     def take(self) -> list[str]:
         with self._cv:
@@ -137,9 +143,11 @@ class Acks:
             with self._cv:
                 if self._closed:
                     return
-                wait = ACK_WAIT_S if not self._pending else self._since + ACK_DELAY_S - time.monotonic()
+                self._idle = not self._pending
+                wait = ACK_WAIT_S if self._idle else self._since + ACK_DELAY_S - time.monotonic()
                 if wait > 0:
                     self._cv.wait(wait)
+                    self._idle = False
                     continue
             self._send(self.take())
 

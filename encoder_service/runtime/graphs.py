@@ -132,6 +132,7 @@ class GraphRunner:
         max_padding: float = 0.05,
         exact_buckets: Sequence[int] = (),
         solo_min_patches: int | None = 4096,
+        measure_solo: bool = False,
         attention: str = "auto",
     ):
         # spill / policy path; its attention policy is this runner's too
@@ -145,11 +146,10 @@ class GraphRunner:
         # A batch this large keeps the GPU busy through eager launches, so a graph buys nothing there and
         # its padding costs: such a batch runs eagerly when its bucket would pad more than max_padding.
         self.eager_min_patches, self.max_padding = eager_min_patches, max_padding
-        # An image this large with an exact graph of its own runs alone on that graph, whatever it was
-        # batched with: at 4096+ patches one image fills the GPU, so packing buys nothing, and a replay is a
-        # single launch (an eager batch is ~500 launches from a thread that shares the GIL with the HTTP
-        # server and the preprocessing pool). Smaller images still pack: 8 x 448^2 in one graph beats 8 replays.
-        self.solo_min_patches = solo_min_patches
+        # An image with an exact graph of its own may run alone on that graph, whatever it was batched with:
+        # a large one fills the GPU, so packing buys nothing (the multi graph's varlen attention and padding
+        # can even cost more), while 8 x 448^2 in one graph beat 8 replays. Captured runners measure which
+        # (`solo_buckets`, below); uncaptured ones take the exact buckets of at least solo_min_patches.
         self.buckets = sorted({-(-int(b) // self.merge_unit) * self.merge_unit for b in buckets} | set(exact_buckets))
         self.exact_buckets = frozenset(int(b) for b in exact_buckets)
         if any(b % self.merge_unit for b in self.exact_buckets):
@@ -177,6 +177,11 @@ class GraphRunner:
         if capture:
             torch.cuda.synchronize()
             self.graph_bytes = torch.cuda.memory_reserved() - reserved0
+        self.solo_timings = self._time_solo() if capture or measure_solo else {}
+        self.solo_buckets = frozenset(
+            b for b in self.exact_buckets
+            if (self.solo_timings[b]["solo"] if b in self.solo_timings
+                else solo_min_patches is not None and b >= solo_min_patches))
         log.info(
             "%s: %d graphs, buckets %s (patch rows; exact %s), max %d images per graph, captured in %.2f s, "
             "%.1f MiB held", self.mode, len(self.graphs), self.buckets, sorted(self.exact_buckets), max_images,
@@ -207,7 +212,7 @@ class GraphRunner:
 
     def plan(self, grids: list[GridTHW]) -> list[tuple]:
         """[(PackedBatch, _Graph or None for eager)] for a batch of images, in order of first input index:
-        solo images (see solo_min_patches) on their exact graphs, the rest packed (runtime/packing.py)."""
+        solo images (`solo_buckets`) on their exact graphs, the rest packed (runtime/packing.py)."""
         solo = {i for i, g in enumerate(grids) if self._solo(g)}
         rest = [i for i in range(len(grids)) if i not in solo]
         plan = [PackedBatch((i,), patches_of(grids[i]), 1, patches_of(grids[i])) for i in sorted(solo)]
@@ -230,9 +235,39 @@ class GraphRunner:
         return routes
 
     def _solo(self, grid: GridTHW) -> bool:
-        n = patches_of(grid)
-        return (self.solo_min_patches is not None and grid[0] == 1 and n >= self.solo_min_patches
-                and n in self.exact_buckets)
+        return grid[0] == 1 and patches_of(grid) in self.solo_buckets
+
+    @torch.inference_mode()
+    def _time_solo(self) -> dict[int, dict]:
+        """Per exact bucket b: k images of b patches (as many as the largest bucket and max_images allow, k >=
+        2) one replay each on the exact graph, against one replay of them packed in a multi graph; wall ms,
+        synchronized, median of SOLO_REPLAYS after one untimed, and whether alone is no slower
+        ("solo"). Captured runners only pay it at startup (~0.5 s at Qwen3-VL-8B's buckets on an H200); the
+        CPU tests run it on the static buffers (measure_solo)."""
+        timings = {}
+        m, largest = self.spec.merge_size, max(self.buckets)
+        for b in sorted(self.exact_buckets):
+            k = min(self.max_images, largest // b)
+            if k < 2:
+                continue
+            grid = (1, m, b // m)
+            packed_bucket = next(x for x in self.buckets if x >= k * b)
+            alone = self.graphs[(b, EXACT)]
+            packed = self.graphs[(packed_bucket, MULTI)]
+            pixels = [alone.pixels[:b]]
+            alone_meta = self._padded_meta(alone, [grid])
+            packed_meta = self._padded_meta(packed, [grid] * k)
+            if alone_meta is None or packed_meta is None:
+                continue
+            alone_ms = _median_ms(lambda: alone.run(pixels, alone_meta), self.device)
+            packed_ms = _median_ms(lambda: packed.run(pixels * k, packed_meta), self.device)
+            timings[b] = dict(images=k, alone_ms=round(alone_ms, 3), packed_bucket=packed_bucket,
+                              packed_ms=round(packed_ms, 3), solo=k * alone_ms <= packed_ms)
+        if timings:
+            log.info("exact buckets run alone (k replays no slower than k images packed): %s", ", ".join(
+                f"{b}: {t['images']} x {t['alone_ms']:.2f} vs {t['packed_ms']:.2f} ms -> "
+                f"{'alone' if t['solo'] else 'packed'}" for b, t in timings.items()))
+        return timings
 
     def _prefer_eager(self, batch) -> bool:
         return (
@@ -262,8 +297,26 @@ class GraphRunner:
             "max_images": self.max_images,
             "eager_min_patches": self.eager_min_patches,
             "max_padding": self.max_padding,
-            "solo_min_patches": self.solo_min_patches,
+            "solo_buckets": sorted(self.solo_buckets),
+            "solo_timings": self.solo_timings,
             "capture_s": round(self.capture_s, 3),
             "graph_mib": round(self.graph_bytes / 2**20, 1),
             "attention": self.attention.describe(),
         }
+
+
+SOLO_REPLAYS = 3
+
+
+def _median_ms(run, device: torch.device) -> float:
+    """Median wall ms of SOLO_REPLAYS calls of `run`, synchronized, after one untimed."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()
+    times = []
+    for _ in range(SOLO_REPLAYS):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]

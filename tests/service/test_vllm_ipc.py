@@ -1,15 +1,18 @@
-"""The vLLM connector's rows GPU to GPU (integrations/vllm/fetch.py's probe, ipc_loads.py, worker.py; vLLM-free)
+"""The vLLM connector's rows GPU to GPU (integrations/vllm/fetch.py's hold, ipc_loads.py, worker.py; vLLM-free)
 against the real server, with the host-memory stand-in (encoder_service/testing/host_ipc.py) for the encoder's
 device memory and the workers' CUDA reader.
 
-An item found in the encoder's arena is left there (nothing staged in host memory) and each worker's load
-fetches it by IPC, equal to the client's fetch bit for bit (an image, and a video's frame groups); an item not
-there is staged the shm / socket way; a worker whose open is refused still loads the rows and tells the
+An item found in the encoder's arena is left there and held (nothing staged in host memory); each worker's
+load copies it under that hold with no request of its own, equal to the client's fetch bit for bit (an image,
+and a video's frame groups), and the hold is acknowledged once reported; a load again, or past its hold's
+deadline, is fetched by the worker; a hold no load took is acknowledged when the item goes; an item not in the
+arena is staged the shm / socket way; a worker whose open is refused still loads the rows and tells the
 scheduler side, which then stages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import contextmanager
 import subprocess
@@ -68,6 +71,11 @@ def sides(svc, directory, *, refuse: bool = False, **extra):
         loader.close()
 
 
+def holds(svc) -> int:
+    """Live hold tokens in the service's arena."""
+    return svc.core.ipc.arena.stats()["holds"]
+
+
 def staged_load(table: StagingTable, need: Need, request_id: str):
     wait_for(lambda: table.ensure(request_id, [need]) or table.why(request_id), f"{need.item_id} staged", 30)
     assert table.why(request_id) is None
@@ -82,11 +90,48 @@ def test_an_item_in_the_arena_stays_there_and_the_worker_copies_it(svc, standin_
             (info,) = c.encode([png(112, 112, 81)], wait=True)
             reference = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
         load = staged_load(table, Need(info.id, info.id, info.num_tokens), "r1")
-        assert isinstance(load.rows, IpcRows) and table.fetcher.mode == "ipc"
+        assert isinstance(load.rows, IpcRows) and load.rows.hold is not None and table.fetcher.mode == "ipc"
         assert table.staged_bytes() == 0  # nothing of it in our host memory
+        assert holds(svc) == 1
         rows = loader.load(load, width)
         assert torch.equal(rows, reference)
+        assert not loader.ipc.client().fetch_paths  # the worker copied under the scheduler side's hold
+        table.fetcher.copied(loader.ipc.take_copied())  # what the connector passes on, worker -> scheduler
+        wait_for(lambda: holds(svc) == 0, "the hold acknowledged", 10)
+
+
+def test_a_load_again_or_past_its_deadline_is_fetched_by_the_worker(svc, standin_dir):
+    """vLLM loads an item again after evicting it: the scheduler side's hold went with the first load, so the
+    worker fetches (by IPC, with a hold of its own); a hold whose deadline passed is not read either."""
+    with sides(svc, standin_dir) as (table, loader, width):
+        with EncoderClient.http(svc.url, timeout=30) as c:
+            (info,) = c.encode([png(112, 112, 87)], wait=True)
+            reference = c.fetch([(info.id, 0)], 0, info.num_tokens).rows
+        need = Need(info.id, info.id, info.num_tokens)
+        first = staged_load(table, need, "r6")
+        assert torch.equal(loader.load(first, width), reference)
+        table.allocated("r7", need.identifier, need.num_rows)  # the same staged item, loaded again
+        (again,) = table.end_step()
+        assert isinstance(again.rows, IpcRows) and again.rows.hold is None
+        assert torch.equal(loader.load(again, width), reference)
         assert loader.ipc.client().fetch_paths == {"ipc": 1}
+        late = dataclasses.replace(first.rows, hold=dataclasses.replace(first.rows.hold, deadline=0.0))
+        assert torch.equal(loader.load(dataclasses.replace(first, rows=late), width), reference)
+        assert loader.ipc.client().fetch_paths == {"ipc": 2}
+        table.fetcher.copied(loader.ipc.take_copied())
+        wait_for(lambda: holds(svc) == 0, "every hold acknowledged", 10)
+
+
+def test_a_hold_no_load_took_is_acknowledged_when_the_item_goes(svc, standin_dir):
+    with sides(svc, standin_dir) as (table, _, _):
+        with EncoderClient.http(svc.url, timeout=30) as c:
+            (info,) = c.encode([png(112, 112, 88)], wait=True)
+        need = Need(info.id, info.id, info.num_tokens)
+        wait_for(lambda: table.ensure("r8", [need]), "staged", 30)
+        assert holds(svc) == 1
+        table.finished("r8")  # the request went before vLLM allocated the item
+        table.end_step()
+        wait_for(lambda: holds(svc) == 0, "the unused hold acknowledged", 10)
 
 
 def test_a_video_is_all_its_frame_groups(svc, standin_dir):
@@ -151,6 +196,7 @@ def test_a_worker_in_another_process(svc, standin_dir, tmp_path):
     done = subprocess.run([sys.executable, "-m", "tests.support.ipc_consumer", str(job)], capture_output=True,
                           text=True, timeout=90, check=True)
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    assert answer["staged"] == ["ipc", "ipc"] and answer["paths"] == {"ipc": 2} and answer["ipc_off"] is None
+    assert answer["staged"] == ["ipc", "ipc"] and answer["copied"] == 2 and not answer["paths"]
+    assert answer["ipc_off"] is None
     for k, ref in enumerate(refs):
         assert (tmp_path / f"{k}.bin").read_bytes() == ref.view(-1).view(torch.uint8).numpy().tobytes()

@@ -6,10 +6,12 @@ The job names the service (`url`), the fetches (`fetches`: [{"items": [[id, offs
 the real CUDA reader) and `out_dir`. Each fetch's rows go into a fresh `out` on that device (NaN-filled, so
 unwritten rows show), then to `<out_dir>/<k>.bin` as raw bytes (row-major, the rows' dtype). With
 `"via": "connector"` each fetch is one image item ([[id, 0]] from 0 to its rows) loaded as vLLM's connector
-does: the scheduler side's probe (integrations/vllm/fetch.py), then a worker's load (ipc_loads.py).
-The answer, one JSON line on stdout: {"paths": the fetches by path, "opened": arenas the stand-in reader
-opened (None for CUDA), "ipc_off": why the client stopped trying IPC (None), "staged": per connector item, how
-the scheduler side left it ("ipc" or "host")}.
+does: the scheduler side's fetch and hold (integrations/vllm/fetch.py), then a worker's load (ipc_loads.py),
+then the hold acknowledged as the worker reports it.
+The answer, one JSON line on stdout: {"paths": the fetches by path (the connector's worker: those it made
+itself), "opened": arenas the stand-in reader opened (None for CUDA), "ipc_off": why the client (the
+connector: the worker) stopped trying IPC (None), "staged": per connector item, how the scheduler side left it
+("ipc" or "host"), "copied": holds the connector's worker copied under}.
 """
 
 from __future__ import annotations
@@ -48,17 +50,21 @@ def by_connector(job: dict, device: torch.device, reader) -> dict:
     options = ConnectorOptions(job["url"], shm="off", shm_dir=job["out_dir"])
     fetcher = RowFetcher(options, None, ipc_kind=reader.kind if reader != "auto" else "cuda")
     ipc = IpcLoader(options, device, reader=reader)
-    loader, staged = RowLoader(device, None, ipc=ipc), []
+    loader, staged, copied = RowLoader(device, None, ipc=ipc), [], 0
     try:
         width = int(fetcher.metadata()["row_width"])
         for k, f in enumerate(job["fetches"]):
             ((item_id, _),) = f["items"]
             rows = fetcher.fetch(item_id, f["end"])
             staged.append("ipc" if isinstance(rows.ref, IpcRows) else "host")
-            _save(loader.load(ItemLoad(item_id, f["end"], rows.ref), width), Path(job["out_dir"], f"{k}.bin"))
+            load = ItemLoad(item_id, f["end"], fetcher.load_ref(rows))
+            _save(loader.load(load, width), Path(job["out_dir"], f"{k}.bin"))
+            tokens = ipc.take_copied()
+            copied += len(tokens)
+            fetcher.copied(tokens)  # what the connector passes on (worker -> scheduler metadata)
             fetcher.drop(rows)
         client = ipc.client()
-        return {"paths": dict(client.fetch_paths), "ipc_off": client.ipc_off, "staged": staged}
+        return {"paths": dict(client.fetch_paths), "ipc_off": ipc.refused, "staged": staged, "copied": copied}
     finally:
         loader.close()
         fetcher.close()

@@ -117,6 +117,26 @@ def test_solo_images_take_their_exact_graphs(loaded, family):
     assert all(g.kind != "exact" for _, g in packed.plan(grids))
 
 
+def test_measured_solo_buckets_follow_their_timings(loaded):
+    """A runner that measures (captured ones always; here measure_solo on the static buffers) times each
+    exact bucket's images alone against packed, runs alone exactly the buckets where that was no slower, and
+    ignores solo_min_patches for the buckets it timed."""
+    lm = loaded("qwen3_vl")
+    runner = GraphRunner(lm, buckets=BUCKETS, capture=False, exact_buckets=[96, 64], solo_min_patches=1 << 20,
+                         measure_solo=True)
+    timings = runner.describe()["solo_timings"]
+    assert sorted(timings) == [64, 96]
+    for b, t in timings.items():
+        assert t["images"] == min(runner.max_images, max(BUCKETS) // b) >= 2
+        assert t["packed_bucket"] == min(x for x in runner.buckets if x >= t["images"] * b)
+        assert t["alone_ms"] > 0 and t["packed_ms"] > 0
+        assert t["solo"] == (t["images"] * t["alone_ms"] <= t["packed_ms"]) == (b in runner.solo_buckets)
+    grids = [(1, 8, 12), (1, 8, 8), (1, 4, 4)]
+    exact = {g.bucket for b, g in runner.plan(grids) if g.kind == "exact"}
+    assert exact == set(runner.solo_buckets)
+    check_batch(runner, lm, grids, 71)
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_outputs_are_owned(loaded, family):
     """Outputs never alias the static buffers: a later batch must not change an earlier answer."""

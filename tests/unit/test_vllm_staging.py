@@ -53,6 +53,9 @@ class FakeFetcher:
         self.outcome[item_id] = why
         self.gates.setdefault(item_id, threading.Event()).set()
 
+    def load_ref(self, staged):
+        return staged.ref
+
     def drop(self, staged):
         self.dropped.append(staged.item_id)
 

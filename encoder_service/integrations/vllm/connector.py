@@ -10,11 +10,12 @@ Scheduler side (EngineCore process)          -> staging.StagingTable
   build_connector_meta(scheduler_output)        the step's loads; forget what vLLM evicted
   take_unavailable_requests()                   requests whose item can't be had (vLLM fails them)
   request_finished(request)                     release the encoder's pins of its ids
-  update_connector_output(output)               a worker may not open the encoder's IPC memory: stage from now on
+  update_connector_output(output)               acknowledge the IPC holds the workers copied under; a worker may
+                                                not open the encoder's IPC memory: stage from now on
 Worker side (each worker)                    -> worker.RowLoader
   start_load_caches(encoder_cache)              staged rows -> the worker's device -> encoder_cache[identifier];
-                                                rows on the encoder's GPU: fetched by IPC (ipc_loads.py)
-  build_connector_worker_meta()                 tells the scheduler side once that IPC was refused here
+                                                rows on the encoder's GPU: copied by IPC (ipc_loads.py)
+  build_connector_worker_meta()                 the holds copied under this step; once, that IPC was refused here
 
 Items are images and videos. Our id is the item's `uuid` in the chat request: vLLM keeps a client uuid as the
 identifier when the request has no `mm_processor_kwargs` and the server no `--media-io-kwargs` for the item's
@@ -68,14 +69,19 @@ class EncoderServiceMetadata(ECConnectorMetadata):
 
 @dataclass
 class EncoderServiceWorkerMetadata(ECConnectorWorkerMetadata):
-    """Workers -> scheduler, one per step when there is news: why a worker may not open the encoder's IPC
-    memory (sent once per worker; the scheduler side stages in host memory from then on)."""
+    """Workers -> scheduler, one per step when there is news: the tokens of the IPC holds a worker copied
+    under this step (vLLM gathers every rank's before the scheduler side sees them: then all ranks' copies are
+    done, and the scheduler side acknowledges them), and why a worker may not open the encoder's IPC memory
+    (sent once per worker; the scheduler side stages in host memory from then on)."""
 
     ipc_refused: str | None = None
+    copied: list[str] = field(default_factory=list)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
-        if self.ipc_refused is None and isinstance(other, EncoderServiceWorkerMetadata):
-            self.ipc_refused = other.ipc_refused
+        if isinstance(other, EncoderServiceWorkerMetadata):
+            if self.ipc_refused is None:
+                self.ipc_refused = other.ipc_refused
+            self.copied = list(dict.fromkeys(self.copied + other.copied))
         return self
 
 
@@ -163,8 +169,10 @@ class EncoderServiceConnector(ECConnectorBase):
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
-        if isinstance(meta, EncoderServiceWorkerMetadata) and meta.ipc_refused:
-            self.table.fetcher.ipc_refused(meta.ipc_refused)
+        if isinstance(meta, EncoderServiceWorkerMetadata):
+            self.table.fetcher.copied(meta.copied)
+            if meta.ipc_refused:
+                self.table.fetcher.ipc_refused(meta.ipc_refused)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         try:
@@ -188,11 +196,14 @@ class EncoderServiceConnector(ECConnectorBase):
         self.loader.retain(meta.files)
 
     def build_connector_worker_meta(self) -> EncoderServiceWorkerMetadata | None:
-        refused = self.loader.ipc.refused if self.loader is not None and self.loader.ipc is not None else None
-        if refused is None or self._told_ipc_refused:
+        ipc = self.loader.ipc if self.loader is not None else None
+        if ipc is None:
             return None
-        self._told_ipc_refused = True
-        return EncoderServiceWorkerMetadata(refused)
+        copied, refused = ipc.take_copied(), ipc.refused
+        if self._told_ipc_refused:
+            refused = None
+        self._told_ipc_refused |= refused is not None
+        return EncoderServiceWorkerMetadata(refused, copied) if copied or refused else None
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
         pass  # a consumer saves nothing: the encoder service is the producer

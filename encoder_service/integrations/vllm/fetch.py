@@ -1,7 +1,9 @@
 """Fetching, scheduler side: an item's rows from the encoder service into a range of our arenas (arenas.py),
 over shared memory (the encoder writes into our file) or a socket (our client writes what it brings); or, by
-IPC, a probe that finds the rows in the encoder's device row arena and leaves them there for the workers to
-copy GPU to GPU (ipc_loads.py; rows not there are staged as above).
+IPC, a fetch that finds the rows in the encoder's device row arena and holds them there for the workers to
+copy GPU to GPU (ipc_loads.py; rows not there are staged as above). That one request is all a load by IPC
+costs: the hold rides to the workers in the step's metadata, they copy under it and report its token, and
+it is acknowledged from here (`copied`, on the acknowledgement thread of client/ipc.py: Acks).
 
 vLLM's encoder cache holds an image's rows, or a video's: all its frame groups' rows, group after group
 (Qwen3-VL's timestamp text between groups is not in it). The encoder caches a video per frame group, so a
@@ -9,10 +11,12 @@ video is fetched as its groups' items, `<video id>#<g>` at row g * tokens_per_gr
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 import torch
@@ -21,10 +25,11 @@ from encoder_service import errors
 from encoder_service.client import EncoderClient
 from encoder_service.client.grpc_transport import GrpcTransport
 from encoder_service.client.http import HttpTransport
+from encoder_service.client.ipc import Acks
 from encoder_service.client.shm import ShmBuffers
 from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
 from encoder_service.integrations.vllm.options import ConnectorOptions
-from encoder_service.integrations.vllm.worker import IpcRows, ShmRows
+from encoder_service.integrations.vllm.worker import IpcHold, IpcRows, ShmRows
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.ipc import IpcPlacement, IpcRequest, this_host
 from encoder_service.protocol.video_info import GROUP_SEP
@@ -56,7 +61,9 @@ class RowFetcher:
         self._meta: dict | None = None
         self._shm: bool | None = None if options.shm == "auto" else options.shm == "on"
         self._ipc: bool | None = None if options.ipc == "auto" and ipc_kind else False
-        self._probe_transport: HttpTransport | None = None
+        self._ipc_fetches: HttpTransport | None = None  # the IPC fetches' (and `_acks`')
+        self._acks: Acks | None = None
+        self._unused: dict[str, IpcHold] = {}  # holds taken, not yet given to a load (token -> hold)
         self._said_unplaced = False
 
     @property
@@ -119,11 +126,19 @@ class RowFetcher:
         ok = False
         try:
             if self._ipc:
-                placed = self._probe(item_id, items, per_item, span)
-                if placed is not None:
-                    _check_count(item_id, placed, num_rows, groups)
+                held = self._hold(item_id, items, per_item, span)
+                if held is not None:
+                    got, hold = held
+                    try:
+                        _check_count(item_id, got, num_rows, groups)
+                    except ItemUnavailable:
+                        self._acks.add(hold.placement.token)
+                        raise
+                    with self._lock:
+                        self._unused[hold.placement.token] = hold
                     ok = True
-                    return StagedRows(item_id, None, IpcRows(item_id, groups, num_rows, width, dtype), None, 0, 0)
+                    return StagedRows(item_id, None, IpcRows(item_id, groups, num_rows, width, dtype, hold), None,
+                                      0, 0)
             arena, start = self.arenas.take(span, width, dtype)
             got = self._fetch_into(item_id, items, per_item, arena.rows[start:start + span])
             _check_count(item_id, got, num_rows, groups)
@@ -147,11 +162,35 @@ class RowFetcher:
         ref = ShmRows(arena.name, self.options.shm_dir, offset, num_rows, width, dtype)
         return StagedRows(item_id, arena.rows[start:start + num_rows], ref, arena, start, span)
 
+    def load_ref(self, staged: StagedRows) -> ShmRows | IpcRows:
+        """What the workers get for a load of `staged`: rows left on the encoder's GPU come with the hold this
+        fetcher took on them the first time (the workers copy under it, no request of theirs), without it
+        after (vLLM evicted the item and loads it again: each worker fetches it with a hold of its own)."""
+        ref = staged.ref
+        if isinstance(ref, IpcRows) and ref.hold is not None:
+            with self._lock:
+                fresh = self._unused.pop(ref.hold.placement.token, None) is not None
+            if not fresh:
+                return dataclasses.replace(ref, hold=None)
+        return ref
+
+    def copied(self, tokens) -> None:
+        """Every worker copied the rows of these holds (vLLM's worker -> scheduler metadata, gathered from all
+        ranks): acknowledge them (client/ipc.py: Acks, a background thread)."""
+        for token in tokens:
+            self._acks.add(token)
+
     def drop(self, staged: StagedRows) -> None:
         """The item's range back to its arena (no worker may read it any more); rows left on the encoder's GPU
-        have none."""
+        have none, but a hold no load took is acknowledged (nobody will read under it)."""
         if staged.arena is not None:
             self.arenas.give(staged.arena, staged.start, staged.span)
+        elif isinstance(staged.ref, IpcRows) and staged.ref.hold is not None:
+            token = staged.ref.hold.placement.token
+            with self._lock:
+                unused = self._unused.pop(token, None) is not None
+            if unused:
+                self._acks.add(token)
 
     def ipc_refused(self, why: str) -> None:
         """A worker may not open the encoder's IPC handle (vLLM's worker -> scheduler metadata): stage every
@@ -161,23 +200,36 @@ class RowFetcher:
                         why, self.staging_mode)
             self._ipc = False
 
-    def _probe(self, item_id: str, items: list[tuple[str, int]], per_item: int, span: int) -> int | None:
-        """How many rows the item has (checked as `_fetch_into` checks them) when all of them are in the
-        encoder's device row arena; None when they are not (logged once): stage them instead. Holds nothing:
-        each worker's own fetch by IPC holds what it copies."""
-        with self._lock:
-            if self._probe_transport is None:
-                self._probe_transport = HttpTransport(self.options.url, token=self.options.auth_token)
-        request = IpcRequest(this_host(), hold=False).to_dict()
-        header, answer = self._probe_transport.fetch_ipc(items, 0, span, request, self.options.fetch_timeout_s)
-        got = checked_rows(item_id, items, per_item, header.segments)
+    def _hold(self, item_id: str, items: list[tuple[str, int]], per_item: int,
+              span: int) -> tuple[int, IpcHold] | None:
+        """(how many rows the item has, checked as `_fetch_into` checks them; the hold on them) when all of them
+        are in the encoder's device row arena; None when they are not (logged once): stage them instead."""
+        sent = time.monotonic()
+        request = IpcRequest(this_host(), hold=True).to_dict()
+        header, answer = self._ipc_transport().fetch_ipc(items, 0, span, request, self.options.fetch_timeout_s)
+        try:
+            got = checked_rows(item_id, items, per_item, header.segments)
+        except ItemUnavailable:
+            if isinstance(answer, IpcPlacement):
+                self._acks.add(answer.token)
+            raise
         if isinstance(answer, IpcPlacement):
-            return got
+            segments = header.segments
+            return got, IpcHold(answer, tuple(s.position for s in segments), tuple(s.num_rows for s in segments),
+                                sent + answer.lease_s)
         if not self._said_unplaced:
             log.info("item %s is not on the encoder's GPU (%s): staging it over %s (logged once)", item_id,
                      answer.reason, self.staging_mode)
             self._said_unplaced = True
         return None
+
+    def _ipc_transport(self) -> HttpTransport:
+        with self._lock:
+            if self._ipc_fetches is None:
+                transport = HttpTransport(self.options.url, token=self.options.auth_token)
+                self._ipc_fetches = transport
+                self._acks = Acks(lambda tokens: transport.ack_ipc(tokens, self.options.fetch_timeout_s))
+            return self._ipc_fetches
 
     def _fetch_into(self, item_id: str, items: list[tuple[str, int]], per_item: int, out: torch.Tensor) -> int:
         """Rows [0, len(out)) of `items` into `out`; how many rows the item has there (checked: one segment per
@@ -208,8 +260,9 @@ class RowFetcher:
                 c.close()
             except Exception:  # noqa: BLE001
                 pass
-        if self._probe_transport is not None:
-            self._probe_transport.close()
+        if self._ipc_fetches is not None:
+            self._acks.close()  # what is pending, once
+            self._ipc_fetches.close()
         self.arenas.close()
         self._buffers.close()  # unlinks every file (tensors still viewing them keep their mappings)
 

@@ -115,7 +115,8 @@ class StagingTable:
             return
         entry.waiting.discard(request_id)
         entry.held = True
-        self._loads.setdefault(identifier, ItemLoad(identifier, num_rows, entry.staged.ref))
+        if identifier not in self._loads:
+            self._loads[identifier] = ItemLoad(identifier, num_rows, self.fetcher.load_ref(entry.staged))
 
     def end_step(self, freed: Iterable[str] = ()) -> list[ItemLoad]:
         self._drain()

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 
 from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.ipc import IpcPlacement
 from encoder_service.protocol.shm import NAME_RE
 
 log = logging.getLogger("encoder_service.integrations.vllm")
@@ -40,16 +41,32 @@ class ShmRows(_RowsBytes):
 
 
 @dataclass(frozen=True)
+class IpcHold:
+    """Where the scheduler side's fetch found an item's rows in the encoder's device row arena, held there for
+    one step's loads (protocol/ipc.py: IpcPlacement, with its token): segment k's `counts[k]` rows are at
+    arena byte `placement.offsets[k]` and go to rows `positions[k]`.. of the item. The workers copy them
+    before `deadline` (time.monotonic() of this host: the hold's lease from before the scheduler side's
+    request) and report the token (connector.py: worker metadata); the scheduler side then acknowledges it."""
+
+    placement: IpcPlacement
+    positions: tuple[int, ...]
+    counts: tuple[int, ...]
+    deadline: float
+
+
+@dataclass(frozen=True)
 class IpcRows(_RowsBytes):
-    """An item's rows left on the encoder's GPU, in its device row arena (each worker fetches them itself by
-    IPC: ipc_loads.py): our id, a video's frame groups (None: an image), the rows' shape and dtype. Plain and
-    picklable, as ShmRows (no IPC handle in it: the worker's own fetch gets one)."""
+    """An item's rows left on the encoder's GPU, in its device row arena (each worker copies them itself by
+    IPC: ipc_loads.py): our id, a video's frame groups (None: an image), the rows' shape and dtype, and the
+    scheduler side's hold on them for this load (None: the worker fetches them with a hold of its own). Plain
+    and picklable, as ShmRows."""
 
     item_id: str
     groups: int | None
     num_rows: int
     row_width: int
     dtype: str
+    hold: IpcHold | None = None
 
 
 @dataclass(frozen=True)
