@@ -56,9 +56,16 @@ class Latency:
         self._ms = Histogram(f"{name}_ms", f"Deprecated, removed in the next release: use {name}_seconds. {help} "
                              "(ms)", labels, buckets=_MS_BUCKETS, registry=registry)
 
+        self._children: dict[tuple, tuple] = {}  # label values -> both histograms' children (a few per process)
+
     def observe(self, seconds: float, **labels: str) -> None:
-        for histogram, value in ((self._seconds, seconds), (self._ms, seconds * 1e3)):
-            (histogram.labels(**labels) if labels else histogram).observe(value)
+        key = tuple(sorted(labels.items()))
+        children = self._children.get(key)
+        if children is None:  # prometheus_client's labels() lookup is a measurable share of a small request
+            children = self._children[key] = tuple(h.labels(**labels) if labels else h
+                                                   for h in (self._seconds, self._ms))
+        children[0].observe(seconds)
+        children[1].observe(seconds * 1e3)
 
 
 def build_labels(*, attention: str, preprocess: str, env: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -91,6 +98,7 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("encoder_requests", "Requests by transport, method and outcome kind",
                                 ["transport", "method", "outcome"], registry=r)
+        self._request_counts: dict[tuple[str, str, str], object] = {}  # (transport, method, outcome) -> child
         self.request_latency = Latency("encoder_request", "Request latency", r, ("transport", "method"))
         self.queue_latency = Latency("encoder_queue", "Time an image waited for the GPU", r)
         self.preprocess_latency = Latency("encoder_preprocess", "Decode + resize + patchify of one image", r)
@@ -137,7 +145,11 @@ class Metrics:
         finally:
             observed.seconds = time.perf_counter() - t0
             self.in_flight.dec()
-            self.requests.labels(transport=transport, method=method, outcome=observed.outcome).inc()
+            key = (transport, method, observed.outcome)
+            counter = self._request_counts.get(key)
+            if counter is None:
+                counter = self._request_counts[key] = self.requests.labels(*key)
+            counter.inc()
             self.request_latency.observe(observed.seconds, transport=transport, method=method)
 
     def render(self) -> tuple[bytes, str]:
