@@ -242,8 +242,8 @@ class GraphRunner:
         """Per exact bucket b: k images of b patches (as many as the largest bucket and max_images allow, k >=
         2) one replay each on the exact graph, against one replay of them packed in a multi graph; wall ms,
         synchronized, median of SOLO_REPLAYS after one untimed, and whether alone is no slower
-        ("solo"). Captured runners only pay it at startup (~0.5 s at Qwen3-VL-8B's buckets on an H200); the
-        CPU tests run it on the static buffers (measure_solo)."""
+        ("solo"). Captured runners pay it once, at startup (four replays of two graphs per exact bucket, next
+        to the captures); the CPU tests run it on the static buffers (measure_solo)."""
         timings = {}
         m, largest = self.spec.merge_size, max(self.buckets)
         for b in sorted(self.exact_buckets):

@@ -57,3 +57,18 @@ def test_every_attention_choice_replays_like_eager(loaded, family, choice):
         cases.check_batch(runner, lm, grids, seed, rtol=2e-2)
     if choice == "torch":
         assert not {"fa4", "triton_short"} & set(attention["selected"].values())
+
+
+def test_measured_solo_buckets_run_alone_like_eager():
+    """A captured runner times, at startup, each exact bucket's images alone (k replays) against packed (one
+    multi graph) and runs alone exactly the buckets that measured no slower; either way a batch of them gives
+    each image's rows as the tower alone does."""
+    lm = cases.narrow_tower("cuda", torch.bfloat16)
+    runner = make_runner(lm, cuda_graphs=True, buckets=DEFAULT_BUCKETS)
+    timings = runner.describe()["solo_timings"]
+    assert timings and set(timings) <= set(runner.exact_buckets)
+    for seed, (bucket, t) in enumerate(timings.items()):
+        assert t["solo"] == (t["images"] * t["alone_ms"] <= t["packed_ms"]) == (bucket in runner.solo_buckets)
+        grids = [cases.one_frame(bucket)] * t["images"]
+        assert {g.kind for _, g in runner.plan(grids)} == ({"exact"} if t["solo"] else {"multi"})
+        cases.check_batch(runner, lm, grids[:3], seed, rtol=2e-2)

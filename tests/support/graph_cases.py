@@ -104,13 +104,13 @@ def bucket_batches(bucket: int, exact_buckets) -> list[tuple[list, str]]:
     it to halfway between the next smaller bucket and it."""
     below = max([b for b in SERVICE_BUCKETS if b < bucket], default=0)
     if bucket in exact_buckets:
-        single = ([_grid(bucket)], EXACT)
+        single = ([one_frame(bucket)], EXACT)
     else:
-        single = ([_grid(below + 4)], SINGLE)
+        single = ([one_frame(below + 4)], SINGLE)
     return [single, (_filling(bucket - (bucket - below) // 8 * 4), MULTI)]
 
 
-def _grid(patches: int) -> tuple[int, int, int]:
+def one_frame(patches: int) -> tuple[int, int, int]:
     """One frame of `patches` (a multiple of 4) patch rows, as square as even sides allow."""
     units = patches // 4
     side = max(d for d in range(1, math.isqrt(units) + 1) if units % d == 0)
