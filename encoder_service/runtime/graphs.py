@@ -240,7 +240,8 @@ class GraphRunner:
     @torch.inference_mode()
     def _time_solo(self) -> dict[int, dict]:
         """Per exact bucket b: k images of b patches (as many as the largest bucket and max_images allow, k >=
-        2) one replay each on the exact graph, against one replay of them packed in a multi graph; wall ms,
+        2) one replay each on the exact graph, against them packed as plan() would run them (one replay of a
+        multi graph, or eagerly: `_prefer_eager`); wall ms,
         synchronized, median of SOLO_REPLAYS after one untimed, and whether alone is no slower
         ("solo"). Captured runners pay it once, at startup (four replays of two graphs per exact bucket, next
         to the captures); the CPU tests run it on the static buffers (measure_solo)."""
@@ -260,9 +261,13 @@ class GraphRunner:
             if alone_meta is None or packed_meta is None:
                 continue
             alone_ms = _median_ms(lambda: alone.run(pixels, alone_meta), self.device)
-            packed_ms = _median_ms(lambda: packed.run(pixels * k, packed_meta), self.device)
+            if self._prefer_eager(PackedBatch(tuple(range(k)), k * b, k, packed_bucket)):  # as plan() would
+                route, run = "eager", lambda: self.eager.forward_batch(pixels * k, [grid] * k)
+            else:
+                route, run = MULTI, lambda: packed.run(pixels * k, packed_meta)
+            packed_ms = _median_ms(run, self.device)
             timings[b] = dict(images=k, alone_ms=round(alone_ms, 3), packed_bucket=packed_bucket,
-                              packed_ms=round(packed_ms, 3), solo=k * alone_ms <= packed_ms)
+                              packed_route=route, packed_ms=round(packed_ms, 3), solo=k * alone_ms <= packed_ms)
         if timings:
             log.info("exact buckets run alone (k replays no slower than k images packed): %s", ", ".join(
                 f"{b}: {t['images']} x {t['alone_ms']:.2f} vs {t['packed_ms']:.2f} ms -> "

@@ -129,6 +129,7 @@ def test_measured_solo_buckets_follow_their_timings(loaded):
     for b, t in timings.items():
         assert t["images"] == min(runner.max_images, max(BUCKETS) // b) >= 2
         assert t["packed_bucket"] == min(x for x in runner.buckets if x >= t["images"] * b)
+        assert t["packed_route"] in ("multi", "eager")
         assert t["alone_ms"] > 0 and t["packed_ms"] > 0
         assert t["solo"] == (t["images"] * t["alone_ms"] <= t["packed_ms"]) == (b in runner.solo_buckets)
     grids = [(1, 8, 12), (1, 8, 8), (1, 4, 4)]
