@@ -24,6 +24,7 @@ Server errors (an unknown id, a timeout) are raised as on every path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -59,10 +60,12 @@ class CudaIpcReader:
         """Queue each (arena offset, nbytes, contiguous destination on one device) copy on that device's current
         stream (opening the handle there the first time)."""
         device = pieces[0][2].device
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        current = torch.cuda.current_device()
+        index = device.index if device.index is not None else current
         base = self._open(handle, generation, index)
         stream = torch.cuda.current_stream(index).cuda_stream
-        with torch.cuda.device(index):
+        # (the runtime copies on the current device's context: switched only when `out` is on another one)
+        with torch.cuda.device(index) if index != current else contextlib.nullcontext():
             for offset, nbytes, dst in pieces:
                 cuda_ipc.memcpy_async(dst.data_ptr(), base + offset, nbytes, stream)
 
@@ -231,7 +234,8 @@ class IpcPath:
             nbytes = s.num_rows * row_bytes
             if offset % dtype.itemsize or offset + nbytes > answer.size:
                 raise wire.WireError(f"IPC offset {offset} (+{nbytes}) outside the {answer.size}-byte arena")
-            dst = out[s.position - start:s.position - start + s.num_rows]
+            at = s.position - start
+            dst = out if at == 0 and s.num_rows == len(out) else out[at:at + s.num_rows]
             if dst.dtype != dtype or not dst.is_contiguous():
                 casts.append((dst, torch.empty((s.num_rows, header.row_width), dtype=dtype, device=out.device)))
                 dst = casts[-1][1]
