@@ -58,7 +58,7 @@ from benchmarks.common.models import NAMES, build_checkpoint
 from benchmarks.common.report import ROOT, setup_info, write_result
 from benchmarks.common.service import in_process_service, service_settings
 from benchmarks.common.stats import percentile
-from encoder_service.protocol.ipc import IpcRequest, this_host
+from encoder_service.protocol.ipc import IpcPlacement, IpcRequest, this_host
 
 FAMILY = "qwen3_vl"
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
@@ -110,8 +110,10 @@ class Consumer:
 
     def paths(self) -> dict:
         from encoder_service.client.http import HttpTransport
+        from encoder_service.client.ipc import CudaIpcReader
 
         rows, checks, notes = [], [], []
+        reader = CudaIpcReader() if self.reader == "auto" else self.reader
         with contextlib.closing(HttpTransport(self.job["url"])) as probes, self.client(ipc="off") as plain, \
                 self.client(ipc=self.reader) as ipc, \
                 self.client(ipc="off", shm=True, shm_dir=self.job["shm_dir"]) as shm:
@@ -127,10 +129,24 @@ class Consumer:
                 self.sync()
                 first_ms = (time.perf_counter() - t0) * 1e3
                 probe = IpcRequest(this_host(), hold=False).to_dict()
+                held_acks: list[str] = []
+
+                def held_copy():  # what the client does, without it: a held request, the copy, the sync
+                    request = IpcRequest(this_host(), hold=True, ack=tuple(held_acks)).to_dict()
+                    held_acks.clear()
+                    _, answer = probes.fetch_ipc(item, 0, n, request, 120)
+                    if not isinstance(answer, IpcPlacement):
+                        raise RuntimeError(f"not placed: {answer}")
+                    reader.copy(answer.handle, answer.generation, [(answer.offsets[0], out.nbytes, out)])
+                    reader.synchronize(out.device)
+                    held_acks.append(answer.token)
+
                 variants = [
                     ("ipc", "fetch by IPC into the device `out` (GPU to GPU)", lambda: ipc.fetch(item, 0, n, out=out)),
                     ("ipc request", "its HTTP request alone: a probe (nothing held, nothing copied)",
                      lambda: probes.fetch_ipc(item, 0, n, probe, 120)),
+                    ("ipc, no client", "a held request, the copy and the sync as the client makes them, without it",
+                     held_copy),
                     ("shm", "shared memory into a registered alloc_rows buffer, then one copy to the device",
                      lambda: (shm.fetch(item, 0, n, out=buf), out.copy_(buf, non_blocking=registered))),
                     ("socket", "HTTP socket into the device `out`", lambda: plain.fetch(item, 0, n, out=out)),
@@ -155,9 +171,12 @@ class Consumer:
                     rows.append(dict(image=name, key=key, path=what, served=served, consumer=str(self.device),
                                      mbytes=ref.nbytes / 1e6, first_ms=first_ms if key == "ipc" and k == 0 else None,
                                      **_stats(ms)))
+                probes.ack_ipc(held_acks, 10)
                 if registered:
                     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
                 plain.release([info.id])
+        if reader is not self.reader:
+            reader.close()
         return dict(rows=rows, checks=checks, notes=notes)
 
     def _register(self, buf: torch.Tensor, notes: list[str]) -> bool:
