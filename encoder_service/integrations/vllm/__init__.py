@@ -12,7 +12,9 @@ without it; vLLM is imported only when the connector class is used (vLLM's facto
   fetch.py      scheduler side: RowFetcher, an item's rows from the encoder into an arena (shm or a socket); a
                 video's: all its frame groups' rows, group after group (vLLM caches a video as one item)
   arenas.py     scheduler side: RowArenas, ranges of rows in a few large shared-memory files
-  worker.py     worker side: ShmRows / ItemLoad (where staged rows are), RowLoader (their copy to the device)
+  worker.py     worker side: ShmRows / IpcRows / ItemLoad (where staged rows are, or that they are held on the
+                encoder's GPU), RowLoader (their copy to the device)
+  ipc_loads.py  worker side: IpcLoader, rows held on the encoder's GPU copied GPU to GPU (CUDA IPC)
   proxy.py      `encoder-service vllm-proxy`: OpenAI chat requests -> our encode -> vLLM with metadata-only
                 image_embeds / video_embeds parts whose uuid is our id (a video's: its grid and what its
                 family's prompt and M-RoPE need besides, `video_metadata`)
@@ -44,6 +46,13 @@ books; each worker maps the same memory and copies to its device.
       socket brings there.
   has_cache_item: staged? (a dict lookup)
   update_state_after_alloc: queue the item's load -> the step's metadata
+
+With `ipc` (the encoder on this host with a device row arena, the workers on CUDA) the fetch is a fetch by
+IPC with a hold: nothing is staged in host memory; the hold (the arena's handle, where each frame group's
+rows sit, a deadline) rides in the step's metadata, each worker copies the rows GPU to GPU under it with no
+request of its own and reports the hold's token in vLLM's worker metadata (gathered from every rank before
+the scheduler side sees it), and the scheduler side acknowledges it (ipc_loads.py has the details and the
+fallbacks).
 
 So no hook waits on the network: the scheduler answers from a dict, a worker only copies rows already in host
 memory, and every TP rank reads the same host copy. The arena is the carrier in both modes (only who writes
