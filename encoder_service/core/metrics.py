@@ -55,7 +55,6 @@ class Latency:
                                   registry=registry)
         self._ms = Histogram(f"{name}_ms", f"Deprecated, removed in the next release: use {name}_seconds. {help} "
                              "(ms)", labels, buckets=_MS_BUCKETS, registry=registry)
-
         self._children: dict[tuple, tuple] = {}  # label values -> both histograms' children (a few per process)
 
     def observe(self, seconds: float, **labels: str) -> None:

@@ -89,6 +89,8 @@ class IpcLoader:
                      else f"the encoder's arena is {p.kind}, this worker reads {self.reader.kind}")
             return False
         row_bytes = out.shape[1] * out.element_size()
+        if sum(hold.counts) != len(out):
+            raise RuntimeError(f"the hold covers {sum(hold.counts)} rows, the item has {len(out)}: not loading it")
         pieces = []
         for offset, position, count in zip(p.offsets, hold.positions, hold.counts):
             if offset % out.element_size() or offset + count * row_bytes > p.size or position + count > len(out):
@@ -107,7 +109,6 @@ class IpcLoader:
             log.info("a held load's copy ended past its hold's deadline; fetching it")
             return False
         return True
-
 
     def client(self) -> EncoderClient:
         with self._lock:
