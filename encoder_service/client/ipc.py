@@ -103,8 +103,7 @@ class Acks:
     is dropped: the server's lease ends those holds anyway.
 
     The thread is woken only from its idle wait (nothing pending): while fetches follow each other it wakes
-    at its own deadlines, so a fetch does not pay a thread switch (measured: waking it on every fetch cost
-    about a third of a small fetch's time on a 2-core host)."""
+    at its own deadlines, so a fetch does not pay a thread switch (a large share of a small fetch's time)."""
 
     def __init__(self, post: Callable[[list[str]], None]):
         self._post = post
