@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 from collections.abc import Awaitable
 from typing import Literal, TypeVar
@@ -49,6 +50,7 @@ from encoder_service.api.auth import BearerAuth
 from encoder_service.api.pickup import Pickups
 from encoder_service.api.requests import REQUEST_ID, served
 from encoder_service.api.rows_response import RowsResponse
+from encoder_service.api.socket_send import EXTENSION
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
 from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded, NotFound, UnsupportedMediaType
@@ -299,8 +301,11 @@ class _Served:
                     access_log=self._access_log) as serving:
             response = await self._answer(request, serving)
             response.headers[REQUEST_ID] = serving.request_id
+            writer = scope.get("extensions", {}).get(EXTENSION)
+            whole = writer is not None and not isinstance(response, RowsResponse)
             try:
-                await response(scope, receive, send)
+                with writer.whole_answer() if whole else contextlib.nullcontext():
+                    await response(scope, receive, send)
             except Exception as exc:  # the answer could not be sent (a bug: the server logs it)
                 serving.observed.failed(exc)
                 raise

@@ -17,6 +17,8 @@ copy) to `RowWriter.write`:
   3. the protocol's count of body bytes still due drops by what the thread sent, and the response ends with an
      empty body message through ASGI.
 A send error or timeout closes the connection (the client sees a short body, as with any dropped connection).
+A JSON answer, whose body comes at once, is written whole instead (`RowWriter.whole_answer`, api/http.py):
+its status line and headers wait for the body and leave with it in one write.
 
 uvicorn's ASGI interface has no "write these bytes from a thread", so this reads two attributes of its
 httptools protocol's per-request cycle: `transport` and `expected_content_length` (checked once, at
@@ -32,10 +34,12 @@ the loop path: readers that stall hold their threads until they read or time out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -133,10 +137,26 @@ class FreeThreads:
 
 
 class RowWriter:
-    """Writes one response's rows from a pool thread; see the module docstring for the steps."""
+    """Writes one response's rows from a pool thread; see the module docstring for the steps. Also writes a
+    small answer whole (`whole_answer`)."""
 
     def __init__(self, cycle, pool: ThreadPoolExecutor, free: FreeThreads):
         self._cycle, self._pool, self._free = cycle, pool, free
+
+    @contextlib.contextmanager
+    def whole_answer(self) -> Iterator[None]:
+        """While inside, the response's status line and headers wait for its first body bytes and go out with
+        them in one transport write: one send at the server and one read at the client instead of two each
+        (uvicorn writes the headers as soon as they come). Only for an answer whose body comes at once (a JSON
+        answer): rows written by a thread must find the headers sent (step 1 above)."""
+        real = self._cycle.transport
+        held = _HeadWithBody(real)
+        self._cycle.transport = held
+        try:
+            yield
+        finally:
+            self._cycle.transport = real
+            held.flush()
 
     async def write(self, rows: memoryview) -> str:
         """SENT: the rows went out, end the response; GONE: the connection closed, send nothing more;
@@ -156,6 +176,31 @@ class RowWriter:
             self._free.give()
         self._cycle.expected_content_length -= len(rows)
         return SENT
+
+
+class _HeadWithBody:
+    """A transport whose first write (a response's status line and headers) is held until the next one."""
+
+    def __init__(self, transport):
+        self._transport, self._head = transport, None
+        self._writes = 0
+
+    def write(self, data) -> None:
+        self._writes += 1
+        if self._writes == 1:
+            self._head = bytes(data)
+            return
+        if self._head is not None:
+            data, self._head = self._head + bytes(data), None
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def __getattr__(self, name: str):  # is_closing, close, get_extra_info, ...: the transport's own
+        return getattr(self._transport, name)
 
 
 async def _gone(transport) -> str:

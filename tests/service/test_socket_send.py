@@ -1,6 +1,7 @@
 """Fetched rows written by pool threads on the connection's socket (api/socket_send.py): the same bytes as the
 encode's own rows on every HTTP-carried path, on a kept-alive connection too; a client that stops reading
-holds one thread and nothing else, until it leaves or the send times out; `--send-threads 0` is the loop path.
+holds one thread and nothing else, until it leaves or the send times out; `--send-threads 0` is the loop path; a JSON
+answer leaves in one write.
 
 The rows are a Qwen3-VL-shaped checkpoint's (tests/support/vision_checkpoints.py: a tiny tower, rows 4096 x 4
 bf16 = 32 KiB): a 640x360 JPEG's entry is 440 rows, 14.4 MB, over MIN_BYTES and over what loopback socket buffers
@@ -195,3 +196,59 @@ def test_free_threads_queue_waiters_in_order_time_them_out_and_never_lose_a_thre
         assert await free.take(0) and not await free.take(0.01)
 
     asyncio.run(main())
+
+
+class Recording:
+    """A transport that records what is written to it."""
+
+    def __init__(self, transport, log: list[bytes]):
+        self._transport, self.log = transport, log
+
+    def write(self, data) -> None:
+        self.log.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+class WritesSpy:
+    """What each response's held transport (api/socket_send.py: _HeadWithBody) hands the real one."""
+
+    def __init__(self):
+        self.writes: list[list[bytes]] = []
+        spy = self
+
+        class Held(socket_send._HeadWithBody):
+            def __init__(self, transport):
+                spy.writes.append([])
+                super().__init__(Recording(transport, spy.writes[-1]))
+
+        self.held = Held
+
+
+def test_a_json_answer_leaves_in_one_write_and_rows_answers_do_not_wait(request, wide_checkpoint, monkeypatch, spy):
+    """An error and a success answered as JSON go out whole (status line, headers and body in one transport
+    write); a rows answer keeps its headers-first path (its rows are written by a thread after them)."""
+    writes = WritesSpy()
+    monkeypatch.setattr(socket_send, "_HeadWithBody", writes.held)
+    svc = running(request, wide_checkpoint, "--send-threads", "2", "--max-pixels", "20000000")
+    host, port = svc.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        for body, status in ((b'{"tokens": []}', 200), (b'{"tokens": 3}', 400)):
+            conn.request("POST", "/v1/fetch/ack", body=body, headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == status and json.loads(resp.read())
+        assert [len(w) for w in writes.writes] == [1, 1]
+        for (whole,) in writes.writes:
+            head, _, body = whole.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 ") and json.loads(body)
+        info = _encode(svc, seed=3)  # (its JSON answer goes whole too)
+        answers = len(writes.writes)
+        conn.request("POST", "/v1/fetch", body=_fetch_json(info), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and len(resp.read()) == int(resp.headers["content-length"])
+        assert len(writes.writes) == answers and spy.ended == [None]  # no held head: rows by the thread
+    finally:
+        conn.close()
