@@ -50,6 +50,8 @@ from encoder_service.runtime.eager import (
 
 log = logging.getLogger(__name__)
 
+SOLO_REPLAYS = 3  # timed runs of each way per exact bucket at startup (GraphRunner._time_solo)
+
 
 class _Graph:
     """One bucket and kind: its padded shape, static buffers and (when captured) the CUDA graph."""
@@ -241,10 +243,10 @@ class GraphRunner:
     def _time_solo(self) -> dict[int, dict]:
         """Per exact bucket b: k images of b patches (as many as the largest bucket and max_images allow, k >=
         2) one replay each on the exact graph, against them packed as plan() would run them (one replay of a
-        multi graph, or eagerly: `_prefer_eager`); wall ms,
-        synchronized, median of SOLO_REPLAYS after one untimed, and whether alone is no slower
-        ("solo"). Captured runners pay it once, at startup (four replays of two graphs per exact bucket, next
-        to the captures); the CPU tests run it on the static buffers (measure_solo)."""
+        multi graph, or eagerly: `_prefer_eager`); wall ms, synchronized, median of SOLO_REPLAYS after one
+        untimed; and whether alone is no slower ("solo"). Captured runners pay it once, at startup (four runs
+        of each way per exact bucket, next to the captures); the CPU tests run it on the static buffers
+        (measure_solo)."""
         timings = {}
         m, largest = self.spec.merge_size, max(self.buckets)
         for b in sorted(self.exact_buckets):
@@ -308,9 +310,6 @@ class GraphRunner:
             "graph_mib": round(self.graph_bytes / 2**20, 1),
             "attention": self.attention.describe(),
         }
-
-
-SOLO_REPLAYS = 3
 
 
 def _median_ms(run, device: torch.device) -> float:
