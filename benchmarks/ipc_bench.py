@@ -458,9 +458,11 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
                   f"| {_f(a.get('arena_copy_ms_per_image'), '.3f')} "
                   f"| {_f(a['host_copy_ms_per_image'], '.3f')} |", ""]
         if model.get("solo"):
-            lines += ["Exact buckets, k images alone (k replays) against packed (one multi graph), ms: " + "; ".join(
-                f"{b}: {t['images']} x {t['alone_ms']:.2f} vs {t['packed_ms']:.2f} ({t.get('packed_route', 'multi')}) "
-                f"-> {'alone' if t['solo'] else 'packed'}" for b, t in model["solo"].items()), ""]
+            solo = "; ".join(f"{b}: {t['images']} x {t['alone_ms']:.2f} vs {t['packed_ms']:.2f} "
+                             f"({t.get('packed_route', 'multi')}) -> {'alone' if t['solo'] else 'packed'}"
+                             for b, t in model["solo"].items())
+            lines += [f"Exact buckets, k images alone (k replays) against packed (as the runner would run them), "
+                      f"ms: {solo}", ""]
     paths = [r for name, part in p.items() if name.startswith("paths") for r in part["rows"]]
     if paths:
         lines += _head("## 2. All rows of one cached entry into a device `out` in another process, ms", "image", "MB",

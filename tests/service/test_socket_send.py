@@ -1,7 +1,7 @@
 """Fetched rows written by pool threads on the connection's socket (api/socket_send.py): the same bytes as the
 encode's own rows on every HTTP-carried path, on a kept-alive connection too; a client that stops reading
-holds one thread and nothing else, until it leaves or the send times out; `--send-threads 0` is the loop path; a JSON
-answer leaves in one write.
+holds one thread and nothing else, until it leaves or the send times out; `--send-threads 0` is the loop path;
+a JSON answer leaves in one write.
 
 The rows are a Qwen3-VL-shaped checkpoint's (tests/support/vision_checkpoints.py: a tiny tower, rows 4096 x 4
 bf16 = 32 KiB): a 640x360 JPEG's entry is 440 rows, 14.4 MB, over MIN_BYTES and over what loopback socket buffers
