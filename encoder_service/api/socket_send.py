@@ -7,9 +7,9 @@ it sends it runs nothing else (the encodes' bookkeeping included). A blocking `s
 threads make N kernel copies at once.
 
 `SocketSend(app, threads)` wraps the ASGI app uvicorn runs. For each HTTP request served by uvicorn's httptools
-protocol it puts a `RowWriter` in `scope["extensions"]`; `RowsResponse` (api/rows_response.py) sends the status
+protocol it puts a `SocketWriter` in `scope["extensions"]`; `RowsResponse` (api/rows_response.py) sends the status
 line, headers and wire header through ASGI as always, then hands the rows (a memoryview of the cache entry, no
-copy) to `RowWriter.write`:
+copy) to `SocketWriter.write`:
   1. wait until the transport holds no unsent bytes (the headers went to the kernel);
   2. a pool thread writes the rows with `sendall` on a dup of the connection's file descriptor (non-blocking,
      so with a timeout: SEND_TIMEOUT_S in all); HTTP/1.1 sends one response at a time on a connection, so the
@@ -17,7 +17,7 @@ copy) to `RowWriter.write`:
   3. the protocol's count of body bytes still due drops by what the thread sent, and the response ends with an
      empty body message through ASGI.
 A send error or timeout closes the connection (the client sees a short body, as with any dropped connection).
-A JSON answer, whose body comes at once, is written whole instead (`RowWriter.whole_answer`, api/http.py):
+A JSON answer, whose body comes at once, is written whole instead (`SocketWriter.whole_answer`, api/http.py):
 its status line and headers wait for the body and leave with it in one write.
 
 uvicorn's ASGI interface has no "write these bytes from a thread", so this reads two attributes of its
@@ -46,8 +46,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("encoder_service")
 
-EXTENSION = "encoder_service.row_writer"
-SENT, GONE, NOT_TAKEN = "sent", "gone", "not taken"  # RowWriter.write's outcomes
+EXTENSION = "encoder_service.socket_writer"
+SENT, GONE, NOT_TAKEN = "sent", "gone", "not taken"  # SocketWriter.write's outcomes
 MIN_BYTES = 1 << 20  # smaller rows go through ASGI: a thread hand-off costs ~0.1 ms
 SEND_TIMEOUT_S = 60.0  # a whole row write; 67 MB at 10 Mbit/s would take 54 s
 DRAIN_POLL_S, DRAIN_WAIT_S = 0.001, 1.0  # waiting for the headers to leave; else the loop path
@@ -55,7 +55,7 @@ QUEUE_WAIT_S = 0.25  # waiting for a free thread; else the loop path
 
 
 def httptools_cycle() -> type | None:
-    """uvicorn's httptools request cycle, when uvicorn serves HTTP with it and it has what RowWriter uses."""
+    """uvicorn's httptools request cycle, when uvicorn serves HTTP with it and it has what SocketWriter uses."""
     try:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -68,7 +68,7 @@ def httptools_cycle() -> type | None:
 
 
 class SocketSend:
-    """ASGI middleware: hands each HTTP request on uvicorn's httptools protocol a RowWriter (module docstring)."""
+    """ASGI middleware: hands each HTTP request on uvicorn's httptools protocol a SocketWriter (module docstring)."""
 
     def __init__(self, app: ASGIApp, threads: int):
         self.app = app
@@ -85,7 +85,7 @@ class SocketSend:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         cycle = getattr(send, "__self__", None)
         if self._pool is not None and scope["type"] == "http" and type(cycle) is self._cycle_type:
-            scope.setdefault("extensions", {})[EXTENSION] = RowWriter(cycle, self._pool, self._free)
+            scope.setdefault("extensions", {})[EXTENSION] = SocketWriter(cycle, self._pool, self._free)
         await self.app(scope, receive, send)
 
     def close(self) -> None:
@@ -136,7 +136,7 @@ class FreeThreads:
         self._free += 1
 
 
-class RowWriter:
+class SocketWriter:
     """Writes one response's rows from a pool thread; see the module docstring for the steps. Also writes a
     small answer whole (`whole_answer`)."""
 

@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from encoder_service.errors import DeadlineExceeded
-
-
-GridTHW = tuple[int, int, int]
+from encoder_service.models.metadata import GridTHW
 
 
 def always_wanted() -> bool:

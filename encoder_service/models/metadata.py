@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-GridTHW = tuple[int, int, int]
+GridTHW = tuple[int, int, int]  # an image's (or frame group's) patch grid: frames, rows, columns (the one alias)
 
 # Entries are small except cos/sin (a 1080p Qwen2.5 image: 10764 x 80 x 2 float32, about 7 MB).
 _SHAPE_CACHE_SIZE = 64

@@ -14,9 +14,8 @@ from typing import Sequence
 
 import torch
 
+from encoder_service.models.metadata import GridTHW
 from encoder_service.ops.attention import ONE, SEVERAL, WINDOWS, AttentionPolicy, use_policy
-
-GridTHW = tuple[int, int, int]
 
 
 def patches_of(grid: GridTHW) -> int:
