@@ -122,9 +122,9 @@ LAST_RESORT = "torch_masked"  # always present and correct; O(N^2) memory
 
 # ---- the selection table ------------------------------------------------------------------------
 # Preference per layout class under --attention auto: the first backend that is present, serves the
-# layout and head dim, and passed the startup check runs; LAST_RESORT closes every chain. Initial entries
-# from issue 14's H100 numbers: FA4 0.685 ms vs cuDNN (dense SDPA) 0.872 ms for Qwen3 1080p, 0.987 vs
-# 1.536 ms for Qwen2.5's full layers; windows: our short-segment kernel 0.054 ms vs FA4 0.207 ms.
+# layout and head dim, and passed the startup check runs; LAST_RESORT closes every chain. The order is
+# what the H100 measured (benchmarks/RESULTS.md, "Attention candidates per layout"): FA4 before cuDNN's
+# dense SDPA for full layers, our short-segment kernel before FA4 for Qwen2.5's windows.
 TABLE: dict[str, tuple[str, ...]] = {
     ONE: ("fa4", "torch_dense"),
     PADDED_SINGLE: ("fa4", "torch_two_segment"),

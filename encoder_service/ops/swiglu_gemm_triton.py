@@ -47,8 +47,8 @@ class TileConfig:
                 + ("p" if self.persistent else ""))
 
 
-# The fastest of the sweep on the H100 (benchmarks/mlp_kernels/): 0.310 ms at Qwen2.5 1080p, 0.238 at
-# 8 x 448x448 (the same tile launched per tile: 0.324 / 0.249).
+# The fastest of the sweep on the H100 (benchmarks/mlp_kernels/; benchmarks/RESULTS.md, "Speed (issue 23)"),
+# persistent ahead of the same tile launched per tile.
 DEFAULT_CONFIG = TileConfig(persistent=True)
 # What the benchmark sweeps (shared memory per stage: (block_m + 2 * block_n) * block_k * 2 bytes, plus the
 # output tile; the H100 has 227 KB per block).
