@@ -12,7 +12,8 @@ would only repeat (4xx, 429, 504) are raised at once.
 
 The transports take the call's timeout as their last argument: the first try gets all of it, each later
 try what is left (the server's `timeout_s` shrinks with it), and tries go on until the next pause would
-pass that deadline (a Redis outage of a few seconds is ridden out). Without a timeout, `tries` bounds them.
+leave less than MIN_TRY_S of that deadline (a Redis outage of a few seconds is ridden out). Without a
+timeout, `tries` bounds them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from dataclasses import dataclass
 from encoder_service import errors
 
 RETRYABLE = (errors.Unavailable,)  # the server's 503 / UNAVAILABLE, and a server that cannot be reached
+# A retry starts only with this much of the caller's timeout left: one started with a sliver of it can only
+# time out (a connect not done in the sliver), and the caller would see a timeout (504) where the server
+# could not be reached (503).
+MIN_TRY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class _Attempts:
         if self._deadline is None:
             self._retries_left -= 1
             return pause if self._retries_left >= 0 else None
-        return pause if time.monotonic() + pause < self._deadline else None
+        return pause if time.monotonic() + pause + MIN_TRY_S <= self._deadline else None
 
 
 class Retrying:

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from encoder_service import errors
-from encoder_service.client import AsyncEncoderClient, EncoderClient, RetryPolicy
+from encoder_service.client import AsyncEncoderClient, EncoderClient, RetryPolicy, retry
 from encoder_service.integrations.vllm.fetch import RowFetcher
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from tests.support.ports import free_port
@@ -121,6 +121,22 @@ def test_retries_stay_inside_the_callers_timeout():
     with EncoderClient.http(f"http://127.0.0.1:{free_port()}", timeout=0.3, retry=FAST) as client:
         with pytest.raises(errors.Unavailable, match="HTTP request failed"):  # nothing listening: tried, then
             client.metadata()
+
+
+def test_no_retry_starts_with_less_than_min_try_s_of_the_timeout_left():
+    """A try started with a sliver of the caller's timeout could only time out, and the caller would see a
+    timeout where the server never answered but 503 (an encoder down: the vLLM proxy's 503 became a 504 on a
+    loaded CI machine): the tries stop while MIN_TRY_S of the timeout is still left."""
+    timeout = 1.0
+    with scripted(unavailable()) as (url, seen):
+        with EncoderClient.http(url, timeout=timeout, retry=RetryPolicy(tries=2, first_backoff_s=0.01,
+                                                                        max_backoff_s=0.02)) as client:
+            t0 = time.monotonic()
+            with pytest.raises(errors.Unavailable):
+                client.metadata()
+            elapsed = time.monotonic() - t0
+    assert len(seen) > 2
+    assert elapsed <= timeout - retry.MIN_TRY_S + 0.1, elapsed  # (without the rule: within a pause of 1.0)
 
 
 def test_the_vllm_connectors_fetcher_retries_through_the_client():
