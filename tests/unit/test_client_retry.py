@@ -136,7 +136,7 @@ def test_no_retry_starts_with_less_than_min_try_s_of_the_timeout_left():
                 client.metadata()
             elapsed = time.monotonic() - t0
     assert len(seen) > 2
-    assert elapsed <= timeout - retry.MIN_TRY_S + 0.1, elapsed  # (without the rule: within a pause of 1.0)
+    assert elapsed <= timeout - retry.MIN_TRY_S + 0.15, elapsed  # (without the rule: within a pause of 1.0)
 
 
 def test_the_vllm_connectors_fetcher_retries_through_the_client():
