@@ -13,11 +13,12 @@ at most `max_claims` ids (past it the oldest is no longer renewed: its marker ex
 until its lease ends at the latest. Image bytes stay in Redis for their lease, after the rows land too (so
 that another replica can encode the image again should this one die); this replica keeps at most
 `input_budget` bytes of them there at a time (`max_input_bytes`, a quarter of Redis's maxmemory when that is
-smaller): past it the oldest it kept are deleted to make room, the newest images (those most likely not yet
-fetched) always kept. On a Redis that never evicts (noeviction) an image's bytes are kept only while Redis is
-under half full as last read (`redis_memory`): else, and when Redis refuses them, not kept (counted); the
-markers and the directory always come first. `epoch` is the tier's count of recoveries: a claim last written in an
-earlier one (or never: Redis was away when it was made) is written again, input included, by the next beat.
+smaller): past it the oldest it kept are deleted to make room (but not the newer bytes of a key claimed
+again), the newest images (those most likely not yet fetched) always kept. On a Redis that never evicts
+(noeviction) an image's bytes are kept only while Redis is under half full as last read (`redis_memory`):
+else, and when Redis refuses them, not kept (counted); the markers and the directory always come first.
+`epoch` is the tier's count of recoveries: a claim last written in an earlier one (or never: Redis was away
+when it was made) is written again, input included, by the next beat.
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ class Claims:
         self._px = int(pending_ttl_s * 1000)
         self._max_claims, self._max_input_bytes = max_claims, max_input_bytes
         self._claims: OrderedDict[str, Claim] = OrderedDict()
-        # Inputs sent, oldest first: (until, bytes, key); those the budget pushes out, to DEL with the next write.
+        # Inputs sent, oldest first: (until, bytes, key), and how many of them each key has (a key claimed again
+        # has a newer input under the same name); those the budget pushes out, to DEL with the next write
+        # (at most max_claims of them: past it the oldest are left to their lease).
         self._kept: collections.deque[tuple[float, int, str]] = collections.deque()
-        self._to_delete: list[str] = []
+        self._kept_keys: collections.Counter[str] = collections.Counter()
+        self._to_delete: collections.deque[str] = collections.deque(maxlen=max_claims)
         self._kept_bytes = 0
         self._redis_maxmemory = 0  # 0: unknown, or no limit
         self._headroom: int | None = None  # bytes inputs may still take on a Redis that never evicts
@@ -85,11 +89,12 @@ class Claims:
                     data = None
                 else:
                     while self.input_bytes + len(data) > self.input_budget:  # the oldest make room
-                        _, nbytes, old = self._kept.popleft()
-                        self._kept_bytes -= nbytes
-                        self._to_delete.append(old)
+                        old = self._pop_kept()
+                        if old is not None:  # (a key claimed again keeps its newer input: no DEL)
+                            self._to_delete.append(old)
                         self.inputs_pushed_out += 1
                     self._kept.append((until, len(data), key))
+                    self._kept_keys[key] += 1
                     self._kept_bytes += len(data)
                     if self._headroom is not None:
                         self._headroom -= len(data)
@@ -122,8 +127,18 @@ class Claims:
         """Bytes of the inputs this replica sent to Redis whose lease has not ended."""
         now = time.monotonic()
         while self._kept and self._kept[0][0] <= now:
-            self._kept_bytes -= self._kept.popleft()[1]
+            self._pop_kept()
         return self._kept_bytes
+
+    def _pop_kept(self) -> str | None:
+        """The oldest kept input leaves the books: its key, or None while a newer input of that key is kept."""
+        _, nbytes, key = self._kept.popleft()
+        self._kept_bytes -= nbytes
+        self._kept_keys[key] -= 1
+        if self._kept_keys[key]:
+            return None
+        del self._kept_keys[key]
+        return key
 
     async def write(self, claims: dict[str, Claim], lease_s: float, epoch: int) -> list[str]:
         """Write the claims' inputs and markers (SET NX: one round trip); a marker found set is another
@@ -132,7 +147,8 @@ class Claims:
         reason to stop: its marker is written all the same. Returns the names another replica holds. Raises
         what Redis raised for a marker. Hold `lock`."""
         lease_px = max(1, int(lease_s * 1000))
-        deleting, self._to_delete = self._to_delete, []  # inputs the budget pushed out (best effort)
+        deleting = list(self._to_delete)  # inputs the budget pushed out (best effort)
+        self._to_delete.clear()
         commands, marker_at, input_at = [("delete", *map(input_name, deleting))] if deleting else [], [], {}
         for key, claim in claims.items():
             if claim.input is not None:  # first: a marker anyone sees has its input beside it

@@ -406,3 +406,17 @@ async def test_the_newest_images_bytes_are_kept_the_oldest_make_room(redis_serve
         await a.mark_pending(["next"], inputs={"next": b"n" * 1000})  # pushes k3 out, deletes k0..k3 in Redis
         kept = [await b.input(f"k{k}") for k in range(6)]
         assert kept == [None] * 4 + [bytes([k]) * 1000 for k in (4, 5)] and await b.input("next") == b"n" * 1000
+
+
+async def test_an_input_pushed_out_is_not_deleted_while_its_key_has_a_newer_one(redis_server):
+    """A key claimed again (its image encoded again here after its entry went) sent newer bytes under the same
+    name: pushing its older bytes out of the budget deletes nothing in Redis; pushing the newer out does."""
+    async with replicas(redis_server.url, max_input_bytes=3000) as (a, b):
+        assert await a.mark_pending(["k"], inputs={"k": b"o" * 1000})
+        await a.mark_pending(["k"], inputs={"k": b"n" * 1000})  # claimed again: newer bytes, same name
+        assert await b.input("k") == b"n" * 1000
+        for k in range(2):  # x0 fills the budget; x1 pushes the older "k" bytes out (its write carries no DEL)
+            assert await a.mark_pending([f"x{k}"], inputs={f"x{k}": bytes([k]) * 1000})
+        assert a.stats()["redis_inputs_pushed_out"] == 1 and await b.input("k") == b"n" * 1000
+        assert await a.mark_pending(["y"], inputs={"y": b"y" * 10})  # pushes the newer "k" out: its DEL
+        assert a.stats()["redis_inputs_pushed_out"] == 2 and await b.input("k") is None
