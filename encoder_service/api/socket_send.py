@@ -18,7 +18,7 @@ copy) to `SocketWriter.write`:
      empty body message through ASGI.
 A send error or timeout closes the connection (the client sees a short body, as with any dropped connection).
 A JSON answer, whose body comes at once, is written whole instead (`SocketWriter.whole_answer`, api/http.py):
-its status line and headers wait for the body and leave with it in one write.
+its status line and headers wait for the body and leave with it in one write (up to WHOLE_MAX_BYTES of body).
 
 uvicorn's ASGI interface has no "write these bytes from a thread", so this reads two attributes of its
 httptools protocol's per-request cycle: `transport` and `expected_content_length` (checked once, at
@@ -52,6 +52,7 @@ MIN_BYTES = 1 << 20  # smaller rows go through ASGI: a thread hand-off costs ~0.
 SEND_TIMEOUT_S = 60.0  # a whole row write; 67 MB at 10 Mbit/s would take 54 s
 DRAIN_POLL_S, DRAIN_WAIT_S = 0.001, 1.0  # waiting for the headers to leave; else the loop path
 QUEUE_WAIT_S = 0.25  # waiting for a free thread; else the loop path
+WHOLE_MAX_BYTES = 1 << 16  # a JSON body up to this size leaves with its headers in one write (whole_answer)
 
 
 def httptools_cycle() -> type | None:
@@ -191,7 +192,11 @@ class _HeadWithBody:
             self._head = bytes(data)
             return
         if self._head is not None:
-            data, self._head = self._head + bytes(data), None
+            head, self._head = self._head, None
+            if len(data) > WHOLE_MAX_BYTES:  # a large body (embeddings in JSON): not copied to join them
+                self._transport.write(head)
+            else:
+                data = head + bytes(data)
         self._transport.write(data)
 
     def flush(self) -> None:

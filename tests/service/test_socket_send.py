@@ -229,7 +229,8 @@ class WritesSpy:
 
 def test_a_json_answer_leaves_in_one_write_and_rows_answers_do_not_wait(request, wide_checkpoint, monkeypatch, spy):
     """An error and a success answered as JSON go out whole (status line, headers and body in one transport
-    write); a rows answer keeps its headers-first path (its rows are written by a thread after them)."""
+    write); a large JSON body follows its headers without being joined to them; a rows answer keeps its
+    headers-first path (its rows are written by a thread after them)."""
     writes = WritesSpy()
     monkeypatch.setattr(socket_send, "_HeadWithBody", writes.held)
     svc = running(request, wide_checkpoint, "--send-threads", "2", "--max-pixels", "20000000")
@@ -244,7 +245,9 @@ def test_a_json_answer_leaves_in_one_write_and_rows_answers_do_not_wait(request,
         for (whole,) in writes.writes:
             head, _, body = whole.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 ") and json.loads(body)
-        info = _encode(svc, seed=3)  # (its JSON answer goes whole too)
+        info = _encode(svc, seed=3)  # its JSON carries the embeddings: over WHOLE_MAX_BYTES, not joined (copied)
+        head, body = writes.writes[-1]
+        assert head.startswith(b"HTTP/1.1 200") and len(body) > socket_send.WHOLE_MAX_BYTES
         answers = len(writes.writes)
         conn.request("POST", "/v1/fetch", body=_fetch_json(info), headers={"content-type": "application/json"})
         resp = conn.getresponse()
