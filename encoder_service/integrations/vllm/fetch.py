@@ -63,7 +63,7 @@ class RowFetcher:
         self._ipc: bool | None = None if options.ipc == "auto" and ipc_kind else False
         self._ipc_fetches: HttpTransport | None = None  # the IPC fetches' (and `_acks`')
         self._acks: Acks | None = None
-        self._unused: dict[str, IpcHold] = {}  # holds taken, not yet given to a load (token -> hold)
+        self._unused: set[str] = set()  # tokens of the holds taken, not yet given to a load
         self._said_unplaced = False
 
     @property
@@ -135,7 +135,7 @@ class RowFetcher:
                         self._acks.add(hold.placement.token)
                         raise
                     with self._lock:
-                        self._unused[hold.placement.token] = hold
+                        self._unused.add(hold.placement.token)
                     ok = True
                     return StagedRows(item_id, None, IpcRows(item_id, groups, num_rows, width, dtype, hold), None,
                                       0, 0)
@@ -169,7 +169,8 @@ class RowFetcher:
         ref = staged.ref
         if isinstance(ref, IpcRows) and ref.hold is not None:
             with self._lock:
-                fresh = self._unused.pop(ref.hold.placement.token, None) is not None
+                fresh = ref.hold.placement.token in self._unused
+                self._unused.discard(ref.hold.placement.token)
             if not fresh:
                 return dataclasses.replace(ref, hold=None)
         return ref
@@ -188,7 +189,8 @@ class RowFetcher:
         elif isinstance(staged.ref, IpcRows) and staged.ref.hold is not None:
             token = staged.ref.hold.placement.token
             with self._lock:
-                unused = self._unused.pop(token, None) is not None
+                unused = token in self._unused
+                self._unused.discard(token)
             if unused:
                 self._acks.add(token)
 
