@@ -7,6 +7,7 @@ writes), each a pending marker it renews until the outcome settles it, with the 
         elsewhere = await claims.write(new, lease_s, epoch)  # SET NX: the names another replica holds
     await claims.beat(epoch, writable)                      # the heartbeat: renew, or write again
     await claims.settle(key, value, claim, failure_ttl_s)   # landed, failed or released: state, then message
+    await claims.withdraw(key)                              # the id names other rows: no claim, no input
 
 The tier (redis_tier.py) owns one, runs its heartbeat, and answers the Redis errors these raise. Bounded:
 at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by itself), each claim
@@ -233,3 +234,14 @@ class Claims:
                     raise replies[0]
             self.drop(key, None if value == LANDED else claim)
         return True
+
+    async def withdraw(self, key: str) -> None:
+        """This replica's claim of `key` was made for bytes the id does not name (its rows elsewhere are of
+        other content): DEL the marker and the input (neither is to be waited on or encoded under the id),
+        then PUBLISH LANDED (waiters read the rows that exist). Nothing when the claim is not ours (another
+        replica's marker stays). Raises what Redis raised."""
+        async with self.lock:
+            if self._claims.pop(key, None) is None:
+                return
+            marker = marker_name(key)
+            await self._conns.pipelined(("delete", marker), ("delete", input_name(key)), ("publish", marker, LANDED))

@@ -11,11 +11,13 @@ asked for the same new image at once, and a replica may die (or lose Redis) mid-
     bytes (keys.py: content_tag), as its entry's header will (the binding below, not the marker, decides a
     conflict; replicas before the binding read it from the marker, so it stays in the format).
   - A caller id's *binding*: before a replica admits anything of an encode with caller ids, it binds each id
-    to the content tag of its bytes with SET NX of the id's binding, then reads the binding back
-    (`RedisTier.bind_tags`): the first replica to bind an id decides what it names, on every replica; every
-    other replica asked for the id with other bytes answers Conflict (409) before admitting anything, so it
-    claims nothing and keeps no bytes. A binding outlives the id's rows (the Redis TTL backstop, refreshed by
-    each use), and the replicas holding an id write its binding again when Redis lost it (restart, eviction).
+    to the content tag of its bytes (`RedisTier.bind_tags`, one script per id: bindings.py): the first
+    replica to bind an id decides what it names, on every replica, and where Redis lost the binding the tag
+    the id's location or marker carries decides; every other replica asked for the id with other bytes
+    answers Conflict (409) before admitting anything, so it claims nothing and keeps no bytes. A binding
+    outlives the id's rows (the Redis TTL backstop, refreshed by each use), and the replicas holding an id
+    write its binding again when Redis lost it (restart, eviction); an id found bound to other bytes by its
+    holder is retired (bindings.py).
   - Liveness: the marker lives `pending_ttl_s` (a few seconds) and its owner renews it every heartbeat while
     it encodes the image or writes its rows (until their lease ends at the latest). A replica that dies or
     loses Redis stops renewing: its markers expire within seconds, and whoever waits learns that the owner
@@ -166,14 +168,6 @@ def binding_name(name: str) -> str:
 
 def binding_value(content_tag: int) -> bytes:
     return b"%016x" % content_tag
-
-
-def bound_tag(value: bytes | None) -> int:
-    """The content tag a binding names; 0 when none (or not a binding)."""
-    try:
-        return int(value, 16) if value else 0
-    except ValueError:
-        return 0
 
 
 def pending_value(content_tag: int = 0, owner: str = "") -> bytes:

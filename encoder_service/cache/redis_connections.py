@@ -10,25 +10,43 @@
     not retried: that would double a request's stall on a Redis that stopped answering. redis-py's own
     retries stay off (`Retry(NoBackoff(), 0)`) for the same reason (they also retry timeouts and connects).
   - `pipelined`: one round trip, never a MULTI/EXEC transaction (Redis over maxmemory with `noeviction`
-    refuses every MULTI, even of reads, while plain commands still work).
+    refuses every MULTI, even of reads, while plain commands still work). Scripts (`LuaScript`) run as
+    EVALSHA; those a Redis does not have yet (NOSCRIPT: a new or restarted one) are loaded and run again,
+    a second round trip only then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 
 import redis.asyncio as aioredis
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 try:  # deadlines for a block of awaits; unlike asyncio.wait_for on 3.11, they never swallow a cancellation
     from asyncio import timeout, timeout_at  # 3.11+
 except ImportError:  # 3.10: redis-py depends on async-timeout there
     from async_timeout import timeout, timeout_at  # type: ignore[no-redef]  # noqa: F401 - timeout_at: redis_tier's
+
+
+_SCRIPTS: dict[str, str] = {}  # sha -> source of every LuaScript made: what a NOSCRIPT reply needs loaded
+
+
+class LuaScript:
+    """A Lua script, run in a pipeline as `script.command(keys, args)` (EVALSHA)."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        _SCRIPTS[self.sha] = source
+
+    def command(self, keys: tuple[str, ...], args: tuple) -> tuple:
+        return ("evalsha", self.sha, len(keys), *keys, *args)
 
 
 class PoolTimeout(Exception):
@@ -106,6 +124,20 @@ class Connections:
             self._slots.release()
 
     async def _pipeline(self, commands: tuple, raise_on_error: bool) -> list:
+        replies = await self._execute(commands, raise_on_error=False)
+        unloaded = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if unloaded:  # a Redis that has not seen these scripts yet (new, restarted): load them, run those again
+            shas = {commands[i][1] for i in unloaded}
+            await self._execute(tuple(("script_load", _SCRIPTS[sha]) for sha in shas), raise_on_error=True)
+            for i, reply in zip(unloaded, await self._execute(tuple(commands[i] for i in unloaded), False)):
+                replies[i] = reply
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
+
+    async def _execute(self, commands: tuple, raise_on_error: bool) -> list:
         async with self._client.pipeline(transaction=False) as pipe:
             for command, *args in commands:
                 if command == "set":

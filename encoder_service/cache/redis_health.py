@@ -4,6 +4,8 @@
     health.start()                    at the tier's start, on its loop
     health.available()                up (a call made while down is counted, and skipped by the caller)
     health.recovering()               up again within `recovery_grace_s` (others may not have written theirs yet)
+    await health.node_recovering(key) the node holding `key` is new here (a restart not seen yet) or recovering
+    health.known_nodes()              the nodes' run ids seen, for scripts to tell a new node (bindings.py)
     health.not_writing()              why nothing is written now (down, or an OOM pause), else None
     health.on_error(exc, writing=...) a failed command: unreachable -> down, an OOM reply to a write -> a pause
     health.wrote()                    a write succeeded (after a pause ended, its probe: the doubling ends)
@@ -32,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from encoder_service.cache.bindings import NO_NODE, NODE_RUN_ID
 from encoder_service.cache.redis_connections import Connections, PoolTimeout
 from encoder_service.cache.subscriber import Subscriber
 
@@ -84,6 +87,24 @@ class RedisHealth:
 
     def recovering(self) -> bool:
         return self._up_since is not None and time.monotonic() - self._up_since < self.recovery_grace_s
+
+    def known_nodes(self) -> str:
+        """What a script checks the Redis node it runs on against (bindings.py): the run id seen by the last
+        look, or NO_NODE while recovering (every node is new then); "" before the first look."""
+        return NO_NODE if self.recovering() else (self._run_id or "")
+
+    async def node_recovering(self, key: str) -> bool:
+        """Whether the Redis node holding `key` is new to this replica (restarted, or promoted by a failover,
+        since the heartbeat last looked; the heartbeat then looks at once) or recovering: nothing there is
+        known yet of what the other replicas hold. Raises what Redis raised."""
+        known = self.known_nodes()
+        if known in ("", NO_NODE):
+            return known == NO_NODE
+        (run_id,) = await self._conns.pipelined(NODE_RUN_ID.command((key,), ()))
+        new = run_id is None or run_id.decode() not in known
+        if new:
+            self.wake.set()
+        return new
 
     def writes_paused(self) -> bool:
         return time.monotonic() < self.paused_until

@@ -44,7 +44,7 @@ from typing import TypeVar
 import torch
 from redis.exceptions import OutOfMemoryError, RedisError
 
-from encoder_service.cache import directory
+from encoder_service.cache import bindings, directory
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, key_tag, rows_from_blocks
 from encoder_service.cache.claims import Claim, Claims
 from encoder_service.cache.directory import (
@@ -81,7 +81,7 @@ class RedisOptions:
     max_write_tries: int = 3
     probe_min_s: float = 0.25
     probe_max_s: float = 1.0
-    recovery_grace_s: float = 2.0
+    recovery_grace_s: float = 3.0  # > the heartbeat: every replica sees a restart and writes its bindings again
     oom_pause_min_s: float = 0.5
     oom_pause_max_s: float = 30.0
     header_cache_size: int = 4096
@@ -490,44 +490,58 @@ class RedisTier:
         return Marked(True, frozenset(elsewhere))
 
     async def bind_tags(self, tags: Mapping[str, int], *, again: bool = False) -> dict[str, int]:
-        """Bind caller ids to one content each, first come first served across replicas (directory.py): for
-        each name, SET NX of its binding to the content tag in `tags` (for `ttl_s`), then GET it back and
-        refresh its TTL (an id in use stays bound). Returns by name the tag each id is bound to now: this
-        one, or the one another replica bound first (a Conflict for the caller). One round trip. {} while
-        down or on an error: nobody here can tell, and the encode goes on as without Redis (the bindings of
-        what it accepts are written again once Redis is back, `again`).
-        Within `recovery_grace_s` of Redis coming back, other replicas may not have written their ids'
-        bindings again yet: a new binding is not made then (Unavailable: retry), unless `again` (this
-        replica writing again the bindings of ids it holds)."""
+        """Bind caller ids to one content each, first come first served across replicas (bindings.py: one
+        script per id, which also reads the content tag the id's location or pending marker carries, where
+        Redis lost the binding itself). Returns by name the tag each id is bound to now: this one, another
+        replica's (a Conflict for the caller), or bindings.RETIRED. One round trip. {} while down or on an
+        error: nobody here can tell, and the encode goes on as without Redis (the bindings of what it accepts
+        are written again once Redis is back, `again`).
+        Within `recovery_grace_s` of Redis coming back, or on a Redis node this replica has not seen yet (it
+        restarted since the heartbeat last looked), the replicas holding ids may not have written their
+        bindings again yet: an id Redis knows nothing of is not bound then (Unavailable: retry), unless
+        `again` (this replica writing again the bindings of ids it holds)."""
         if not tags or not self.health.available():
             return {}
-        grace = self.health.recovering() and not again
-        commands = []
-        for name, tag in tags.items():
-            binding = directory.binding_name(name)
-            if not grace:
-                commands.append(("set", binding, directory.binding_value(tag), self._ttl_px, True))
-            commands += [("get", binding), ("pexpire", binding, self._ttl_px)]
+        known = self.health.known_nodes()
+        commands = [bindings.bind_command(directory.binding_name(name), directory.location_name(name),
+                                          marker_name(name), tag=tag, ttl_px=self._ttl_px, again=again,
+                                          known_nodes=known)
+                    for name, tag in tags.items()]
         replies = await self._or_none(self._conns.pipelined(*commands, raise_on_error=False))
         if replies is None:
             return {}
-        step = 2 if grace else 3
         bound = {}
-        for name, at in zip(tags, range(0, len(replies), step)):
-            value = replies[at + step - 2]
-            if isinstance(value, RedisError):  # e.g. OOM on the SET: that id stays unbound (can't tell)
-                self.health.on_error(value, writing=True)
+        for name, reply in zip(tags, replies):
+            if isinstance(reply, RedisError):  # e.g. OOM on the SET: that id stays unbound (can't tell)
+                self.health.on_error(reply, writing=True)
                 continue
-            if isinstance(replies[at], OutOfMemoryError):
-                self.health.on_error(replies[at], writing=True)
-            tag = directory.bound_tag(value)
-            if tag:
-                bound[name] = tag
-            elif grace:
+            tag = bindings.parse_bound(reply)
+            if tag is bindings.RECOVERING:
+                self.health.wake.set()  # a node new to this replica: look at Redis now
                 raise Unavailable("the shared Redis tier came back moments ago, and the replicas holding caller "
                                   "ids have not written them again yet: retry")
+            bound[name] = tag
         self.counters["bindings_checked"] += len(tags)
         return bound
+
+    async def withdraw(self, key: str, tag: int) -> None:
+        """An encode of caller id `key` found the id's rows elsewhere of content `tag`, not its own: its claim
+        and kept bytes go (claims.py: withdraw), and the id's binding names `tag`, the rows that exist (the
+        binding it passed was made before Redis knew of them). Best effort: Redis faults are the tier's."""
+        await self._or_none(self._claims.withdraw(key), writing=True)
+        await self._or_none(self._conns.pipelined(
+            ("set", directory.binding_name(key), directory.binding_value(tag), self._ttl_px)), writing=True)
+
+    async def retire(self, names: Sequence[str]) -> None:
+        """Retire caller ids that name two contents on two replicas (bindings.py: Redis lost everything about
+        them while one replica held them, then another accepted other bytes under them): their bindings say
+        so for `ttl_s` and their locations go, so that no replica serves either content under them once it
+        drops its own (every holder does at its next binding check). One round trip; best effort."""
+        commands = [cmd for name in names for cmd in (
+            ("set", directory.binding_name(name), bindings.RETIRED_VALUE, self._ttl_px),
+            ("delete", directory.location_name(name)))]
+        if commands:
+            await self._or_none(self._conns.pipelined(*commands), writing=True)
 
     async def touch(self, keys: Sequence[str]) -> list[str]:
         """Of `keys` (entries this replica has in its local tier and was asked for again), those whose location
@@ -582,11 +596,17 @@ class RedisTier:
         except RedisError as exc:
             self.health.on_error(exc)
             return Settled.UNAVAILABLE
-        if settled is Settled.NOT_PENDING and self.health.recovering():
+        if settled is Settled.NOT_PENDING and (self.health.recovering() or await self._node_recovering(key)):
             return Settled.UNAVAILABLE  # its owner may not have written its marker again yet
         self._locations.pop(key, None)  # landed (or being taken over) since it was last read: read it afresh
         self.counters["pending_orphaned"] += settled is Settled.ORPHANED
         return settled
+
+    async def _node_recovering(self, key: str) -> bool:
+        try:
+            return await self.health.node_recovering(key)
+        except (RedisError, PoolTimeout):
+            return True  # cannot tell: not a 404
 
     async def _wait(self, key: str, label: str, deadline: float | None) -> Settled:
         marker = marker_name(key)

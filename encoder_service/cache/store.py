@@ -55,12 +55,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from encoder_service.cache.bindings import RETIRED
 from encoder_service.cache.entry import Entry, EntryHeader
 from encoder_service.cache.directory import Located, Marked, Settled
 from encoder_service.cache.keys import CacheKey
@@ -69,6 +71,7 @@ from encoder_service.cache.redis_tier import RedisOptions, RedisTier
 
 Key = CacheKey | str
 log = logging.getLogger(__name__)
+_REBIND_ALL_BATCH = 4096  # bindings written again per round trip after an outage (all of them, at once)
 
 
 def _name(key: Key) -> str:
@@ -107,8 +110,7 @@ class EmbeddingStore:
     async def start(self) -> None:
         if self.redis is not None:
             await self.redis.start()
-            self._tasks = [asyncio.create_task(self._reshare_after_outages(), name="reshare-after-outages"),
-                           asyncio.create_task(self._keep_bindings(), name="keep-bindings")]
+            self._tasks = [asyncio.create_task(self._announce(), name="announce-held-ids")]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -193,6 +195,13 @@ class EmbeddingStore:
         if self.redis is not None:
             self.redis.mark_failed(_name(key), exc)
 
+    async def withdraw(self, key: Key, tag: int) -> None:
+        """An encode of caller id `key` found the id's rows elsewhere, of other content (`tag`): with Redis,
+        its claim and kept bytes go and the id's binding names the rows that exist, so nothing waits on the
+        claim of a request that was a Conflict."""
+        if self.redis is not None:
+            await self.redis.withdraw(_name(key), tag)
+
     # ---- across replicas ------------------------------------------------------------------------
 
     async def mark_pending(self, keys: Iterable[Key], lease_s: float | None = None,
@@ -252,36 +261,41 @@ class EmbeddingStore:
         self.counters["reshared"] += len(missing)
         return len(missing)
 
-    async def _reshare_after_outages(self) -> None:
-        """Each time Redis comes back after an outage (or restarted), share every id leased here (a restarted
-        Redis is empty: other replicas' fetches of ids this one accepted must find them again): those pinned,
-        and those whose pin a full fetch ended within their lease (cache/local.py: leased_keys); and bind
-        again every caller id in the local tier. Bounded: only ids in the local tier."""
-        while True:
-            await self.redis.recovered()
-            try:
-                await self.bind_again(self._caller_tags())
-                shared = await self.share(self.local.leased_keys())
-            except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
-                log.warning("sharing the leased ids again after a Redis outage failed", exc_info=True)
-                continue
-            if shared:
-                log.info("wrote %d leased ids to Redis again after its outage", shared)
-
-    async def _keep_bindings(self) -> None:
-        """Every `rebind_s`, the bindings of the next `rebind_batch` caller ids in the local tier (round robin) are
-        written again where Redis lost them (evicted): an id this replica holds keeps naming its content on
-        every replica. One round trip per batch."""
-        names: list[str] = []
-        while True:
-            await asyncio.sleep(self.rebind_s)
-            if not names:
-                names = list(self._caller_tags())
-            batch, names = names[:self.rebind_batch], names[self.rebind_batch:]
-            try:
-                await self.bind_again(self._caller_tags(batch))
-            except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
-                log.warning("writing caller ids' bindings again failed", exc_info=True)
+    async def _announce(self) -> None:
+        """Keep what this replica holds known in Redis: every `rebind_s` the next `rebind_batch` ids of the
+        local tier (round robin), each caller id's binding written again where Redis lost it (`bind_again`),
+        and each id's location written again where Redis lost it (`share`: its LRU may have evicted it). Each
+        time Redis comes back after an outage (or restarted: it is empty), every caller id's binding at once
+        (bindings are small, and other replicas may bind other bytes once Redis's grace ends), then every id
+        held here again, the leased ones and the most recently used first, at the same rate: a large local
+        tier does not flood Redis, and other replicas' fetches find the ids again."""
+        queue: list[str] = []
+        recovered = asyncio.ensure_future(self.redis.recovered())
+        try:
+            while True:
+                await asyncio.wait({recovered}, timeout=self.rebind_s)
+                try:
+                    if recovered.done():
+                        recovered = asyncio.ensure_future(self.redis.recovered())
+                        names = self._caller_tags()
+                        for at in range(0, len(names), _REBIND_ALL_BATCH):
+                            await self.bind_again(dict(itertools.islice(names.items(), at, at + _REBIND_ALL_BATCH)))
+                        leased = self.local.leased_keys()
+                        queue = list(dict.fromkeys([*leased, *reversed(self.local.names())]))
+                        log.info("Redis is back after an outage or a restart: announcing the %d ids held here "
+                                 "again (%d leased first), %d per %.3g s", len(queue), len(leased),
+                                 self.rebind_batch, self.rebind_s)
+                    if not queue:
+                        queue = self.local.names()
+                    batch, queue = queue[:self.rebind_batch], queue[self.rebind_batch:]
+                    await self.bind_again(self._caller_tags(batch))
+                    shared = await self.share(batch)
+                    if shared:
+                        log.info("wrote %d held ids to Redis again (it had lost them)", shared)
+                except Exception:  # never fatal; the tier answers Redis faults itself: this is a bug
+                    log.warning("announcing the ids held here to Redis failed", exc_info=True)
+        finally:
+            recovered.cancel()
 
     def _caller_tags(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """name -> content tag of the caller ids among `names` (default: every entry) in the local tier."""
@@ -294,17 +308,22 @@ class EmbeddingStore:
 
     async def bind_again(self, tags: Mapping[str, int]) -> list[str]:
         """Write again the bindings of caller ids this replica holds (`tags`: name -> its entry's tag) where
-        Redis lost them. An id another replica bound to other bytes meanwhile (Redis lost this binding, then
-        accepted the other bytes under the id) is dropped here: Redis's binding is what every replica answers
-        by, so this replica no longer serves the other content under the id. Returns those dropped."""
+        Redis lost them. An id Redis now binds to other bytes (it lost everything about the id, then another
+        replica accepted other bytes under it) names two contents, one here and one there: it is retired
+        (bindings.py) and dropped here, so that neither caller is ever served the other's rows. Returns those
+        dropped."""
         if self.redis is None or not tags:
             return []
         bound = await self.redis.bind_tags(tags, again=True)
         lost = [name for name, tag in bound.items() if tag != tags[name]]
+        if not lost:
+            return []
+        await self.redis.retire([name for name in lost if bound[name] != RETIRED])
         for name in lost:
             self.local.discard(name)
-            log.warning("caller id %s is bound to other bytes in Redis (its binding was lost, then another "
-                        "replica accepted other bytes under it): dropped here", name)
+        log.warning("%d caller ids held here are bound to other bytes in Redis, or retired (Redis lost them, then "
+                    "another replica accepted other bytes under them): retired and dropped here, e.g. %s",
+                    len(lost), lost[0])
         self.counters["bindings_lost"] += len(lost)
         return lost
 

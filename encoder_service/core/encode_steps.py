@@ -23,6 +23,7 @@ from typing import Protocol, TypeVar
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, other_content
+from encoder_service.cache.bindings import RETIRED
 from encoder_service.core import timeouts
 from encoder_service.core.flight import conflict
 from encoder_service.core.replicas import Replicas
@@ -62,6 +63,10 @@ async def check_contents(replicas: Replicas, callers: Mapping[str, tuple[CacheKe
         return
     bound = await replicas.bind_tags({bound_under: tag for _, bound_under, tag in callers.values()})
     for name, (key, bound_under, tag) in callers.items():
+        if bound.get(bound_under.name) == RETIRED:
+            raise errors.Conflict(f"{what} {first_index[name]}: id {key.id!r} is retired: the shared Redis lost "
+                                  "what it named while a replica held it, and it was then sent with other bytes; "
+                                  "it names nothing now (send these bytes under another id)")
         if any(other_content(tag, recorded) for recorded in (bound.get(bound_under.name, 0), *local_tags(name))):
             raise conflict(key).prefixed(f"{what} {first_index[name]}: ")
 

@@ -164,6 +164,7 @@ class Flights:
             pulled = entry is None and (entry := await self._pull(flight.key, deadline)) is not None
             if entry is not None:
                 if other_content(flight.content_tag, entry.header.content_tag):  # another replica's rows
+                    await self._store.withdraw(flight.key, entry.header.content_tag)
                     raise conflict(flight.key)
                 if pulled:  # a copy here: its location names this replica too, and that settles our claim
                     self._store.put(flight.key, entry)

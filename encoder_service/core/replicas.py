@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Marked, Settled
+from encoder_service.cache import CacheKey, EmbeddingStore, Marked, Settled, other_content
 from encoder_service.cache.keys import CALLER_PREFIX
 from encoder_service.core.flight import Flight, Flights
 from encoder_service.core.images import ImageReader, Probed
@@ -203,6 +203,10 @@ class Replicas:
         image = await loop.run_in_executor(self._engine.cpu_pool, self._images.probe, 0, data, caller_id)
         if image.key.name != key.name:  # not the bytes of this id: never encode them under it
             log.warning("image bytes kept in Redis for %s hash to %s: ignored", key.name, image.key.name)
+            return None
+        if caller_id is not None and other_content(image.content_tag, (await self.bind_tags(
+                {key: image.content_tag})).get(key.name, 0)):  # bytes of a request that lost the id: ignored
+            log.warning("image bytes kept in Redis for %s are not what the id names: ignored", key.name)
             return None
         flight = self._flights.get(key.name)  # another fetch may have taken it over meanwhile
         if flight is not None:

@@ -25,7 +25,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import key_from_id
-from encoder_service.cache.directory import binding_name
+from encoder_service.cache.directory import binding_name, location_name
 from encoder_service.client import EncoderClient
 from encoder_service.client.types import ImageSource
 from tests.support.encoder_process import Replica, started
@@ -133,3 +133,86 @@ def test_a_binding_redis_lost_is_written_again_by_the_replica_holding_the_id(rep
     assert encode_grpc(b, "kept", y, wait=True) == 409
     rows, n = reference(a, x)
     assert torch.equal(rows_of(b, "u:kept", n), rows)
+
+
+def encode_retried(replica: Replica, caller_id: str, data: bytes) -> None:
+    """As the project's clients encode: a 503 (Redis restarted moments ago) is tried again."""
+    with EncoderClient.http(replica.url, timeout=WAIT_S) as client:
+        client.encode([ImageSource(data=data, caller_id=caller_id)], wait=True)
+
+
+def caller_name(replica: Replica, caller_id: str) -> str:
+    with httpx.Client(timeout=WAIT_S) as http:
+        fp = http.get(f"{replica.url}/v1/metadata").json()["fingerprint"]
+    return key_from_id(f"u:{caller_id}", fp).name
+
+
+def assert_rows_everywhere(replicas, caller_id: str, data: bytes) -> None:
+    rows, n = reference(replicas[0], data)
+    for replica in replicas:
+        assert torch.equal(rows_of(replica, f"u:{caller_id}", n), rows), replica.url
+
+
+def test_other_bytes_right_after_redis_evicted_the_binding_are_refused(replicas, shared_redis):
+    """Before: the binding was a SET NX of its own key, so once Redis evicted it another picture under the id
+    was accepted on B (while A held the first one's rows) until A's periodic rebind; A then dropped its own
+    entry, and the first caller read the other picture's rows. Now the binding is decided with what Redis
+    still has of the id: its location carries the content tag of the rows A holds."""
+    a, b = replicas
+    for k in range(3):
+        x, y = image_bytes(96, 64, seed=7101 + 2 * k), image_bytes(96, 64, seed=7102 + 2 * k)
+        caller_id = f"evicted-binding-{k}"
+        encode_retried(a, caller_id, x)
+        with redis.Redis.from_url(shared_redis.url) as direct:
+            assert direct.delete(binding_name(caller_name(a, caller_id))) == 1  # evicted: the binding alone
+        assert encode_http(b, caller_id, y, wait=False) == 409  # refused before it is admitted
+        assert_rows_everywhere(replicas, caller_id, x)
+
+
+def test_other_bytes_right_after_a_redis_restart_are_never_accepted(replicas, shared_redis):
+    """Before: a replica that had not noticed the restart yet (its heartbeat looks once a second) bound the id
+    to the other picture on the empty Redis: 200, and the first caller then read the other picture's rows.
+    Now a binding on a Redis node the replica has not seen is refused (503, retried by the project's clients)
+    until the replicas holding ids have written theirs again: then the other picture is a 409."""
+    a, b = replicas
+    x, y = image_bytes(96, 64, seed=7201), image_bytes(96, 64, seed=7202)
+    encode_retried(a, "restarted", x)
+    shared_redis.restart()
+    statuses = [encode_http(b, "restarted", y, wait=True)]  # at once: B has not looked at Redis since
+    wait_for(lambda: statuses.append(encode_http(b, "restarted", y, wait=True)) or statuses[-1] != 503,
+             "B to answer other than 503", WAIT_S)
+    assert set(statuses) <= {503, 409} and statuses[-1] == 409, statuses
+    assert_rows_everywhere(replicas, "restarted", x)
+
+
+def test_a_binding_found_wrong_by_its_holder_retires_the_id_everywhere(replicas, shared_redis):
+    """Redis lost everything about an id A holds (its binding and location), and B accepted other bytes under
+    it before A wrote its binding again: two contents under one id on two replicas. A, checking its bindings,
+    retires the id: every replica drops it, and from then on neither picture's rows are served under it (a
+    404), nor is it accepted again (409)."""
+    a, b = replicas
+    x, y = image_bytes(96, 64, seed=7301), image_bytes(96, 64, seed=7302)
+    refs = {"x": reference(a, x)[0], "y": reference(a, y)[0]}
+    encode_retried(a, "twice", x)
+    name = caller_name(a, "twice")
+    with redis.Redis.from_url(shared_redis.url) as direct:
+        direct.delete(binding_name(name), location_name(name))  # everything Redis had of the id
+        accepted = encode_http(b, "twice", y, wait=True) == 200  # 409 if A wrote its binding again first
+        if accepted:
+            wait_for(lambda: direct.get(binding_name(name)) == b"retired", "A to retire the id", WAIT_S)
+    for replica in replicas:
+        if accepted:  # both drop it at their next binding check
+            wait_for(lambda replica=replica: named_by(replica, "twice", refs) == "missing",
+                     f"{replica.url} to drop the id", WAIT_S)
+        else:
+            assert named_by(replica, "twice", refs) == "x"
+    assert encode_http(b, "twice", y, wait=True) == 409
+
+
+def named_by(replica: Replica, caller_id: str, refs: dict[str, torch.Tensor]) -> str:
+    """Which picture of `refs` `u:<caller_id>` names on `replica`, or "missing" (404)."""
+    n = next(iter(refs.values())).shape[0]
+    try:
+        return closest(rows_of(replica, f"u:{caller_id}", n), refs)
+    except errors.NotFound:
+        return "missing"

@@ -267,6 +267,32 @@ def test_a_replica_idle_while_redis_restarts_writes_its_leased_ids_again(request
     assert all(torch.equal(r, o) for r, o in zip(rows, own))
 
 
+def test_ids_released_but_still_held_are_announced_again_after_a_redis_restart(request, tiny_checkpoint,
+                                                                               redis_server):
+    """Before: only leased ids were written again after a restart, so ids a client had fetched and released
+    (still in A's LRU) were known to A alone, and B answered 404 for them. A now announces every id it holds
+    again, at a bounded rate."""
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    a = running(request, checkpoint, "--redis-url", redis_server.url)
+    b = running(request, checkpoint, "--redis-url", redis_server.url)
+    with EncoderClient.http(a.url, timeout=WAIT_S) as on_a, EncoderClient.http(b.url, timeout=WAIT_S) as on_b:
+        infos = [info for k in (0, 6) for info in on_a.encode(
+            [image_bytes(64, 48, seed=9200 + k + j) for j in range(6)], wait=True)]
+        own = [on_a.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
+        on_a.release([i.id for i in infos])
+
+        async def leased() -> list[str]:
+            return a.core.store.local.leased_keys()
+
+        assert a.call(leased) == []  # held here, no longer leased
+        wait_for(lambda: a.sample("encoder_cache_redis_writes_total") >= 12, "A's rows written to Redis", WAIT_S)
+        redis_server.restart()
+        wait_for(lambda: a.sample("encoder_cache_redis_restarts_seen_total")
+                 + a.sample("encoder_cache_redis_down_events_total") >= 1, "A to see the restart", WAIT_S)
+        rows = [on_b.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]  # the client retries B's 503s
+    assert all(torch.equal(r, o) for r, o in zip(rows, own))
+
+
 # ---- the replica holding landed rows SIGKILLed -----------------------------------------------------------
 def test_the_owner_of_landed_rows_killed_its_ids_are_encoded_again_elsewhere(tmp_path, tiny_checkpoint, roomy_redis):
     """The rows stay on the replica that made them; should it die, any replica still answers every id it had

@@ -22,7 +22,8 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, make_key
-from encoder_service.cache.directory import is_pending, marker_name
+from encoder_service.cache.directory import binding_name, input_name, is_pending, marker_name
+from encoder_service.cache.keys import content_tag
 from encoder_service.core import FetchItem, ImageInput, timeouts
 from encoder_service.core.flight import Flights
 from encoder_service.core.images import Probed
@@ -270,6 +271,12 @@ async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_se
         await b_core.encode(named(b, "z"), wait=True, timeout_s=WAIT_S)
     rows = await b_core.fetch([FetchItem("u:z", 0)], 0, first.shape[0], timeout_s=WAIT_S)
     assert torch.equal(rows.rows, first)
+    # The conflicting request's claim and kept bytes are gone (before: B renewed a pending marker for the lease,
+    # and another replica encoding the id waited on it: 504), and the binding names the rows that exist.
+    name = key_from_id("u:z", b_core.model_fp, b_core.settings.cache.hash).name
+    with redis.Redis.from_url(redis_server.url) as direct:
+        assert direct.exists(marker_name(name), input_name(name)) == 0
+        assert direct.get(binding_name(name)) == b"%016x" % content_tag(a)
 
 
 # ---- timeout_s -------------------------------------------------------------------------------------------
