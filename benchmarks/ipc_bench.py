@@ -8,8 +8,8 @@ processes (this module with --consumer, started with subprocess, one per consume
 when two GPUs are visible), as an LLM server is:
 
   1. model alone (this process, before the service starts): the runner on preprocessed 720p images per batch
-     size (benchmarks/load_bench.py: model_only; its best images/s is the reference of part 4), and what the
-     arena costs: the batch's device-to-device copy into it per image, beside the device-to-host copy the
+     size (benchmarks/common/model_alone.py; its best batch's images/s is the reference of part 4), and what
+     the arena costs: the batch's device-to-device copy into it per image, beside the device-to-host copy the
      engine makes anyway (what a lazy host copy would save), and the runner's images/s with that copy added.
   2. paths, per consumer device, for a cached 720p (28.8 MB) and 1080p (66.8 MB) entry: fetch of all rows into
      a device `out`, synchronized, ms: ipc (our client's fetch by IPC; its first fetch, which opens the
@@ -54,6 +54,7 @@ from benchmarks.common import children
 from benchmarks.common.device import bench_device, sync
 from benchmarks.common.images import jpeg, stamped
 from benchmarks.common.load import closed_loop
+from benchmarks.common.model_alone import BATCHES, SMALL_BATCHES, engine_inputs, model_alone, reference_text
 from benchmarks.common.models import NAMES, build_checkpoint
 from benchmarks.common.report import ROOT, setup_info, write_result
 from benchmarks.common.service import in_process_service, service_settings
@@ -273,23 +274,21 @@ def consumer_main(job_path: str) -> int:
 
 # ---- this process: the service, the model alone, the parts ---------------------------------------------------
 def model_and_arena(core, device, small: bool) -> dict:
-    """Part 1: load_bench's model-only table and its best images/s; the arena's device copy and the engine's
-    host copy per image on a batch of 720p images; the runner's images/s with the arena copy added."""
-    from benchmarks.load_bench import model_only, model_reference
+    """Part 1: the model alone on 720p images (benchmarks/common/model_alone.py: the reference of part 4); the
+    arena's device copy and the engine's host copy per image on one engine batch of them; the runner's images/s
+    with the arena copy added."""
     from encoder_service.engine.scheduler import batch_budget
-    from encoder_service.preprocessing import preprocess
     from encoder_service.runtime.transfer import HostCopier
 
-    cfg = dict(model_iters=20 if small else 200, model_s=0.5 if small else 2.0)
-    model = model_only(core, cfg, device)
-    reference, route = model_reference(model)
+    cfg = dict(max_calls=20 if small else 200, seconds=0.5 if small else 2.0)
+    pvs, grids = engine_inputs(core, [jpeg(*SIZES["720p"], seed=7300 + k) for k in range(4)])
+    alone = model_alone(core.runner, pvs, grids, device, batches=SMALL_BATCHES if small else BATCHES, **cfg)
     runner, arena = core.runner, core.ipc.arena
-    pre = preprocess(jpeg(*SIZES["720p"], seed=7300), core.preprocess_cfg, core.images.limits)
-    batch = max(1, batch_budget(core.settings.engine.batch_tokens, runner.buckets) // pre.pixel_values.shape[0])
-    pvs, grids = [pre.pixel_values.to(core.loaded.dtype)] * batch, [tuple(pre.grid_thw)] * batch
+    batch = max(1, batch_budget(core.settings.engine.batch_tokens, runner.buckets) // pvs[0].shape[0])
+    pvs, grids = pvs[:1] * batch, grids[:1] * batch
     outputs = runner.encode(pvs, grids)
     sync(device)
-    n, copier = cfg["model_iters"] // 4, HostCopier()  # one copier: its host pool reused, as the engine's is
+    n, copier = cfg["max_calls"] // 4, HostCopier()  # one copier: its host pool reused, as the engine's is
     row = dict(batch=batch, row_mb=outputs[0].nbytes / 1e6)
     row["host_copy_ms_per_image"] = percentile(_timed(lambda: copier.start(outputs).wait(), n, lambda: None),
                                                50) / batch
@@ -300,8 +299,7 @@ def model_and_arena(core, device, small: bool) -> dict:
         with_arena.append(lambda: arena.store(runner.encode(pvs, grids)))
     for key, fn in zip(("model", "model_and_arena_copy"), with_arena):
         row[f"{key}_images_per_s"] = batch / (percentile(_timed(fn, n, lambda: sync(device)), 50) / 1e3)
-    return dict(model=model, reference=reference, route=route, arena=row,
-                solo=getattr(runner, "solo_timings", None))
+    return dict(alone=alone, arena=row, solo=getattr(runner, "solo_timings", None))
 
 
 class Run:
@@ -449,10 +447,15 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
     model = p.get("model alone and the arena's copy")
     if model:
         a = model["arena"]
-        lines += _head("## 1. Model alone, and the arena's copy (720p images, one engine batch)", "batch",
-                       "MB of rows / image", "runner images/s", "with the arena copy images/s", "arena copy ms / image",
-                       "host copy (D2H + out of staging) ms / image",
-                       note=f"Reference (best model-only images/s): {model['reference']:.1f} ({model['route']}).")
+        alone = model["alone"]
+        lines += _head("## 1. Model alone (720p images on the device, per batch; the reference of part 4)",
+                       "batch (images)", "patches", "runner route", "ms / batch", "images/s",
+                       note=f"The model alone at its best batch: {reference_text(alone)}.")
+        lines += [f"| {r['batch']} | {r['patches']} | {r['route']} | {r['ms']:.2f} | {r['images_per_s']:.1f} |"
+                  for r in alone["rows"]]
+        lines += [""] + _head("And the arena's copy, on one engine batch", "batch", "MB of rows / image",
+                              "runner images/s", "with the arena copy images/s", "arena copy ms / image",
+                              "host copy (D2H + out of staging) ms / image")
         lines += [f"| {a['batch']} | {a['row_mb']:.3g} | {_f(a.get('model_images_per_s'), '.1f')} "
                   f"| {_f(a.get('model_and_arena_copy_images_per_s'), '.1f')} "
                   f"| {_f(a.get('arena_copy_ms_per_image'), '.3f')} "
@@ -489,10 +492,11 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
         lines.append("")
     e2e = [part for name, part in p.items() if name.startswith("e2e")]
     if e2e:
-        ref = model["reference"] if model else None
+        ref = model["alone"]["images_per_s"] if model else None
         lines += _head("## 4. End to end: distinct 720p JPEGs, encode wait=true, all rows into a device `out`, "
                        "release; one client process", "fetch", "consumer", "concurrency", "requests", "errors",
-                       "images/s", "% of model alone", "p50 ms", "fetch p50 ms", "fetches by path", "client loop CPU s")
+                       "images/s", "% of model alone", "p50 ms", "fetch p50 ms", "fetches by path", "client loop CPU s",
+                       note=f"% of the model alone: {reference_text(model['alone'])}." if model else None)
         for r in e2e:
             share = 100 * r["images_per_s"] / ref if ref else None
             lines.append(f"| {r['variant']} | {r['consumer']} | {r['concurrency']} | {r['requests']} | {r['errors']} "

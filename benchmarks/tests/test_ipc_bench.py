@@ -26,4 +26,5 @@ def test_ipc_bench_small(tmp_path):
     assert "| 1080p | " in out and "(GPU to GPU) | ipc |" in out  # part 2: the IPC row served by IPC
     assert "| cpu | ipc | ipc |" in out and "| cpu | shm | shm |" in out  # part 3: both connector modes
     assert "| ipc | cpu | 4 |" in out and "{'ipc':" in out  # part 4: the closed loop fetched by IPC
+    assert out.count("The model alone at its best batch: ") == 1 and out.count("% of the model alone: ") == 1
     assert list(tmp_path.glob("ipc_bench-*.json")) and (tmp_path / "ipc_bench.md").exists()

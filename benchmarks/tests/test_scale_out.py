@@ -47,6 +47,11 @@ def test_scale_out_small(tmp_path):
             assert all(n > 0 for n in row["encoded_per_replica"]) and row["fetch_other"]["n"] > 0
             assert row["verified"] > 0
     assert all(r["mismatches"] == 0 and r["waited_other"]["n"] > 0 for r in result["latency"])
+    # the model alone, from a process built as a replica is, per image size: the reference of every row's %
+    alone = result["model_alone"]["tiny qwen3_vl"]
+    assert sorted(alone) == ["320x180", "480x270"] and all(a["images_per_s"] > 0 for a in alone.values())
+    assert all(row["of_model_alone"] > 0 for row in result["scale"])
+    assert "| tiny qwen3_vl | 480x270 | " in proc.stdout and " images/s at batch " in proc.stdout
     (kill,) = result["kill"]
     assert sum(kill["fresh"]["after_kill"].values()) == kill["images"]  # every fresh fetch has an outcome
     paths = {(r["image"], r["key"]) for r in result["transfer"]}

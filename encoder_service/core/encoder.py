@@ -103,6 +103,7 @@ class EncoderCore:
         self.metrics.registry.register(CacheCollector(store, self.shm))
         self.ipc = IpcFetches(ipc_arena)  # core/ipc_fetch.py
         self.metrics.registry.register(IpcCollector(self.ipc))
+        self.metrics.graph_captures(runner.describe())
         self.metrics.build_info(**build_labels(attention=settings.engine.attention,
                                                preprocess=settings.model.preprocess))
         self._ready = False

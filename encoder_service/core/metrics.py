@@ -119,6 +119,11 @@ class Metrics:
             "encoder_pending_unmarked", "Ids accepted for encoding whose pending marker could not be written to "
             "Redis (down, full or busy): fetches of them on other replicas answer at once instead of waiting",
             registry=r)
+        self.graph_capture_failures = Counter(
+            "encoder_graph_capture_failures", "CUDA-graph captures that failed at startup, by bucket (patch rows) "
+            "and graph kind: a graph is tried twice, then its batches run eagerly", ["bucket", "kind"], registry=r)
+        self.graphs_eager = Gauge("encoder_graphs_eager", "Graphs whose capture failed twice at startup: the "
+                                  "batches that would replay them run eagerly", registry=r)
         self._build_info = Gauge("encoder_build_info", "What this process runs (always 1): the package version, "
                                  "its git commit, torch and transformers versions, the --attention and "
                                  "--preprocess in use", BUILD_LABELS, registry=r)
@@ -127,6 +132,13 @@ class Metrics:
         """Set `encoder_build_info` (one sample, 1) with these labels (BUILD_LABELS)."""
         self._build_info.clear()
         self._build_info.labels(**labels).set(1)
+
+    def graph_captures(self, runner: dict) -> None:
+        """The runner's failed captures (its describe(): `capture_failures`, none for an eager runner)."""
+        failures = runner.get("capture_failures", [])
+        for f in failures:
+            self.graph_capture_failures.labels(str(f["bucket"]), f["kind"]).inc(len(f["errors"]))
+        self.graphs_eager.set(sum(f["eager"] for f in failures))
 
     @contextlib.contextmanager
     def observe(self, transport: str, method: str) -> Iterator[Observed]:

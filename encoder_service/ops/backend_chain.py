@@ -16,9 +16,10 @@ ints only) and how a key reads in the log and in describe(). On that, the chain:
   - describes: the choice, the backend per key, the demotions.
 
 `check_against_float32` is the check both ops run: the backend eagerly, then (capture=True) captured in a
-CUDA graph and replayed on new inputs with its output poisoned with NaN first, each time compared with the
-float32 reference. `ThreadPolicy`: the chain in force on a thread (a runner's, around its forward and
-captures: a captured graph keeps the kernels it recorded), else one default made on first use.
+CUDA graph (ops/cuda_graph.py, as the runner's graphs are) and replayed on new inputs with its output poisoned
+with NaN first, each time compared with the float32 reference. `ThreadPolicy`: the chain in force on a thread
+(a runner's, around its forward and captures: a captured graph keeps the kernels it recorded), else one
+default made on first use.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import ClassVar, Generic, TypeVar
 
 import torch
+
+from encoder_service.ops.cuda_graph import capturing
 
 K = TypeVar("K", bound=tuple)
 P = TypeVar("P")
@@ -177,7 +180,7 @@ def check_against_float32(make_inputs: Callable[[], CheckInputs], compare: Calla
             call()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as runtime/graphs.py captures
+        with capturing(graph):  # as the runner's graphs are captured
             out = call()
         refill()
         out.fill_(float("nan"))

@@ -21,6 +21,9 @@ is selected at the warm-up before each capture (FA4 and Triton compile there, ne
 after the policy's startup check ran every layout class in a small captured graph. `describe()["attention"]`
 and the startup log say which backend serves which layout class.
 
+Captures (runtime/graph_capture.py): a failed one is tried once more; a graph that still cannot be captured
+is left out of `graphs`, and the batches that would replay it run eagerly (`describe()["capture_failures"]`).
+
 `capture=False` builds the same static buffers, pads, copies in, runs the tower eagerly ON THE STATIC
 BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding, boundary and order
 logic exactly (tests/unit/test_graphs.py).
@@ -37,6 +40,7 @@ import torch
 
 from encoder_service.models.metadata import EXACT, MULTI, SINGLE, BatchMetadata, PaddedShape
 from encoder_service.ops.attention import ONE, PADDED_SINGLE, SEVERAL, use_policy
+from encoder_service.runtime.graph_capture import Capturer, CudaCapture, capture_graph
 from encoder_service.runtime.packing import PackedBatch, pack
 from encoder_service.runtime.eager import (
     DeviceMetadataCache,
@@ -54,10 +58,13 @@ SOLO_REPLAYS = 3  # timed runs of each way per exact bucket at startup (GraphRun
 
 
 class _Graph:
-    """One bucket and kind: its padded shape, static buffers and (when captured) the CUDA graph."""
+    """One bucket and kind: its padded shape, static buffers and (once captured) the CUDA graph. It holds the
+    tower and attention policy, not the runner: a runner dropped frees its graphs at once, never in a cyclic
+    collection that might run inside another capture (ops/cuda_graph.py)."""
 
-    def __init__(self, runner: GraphRunner, bucket: int, kind: str, pool):
-        self.runner, self.bucket, self.kind = runner, bucket, kind
+    def __init__(self, runner: GraphRunner, bucket: int, kind: str):
+        self.tower, self.attention = runner.tower, runner.attention
+        self.bucket, self.kind = bucket, kind
         self.shape = PaddedShape.for_graph(
             bucket, kind, max_images=runner.max_images, merge_unit=runner.merge_unit, window_units=runner.window_units
         )
@@ -65,37 +72,17 @@ class _Graph:
         # of exactly `bucket` patches, 1 x merge x bucket / merge).
         m = runner.spec.merge_size
         grid = (1, m, bucket // m) if kind == EXACT else (1, m * 2, m * 2)
-        template = self.pad(runner.tower.metadata([grid]))
+        template = self.pad(self.tower.metadata([grid]))
         self.static = {name: t.to(runner.device).clone() for name, t in template.tensors().items()}
         self.meta = dataclasses.replace(template, **self.static)
         self.pixels = torch.zeros(bucket, runner.spec.patch_dim, device=runner.device, dtype=runner.dtype)
         self.pixels.normal_()  # warm-up / capture input: never zeros (they hide indexing errors)
-        self.graph = None
+        self.graph = None  # set by runtime/graph_capture.py
         self.out = None
-        if pool is not None:
-            self._capture(pool)
 
     def pad(self, meta: BatchMetadata) -> BatchMetadata:
         """A batch's CPU metadata padded to this graph's shape; ValueError if it does not fit."""
         return meta.padded(self.shape)
-
-    @torch.inference_mode()
-    def _capture(self, pool):
-        tower = self.runner.tower
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with use_policy(self.runner.attention):
-            # warm-up on these very shapes: the attention backends are selected, Triton and FA4 compile,
-            # cuBLAS picks algorithms (nothing compiles inside the capture)
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    tower(self.pixels, self.meta)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: a CUDA call another thread of the process makes meanwhile (a server's pinned
-            # staging, a client's copy) cannot invalidate this capture, as it would in the default global mode
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-                self.out = tower(self.pixels, self.meta)
 
     @torch.inference_mode()
     def run(self, pixel_values: Sequence[torch.Tensor], padded_meta) -> torch.Tensor:
@@ -114,8 +101,8 @@ class _Graph:
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        with use_policy(self.runner.attention):
-            return self.runner.tower(self.pixels, self.meta)
+        with use_policy(self.attention):
+            return self.tower(self.pixels, self.meta)
 
 
 class GraphRunner:
@@ -136,6 +123,7 @@ class GraphRunner:
         solo_min_patches: int | None = 4096,
         measure_solo: bool = False,
         attention: str = "auto",
+        capturer: Capturer | None = None,
     ):
         # spill / policy path; its attention policy is this runner's too
         self.eager = EagerRunner(loaded, max_batch_patches=max_batch_patches, attention=attention)
@@ -156,40 +144,49 @@ class GraphRunner:
         self.exact_buckets = frozenset(int(b) for b in exact_buckets)
         if any(b % self.merge_unit for b in self.exact_buckets):
             raise ValueError(f"exact buckets must be multiples of {self.merge_unit}: {sorted(self.exact_buckets)}")
-        self.mode = "cuda_graphs" if capture else "static_buffers"
         self._device_meta = DeviceMetadataCache(meta_cache_size)
 
-        capture = capture and self.device.type == "cuda"
-        if capture:  # every layout class a graph may hold, checked inside a small captured graph first
+        cuda = capture and self.device.type == "cuda"
+        if cuda:  # every layout class a graph may hold, checked inside a small captured graph first
             self.eager.check_attention((ONE, PADDED_SINGLE, SEVERAL), capture=True)
-        pool = torch.cuda.graph_pool_handle() if capture else None
-        if capture:
+            capturer = capturer or CudaCapture()
             torch.cuda.synchronize()
             reserved0 = torch.cuda.memory_reserved()
+        self.mode = "cuda_graphs" if capturer is not None else "static_buffers"
         start = time.perf_counter()
-        self.graphs: dict[tuple[int, str], _Graph] = {}
+        self.graphs: dict[tuple[int, str], _Graph] = {}  # without the graphs that could not be captured
+        self.capture_failures: list[dict] = []  # per graph whose capture failed: bucket, kind, errors, eager
         self.capture_log: list[tuple[int, str, int]] = []  # (bucket, kind, MiB reserved after its capture)
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
             for kind in (EXACT if bucket in self.exact_buckets else SINGLE, MULTI):
-                self.graphs[(bucket, kind)] = _Graph(self, bucket, kind, pool)
-                if capture:
+                graph = _Graph(self, bucket, kind)
+                if capturer is not None:
+                    captured, errors = capture_graph(capturer, graph)
+                    if errors:
+                        self.capture_failures.append(dict(bucket=bucket, kind=kind, errors=errors, eager=not captured))
+                    if not captured:
+                        continue  # plan() finds no graph for its batches: they run eagerly
+                if cuda:
                     self.capture_log.append((bucket, kind, torch.cuda.memory_reserved() // 2**20))
+                self.graphs[(bucket, kind)] = graph
         self.capture_s = time.perf_counter() - start
         self.graph_bytes = 0
-        if capture:
+        if cuda:
             torch.cuda.synchronize()
             self.graph_bytes = torch.cuda.memory_reserved() - reserved0
-        self.solo_timings = self._time_solo() if capture or measure_solo else {}
+        self.solo_timings = self._time_solo() if cuda or measure_solo else {}
         self.solo_buckets = frozenset(
             b for b in self.exact_buckets
             if (self.solo_timings[b]["solo"] if b in self.solo_timings
                 else solo_min_patches is not None and b >= solo_min_patches))
-        log.info(
+        eager = ", ".join(f"{f['bucket']}/{f['kind']}" for f in self.capture_failures if f["eager"])
+        log.log(
+            logging.WARNING if eager else logging.INFO,
             "%s: %d graphs, buckets %s (patch rows; exact %s), max %d images per graph, captured in %.2f s, "
-            "%.1f MiB held", self.mode, len(self.graphs), self.buckets, sorted(self.exact_buckets), max_images,
-            self.capture_s, self.graph_bytes / 2**20,
+            "%.1f MiB held%s", self.mode, len(self.graphs), self.buckets, sorted(self.exact_buckets), max_images,
+            self.capture_s, self.graph_bytes / 2**20, f"; not captured, run eagerly: {eager}" if eager else "",
         )
-        if capture:
+        if cuda:
             log.info("%s", self.attention.summary())
 
     @torch.inference_mode()
@@ -232,7 +229,7 @@ class GraphRunner:
                         kind = SINGLE
                     elif batch.patches == batch.bucket:
                         kind = EXACT
-                graph = self.graphs[(batch.bucket, kind)]
+                graph = self.graphs.get((batch.bucket, kind))  # None: its capture failed (eager)
             routes.append((batch, graph))
         return routes
 
@@ -255,8 +252,10 @@ class GraphRunner:
                 continue
             grid = (1, m, b // m)
             packed_bucket = next(x for x in self.buckets if x >= k * b)
-            alone = self.graphs[(b, EXACT)]
-            packed = self.graphs[(packed_bucket, MULTI)]
+            alone = self.graphs.get((b, EXACT))
+            packed = self.graphs.get((packed_bucket, MULTI))
+            if alone is None or packed is None:  # a capture that failed: nothing to time
+                continue
             pixels = [alone.pixels[:b]]
             alone_meta = self._padded_meta(alone, [grid])
             packed_meta = self._padded_meta(packed, [grid] * k)
@@ -301,6 +300,7 @@ class GraphRunner:
             "buckets": self.buckets,
             "exact_buckets": sorted(self.exact_buckets),
             "graphs": len(self.graphs),
+            "capture_failures": self.capture_failures,
             "max_images": self.max_images,
             "eager_min_patches": self.eager_min_patches,
             "max_padding": self.max_padding,

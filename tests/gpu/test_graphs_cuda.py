@@ -1,13 +1,19 @@
 """Captured CUDA graphs (runtime/graphs.py) against the tower run on each image alone, eager: the same
 batches as the CPU static-buffer tests (tests/support/graph_cases.py), replayed on the same graphs one after
 another, so a stale boundary or window index would show; and a batch for each graph of every bucket the
-service captures."""
+service captures. Captures that fail: no collection of garbage graphs inside a capture, a failed capture
+undone, a runner capturing again after one (tests/unit/test_graph_capture.py: the retry and eager route)."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
 
+from encoder_service.ops.cuda_graph import capturing
+from encoder_service.runtime.graph_capture import CudaCapture
 from encoder_service.runtime.graphs import GraphRunner
 from encoder_service.runtime.runner import make_runner
 from encoder_service.settings import ATTENTION, DEFAULT_BUCKETS
@@ -73,3 +79,91 @@ def test_measured_solo_buckets_run_alone_like_eager():
         kinds = {g.kind if g is not None else "eager" for _, g in runner.plan(grids)}
         assert kinds == ({"exact"} if t["solo"] else {t["packed_route"]})
         cases.check_batch(runner, lm, grids[:3], seed, rtol=2e-2)
+
+
+# ---- captures that fail (ops/cuda_graph.py, runtime/graph_capture.py) ----------------------------------------
+
+
+class InCycle:
+    """`graph`, held in a reference cycle: freed only by the cyclic collector."""
+
+    def __init__(self, graph):
+        self.graph, self.me = graph, self
+
+
+def test_a_collection_inside_a_capture_destroys_no_graph():
+    """CUDA graphs in reference cycles are freed by Python's cyclic collector, which runs at whatever allocation
+    crosses its threshold: inside a capture, destroying a graph there invalidated the capture (issue 38, item
+    7). `capturing` pauses the collector; here the graphs become garbage inside the capture, with a collection
+    due at every allocation, and are collected after it."""
+    x = torch.ones(64, device="cuda")
+    cycles = []
+    for _ in range(4):
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            x.mul_(1)
+        cycles.append(InCycle(graph))
+    del graph
+    collected = weakref.ref(cycles[0])
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            cycles.clear()  # garbage now, inside the capture
+            junk = [[i] for i in range(1000)]  # allocations: each would start a collection
+            y = x + len(junk)
+        gc.collect()
+        assert collected() is None
+    finally:
+        gc.set_threshold(*thresholds)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x + 1000)
+
+
+def test_a_failed_capture_is_undone():
+    """A capture invalidated (a sync inside it) raises, and leaves the thread on its own stream and the caching
+    allocator no longer recording into the pool; a capture in a fresh pool then replays."""
+    stream, pool = torch.cuda.current_stream(), torch.cuda.graph_pool_handle()
+    x = torch.ones(64, device="cuda")
+    with pytest.raises(RuntimeError):
+        with capturing(torch.cuda.CUDAGraph(), pool):
+            x.mul_(2)
+            torch.cuda.synchronize()  # not allowed inside a capture: invalidates it
+    assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
+    with pytest.raises(RuntimeError, match="not currently recording"):
+        torch._C._cuda_endAllocateToPool(x.device.index, pool)  # _undo ended it already
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph, torch.cuda.graph_pool_handle()):
+        y = x * 3
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 3))
+
+
+class FailFirst(CudaCapture):
+    """The first capture invalidated by a sync inside it (in the runner's pool), the rest as the runner's."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def capture(self, graph) -> None:
+        if not self.failed:
+            self.failed = True
+            with capturing(torch.cuda.CUDAGraph(), self.pool):
+                torch.cuda.synchronize()
+        super().capture(graph)
+
+
+def test_a_runner_recovers_from_a_failed_capture(loaded):
+    """The runner's largest graph fails once for real, is captured on the retry (in a fresh pool, as every later
+    graph), and every graph replays like the tower alone."""
+    lm = loaded("qwen2_5_vl", "cuda", torch.bfloat16)
+    runner = GraphRunner(lm, buckets=cases.BUCKETS, capturer=FailFirst())
+    failures = runner.describe()["capture_failures"]
+    assert len(failures) == 1 and failures[0]["bucket"] == max(cases.BUCKETS) and not failures[0]["eager"]
+    assert runner.describe()["graphs"] == 2 * len(cases.BUCKETS)
+    for seed, grids in enumerate(cases.SAME_TOTAL_SINGLE + cases.SAME_TOTAL_MULTI + cases.MIXED):
+        cases.check_batch(runner, lm, grids, seed, rtol=2e-2)
