@@ -1,15 +1,20 @@
-"""Optional bearer-token auth shared by HTTP and gRPC. Health endpoints stay open (the transports decide)."""
+"""Optional bearer-token auth shared by HTTP and gRPC. Health endpoints stay open (the transports decide).
+
+Another replica fetching rows (core/peers.py) sends no token: it signs its request with a key derived from the
+token (protocol/peer_auth.py), which this accepts on the row path only (`check_fetch`)."""
 
 from __future__ import annotations
 
 import hmac
 
 from encoder_service.errors import Unauthenticated
+from encoder_service.protocol import peer_auth
 
 
 class BearerAuth:
     def __init__(self, token: str | None):
         self._token = token.encode() if token else None
+        self._peer_key = peer_auth.peer_key(token) if token else None
 
     @property
     def enabled(self) -> bool:
@@ -25,7 +30,18 @@ class BearerAuth:
         if not authorization:
             raise Unauthenticated("missing bearer token (send 'authorization: Bearer <token>')")
         scheme, _, given = authorization.partition(" ")
+        if peer_auth.is_peer(authorization):
+            raise Unauthenticated("a replica's signature authorizes its fetch of rows only (POST /v1/fetch)")
         if scheme.lower() != "bearer" or not given:
             raise Unauthenticated("authorization must be 'Bearer <token>'")
         if not hmac.compare_digest(given.strip().encode(), self._token):
             raise Unauthenticated("wrong bearer token")
+
+    def signed_by_peer(self, authorization: str | None) -> bool:
+        """The request says it is another replica's (checked with its body: `check_peer`); else `check` it."""
+        return self._peer_key is not None and peer_auth.is_peer(authorization)
+
+    def check_peer(self, authorization: str, method: str, path: str, body: bytes, me: str | None) -> None:
+        """Raises Unauthenticated unless `authorization` is a replica's signature of this request, addressed to
+        this replica (`me`: its owner id in the directory; None: no Redis, so no peers)."""
+        peer_auth.check(self._peer_key, authorization, method, path, body, me)

@@ -53,7 +53,8 @@ from encoder_service.api.rows_response import RowsResponse
 from encoder_service.api.socket_send import EXTENSION
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
-from encoder_service.errors import EncoderServiceError, InvalidInput, LimitExceeded, NotFound, UnsupportedMediaType
+from encoder_service.errors import (EncoderServiceError, InvalidInput, LimitExceeded, NotFound, Unauthenticated,
+                                     UnsupportedMediaType)
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
@@ -144,6 +145,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
     rows gRPC fetches left for their clients (shared with the gRPC server)."""
     settings = core.settings
     auth = BearerAuth(settings.server.auth_token)
+    owner = core.store.redis.owner if core.store.redis is not None else None  # what peers' signatures address
     max_body = settings.limits.max_body_bytes
     metrics, access_log = core.metrics, settings.server.access_log
     app = FastAPI(title="encoder_service", version="1", docs_url=None, redoc_url=None, openapi_url=None)
@@ -216,7 +218,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         return JSONResponse({kind: out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 
     async def _fetch(request: Request) -> Response:
-        body = await _json_body(request, FetchJson)
+        body = await _json_body(request, FetchJson, peer_path="/v1/fetch")
         shm = ShmTarget(body.shm.name, body.shm.offset, body.shm.by_position) if body.shm is not None else None
         ipc = _ipc_request(body.ipc.host, body.ipc.hold, body.ipc.ack) if body.ipc is not None else None
         result = await _unless_disconnected(request, core.fetch(
@@ -244,13 +246,24 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         prefix, rows = wire.http_parts(*taken)
         return RowsResponse(prefix, rows, OCTET, {})
 
-    async def _json_body(request: Request, model: type[_Strict]):
-        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch, pickup and release)."""
-        auth.check(request.headers.get("authorization"))
+    async def _json_body(request: Request, model: type[_Strict], peer_path: str | None = None):
+        """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch, pickup and release).
+        `peer_path`: the row path, where another replica's signature of the request (its body included: read
+        first) stands for the token, for a fetch marked `peer` only."""
+        authorization = request.headers.get("authorization")
+        signed = peer_path is not None and auth.signed_by_peer(authorization)
+        if not signed:
+            auth.check(authorization)
         ctype = _content_type(request)
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
-        return bodies.parse(model, await bodies.bounded(request, max_body).body())
+        raw = await bodies.bounded(request, max_body).body()
+        if signed:
+            auth.check_peer(authorization, "POST", peer_path, raw, me=owner)
+        body = bodies.parse(model, raw)
+        if signed and getattr(body, "peer", None) is None:
+            raise Unauthenticated("a replica's signature authorizes its own fetches only (marked \"peer\")")
+        return body
 
     async def _ack(request: Request) -> Response:
         body = await _json_body(request, AckJson)

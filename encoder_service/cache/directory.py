@@ -67,8 +67,9 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from encoder_service.cache.entry import HEADER_LEN
 from encoder_service.cache.keys import KEY_PREFIX
-from encoder_service.errors import EncoderServiceError, Unavailable
+from encoder_service.errors import DeadlineExceeded, EncoderServiceError, Unavailable
 
 PENDING = b"pending"
 LANDED = b"landed"
@@ -103,13 +104,15 @@ class Marked:
 class Located:
     """Where an id's rows are, from the directory: `header` (size, grid, content tag: the entry's, without
     its rows); `owner`, the replica that wrote them ("" when only a row copy in Redis says so), and `url`,
-    its advertised address while it lives (None: gone, this replica itself, or it advertises none);
-    `copy`: a copy of the rows is in Redis too (read them with GETRANGE)."""
+    its advertised address while it lives (None: gone, this replica itself or one advertising this one's
+    address, or it advertises none); `copy`: a copy of the rows is in Redis too (read them with GETRANGE);
+    `block_sums`: the rows' block checksums, whose digest is the header's (b"": not recorded)."""
 
     header: object  # entry.py: EntryHeader
     owner: str
     url: str | None
     copy: bool
+    block_sums: bytes = b""
 
 
 class EncodeFailed(EncoderServiceError):
@@ -142,17 +145,20 @@ def location_name(name: str) -> str:
     return _scheme_name(name, "at")
 
 
-def location_value(owner: str, header: bytes) -> bytes:
-    """`<owner> <the entry's raw header>`: who holds the rows, and what they are (size, grid, content tag)."""
-    return owner.encode("ascii") + b" " + header
+def location_value(owner: str, header: bytes, block_sums: bytes) -> bytes:
+    """`<owner> <the entry's raw header><its block checksums>`: who holds the rows, what they are (size, grid,
+    content tag) and what they must hash to (the entry's trailer, whose digest the header carries: a replica
+    checks the rows another one sends against it, cache/entry.py: verify_rows)."""
+    return owner.encode("ascii") + b" " + header + block_sums
 
 
-def parse_location(value: bytes | None) -> tuple[str, bytes] | None:
-    """(owner, raw header) of a location value; None when there is none (or it is not one)."""
+def parse_location(value: bytes | None) -> tuple[str, bytes, bytes] | None:
+    """(owner, raw header, block checksums) of a location value; None when there is none (or it is not one).
+    No checksums (b""): written by a replica before they were (its rows are not checked)."""
     if not value:
         return None
-    owner, sep, header = value.partition(b" ")
-    return (owner.decode("ascii", "replace"), header) if sep and owner else None
+    owner, sep, rest = value.partition(b" ")
+    return (owner.decode("ascii", "replace"), rest[:HEADER_LEN], rest[HEADER_LEN:]) if sep and owner else None
 
 
 def replica_name(owner: str) -> str:
@@ -194,9 +200,9 @@ def failure_value(kind: str, message: str) -> bytes:
 
 def outcome_of(exc: BaseException) -> bytes:
     """How an owner settles an encode that ended with `exc`: RELEASED when the fault is the owner's own, not
-    the image's (it is shutting down, its engine or a batch failed: another replica can do better), else
-    the failure."""
-    if isinstance(exc, Unavailable):
+    the image's (it is shutting down, its engine or a batch failed, it timed out waiting: another replica can
+    do better), else the failure."""
+    if isinstance(exc, (Unavailable, DeadlineExceeded)):
         return RELEASED
     if isinstance(exc, EncoderServiceError):
         return failure_value(exc.kind, exc.message)

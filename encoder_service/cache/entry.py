@@ -241,15 +241,22 @@ class Entry:
         self.header.check_rows(start, end)
         return self.tensor[start:end]
 
+    def block_sums(self) -> bytes:
+        """The trailer: each block's checksum (computed once: one pass over the rows)."""
+        if self._trailer is None:
+            self._trailer = _block_sums(self.header, _payload_view(self.tensor))
+        return self._trailer
+
+    def stored_header(self, key: str | None = None) -> EntryHeader:
+        """The header as stored: `key` (the full cache key) tagged into it when given, and the digest of the
+        block checksums (`block_sums`)."""
+        return dataclasses.replace(self.header, key_tag=key_tag(key),
+                                   payload_digest=xxhash.xxh3_64_intdigest(self.block_sums()))
+
     def to_bytes(self, key: str | None = None) -> bytes:
         """Serialized value; `key` (the full cache key) is tagged into the header when given."""
-        payload = _payload_view(self.tensor)
-        if self._trailer is None:
-            self._trailer = _block_sums(self.header, payload)
-        header = dataclasses.replace(
-            self.header, key_tag=key_tag(key), payload_digest=xxhash.xxh3_64_intdigest(self._trailer)
-        )
-        return b"".join((header.pack(), payload, self._trailer))
+        header = self.stored_header(key)
+        return b"".join((header.pack(), _payload_view(self.tensor), self._trailer))
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str | None = None) -> Entry:
@@ -261,6 +268,12 @@ class Entry:
         trailer = bytes(view[header.trailer_offset :])
         verify_blocks(header, trailer, 0, view[HEADER_LEN : header.trailer_offset])
         return cls(header, _as_rows(data, header, HEADER_LEN, header.num_rows), trailer)
+
+
+def verify_rows(header: EntryHeader, trailer: bytes, first_block: int, rows: torch.Tensor) -> None:
+    """Check `rows` (whole blocks from `first_block` on, the entry's last one may be short: [n, row_width],
+    contiguous) against `trailer`, whose digest is the header's; CorruptEntry otherwise."""
+    verify_blocks(header, trailer, first_block, _payload_view(rows))
 
 
 def rows_from_blocks(header: EntryHeader, trailer: bytes, start: int, end: int, blocks: bytes) -> torch.Tensor:

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+import xxhash
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from encoder_service.cache import bindings, directory
-from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, key_tag, rows_from_blocks
+from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
 from encoder_service.cache.claims import Claim, Claims
 from encoder_service.cache.directory import (
     LANDED, RELEASED, EncodeFailed, Located, Marked, Settled, input_name, is_pending, marker_name,
@@ -124,6 +125,7 @@ class RedisTier:
         # is not trusted after it).
         self._headers: OrderedDict[str, tuple[EntryHeader, bytes, int]] = OrderedDict()
         self._corrupt_logged_at, self._corrupt_logged = -CORRUPT_LOG_S, 0  # the last line about bad values
+        self._told_shared_url = False  # another replica advertises this one's address (logged once)
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
@@ -266,14 +268,19 @@ class RedisTier:
                 return None
             self.counters["located"] += 1
             return Located(copy, "", None, True)
-        owner, header = parsed[0], EntryHeader.parse(parsed[1], key)
+        owner, header, block_sums = parsed[0], EntryHeader.parse(parsed[1], key), parsed[2]
+        if block_sums and (len(block_sums) != 8 * header.num_blocks
+                           or xxhash.xxh3_64_intdigest(block_sums) != header.payload_digest):
+            raise CorruptEntry("the location's block checksums do not match its header")
         self.counters["located"] += 1
-        return Located(header, owner, await self._replica_url(owner), copy is not None)
+        return Located(header, owner, await self._replica_url(owner), copy is not None, block_sums)
 
     async def _replica_url(self, owner: str) -> str | None:
         """The advertised URL of a live replica (its heartbeat renews it); None when it is gone, or it is this
-        one. Looked up at most every `replica_url_cache_s` per owner: within that a replica that died is
-        still asked, and the fetch that finds it gone takes the image over."""
+        one: this owner, or one advertising this replica's own address (two replicas given one URL, or the
+        Service's: asking it would ask this replica, which does not hold the rows). Looked up at most every
+        `replica_url_cache_s` per owner: within that a replica that died is still asked, and the fetch that
+        finds it gone takes the image over."""
         if owner == self.owner:
             return None
         now = time.monotonic()
@@ -282,6 +289,13 @@ class RedisTier:
             return cached[0]
         value = await self._conns.run("get", directory.replica_name(owner))
         url = value.decode("utf-8", "replace") if value else None
+        if url is not None and url == self.owner_url:
+            if not self._told_shared_url:
+                self._told_shared_url = True
+                log.warning("replica %s advertises this replica's own address %s: its rows are never fetched "
+                            "from there (each replica must advertise an address of its own: --advertise-url)",
+                            owner, url)
+            url = None
         if len(self._replica_urls) >= 1024:
             self._replica_urls.clear()
         self._replica_urls[owner] = (url, now)
@@ -430,7 +444,8 @@ class RedisTier:
                 return False
             self.counters["copies"] += written is True
             self._headers.pop(key, None)
-        location = directory.location_value(self.owner, dataclasses.replace(entry.header, key_tag=key_tag(key)).pack())
+        header = await _maybe_in_thread(entry.nbytes, entry.stored_header, key)  # one pass over the rows
+        location = directory.location_value(self.owner, header.pack(), entry.block_sums())
         written = await self._write_command(("set", directory.location_name(key), location, self._ttl_px))
         if written is None:
             return False

@@ -7,24 +7,30 @@ from the one that does and passes them on (a second hop of the rows). The encode
     transport = OwnerRouting(HttpTransport(service_url), lambda url: HttpTransport(url))
 
 remembers each id's owner from the encode answers (bounded, oldest forgotten first) and sends a fetch whose
-ids all have one owner, other than the Service, to that owner. An owner that cannot be reached, or no
-longer has the rows (evicted, restarted), is forgotten and the fetch goes to the Service, which finds the
-rows wherever they are now: never an error only the direct path would give. Shared-memory fetches, which
-need a server on this host, and everything else go to the Service as they are.
+ids all have one owner, other than the Service, to that owner. An owner that cannot be reached, does not
+answer within OWNER_S (frozen, hung, its packets dropped), or no longer has the rows (evicted, restarted), is
+forgotten and the fetch goes to the Service, which finds the rows wherever they are now: never an error only
+the direct path would give. The owner is asked with a timeout of OWNER_S at most (it answers 504 itself when
+the rows are not ready by then: then the Service is asked with what is left of the caller's, the owner
+kept). Shared-memory fetches, which need a server on this host, and everything else go to the Service as
+they are.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from encoder_service import errors
+from encoder_service.client.raw_http import NoAnswer
 from encoder_service.protocol.video_info import GROUP_SEP
 
 MAX_IDS = 1 << 16  # ids whose owner is remembered
 MAX_OWNERS = 64  # owners with a transport kept open (one per replica: those past it are reached via the Service)
-FALLBACK = (errors.Unavailable, errors.NotFound)  # the owner is gone, or lost the rows: ask the Service
+OWNER_S = 2.0  # the owner's try: its wait for rows still encoding, and each socket operation (then the Service)
+FALLBACK = (errors.Unavailable, errors.NotFound, NoAnswer)  # the owner is gone, silent, or lost the rows
 
 
 class _Owners:
@@ -104,13 +110,18 @@ class OwnerRouting:
         target = self._owners.transport_for(items)
         if target is not None:
             owner, transport = target
+            t0 = time.monotonic()
             try:
-                result = transport.fetch(items, start, end, dest, timeout)
+                result = transport.fetch(items, start, end, dest, _owner_timeout(timeout))
                 self._owners.counters["direct"] += 1
                 return result
             except FALLBACK:
                 for stale in self._owners.forget(owner):
                     stale.close()
+            except errors.DeadlineExceeded:  # the owner's own 504: its rows were not ready within OWNER_S
+                if not _time_left(timeout, t0):
+                    raise
+            timeout = _rest(timeout, t0)
         return self._transport.fetch(items, start, end, dest, timeout)
 
     def close(self) -> None:
@@ -136,16 +147,34 @@ class AsyncOwnerRouting(OwnerRouting):
         target = self._owners.transport_for(items)
         if target is not None:
             owner, transport = target
+            t0 = time.monotonic()
             try:
-                result = await transport.fetch(items, start, end, dest, timeout)
+                result = await transport.fetch(items, start, end, dest, _owner_timeout(timeout))
                 self._owners.counters["direct"] += 1
                 return result
             except FALLBACK:
                 for stale in self._owners.forget(owner):
                     await stale.close()
+            except errors.DeadlineExceeded:
+                if not _time_left(timeout, t0):
+                    raise
+            timeout = _rest(timeout, t0)
         return await self._transport.fetch(items, start, end, dest, timeout)
 
     async def close(self) -> None:
         for transport in self._owners.close():
             await transport.close()
         await self._transport.close()
+
+
+def _owner_timeout(timeout: float | None) -> float:
+    return OWNER_S if timeout is None else min(timeout, OWNER_S)
+
+
+def _time_left(timeout: float | None, t0: float) -> bool:
+    return timeout is None or time.monotonic() - t0 < timeout
+
+
+def _rest(timeout: float | None, t0: float) -> float | None:
+    """What is left of the caller's timeout after the owner's try (0: the Service answers what is ready)."""
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))

@@ -39,6 +39,11 @@ class NotRaw(Exception):
     """A response this reader does not handle (its rows untouched): ask again with httpx."""
 
 
+class NoAnswer(DeadlineExceeded):
+    """The server did not answer in time: a socket's timeout (the connect, or a read), not an answer of the
+    server's (its own 504 is a plain DeadlineExceeded). Frozen, hung, or its packets dropped; or just slow."""
+
+
 class Cancel:
     """Lets another thread (the asyncio loop, when a fetch is cancelled) stop a blocking fetch: the socket is
     shut down, so the reader's recv returns and the fetch ends with an error instead of reading on."""
@@ -204,14 +209,18 @@ class RawHttp:
         return cls(parts.hostname, parts.port or 80, parts.path.rstrip("/"), headers)
 
     def post(self, path: str, body: bytes, timeout: float | None, read: Callable[[Response], T],
-             accept: str = OCTET, cancel: Cancel | None = None) -> T:
+             accept: str = OCTET, cancel: Cancel | None = None, headers: dict[str, str] | None = None,
+             connect_s: float | None = None) -> T:
         """POST `body` (JSON) to `path` and return `read(response)` of a 200 answer, which must read exactly
-        its body. Other statuses raise the service's error type; network trouble DeadlineExceeded or
-        Unavailable; a response this reader does not handle NotRaw."""
-        request = (f"POST {self._prefix}{path} HTTP/1.1\r\n{self._head_lines}content-type: application/json\r\n"
+        its body. `timeout` bounds each socket operation (`connect_s` the connect, when given: a peer that must
+        answer at once, core/peers.py). `headers`: this request's own, beside the origin's. Other statuses
+        raise the service's error type; no answer in time NoAnswer; other network trouble Unavailable; a
+        response this reader does not handle NotRaw."""
+        lines = self._head_lines + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        request = (f"POST {self._prefix}{path} HTTP/1.1\r\n{lines}content-type: application/json\r\n"
                    f"accept: {accept}\r\ncontent-length: {len(body)}\r\n\r\n").encode("latin-1") + body
         for attempt in range(2):
-            conn, reused = self._take(timeout, fresh=attempt > 0)
+            conn, reused = self._take(timeout if connect_s is None else connect_s, fresh=attempt > 0)
             if cancel is not None:
                 cancel.watch(conn.sock)
             try:
@@ -225,7 +234,8 @@ class RawHttp:
                     continue
                 raise Unavailable(f"HTTP fetch from {self._address[0]}:{self._address[1]} failed: {exc!r}") from exc
             except TimeoutError as exc:  # socket.timeout
-                raise DeadlineExceeded(f"HTTP fetch timed out after {timeout} s") from exc
+                raise NoAnswer(f"HTTP fetch from {self._address[0]}:{self._address[1]}: no answer within "
+                               f"{timeout} s") from exc
             except OSError as exc:
                 raise Unavailable(f"HTTP fetch from {self._address[0]}:{self._address[1]} failed: {exc!r}") from exc
             finally:
@@ -260,7 +270,7 @@ class RawHttp:
         try:
             sock = socket.create_connection(self._address, timeout=timeout)
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"HTTP connect to {self._address} timed out after {timeout} s") from exc
+            raise NoAnswer(f"HTTP connect to {self._address} timed out after {timeout} s") from exc
         except OSError as exc:
             raise Unavailable(f"HTTP connect to {self._address} failed: {exc!r}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,12 +1,12 @@
 """The cache's own counters on /metrics: one Prometheus collector reading `store.stats()` (host LRU tier,
-leases, Redis tier) and the shared-memory writer's `stats()` when Prometheus scrapes.
+leases, Redis tier), the shared-memory writer's and the peer row path's `stats()` when Prometheus scrapes.
 
 Nothing is counted per request: the store and the writer keep their counters as they always do, and a
 scrape reads them. On the event loop, where the store lives (the /metrics handler runs there): a reader on
 another thread goes through the loop (as tests/support/service.py: `sample` does). Names are
-`encoder_cache_*` and `encoder_shm_*`; sizes are in bytes; counters end in `_total`. A stats key without
-a row below is still exported, as the gauge `encoder_cache_<key>` with a help that says so, so a counter
-added to the store is never silently missing here; give it a row.
+`encoder_cache_*`, `encoder_shm_*` and `encoder_peer_*`; sizes are in bytes; counters end in `_total`. A
+stats key without a row below is still exported, as the gauge `encoder_cache_<key>` with a help that says
+so, so a counter added to the store is never silently missing here; give it a row.
 """
 
 from __future__ import annotations
@@ -186,17 +186,40 @@ SHM: dict[str, Stat] = {
 }
 
 
-class CacheCollector(Collector):
-    """Registered on the core's registry (core/metrics.py); `shm` is None when shared-memory fetch is off."""
+_PEER_FAILURES = ("Row fetches from another replica that failed over (to another replica, a row copy, or this "
+                  "replica encoding the image), by reason: no_answer (no answer in time: frozen, hung, its packets "
+                  "dropped), foreign_rows (rows that do not match the checksums the directory holds for them), "
+                  "auth_mismatch (it refused this replica's signature: the replicas' --auth-token differ), other "
+                  "(gone, or it no longer holds the rows)")
 
-    def __init__(self, store, shm=None):
-        self._store, self._shm = store, shm
+# Peers.stats() key -> metric (core/peers.py); absent without --redis-url.
+PEERS: dict[str, Stat] = {
+    "fetches": _counter("encoder_peer_fetches", "Row fetches from another replica that got their rows"),
+    "bytes": _counter("encoder_peer_bytes", "Bytes of rows fetched from other replicas"),
+    "failures": _counter("encoder_peer_failed_fetches", "Row fetches from another replica that failed (any reason)"),
+    "no_answer": _counter("encoder_peer_failures", _PEER_FAILURES, reason="no_answer"),
+    "foreign": _counter("encoder_peer_failures", _PEER_FAILURES, reason="foreign_rows"),
+    "refused": _counter("encoder_peer_failures", _PEER_FAILURES, reason="auth_mismatch"),
+    "skipped": _counter("encoder_peer_skipped",
+                        "Row fetches not sent to a replica that did not answer in time, or sent rows that were not "
+                        "the directory's, moments before (failed over at once)"),
+}
+
+
+class CacheCollector(Collector):
+    """Registered on the core's registry (core/metrics.py); `shm` is None when shared-memory fetch is off,
+    `peers` without Redis."""
+
+    def __init__(self, store, shm=None, peers=None):
+        self._store, self._shm, self._peers = store, shm, peers
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         _add(families, STORE, self._store.stats(), "encoder_cache_")
         if self._shm is not None:
             _add(families, SHM, self._shm.stats(), "encoder_shm_")
+        if self._peers is not None:
+            _add(families, PEERS, self._peers.stats(), "encoder_peer_")
         yield from families.values()
 
 

@@ -100,7 +100,7 @@ class EncoderCore:
         self.id_rows = IdRows(store, self.flights, self.videos.video_flights, self.replicas, self.metrics)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
-        self.metrics.registry.register(CacheCollector(store, self.shm))
+        self.metrics.registry.register(CacheCollector(store, self.shm, self.peers))
         self.ipc = IpcFetches(ipc_arena)  # core/ipc_fetch.py
         self.metrics.registry.register(IpcCollector(self.ipc))
         self.metrics.graph_captures(runner.describe())

@@ -30,8 +30,9 @@ Requests for an id in flight join its flight (one more waiter, no queue room) an
 before its end. The last to leave (every caller left: a waiting encode or fetch whose client disconnected)
 ends the flight at once: its fill is cancelled, which takes the image out of the engine queue (its queue
 slot and prepared pixels return then, not when the next batch is built) and publishes the drop; a new
-request for the id starts a new flight. A failure is remembered for the id (bounded, oldest dropped) so
-that a fetch after a failed encode gets the failure, not a 404.
+request for the id starts a new flight. A failure of the image's own (it does not decode, another replica's
+verdict on it) is remembered for the id (bounded, oldest dropped) so that a fetch after a failed encode
+gets the failure, not a 404; a timeout or an unavailable engine or peer is not (NOT_THE_IMAGES).
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled, other_content
 from encoder_service.cache.video_keys import VIDEO_PREFIX
 from encoder_service.core.images import Probed
-from encoder_service.core.peers import Peers
+from encoder_service.core.peers import PeerAuthMismatch, Peers
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine, Job, Permit
 
 log = logging.getLogger(__name__)
 
 FAILURES_KEPT = 4096
+# Failures of the moment or of this replica (a timeout, an engine or peer unavailable, a full queue), not of
+# the image: never remembered as its outcome, so a later fetch looks again (another replica, a take-over).
+NOT_THE_IMAGES = frozenset({"deadline", "unavailable", "overloaded"})
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class Flights:
                 after.add_done_callback(lambda _, exc=exc: self._store.failed(flight.key, exc))
             else:
                 self._store.failed(flight.key, exc)
-            if isinstance(exc, errors.EncoderServiceError):
+            if isinstance(exc, errors.EncoderServiceError) and exc.kind not in NOT_THE_IMAGES:
                 self._failures[name] = exc
                 while len(self._failures) > self._failures_kept:
                     self._failures.popitem(last=False)
@@ -161,7 +165,7 @@ class Flights:
         deadline = time.monotonic() + self._lease_s
         while True:
             entry = await self._store.get(flight.key)
-            pulled = entry is None and (entry := await self._pull(flight.key, deadline)) is not None
+            pulled = entry is None and (entry := await self._pull(flight.key)) is not None
             if entry is not None:
                 if other_content(flight.content_tag, entry.header.content_tag):  # another replica's rows
                     await self._store.withdraw(flight.key, entry.header.content_tag)
@@ -185,16 +189,20 @@ class Flights:
         self._store.put(flight.key, entry)
         return Landed(entry, encoded=True, timings=encoded.timings)
 
-    async def _pull(self, key: CacheKey, deadline: float) -> Entry | None:
+    async def _pull(self, key: CacheKey) -> Entry | None:
         """The rows another replica holds (Redis's directory says which: cache/directory.py), pulled whole over
-        its row path (peers.py); None when no live replica gives them (encode them here) or without Redis."""
+        its row path (peers.py: bounded however long the lease, its owner silent or not); None when no live
+        replica gives them (encode them here) or without Redis."""
         if self._peers is None:
             return None
         located = await self._store.locate(key, strict=False)
         if located is None or located.url is None:
             return None
-        rows, located = await self._peers.from_owner(self._store, key, 0, located.header.num_rows,
-                                                     max(0.0, deadline - time.monotonic()), copy=True, strict=False)
+        try:
+            rows, located = await self._peers.from_owner(self._store, key, 0, located.header.num_rows, copy=True,
+                                                         strict=False)
+        except PeerAuthMismatch:  # logged there; this flight has the image: it encodes it here instead
+            return None
         if rows is None:
             return None
         return Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,

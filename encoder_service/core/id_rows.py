@@ -14,7 +14,7 @@ import asyncio
 import torch
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore
+from encoder_service.cache import CacheKey, EmbeddingStore, Entry
 from encoder_service.cache.video_keys import is_video_id
 from encoder_service.core import timeouts
 from encoder_service.core.flight import Flights
@@ -38,6 +38,8 @@ class IdRows:
         """The id's row count: its flight's, else its entry's header (local tier, else where Redis's directory
         says the rows are), else that of the rows another replica is encoding, once they land (no Redis round
         trip for ids known here)."""
+        if peer is not None:
+            return self._held(key).num_rows
         self.flights.raise_failure(key)
         flight = self.flights.get(key.name)
         if flight is not None:
@@ -46,11 +48,6 @@ class IdRows:
             group_tokens = self.video_flights.group_tokens(key)
             if group_tokens is not None:
                 return group_tokens
-        if peer is not None:
-            entry = self.store.peek(key)
-            if entry is None:
-                raise errors.NotFound(f"id {key.id!r} is not held by this replica (asked by another one)")
-            return entry.num_rows
         header = await self.store.header(key)
         if header is None:  # another replica's encode: its rows once they land, or taken over here
             return await self.replicas.num_tokens_elsewhere(key, deadline)
@@ -58,6 +55,10 @@ class IdRows:
 
     async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, peer: str | None) -> torch.Tensor:
         """The segment's rows [seg.row_start, seg.row_end) of the id: [n, row_width]."""
+        if peer is not None:
+            rows = self._held(key).rows(seg.row_start, seg.row_end)
+            self.metrics.cache_hits.labels(tier="local").inc()
+            return rows
         frame_group = is_video_id(key.id)
         if frame_group:  # its video's driver may not have reached it yet
             await self.video_flights.started(key)
@@ -73,15 +74,19 @@ class IdRows:
                 self.flights.raise_failure(key)
                 if frame_group:
                     self.video_flights.raise_failure(key)
-                if peer is not None:
-                    entry = self.store.peek(key)
-                    rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
-                else:
-                    rows = self.store.local_rows(key, seg.row_start, seg.row_end)
-                    if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
-                        tier = "peer"
-                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
+                rows = self.store.local_rows(key, seg.row_start, seg.row_end)
+                if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
+                    tier = "peer"
+                    rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         self.metrics.cache_hits.labels(tier=tier).inc()
         return rows
+
+    def _held(self, key: CacheKey) -> Entry:
+        """The entry the local tier holds now, for another replica's fetch; NotFound at once otherwise."""
+        entry = self.store.peek(key)
+        if entry is None:
+            raise errors.NotFound(f"id {key.id!r} is not held by this replica now (asked by another one: it answers "
+                                  "only rows it holds, at once; one still encoding here is settled through Redis)")
+        return entry

@@ -28,6 +28,16 @@ two replicas may be asked for the same new image at once, and a replica may die 
                       decode error stays 400; rows that could not be stored -> 404 saying why); nobody has
                       it -> 404; timeout -> 504; Redis unreachable -> 503 at once (the id may exist
                       elsewhere: this replica cannot tell now; the project's clients retry).
+  rows (replica B)    `rows_elsewhere`: the rows from the replica the directory names (peers.py), else a row
+                      copy, else B takes the image over. Who may take an image over is decided by its claim:
+                      a replica gone, or alive but silent to row requests (frozen: its claim expires within
+                      seconds; its port filtered: it goes on renewing it), holds none on an id whose rows
+                      landed (landing settles the claim), so B claims it at once and encodes it here (peers.py
+                      stops asking a silent replica for a while, so this takes about one answer bound, 1 s);
+                      an id whose claim is still renewed is still being encoded there: B's flight waits for
+                      its outcome on Redis (or the claim's expiry), within the caller's timeout, never on an
+                      HTTP answer. A replica refusing B's signature (another --auth-token) is a 503 naming
+                      the mismatch, not a take-over: a configuration error to fix, not to hide.
 
 Without Redis there is nothing to wait on: a fetch must reach the replica that encoded the id (the chart's
 `service.sessionAffinity: ClientIP` does that for one client pod; deploy/README.md, "Scaling out").
@@ -174,7 +184,7 @@ class Replicas:
         flight. None: nobody has the rows nor the bytes (404). Unavailable while Redis is down."""
         if self._peers is None:
             return None
-        rows, located = await self._peers.from_owner(self.store, key, start, end, deadline.left(), copy=False)
+        rows, located = await self._peers.from_owner(self.store, key, start, end, copy=False)
         if rows is not None:  # passed on, not kept: their pages go back to the pool for the next pull (warm)
             return rows
         if located is not None and located.copy:

@@ -5,15 +5,20 @@ tests/support/forwarder.py):
   - encode answers name the owner (the answering replica's advertised address); the client fetches there
     directly, bit for bit the rows the Service path gives, and the other replica serves none of it;
   - `follow_owner=False`: every fetch goes through the Service (and any replica answers it);
-  - an owner that cannot be reached is given up for the Service, with no error to the caller.
+  - an owner that cannot be reached, or does not answer (issue 38: frozen, hung, its packets dropped), is
+    given up for the Service, with no error to the caller.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from encoder_service.client import AsyncEncoderClient, EncoderClient
+from encoder_service.client.owners import OWNER_S
+from tests.support.blackhole import Blackhole
 from tests.support.forwarder import Forwarder
 from tests.support.images import image_bytes
 from tests.support.ports import free_port
@@ -74,4 +79,23 @@ def test_an_owner_that_cannot_be_reached_is_given_up_for_the_service(request, ti
         rows = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # tried there, then the Service
         again = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # the Service at once
         assert client._transport._transport.routed == {"direct": 0, "fallbacks": 1}
+    assert torch.equal(rows, again)
+
+
+@pytest.mark.parametrize("silence", ["silent", "dropping"])
+def test_an_owner_that_does_not_answer_is_given_up_for_the_service(request, tiny_checkpoint, shared_redis, silence):
+    """Before: the fetch waited its whole timeout on the owner and failed 504 (DeadlineExceeded was no reason to
+    ask the Service)."""
+    with Blackhole(silence) as hole:
+        svc = running(request, tiny_checkpoint("qwen2_5_vl"), "--redis-url", shared_redis.url,
+                      "--advertise-url", hole.url)
+        with EncoderClient.http(svc.url, timeout=WAIT_S) as client:
+            (info,) = client.encode([image_bytes(64, 48, seed=6400)], wait=True)
+            assert info.owner == hole.url
+            t0 = time.monotonic()
+            rows = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # tried there, then the Service
+            answered_in = time.monotonic() - t0
+            again = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # the Service at once
+            assert client._transport._transport.routed == {"direct": 0, "fallbacks": 1}
+    assert answered_in < OWNER_S + 2.0
     assert torch.equal(rows, again)

@@ -8,7 +8,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_service.cache import EmbeddingStore, Entry
-from encoder_service.core.cache_metrics import SHM, STORE, CacheCollector
+from encoder_service.core.cache_metrics import PEERS, SHM, STORE, CacheCollector
+from encoder_service.core.peers import Peers
 from encoder_service.core.shm_writer import ShmWriter
 
 
@@ -25,6 +26,9 @@ def test_every_stat_has_a_described_metric(tmp_path):
     try:
         assert set(store.stats()) <= set(STORE), "give each new store stat a row in core/cache_metrics.py"
         assert set(shm.stats()) <= set(SHM)
+        peers = Peers(token=None, row_width=8, dtype=torch.float32)
+        assert set(peers.stats()) <= set(PEERS)
+        peers.close()
     finally:
         shm.close()
 

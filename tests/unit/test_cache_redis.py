@@ -14,7 +14,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache.directory import location_name
-from encoder_service.cache.entry import HEADER_LEN, EntryHeader
+from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, EntryHeader, verify_rows
 from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
 from tests.support.waits import async_wait_for
 
@@ -154,6 +154,35 @@ async def test_header_alone_is_read_and_verified(redis_server):
         direct.set("k", bad)
         assert await reader.header("k") is None, name
     assert reader.stats()["redis_corrupt"] == 3 and await reader.header("missing") is None
+    direct.close()
+    await writer.close()
+    await reader.close()
+
+
+async def test_a_location_carries_the_rows_block_checksums(redis_server):
+    """Issue 38: what a replica checks the rows another one sends against (core/peers.py); a location written
+    before the checksums were is still read (without them), one whose checksums are not its header's is none."""
+    writer, reader = await open_store(redis_server.url), await open_store(redis_server.url, replica_url_cache_s=0)
+    entry = make_entry(4, 300, 256)
+    writer.put("k", entry)
+    await writer.redis.flush()
+    located = await reader.locate("k")
+    header = located.header
+    assert located.owner == writer.redis.owner and len(located.block_sums) == 8 * header.num_blocks > 8
+    first, last = header.block_span(130, 170)  # a range: the blocks covering it
+    lo, hi = first * header.block_rows, min(last * header.block_rows, header.num_rows)
+    verify_rows(header, located.block_sums, first, entry.rows(lo, hi).contiguous())
+    other = entry.rows(lo, hi).clone()
+    other[-1, -1] += 1
+    with pytest.raises(CorruptEntry, match="checksum mismatch"):
+        verify_rows(header, located.block_sums, first, other)
+    direct = redis.Redis.from_url(redis_server.url)
+    value = direct.get(location_name("k"))
+    older = value[:value.index(b" ") + 1 + HEADER_LEN]  # `<owner> <header>`: before issue 38
+    direct.set(location_name("k"), older)
+    assert (await reader.locate("k")).block_sums == b"" and (await reader.header("k")).num_rows == 300
+    direct.set(location_name("k"), older + bytes(len(located.block_sums)))  # checksums not the header's
+    assert await reader.locate("k") is None and reader.stats()["redis_corrupt"] == 1
     direct.close()
     await writer.close()
     await reader.close()

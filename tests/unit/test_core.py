@@ -374,20 +374,55 @@ async def test_a_fetch_sized_by_a_flight_that_fails_before_its_rows_are_read_get
         await core.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S)
 
 
+class Undecodable:
+    """An engine reader whose every image fails to decode: the image's own fault."""
+
+    def prepare(self, data, grid_thw):
+        raise errors.ImageDecodeError("cannot identify image file")
+
+
 async def test_failures_are_remembered_up_to_a_bound():
-    # An engine never started: every fill's submit fails (the store has nothing, so each one submits).
     engine = Engine(encode=lambda pixel_values, grids: [], batch_tokens=64)
-    flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main", lease_s=60, failures_kept=2)
-    keys = [make_key(bytes([k]), "fp") for k in range(3)]
-    for key in keys:
-        flight = flights.join(Probed(key, (1, 2, 2), 1, b"image"), None)
-        with pytest.raises(errors.Unavailable):
-            await flight.task
-        assert key.name not in flights
+    await engine.start()
+    try:
+        flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main", lease_s=60, failures_kept=2)
+        keys = [make_key(bytes([k]), "fp") for k in range(3)]
+        for key in keys:
+            flight = flights.join(Probed(key, (1, 2, 2), 1, b"image", reader=Undecodable()), None)
+            with pytest.raises(errors.ImageDecodeError):
+                await flight.task
+            assert key.name not in flights
+    finally:
+        await engine.stop()
     flights.raise_failure(keys[0])  # the oldest is forgotten
     for key in keys[1:]:
-        with pytest.raises(errors.Unavailable, match=f"encode of id '{key.id}' failed: .*engine is not running"):
+        with pytest.raises(errors.ImageDecodeError, match=f"encode of id '{key.id}' failed: .*cannot identify"):
             flights.raise_failure(key)
+
+
+class Blank:
+    def prepare(self, data, grid_thw):
+        return torch.zeros(4, 8)
+
+
+@pytest.mark.parametrize("failure", ["timeout", "unavailable"])
+async def test_a_failure_not_of_the_image_is_not_its_outcome(failure):
+    """Issue 38: a timeout (here: the lease over before the image left the queue), or this replica's engine
+    unavailable (never started), was remembered as the id's outcome and answered to every later fetch of it
+    (504 until it was encoded again)."""
+    engine = Engine(encode=lambda pixel_values, grids: [], batch_tokens=64)
+    if failure == "timeout":
+        await engine.start()
+    try:
+        flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main",
+                          lease_s=0.0 if failure == "timeout" else 60)
+        key = make_key(b"x", "fp")
+        flight = flights.join(Probed(key, (1, 2, 2), 1, b"image", reader=Blank()), None)
+        with pytest.raises(errors.DeadlineExceeded if failure == "timeout" else errors.Unavailable):
+            await flight.task
+    finally:
+        await engine.stop()
+    flights.raise_failure(key)  # nothing remembered
 
 
 async def test_queue_permits_are_given_back(make_core, redis_server):
