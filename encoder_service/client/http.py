@@ -8,11 +8,14 @@ read on its own threads, which receive in parallel with the GIL released); https
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
 (the rows are in the client's file), read on the same plain sockets: through httpx the request's own cost
 was that of the write it asks for. So does a fetch by IPC (the header and where the rows sit on the server's
-GPU: client/ipc.py); its acknowledgements (`ack_ipc`) are blocking calls, made on the client's acks thread.
+GPU: client/ipc.py); its acknowledgements go back to the server that held the rows: `ipc_acks` (client/ipc.py:
+Acks, one per transport), taken by this transport's next fetch by IPC or sent by `ack_ipc` (blocking) on the
+acks' thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -22,6 +25,7 @@ from functools import partial
 import httpx
 
 from encoder_service.client.destination import Destination
+from encoder_service.client.ipc import ACK_TIMEOUT_S, Acks
 from encoder_service.client.raw_http import (JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error,
                                              in_thread, read_fetch, read_json)
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
@@ -200,6 +204,7 @@ class HttpTransport:
     def __init__(self, base_url: str, *, token: str | None = None, **httpx_kw):
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
+        self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))  # this server's holds, done
 
     def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -252,6 +257,7 @@ class HttpTransport:
             raise _transport_error(exc) from exc
 
     def close(self):
+        self.ipc_acks.close()  # what is pending goes first
         self._raw.close()
         self._http.close()
 
@@ -261,6 +267,7 @@ class AsyncHttpTransport:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
+        self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))
 
     async def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -315,6 +322,7 @@ class AsyncHttpTransport:
             raise _transport_error(exc) from exc
 
     async def close(self):
+        await asyncio.to_thread(self.ipc_acks.close)  # what is pending goes first (a blocking send)
         self._raw.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
         await self._http.aclose()

@@ -10,7 +10,9 @@ remembers each id's owner from the encode answers (bounded, oldest forgotten fir
 ids all have one owner, other than the Service, to that owner. An owner that cannot be reached, or no
 longer has the rows (evicted, restarted), is forgotten and the fetch goes to the Service, which finds the
 rows wherever they are now: never an error only the direct path would give. Shared-memory fetches, which
-need a server on this host, and everything else go to the Service as they are.
+need a server on this host, and everything else go to the Service as they are. A fetch by IPC (client/base.py)
+asks the owner first too (`owner_of`); a replica that answers it "not here" names the owner, which is
+remembered (`learn_owner`) and asked next.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ class _Owners:
                 if owner and owner.rstrip("/") != self._service_url:
                     self._ids[info.id] = owner.rstrip("/")
                     self._ids.move_to_end(info.id)
+            while len(self._ids) > MAX_IDS:
+                self._ids.popitem(last=False)
+
+    def assign(self, items, owner: str) -> None:
+        """A replica said `owner` holds these items' rows."""
+        owner = owner.rstrip("/")
+        if owner == self._service_url:
+            return
+        with self._lock:
+            for item_id, _ in items:
+                base = item_id.partition(GROUP_SEP)[0]
+                self._ids[base] = owner
+                self._ids.move_to_end(base)
             while len(self._ids) > MAX_IDS:
                 self._ids.popitem(last=False)
 
@@ -90,6 +105,21 @@ class OwnerRouting:
         """Fetches sent to an owner directly, and owners given up for the Service."""
         return dict(self._owners.counters)
 
+    def owner_of(self, items) -> tuple[str, object] | None:
+        """(owner, its transport) when every item's id has that one owner (a fetch by IPC asks it first)."""
+        return self._owners.transport_for(items)
+
+    def learn_owner(self, owner: str, items) -> tuple[str, object] | None:
+        """A replica answered that `owner` holds these items' rows: remembered (later fetches of them go there);
+        (owner, its transport), or None when that is the Service or an owner past MAX_OWNERS."""
+        self._owners.assign(items, owner)
+        return self._owners.transport_for(items)
+
+    def given_up(self, owner: str) -> None:
+        """`owner` failed (unreachable, or lost the rows): its ids go to the Service from now on."""
+        for stale in self._owners.forget(owner):
+            stale.close()
+
     def encode(self, images, wait, return_embeddings, timeout):
         infos = self._transport.encode(images, wait, return_embeddings, timeout)
         self._owners.learn(infos)
@@ -109,8 +139,7 @@ class OwnerRouting:
                 self._owners.counters["direct"] += 1
                 return result
             except FALLBACK:
-                for stale in self._owners.forget(owner):
-                    stale.close()
+                self.given_up(owner)
         return self._transport.fetch(items, start, end, dest, timeout)
 
     def close(self) -> None:
@@ -121,6 +150,10 @@ class OwnerRouting:
 
 class AsyncOwnerRouting(OwnerRouting):
     """The same for the asyncio transports (client/http.py: AsyncHttpTransport)."""
+
+    async def given_up(self, owner: str) -> None:
+        for stale in self._owners.forget(owner):
+            await stale.close()
 
     async def encode(self, images, wait, return_embeddings, timeout):
         infos = await self._transport.encode(images, wait, return_embeddings, timeout)
@@ -141,8 +174,7 @@ class AsyncOwnerRouting(OwnerRouting):
                 self._owners.counters["direct"] += 1
                 return result
             except FALLBACK:
-                for stale in self._owners.forget(owner):
-                    await stale.close()
+                await self.given_up(owner)
         return await self._transport.fetch(items, start, end, dest, timeout)
 
     async def close(self) -> None:

@@ -3,8 +3,8 @@
 In order: how the id's last encode here failed (raised), its flight (rows once it lands), a video's frame
 group its driver has not reached yet (video_flights.py), the local tier (or a row copy in Redis), else the
 replica that holds them (replicas.py: peer to peer; should it be gone, this replica encodes the image again
-from its kept bytes). A fetch from another replica (`peer`) is answered from what is here only (flights, the
-local tier), never from a third replica. No rows anywhere: NotFound.
+from its kept bytes). `here_only` (a fetch from another replica, or by IPC: core/fetch_destination.py) reads
+what is here only (flights, the local tier), never another replica. No rows anywhere: NotFound.
 """
 
 from __future__ import annotations
@@ -34,7 +34,15 @@ class IdRows:
         """Its rows are still being encoded here (a flight, or a frame group its video's driver is on)."""
         return key.name in self.flights or (is_video_id(key.id) and self.video_flights.encoding(key))
 
-    async def num_tokens(self, key: CacheKey, deadline: timeouts.Deadline, peer: str | None) -> int:
+    def here(self, key: CacheKey) -> bool:
+        """Its rows are here or being encoded here (no Redis round trip); the failure of its last encode here
+        is raised."""
+        self.flights.raise_failure(key)
+        if is_video_id(key.id):
+            self.video_flights.raise_failure(key)
+        return self.encoding(key) or self.store.peek(key) is not None
+
+    async def num_tokens(self, key: CacheKey, deadline: timeouts.Deadline, here_only: bool) -> int:
         """The id's row count: its flight's, else its entry's header (local tier, else where Redis's directory
         says the rows are), else that of the rows another replica is encoding, once they land (no Redis round
         trip for ids known here)."""
@@ -46,17 +54,17 @@ class IdRows:
             group_tokens = self.video_flights.group_tokens(key)
             if group_tokens is not None:
                 return group_tokens
-        if peer is not None:
+        if here_only:
             entry = self.store.peek(key)
             if entry is None:
-                raise errors.NotFound(f"id {key.id!r} is not held by this replica (asked by another one)")
+                raise errors.NotFound(f"id {key.id!r} is not held by this replica")
             return entry.num_rows
         header = await self.store.header(key)
         if header is None:  # another replica's encode: its rows once they land, or taken over here
             return await self.replicas.num_tokens_elsewhere(key, deadline)
         return header.num_rows
 
-    async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, peer: str | None) -> torch.Tensor:
+    async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, here_only: bool) -> torch.Tensor:
         """The segment's rows [seg.row_start, seg.row_end) of the id: [n, row_width]."""
         frame_group = is_video_id(key.id)
         if frame_group:  # its video's driver may not have reached it yet
@@ -73,7 +81,7 @@ class IdRows:
                 self.flights.raise_failure(key)
                 if frame_group:
                     self.video_flights.raise_failure(key)
-                if peer is not None:
+                if here_only:
                     entry = self.store.peek(key)
                     rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
                 else:
