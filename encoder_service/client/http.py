@@ -8,9 +8,10 @@ read on its own threads, which receive in parallel with the GIL released); https
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
 (the rows are in the client's file), read on the same plain sockets: through httpx the request's own cost
 was that of the write it asks for. So does a fetch by IPC (the header and where the rows sit on the server's
-GPU: client/ipc.py); its acknowledgements go back to the server that held the rows: `ipc_acks` (client/ipc.py:
-Acks, one per transport), taken by this transport's next fetch by IPC or sent by `ack_ipc` (blocking) on the
-acks' thread.
+GPU: client/ipc.py), over the server's same-host channel when it has one (client/ipc_channel.py: a Unix socket
+kept open; HTTP whenever it can't); its acknowledgements go back to the server that held the rows: `ipc_acks`
+(client/ipc.py: Acks, one per transport), taken by this transport's next fetch by IPC or sent by `ack_ipc`
+(blocking) on the acks' thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import httpx
 
 from encoder_service.client.destination import Destination
 from encoder_service.client.ipc import ACK_TIMEOUT_S, Acks
+from encoder_service.client.ipc_channel import AsyncChannelLink, ChannelLink
 from encoder_service.client.raw_http import (JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error,
                                              in_thread, read_fetch, read_json)
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
@@ -205,6 +207,7 @@ class HttpTransport:
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))  # this server's holds, done
+        self._channel = ChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
 
     def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -234,6 +237,9 @@ class HttpTransport:
         return _shm_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def fetch_ipc(self, items, start, end, ipc: dict, timeout):
+        got = self._channel.fetch(items, start, end, ipc, timeout)
+        if got is not None:
+            return got
         body = _fetch_body(items, start, end, timeout, ipc=ipc)
         got = self._raw.fetch_shm(body, timeout)
         if got is not None:
@@ -241,8 +247,11 @@ class HttpTransport:
         return _ipc_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def ack_ipc(self, tokens: list[str], timeout) -> int:
-        """On a plain socket when there is one (the client's acks thread calls it beside fetches: httpx's
-        request handling would cost them CPU), else through httpx."""
+        """Over the channel when it is up (no answer: how many were live is not known, counted all), else on a
+        plain socket when there is one (the client's acks thread calls it beside fetches: httpx's request
+        handling would cost them CPU), else through httpx."""
+        if self._channel.ack(tokens):
+            return len(tokens)
         if self._raw.raw is not None:
             return _raw_ack(self._raw.raw, tokens, timeout)
         return int(self._post("/v1/fetch/ack", timeout, json={"tokens": tokens}).json()["released"])
@@ -258,6 +267,7 @@ class HttpTransport:
 
     def close(self):
         self.ipc_acks.close()  # what is pending goes first
+        self._channel.close()
         self._raw.close()
         self._http.close()
 
@@ -268,6 +278,7 @@ class AsyncHttpTransport:
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))
+        self._channel = AsyncChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
 
     async def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -300,6 +311,9 @@ class AsyncHttpTransport:
         return _shm_reply(await self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     async def fetch_ipc(self, items, start, end, ipc: dict, timeout):
+        got = await self._channel.fetch(items, start, end, ipc, timeout)
+        if got is not None:
+            return got
         body = _fetch_body(items, start, end, timeout, ipc=ipc)
         if self._raw.raw is not None:
             got = await in_thread(self._threads, partial(self._raw.fetch_shm, body, timeout))
@@ -323,6 +337,7 @@ class AsyncHttpTransport:
 
     async def close(self):
         await asyncio.to_thread(self.ipc_acks.close)  # what is pending goes first (a blocking send)
+        self._channel.close()
         self._raw.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
         await self._http.aclose()

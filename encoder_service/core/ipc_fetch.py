@@ -41,6 +41,7 @@ class IpcFetches:
         self.host = this_host()
         self.outcomes: Counter[str] = Counter()  # OUTCOMES
         self.bytes_held = 0
+        self.channel: str | None = None  # the same-host channel's socket path (api/ipc_channel.py), once it listens
 
     def metadata(self) -> dict | None:
         """What /v1/metadata says of IPC (None: off): a consumer asks for it only on the same host and kind."""
@@ -48,7 +49,7 @@ class IpcFetches:
         if a is None:
             return None
         return {"host": self.host, "kind": a.memory.kind, "generation": a.generation, "arena_bytes": a.capacity,
-                "lease_s": a.lease_s, "device": str(a.memory.device)}
+                "lease_s": a.lease_s, "device": str(a.memory.device), "channel": self.channel}
 
     def refusal(self, request: IpcRequest) -> IpcUnavailable | None:
         """Why no fetch of this consumer's can go by IPC here (IPC off, another host), or None."""
