@@ -42,7 +42,7 @@ from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, Re
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
-from encoder_service.protocol.ipc import IpcUnavailable
+from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable
 from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
 from encoder_service.runtime.host_pool import HostRowPool
@@ -214,6 +214,24 @@ def _owner_named(routing: OwnerRouting | None, owner: tuple | None, answer, item
     return routing.learn_owner(answer.owner, items)
 
 
+def _encode_ipc(path: IpcPath | None, meta, transport) -> dict:
+    """{"ipc": the request} when an encode may ask for its rows by IPC (`meta`: the server's "ipc"), else {}."""
+    if path is None or not path.may_hold(meta):
+        return {}
+    return {"ipc": path.request(transport.ipc_acks)}
+
+
+def _whole(info: ImageInfo) -> wire.WireHeader:
+    """The header of a fetch of all of `info`'s rows at prompt row 0 (what an encode's hold places)."""
+    return wire.WireHeader(info.dtype, info.row_width, info.layout, (Segment(info.id, 0, 0, info.num_tokens),))
+
+
+def _release_hold(info: ImageInfo, acks) -> None:
+    """A hold this client will not copy under (its `out` is not one IPC fills): acknowledged at once."""
+    if isinstance(info.ipc, IpcPlacement) and info.ipc.token is not None:
+        acks.add(info.ipc.token)
+
+
 def _need_shm(shm: ShmBuffers | None) -> ShmBuffers:
     if shm is None:
         raise InvalidInput("alloc_rows needs a client built with shm=True")
@@ -266,8 +284,37 @@ class EncoderClient:
         into it fails (a timeout, say), the server may still write that chunk's rows there for a moment."""
         return _need_shm(self._shm).alloc_rows(num_rows, row_width, dtype)
 
-    def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False) -> list[ImageInfo]:
-        return self._transport.encode([image_source(i) for i in images], wait, return_embeddings, self.timeout)
+    def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False,
+               out=None) -> list[ImageInfo]:
+        """`out`: a function of each image's answer (ImageInfo) giving the tensor its rows go into, as fetch's
+        `out` ([>= num_tokens, row_width]); implies wait. When the server can place them for this client (a
+        CUDA `out`, IPC on this host: client/ipc.py) the encode's answer carries each image's hold, and its
+        rows are copied GPU to GPU with no request of their own; the others are fetched as `fetch` would."""
+        sources = [image_source(i) for i in images]
+        if out is None:
+            return self._transport.encode(sources, wait, return_embeddings, self.timeout)
+        if self._ipc is not None and self._ipc_meta is _UNKNOWN:
+            self._ipc_meta = self.metadata().get("ipc")
+        ipc = _encode_ipc(self._ipc, self._ipc_meta, self._transport)
+        sent = time.monotonic()
+        infos = self._transport.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        for info in infos:
+            rows = out(info)
+            if not self._held_rows(info, rows, sent, self._ipc.finish if ipc else None):
+                self.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
+        return infos
+
+    def _held_rows(self, info: ImageInfo, out: torch.Tensor, sent: float, finish) -> bool:
+        """`info`'s rows copied into `out` under the hold its encode answer carries; False: fetch them."""
+        if finish is None or info.ipc is None:
+            return False
+        if not self._ipc.wants(out, self._ipc_meta):
+            _release_hold(info, self._transport.ipc_acks)
+            return False
+        if finish(_whole(info), info.ipc, out, 0, sent, self._transport.ipc_acks) is None:
+            return False
+        self.fetch_paths["ipc"] += 1
+        return True
 
     def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
                       **options) -> list[VideoInfo]:
@@ -434,10 +481,35 @@ class AsyncEncoderClient:
         """See EncoderClient.alloc_rows (no I/O: not a coroutine)."""
         return _need_shm(self._shm).alloc_rows(num_rows, row_width, dtype)
 
-    async def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False
-                     ) -> list[ImageInfo]:
-        return await self._transport.encode([image_source(i) for i in images], wait, return_embeddings,
-                                            self.timeout)
+    async def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False,
+                     out=None) -> list[ImageInfo]:
+        """See EncoderClient.encode (the copies and their synchronization on a thread, off the loop)."""
+        sources = [image_source(i) for i in images]
+        if out is None:
+            return await self._transport.encode(sources, wait, return_embeddings, self.timeout)
+        if self._ipc is not None and self._ipc_meta is _UNKNOWN:
+            self._ipc_meta = (await self.metadata()).get("ipc")
+        ipc = _encode_ipc(self._ipc, self._ipc_meta, self._transport)
+        sent = time.monotonic()
+        infos = await self._transport.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        for info in infos:
+            rows = out(info)
+            finish = (lambda *a: asyncio.to_thread(self._ipc.finish, *a)) if ipc else None
+            if not await self._held_rows(info, rows, sent, finish):
+                await self.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
+        return infos
+
+    async def _held_rows(self, info: ImageInfo, out: torch.Tensor, sent: float, finish) -> bool:
+        """See EncoderClient._held_rows."""
+        if finish is None or info.ipc is None:
+            return False
+        if not self._ipc.wants(out, self._ipc_meta):
+            _release_hold(info, self._transport.ipc_acks)
+            return False
+        if await finish(_whole(info), info.ipc, out, 0, sent, self._transport.ipc_acks) is None:
+            return False
+        self.fetch_paths["ipc"] += 1
+        return True
 
     async def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
                             **options) -> list[VideoInfo]:

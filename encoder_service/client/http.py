@@ -45,18 +45,21 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-def _encode_args(images: list[ImageSource], wait: bool, return_embeddings: bool, timeout) -> dict:
-    """httpx.request keyword arguments for POST /v1/encode."""
+def _encode_args(images: list[ImageSource], wait: bool, return_embeddings: bool, timeout,
+                 ipc: dict | None = None) -> dict:
+    """httpx.request keyword arguments for POST /v1/encode (`ipc`: the rows by IPC, protocol/ipc.py)."""
     if all(i.data is not None and i.caller_id is None for i in images):
         params = {"wait": str(wait).lower(), "return_embeddings": str(return_embeddings).lower()}
         if timeout is not None:
             params["timeout_s"] = str(timeout)
+        if ipc is not None:
+            params |= {"ipc_host": ipc["host"]} | ({"ipc_ack": ",".join(ipc["ack"])} if ipc.get("ack") else {})
         return {"files": [("image", (f"image{k}", i.data, "application/octet-stream")) for k, i in enumerate(images)],
                 "params": params}
     body = {"images": [({"data": base64.b64encode(i.data).decode("ascii")} if i.data is not None else {"url": i.url})
                        | ({"id": i.caller_id} if i.caller_id else {}) for i in images],
             "wait": wait, "return_embeddings": return_embeddings, "timeout_s": timeout}
-    return {"json": body}
+    return {"json": body | ({"ipc": ipc} if ipc is not None else {})}
 
 
 def _encode_videos_args(videos: list[VideoSource], wait: bool, return_embeddings: bool, timeout) -> dict:
@@ -89,8 +92,17 @@ def _b64(data: bytes) -> str:
 
 
 def _infos(response: httpx.Response) -> list[ImageInfo]:
-    return [ImageInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None)
+    return [ImageInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None,
+                                ipc=_encode_ipc(d["ipc"]) if "ipc" in d else None)
             for d in response.json()["images"]]
+
+
+def _encode_ipc(d) -> IpcPlacement | IpcUnavailable:
+    """An encode answer's per-image "ipc" (one segment: all the image's rows)."""
+    try:
+        return answer_from_dict(d, 1)
+    except IpcError as exc:
+        raise wire.WireError(f"not an encode's ipc answer: {exc}") from None
 
 
 def _video_infos(response: httpx.Response) -> list[VideoInfo]:
@@ -215,8 +227,9 @@ class HttpTransport:
         except httpx.TransportError as exc:
             raise _transport_error(exc) from exc
 
-    def encode(self, images, wait, return_embeddings, timeout):
-        return _infos(self._post("/v1/encode", timeout, **_encode_args(images, wait, return_embeddings, timeout)))
+    def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
+        return _infos(self._post("/v1/encode", timeout,
+                                 **_encode_args(images, wait, return_embeddings, timeout, ipc)))
 
     def encode_videos(self, videos, wait, return_embeddings, timeout):
         return _video_infos(self._post("/v1/encode", timeout,
@@ -286,9 +299,9 @@ class AsyncHttpTransport:
         except httpx.TransportError as exc:
             raise _transport_error(exc) from exc
 
-    async def encode(self, images, wait, return_embeddings, timeout):
+    async def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
         return _infos(await self._post("/v1/encode", timeout,
-                                       **_encode_args(images, wait, return_embeddings, timeout)))
+                                       **_encode_args(images, wait, return_embeddings, timeout, ipc)))
 
     async def encode_videos(self, videos, wait, return_embeddings, timeout):
         return _video_infos(await self._post("/v1/encode", timeout,

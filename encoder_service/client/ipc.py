@@ -209,9 +209,20 @@ class IpcPath:
             return False
         return out.is_cuda if self.reader is None else self.reader.accepts(out)
 
+    @staticmethod
+    def same_host(meta: dict | None) -> bool:
+        """The server's metadata["ipc"] says IPC is on, on this host."""
+        return bool(meta) and meta.get("host") == this_host() != ""
+
+    def may_hold(self, meta: dict | None) -> bool:
+        """Whether rows may come by IPC from that server (its metadata["ipc"]) at all: on, on this host, of
+        the kind this client reads (CUDA's until a reader is made), this client's IPC not off."""
+        kind = self.reader.kind if self.reader is not None else cuda_ipc.KIND
+        return self.off is None and self.same_host(meta) and meta.get("kind") == kind
+
     def wants(self, out: torch.Tensor, meta: dict | None) -> bool:
         """Whether to try IPC for a fetch into `out`, given the server's metadata["ipc"]."""
-        if not self.candidate(out) or not meta or meta.get("host") != this_host() or not this_host():
+        if not self.candidate(out) or not self.same_host(meta):
             return False
         if self.reader is None:
             self.reader = CudaIpcReader()

@@ -120,8 +120,8 @@ class OwnerRouting:
         for stale in self._owners.forget(owner):
             stale.close()
 
-    def encode(self, images, wait, return_embeddings, timeout):
-        infos = self._transport.encode(images, wait, return_embeddings, timeout)
+    def encode(self, images, wait, return_embeddings, timeout, **ipc):
+        infos = self._transport.encode(images, wait, return_embeddings, timeout, **ipc)
         self._owners.learn(infos)
         return infos
 
@@ -155,8 +155,8 @@ class AsyncOwnerRouting(OwnerRouting):
         for stale in self._owners.forget(owner):
             await stale.close()
 
-    async def encode(self, images, wait, return_embeddings, timeout):
-        infos = await self._transport.encode(images, wait, return_embeddings, timeout)
+    async def encode(self, images, wait, return_embeddings, timeout, **ipc):
+        infos = await self._transport.encode(images, wait, return_embeddings, timeout, **ipc)
         self._owners.learn(infos)
         return infos
 

@@ -22,6 +22,7 @@ reached it yet is sized from the video's plan and waited for (video_flights.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ from encoder_service.core.video_flights import VideoFlights
 from encoder_service.core.videos import ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Job
 from encoder_service.protocol.dtypes import dtype_name
-from encoder_service.protocol.ipc import IpcRequest
+from encoder_service.protocol.ipc import IpcPlacement, IpcRequest
 from encoder_service.protocol.release import InvalidId, Released
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.video_info import VideoInfo
@@ -223,18 +224,48 @@ class EncoderCore:
 
     # ---- encode ----------------------------------------------------------------------------------------
     async def encode(self, images: list[ImageInput], *, wait: bool = False, return_embeddings: bool = False,
-                     timeout_s: float | None = None, videos: Sequence[VideoInput] = ()) -> EncodeResult:
-        """Images, or videos (`videos`: then `images` is empty and the result's `videos` answer, video_encode.py)."""
+                     timeout_s: float | None = None, videos: Sequence[VideoInput] = (),
+                     ipc: IpcRequest | None = None) -> EncodeResult:
+        """Images, or videos (`videos`: then `images` is empty and the result's `videos` answer, video_encode.py).
+        `ipc` (images only; implies `wait`): each image's rows are placed in the device row arena as soon as
+        they land, as a fetch by IPC of all of them would place them (core/ipc_fetch.py: a hold, delivered at
+        its acknowledgement), the result's `ipc` saying where or why not, per image."""
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
         if videos:
             if images:
                 raise errors.InvalidInput("a request carries images or videos, not both: send them in two requests")
+            if ipc is not None:
+                raise errors.InvalidInput("an encode answers with rows by IPC for images only: fetch a video's "
+                                          "frame groups by IPC")
             return await self.videos.encode(list(videos), wait=wait, return_embeddings=return_embeddings,
                                             timeout_s=timeout_s, t0=t0)
-        return await self.image_encoder.encode(images, wait=wait, return_embeddings=return_embeddings,
-                                               timeout_s=timeout_s, t0=t0)
+        if ipc is None:
+            return await self.image_encoder.encode(images, wait=wait, return_embeddings=return_embeddings,
+                                                   timeout_s=timeout_s, t0=t0)
+        self.ipc.ack(ipc.ack)  # earlier holds' copies are done
+        refused = self.ipc.refusal(ipc)  # off, another host: told now, the encode runs as asked
+        result = await self.image_encoder.encode(images, wait=True, return_embeddings=refused is None or
+                                                 return_embeddings, timeout_s=timeout_s, t0=t0)
+        result.ipc = [refused] * len(images) if refused is not None else self._placed(ipc, result, t0)
+        if not return_embeddings:
+            result.embeddings = None
+        return result
+
+    def _placed(self, ipc: IpcRequest, result: EncodeResult, t0: float) -> list:
+        """Where each image's rows (all of them) sit in the arena, held for the consumer (an image twice in the
+        request: one placement); delivered to its pin when the hold is acknowledged. A hold's `lease_s` counts
+        from the request's receipt (protocol/ipc.py), so the time the encode took is added to it."""
+        answers: dict[str, object] = {}
+        for info, rows in zip(result.images, result.embeddings):
+            if info.id not in answers:
+                key, n = self.key_of(info.id), info.num_tokens
+                answer = self.ipc.answer(ipc, [rows], lambda key=key, n=n: self.store.delivered(key, n, [(0, n)]))
+                if isinstance(answer, IpcPlacement):  # placed now: t0 is no earlier than the receipt
+                    answer = dataclasses.replace(answer, lease_s=answer.lease_s + time.perf_counter() - t0)
+                answers[info.id] = answer
+        return [answers[info.id] for info in result.images]
 
     def _owner_url(self) -> str | None:
         """Where clients may fetch what this replica answers for directly (with Redis: it holds the rows, or

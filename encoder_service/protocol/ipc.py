@@ -15,6 +15,9 @@ server answers the wire header's fields and, instead of rows, `"ipc"`:
     its copies finished, and finds less than `lease_s`, read rows the server kept still; past that it must
     not use them (fetch again another way).
     A probe (`hold` false) answers where the rows are and holds nothing (`token` None: never read them).
+    An encode may ask for its images' rows the same way (HTTP JSON `"ipc"`, or the query's `ipc_host` /
+    `ipc_ack`; implies wait): each image's answer carries its `"ipc"` (one segment: all its rows), placed once
+    they landed; its `lease_s` counts from the receipt of the encode request too (what the encode took added).
   - `IpcUnavailable(reason, owner)`: not this fetch (IPC off, another host, a row not in the arena, holds
     full): the consumer fetches the same chunk the next way (shared memory, then the socket). Not an error.
     `owner`: an id of the fetch is on another replica (not held nor encoded here), whose advertised address
