@@ -162,6 +162,10 @@ def _fetch_body(items, start: int, end: int, timeout, shm: dict | None = None, i
     return json.dumps(_fetch_json(items, start, end, timeout, shm, ipc), separators=(",", ":")).encode()
 
 
+def _release_body(ids) -> bytes:
+    return json.dumps({"ids": ids}, separators=(",", ":")).encode()
+
+
 def _decoded(response: httpx.Response, dest: Destination):
     """(header, rows) of a whole octet-stream body httpx read (the fallback path)."""
     header, data = wire.split_http(response.content)
@@ -186,12 +190,17 @@ class _RawFetch:
         much as the fetch itself when the rows are a small shm write (~0.5 ms on the CPU box)."""
         return self._post(body, timeout, read_json, JSON, cancel)
 
-    def _post(self, body: bytes, timeout, read, accept: str, cancel: Cancel | None):
+    def release(self, body: bytes, timeout, cancel: Cancel | None = None) -> dict | None:
+        """A release's JSON answer, or None as above (httpx's async connection pool costs the client more CPU
+        than the request itself: benchmarks/client_cpu.py's profile)."""
+        return self._post(body, timeout, read_json, JSON, cancel, "/v1/release")
+
+    def _post(self, body: bytes, timeout, read, accept: str, cancel: Cancel | None, path: str = "/v1/fetch"):
         raw = self.raw
         if raw is None:
             return None
         try:
-            return raw.post("/v1/fetch", body, timeout, read, accept=accept, cancel=cancel)
+            return raw.post(path, body, timeout, read, accept=accept, cancel=cancel)
         except NotRaw as exc:
             log.warning("fetch over a plain socket got an answer it does not handle (%s); using httpx", exc)
             self.raw = None
@@ -215,11 +224,15 @@ def _transport_error(exc: httpx.TransportError):
 
 
 class HttpTransport:
-    def __init__(self, base_url: str, *, token: str | None = None, **httpx_kw):
+    """`ipc_channel`: fetches by IPC over the server's same-host channel when it has one (False: HTTP)."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, ipc_channel: bool = True, **httpx_kw):
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))  # this server's holds, done
         self._channel = ChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
+        if not ipc_channel:
+            self._channel.close()
 
     def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -270,7 +283,11 @@ class HttpTransport:
         return int(self._post("/v1/fetch/ack", timeout, json={"tokens": tokens}).json()["released"])
 
     def release(self, ids, timeout):
-        return Released.from_json(self._post("/v1/release", timeout, json={"ids": ids}).json())
+        body = _release_body(ids)
+        got = self._raw.release(body, timeout)
+        if got is not None:
+            return Released.from_json(got)
+        return Released.from_json(self._post("/v1/release", timeout, content=body, headers=_SHM_HEADERS).json())
 
     def metadata(self, timeout):
         try:
@@ -286,12 +303,17 @@ class HttpTransport:
 
 
 class AsyncHttpTransport:
-    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS, **httpx_kw):
+    """See HttpTransport."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS,
+                 ipc_channel: bool = True, **httpx_kw):
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))
         self._channel = AsyncChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
+        if not ipc_channel:
+            self._channel.close()
 
     async def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -340,7 +362,13 @@ class AsyncHttpTransport:
         return _raw_ack(self._raw.raw, tokens, timeout) if self._raw.raw is not None else 0
 
     async def release(self, ids, timeout):
-        return Released.from_json((await self._post("/v1/release", timeout, json={"ids": ids})).json())
+        body = _release_body(ids)
+        if self._raw.raw is not None:  # short: a thread of the plain socket path, not httpx's pool on the loop
+            got = await in_thread(self._threads, partial(self._raw.release, body, timeout))
+            if got is not None:
+                return Released.from_json(got)
+        return Released.from_json((await self._post("/v1/release", timeout, content=body,
+                                                    headers=_SHM_HEADERS)).json())
 
     async def metadata(self, timeout):
         try:

@@ -243,15 +243,18 @@ class RowFetcher:
     def _ipc_transport(self) -> HttpTransport:
         with self._lock:
             if self._ipc_fetches is None:
-                self._ipc_fetches = HttpTransport(self.options.url, token=self.options.auth_token)
+                self._ipc_fetches = self._http(self.options.url)
             return self._ipc_fetches
 
     def _owner(self, url: str) -> HttpTransport | None:
         """The transport to the replica at `url` (a "not here" answer named it); None past MAX_OWNERS of them."""
         with self._lock:
             if url not in self._owners and len(self._owners) < MAX_OWNERS:
-                self._owners[url] = HttpTransport(url, token=self.options.auth_token)
+                self._owners[url] = self._http(url)
             return self._owners.get(url)
+
+    def _http(self, url: str) -> HttpTransport:
+        return HttpTransport(url, token=self.options.auth_token, ipc_channel=self.options.ipc_channel == "auto")
 
     def _remember(self, token: str, acks: Acks) -> None:
         with self._lock:

@@ -117,7 +117,8 @@ class IpcLoader:
             if self._client is None:
                 o = self.options
                 self._client = EncoderClient.http(o.url, token=o.auth_token, timeout=o.fetch_timeout_s,
-                                                  ipc="off" if self._refused else self.reader)
+                                                  ipc="off" if self._refused else self.reader,
+                                                  ipc_channel=o.ipc_channel == "auto")
             return self._client
 
     @property
