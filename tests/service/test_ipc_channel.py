@@ -7,13 +7,15 @@ against the real server, with the device row arena on the host stand-in (encoder
   - a connection without the token, or with a wrong one, is refused (ERROR, closed): the client fetches over
     HTTP, saying why once; a socket that is gone, the same; frames that are not frames close the connection,
     and the server serves on;
-  - a restarted server: the client connects again.
+  - a restarted server: the client connects again;
+  - bounds: connections past the limit are closed, a HELLO not sent in time ends its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import os
 import socket
 import stat
@@ -22,6 +24,7 @@ import struct
 import pytest
 import torch
 
+from encoder_service.api import ipc_channel as server
 from encoder_service.api.service import bind_socket
 from encoder_service.client import AsyncEncoderClient, EncoderClient
 from encoder_service.client.ipc_channel import ChannelLink
@@ -31,7 +34,7 @@ from encoder_service.testing.host_ipc import HostStandInReader
 from tests.service.test_ipc_fetch import ipc_service, nan_out
 from tests.support.images import image_bytes as png
 from tests.support.service import AUTH_TOKEN
-from tests.support.waits import wait_for
+from tests.support.waits import async_wait_for, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,3 +213,25 @@ def test_a_restarted_server_is_connected_to_again(tiny_checkpoint, standin_dir):
             assert c.fetch_paths["ipc"] >= 2 and c.fetch_paths.get("socket", 0) == 0
         finally:
             second.close()
+
+
+async def test_connections_past_the_limit_are_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 0.5)
+    channel = server.IpcChannel(None, str(tmp_path / "c.sock"), None, max_connections=1)
+    assert await channel.start()
+    try:
+        r1, w1 = await asyncio.open_unix_connection(channel.path)
+        w1.write(proto.hello(None))
+        assert (await r1.readexactly(proto.PREFIX.size))[4] == proto.HELLO
+        r2, w2 = await asyncio.open_unix_connection(channel.path)  # one too many: closed, nothing answered
+        assert await asyncio.wait_for(r2.read(), 10) == b""
+        w1.close()
+        await async_wait_for(lambda: not channel._connections, "the connections ended", 10)
+        r3, w3 = await asyncio.open_unix_connection(channel.path)
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(r3.read(), 10) == b""  # no HELLO within HELLO_TIMEOUT_S: closed
+        assert time.monotonic() - t0 >= 0.4
+        for w in (w2, w3):
+            w.close()
+    finally:
+        await channel.stop()
