@@ -5,9 +5,13 @@ A client (client/base.py) tries it first for a fetch into a CUDA `out` when the 
 is on, on this host (the same boot id) and of a kind this process reads; then the way it fetches otherwise
 (shared memory with shm=True, else the socket). For one fetch:
 
-  1. POST /v1/fetch with "ipc" (and the hold tokens of earlier fetches whose copies are done, `Acks`);
-  2. the answer places each segment's rows in the server's arena (else says why not: step 5);
-  3. `CudaIpcReader` opens the arena's handle once per server process (its `generation`) and device
+  1. POST /v1/fetch with "ipc" (and the hold tokens of earlier fetches whose copies are done, `Acks`: that
+     server's), over the server's same-host channel when it has one (client/ipc_channel.py), to the ids'
+     owner when one is known (client/owners.py);
+  2. the answer places each segment's rows in the server's arena (else says why not: step 5; a replica
+     without the ids names their owner, asked next: client/base.py);
+  3. `CudaIpcReader` opens the arena's handle once per server process (its `generation`; several servers'
+     at once, a server's older one closed when it restarts: `Generations`) and device
      (cudaIpcOpenMemHandle with lazy peer access, with out's device current), then each segment's bytes are
      copied into out's rows at position - start (cudaMemcpyAsync on out's device's current stream; through a
      temporary, then cast, when `out` is of another dtype), and that stream is synchronized (the same contract
