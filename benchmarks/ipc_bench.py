@@ -22,12 +22,19 @@ when two GPUs are visible), as an LLM server is:
      under that hold, no request), by ipc and by shm.
   4. end to end: one client process on the last consumer device, concurrency 64, distinct 720p JPEGs (each
      request's bytes its own), encode wait=true, fetch of all rows into a CUDA `out`, release; images/s by
-     ipc and by socket, as % of part 1's reference.
+     ipc, by ipc-hold (one request: the encode's answer carries the hold, client encode(out=...)) and by
+     socket, as % of part 1's reference.
+  5. the same-host channel against HTTP (issue 40), per consumer device, --runs runs (default 5) of each in
+     turn: the cached 1080p entry into the device `out` by IPC (our client, the request over the server's Unix
+     socket, or over HTTP: ipc_channel=False), and the vLLM connector's load of it (ipc_channel auto / off),
+     p50 ms per run against issue 40's goals (0.3 / 0.6 ms in every run).
+Parts 2 and 3 go over the channel (the clients' default) when the server has one.
 Every fetched tensor is checked bit for bit against the socket fetch (exit 1 otherwise); a path that is
 refused (CUDA IPC not allowed here) falls back and the table says which path served. Parts that would run
 past --budget-s are skipped (named in the report).
 
-    python -m benchmarks.ipc_bench                 # GPU host (H200: about 3-4 minutes, --budget-s 235)
+    python -m benchmarks.ipc_bench                 # GPU host (H200: about 4 minutes, --budget-s 235)
+    python -m benchmarks.ipc_bench --runs 5        # part 5's runs (default 5; --small 2)
     python -m benchmarks.ipc_bench --small         # CPU smoke: tiny Qwen3-VL, the arena's host stand-in
     N=50 python -m benchmarks.ipc_bench            # iterations per path (default 30; --small 3)
 
@@ -64,8 +71,9 @@ from encoder_service.protocol.ipc import IpcPlacement, IpcRequest, this_host
 FAMILY = "qwen3_vl"
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 GOALS = dict(fetch_ms=0.5, connector_ms=1.0, e2e_fraction=0.95)  # issue 34's goals
+CHANNEL_GOALS = dict(fetch_ms=0.3, connector_ms=0.6)  # issue 40's: p50 in every one of the runs
 # Rough seconds per part on an H200 (the budget skips what would not fit).
-ESTIMATE_S = dict(model=20, paths=25, connector=10, e2e=25)
+ESTIMATE_S = dict(model=20, paths=25, connector=10, channel=30, e2e=25)
 POLL_S = 0.0002  # how often the connector's scheduler side asks ensure() (vLLM: once per engine step)
 
 
@@ -144,7 +152,8 @@ class Consumer:
 
                 variants = [
                     ("ipc", "fetch by IPC into the device `out` (GPU to GPU)", lambda: ipc.fetch(item, 0, n, out=out)),
-                    ("ipc request", "its HTTP request alone: a probe (nothing held, nothing copied)",
+                    ("ipc request", "its request alone (over the channel when there is one): a probe (nothing "
+                     "held, nothing copied)",
                      lambda: probes.fetch_ipc(item, 0, n, probe, 120)),
                     ("ipc, no client", "a held request, the copy and the sync as the client makes them, without it",
                      held_copy),
@@ -190,6 +199,22 @@ class Consumer:
         return True
 
     def connector(self) -> dict:
+        rows, checks = [], []
+        with self.client(ipc="off") as plain:
+            (info,) = plain.encode([jpeg(*SIZES["1080p"], seed=7100)], wait=True)
+            ref = plain.fetch([(info.id, 0)], 0, info.num_tokens).rows
+            for mode in ("ipc", "shm"):
+                times, served = self._connector_loads(info, ref, "auto" if mode == "ipc" else "off", "auto",
+                                                      checks, mode)
+                rows.append(dict(mode=mode, served=served, consumer=str(self.device), mbytes=ref.nbytes / 1e6,
+                                 **{key: _stats(v) for key, v in times.items()}))
+            plain.release([info.id])
+        return dict(rows=rows, checks=checks)
+
+    def _connector_loads(self, info, ref: torch.Tensor, ipc: str, channel: str, checks: list[str],
+                         label: str) -> tuple[dict, str]:
+        """The connector's cached item onto the device, n times (after 2 warm-up loads): ms staged (scheduler
+        side), on the device (worker), total; and how its last load was served."""
         from encoder_service.integrations.vllm.fetch import RowFetcher
         from encoder_service.integrations.vllm.ipc_loads import IpcLoader
         from encoder_service.integrations.vllm.options import ConnectorOptions
@@ -197,57 +222,73 @@ class Consumer:
         from encoder_service.integrations.vllm.worker import IpcRows, RowLoader
         from encoder_service.protocol.cuda_ipc import KIND
 
+        width = ref.shape[1]
+        options = ConnectorOptions(self.job["url"], shm="on", shm_dir=self.job["shm_dir"], ipc=ipc,
+                                   ipc_channel=channel, fetch_timeout_s=120.0)
+        table = StagingTable(RowFetcher(options, width, ipc_kind=getattr(self.reader, "kind", KIND)))
+        loader = RowLoader(self.device, ref.dtype, ipc=IpcLoader(options, self.device, reader=self.reader))
+        need, times = Need(info.id, info.id, info.num_tokens), {"staged": [], "device": [], "total": []}
+        try:
+            for i in range(self.n + 2):
+                rid = f"{label}-{i}"
+                t0 = time.perf_counter()
+                deadline = time.monotonic() + 120
+                while not table.ensure(rid, [need]):
+                    if table.why(rid) or time.monotonic() > deadline:
+                        raise RuntimeError(table.why(rid) or "not staged in 120 s")
+                    time.sleep(POLL_S)
+                t1 = time.perf_counter()
+                table.allocated(rid, need.identifier, need.num_rows)
+                (load,) = table.end_step()
+                got = loader.load(load, width)
+                self.sync()
+                t2 = time.perf_counter()
+                if loader.ipc is not None:  # what the connector passes on (worker -> scheduler)
+                    table.fetcher.copied(loader.ipc.take_copied())
+                if i == 0 and not torch.equal(got.cpu(), ref):
+                    checks.append(f"connector {label}: rows on {self.device} differ from the socket fetch's")
+                if i >= 2:
+                    for key, dt in (("staged", t1 - t0), ("device", t2 - t1), ("total", t2 - t0)):
+                        times[key].append(dt * 1e3)
+                table.finished(rid)
+                table.end_step(freed=[need.identifier])  # vLLM dropped it: staged again next time
+            return times, "ipc" if isinstance(load.rows, IpcRows) else table.fetcher.staging_mode
+        finally:
+            table.close()
+            loader.close()
+
+    def channel(self, runs: int) -> dict:
+        """Part 5: the same-host channel against HTTP, `runs` runs of each in turn: the cached 1080p entry into
+        the device `out` by IPC (our client's fetch), and the vLLM connector's load of it (total), p50 ms."""
         rows, checks = [], []
         with self.client(ipc="off") as plain:
-            (info,) = plain.encode([jpeg(*SIZES["1080p"], seed=7100)], wait=True)
-            ref = plain.fetch([(info.id, 0)], 0, info.num_tokens).rows
-            width = ref.shape[1]
-            for mode in ("ipc", "shm"):
-                options = ConnectorOptions(self.job["url"], shm="on", shm_dir=self.job["shm_dir"],
-                                           ipc="auto" if mode == "ipc" else "off", fetch_timeout_s=120.0)
-                kind = getattr(self.reader, "kind", KIND)
-                table = StagingTable(RowFetcher(options, width, ipc_kind=kind))
-                loader = RowLoader(self.device, ref.dtype, ipc=IpcLoader(options, self.device, reader=self.reader))
-                need, times = Need(info.id, info.id, info.num_tokens), {"staged": [], "device": [], "total": []}
-                try:
-                    for i in range(self.n + 2):
-                        rid = f"{mode}-{i}"
-                        t0 = time.perf_counter()
-                        deadline = time.monotonic() + 120
-                        while not table.ensure(rid, [need]):
-                            if table.why(rid) or time.monotonic() > deadline:
-                                raise RuntimeError(table.why(rid) or "not staged in 120 s")
-                            time.sleep(POLL_S)
-                        t1 = time.perf_counter()
-                        table.allocated(rid, need.identifier, need.num_rows)
-                        (load,) = table.end_step()
-                        got = loader.load(load, width)
-                        self.sync()
-                        t2 = time.perf_counter()
-                        if loader.ipc is not None:  # what the connector passes on (worker -> scheduler)
-                            table.fetcher.copied(loader.ipc.take_copied())
-                        if i == 0 and not torch.equal(got.cpu(), ref):
-                            checks.append(f"connector {mode}: rows on {self.device} differ from the socket fetch's")
-                        if i >= 2:
-                            for key, dt in (("staged", t1 - t0), ("device", t2 - t1), ("total", t2 - t0)):
-                                times[key].append(dt * 1e3)
-                        table.finished(rid)
-                        table.end_step(freed=[need.identifier])  # vLLM dropped it: staged again next time
-                    served = "ipc" if isinstance(load.rows, IpcRows) else table.fetcher.staging_mode
-                    rows.append(dict(mode=mode, served=served, consumer=str(self.device), mbytes=ref.nbytes / 1e6,
-                                     **{key: _stats(v) for key, v in times.items()}))
-                finally:
-                    table.close()
-                    loader.close()
+            (info,) = plain.encode([jpeg(*SIZES["1080p"], seed=7400)], wait=True)
+            item, n = [(info.id, 0)], info.num_tokens
+            ref = plain.fetch(item, 0, n).rows
+            out = torch.empty_like(ref, device=self.device)
+            for run in range(runs):
+                for way in ("channel", "http"):
+                    with self.client(ipc=self.reader, ipc_channel=way == "channel") as c:
+                        out.fill_(float("nan"))
+                        ms = _timed(lambda: c.fetch(item, 0, n, out=out), self.n, self.sync)
+                        paths = dict(c.fetch_paths)
+                    if not torch.equal(out.cpu(), ref):
+                        checks.append(f"channel run {run} {way}: rows on {self.device} differ from the socket fetch's")
+                    times, served = self._connector_loads(info, ref, "auto", "auto" if way == "channel" else "off",
+                                                          checks, f"{way}-{run}")
+                    rows.append(dict(run=run, way=way, consumer=str(self.device), mbytes=ref.nbytes / 1e6,
+                                     fetch=_stats(ms), fetch_paths=paths, connector=_stats(times["total"]),
+                                     connector_served=served))
             plain.release([info.id])
         return dict(rows=rows, checks=checks)
 
     def e2e(self, variant: str, concurrency: int, seconds: float) -> dict:
         bases = [jpeg(*SIZES["720p"], seed=7200 + k) for k in range(8)]
         images = (stamped(bases[i % len(bases)], f"{variant} {i}") for i in itertools.count())
-        rec = asyncio.run(closed_loop([dict(http=self.job["url"])], images, concurrency, seconds, 120.0, flow="e2e",
+        flow = "e2e-hold" if variant == "ipc-hold" else "e2e"
+        rec = asyncio.run(closed_loop([dict(http=self.job["url"])], images, concurrency, seconds, 120.0, flow=flow,
                                       out_device=str(self.device),
-                                      client_kw=dict(ipc=self.reader if variant == "ipc" else "off")))
+                                      client_kw=dict(ipc="off" if variant == "socket" else self.reader)))
         done, wall = len(rec["latencies"]), rec["t1"] - rec["t0"]
         return dict(variant=variant, concurrency=concurrency, consumer=str(self.device), requests=done,
                     errors=len(rec["errors"]), error_samples=rec["errors"][:3], images_per_s=done / wall,
@@ -256,7 +297,8 @@ class Consumer:
 
 
 def consumer_main(job_path: str) -> int:
-    """Commands on stdin, one JSON answer line each: paths | connector | e2e <ipc|socket> <concurrency> <s>."""
+    """Commands on stdin, one JSON answer line each: paths | connector | channel <runs> |
+    e2e <ipc|socket|ipc-hold> <concurrency> <s>."""
     consumer = Consumer(json.loads(Path(job_path).read_text()))
     print(json.dumps(dict(ready=True)), flush=True)
     for line in sys.stdin:
@@ -264,6 +306,8 @@ def consumer_main(job_path: str) -> int:
         try:
             if command[0] == "e2e":
                 answer = consumer.e2e(command[1], int(command[2]), float(command[3]))
+            elif command[0] == "channel":
+                answer = consumer.channel(int(command[1]))
             else:
                 answer = getattr(consumer, command[0])()
             print(json.dumps(answer), flush=True)
@@ -348,12 +392,14 @@ def main() -> int:
     parser.add_argument("--e2e-s", type=float, help="seconds of each part-4 variant (default 15; --small 3)")
     parser.add_argument("--budget-s", type=float, default=235.0,
                         help="seconds from the start: parts that would end past them are skipped (default 235)")
+    parser.add_argument("--runs", type=int, help="part 5's runs of the channel and of HTTP (default 5; --small 2)")
     parser.add_argument("--consumer", metavar="JOB_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.consumer:
         return consumer_main(args.consumer)
     concurrency = args.concurrency or (4 if args.small else 64)
     e2e_s = args.e2e_s or (3.0 if args.small else 15.0)
+    runs = args.runs or (2 if args.small else 5)
     n = int(os.environ.get("N", "3" if args.small else "30"))
 
     from encoder_service.api.service import bind_socket, build_core
@@ -394,10 +440,11 @@ def main() -> int:
                 proc = children.start("benchmarks.ipc_bench", "--consumer", str(job))
                 try:
                     children.answer(proc, time.monotonic() + 120)
-                    for part, command in (("paths", "paths"), ("connector", "connector")):
+                    for part, command in (("paths", "paths"), ("connector", "connector"),
+                                          ("channel", f"channel {runs}")):
                         run.part(f"{part} {consumer}", lambda c=command: _ask(proc, c, run))
                     if consumer == consumer_devices(device)[-1]:
-                        for variant in ("ipc", "socket"):
+                        for variant in ("ipc", "ipc-hold", "socket"):
                             run.part(f"e2e {variant} {consumer}",
                                      lambda v=variant: _ask(proc, f"e2e {v} {concurrency} {e2e_s}", run))
                 finally:
@@ -424,7 +471,9 @@ def _ipc_metrics(url: str) -> dict:
 
     text = httpx.get(url + "/metrics", timeout=10).text
     return {s.name + "".join(f"{{{k}={v}}}" for k, v in s.labels.items()): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples if s.name.startswith("encoder_ipc")}
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("encoder_ipc") or (s.name == "encoder_requests_total"
+                                                    and s.labels.get("transport") == "channel")}
 
 
 # ---- the report ---------------------------------------------------------------------------------------------
@@ -507,6 +556,22 @@ def markdown(setup: dict, run: Run, server: dict) -> str:
             lines.append(f"\nGoal: >= {100 * GOALS['e2e_fraction']:.0f}% of the model alone: "
                          f"{100 * ipc['images_per_s'] / ref:.0f}%, "
                          f"{_met(ipc['images_per_s'] >= GOALS['e2e_fraction'] * ref)}.")
+        lines.append("")
+    channel = [r for name, part in p.items() if name.startswith("channel") for r in part["rows"]]
+    if channel:
+        lines += _head("## 5. The same-host channel against HTTP (issue 40): the cached 1080p entry into a device "
+                       "`out` by IPC, and the vLLM connector's load of it, p50 ms per run", "run", "consumer", "way",
+                       "MB", "fetch p50", "fetch p90", "fetches by path", "connector p50 (total)", "connector by")
+        lines += [f"| {r['run'] + 1} | {r['consumer']} | {r['way']} | {r['mbytes']:.3g} "
+                  f"| {_f(r['fetch']['p50_ms'], '.3f')} | {_f(r['fetch']['p90_ms'], '.3f')} | {r['fetch_paths']} "
+                  f"| {_f(r['connector']['p50_ms'], '.3f')} | {r['connector_served']} |" for r in channel]
+        for consumer in dict.fromkeys(r["consumer"] for r in channel if r["consumer"] != "cpu"):
+            mine = [r for r in channel if r["consumer"] == consumer and r["way"] == "channel"]
+            for key, goal, what in (("fetch", CHANNEL_GOALS["fetch_ms"], "fetch by IPC"),
+                                    ("connector", CHANNEL_GOALS["connector_ms"], "vLLM connector")):
+                met = sum(r[key]["p50_ms"] <= goal for r in mine)
+                lines.append(f"\nGoal: {what} over the channel into {consumer} p50 <= {goal} ms in every run: "
+                             f"{met} of {len(mine)}, {_met(met == len(mine))}.")
         lines.append("")
     lines += ["Server's IPC counters: " + ", ".join(f"{k} {v:g}" for k, v in server.items()), ""]
     lines += [f"> {n}" for n in dict.fromkeys(run.notes)]

@@ -149,6 +149,8 @@ class ServerSettings:
     # and how long a fetch by IPC holds its rows at most without an acknowledgement.
     ipc_arena_bytes: int | None = None
     ipc_lease_s: float = 5.0
+    # The same-host channel of fetches by IPC (api/ipc_channel.py): "auto", "off", or a Unix socket's path.
+    ipc_channel: str = "auto"
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
     sglang_protocol: bool = False
     sglang_port: int = 8100
@@ -253,6 +255,15 @@ def _size_or_auto(text: str) -> int | None:
     return None if str(text).strip().lower() == "auto" else _non_negative(parse_size)(text)
 
 
+def _ipc_channel(value: str) -> str:
+    """auto, off, or an absolute path whose directory exists."""
+    if value in ("auto", "off"):
+        return value
+    if not os.path.isabs(value) or not os.path.isdir(os.path.dirname(value)):
+        raise ValueError(f"expected auto, off or an absolute path in an existing directory, got {value!r}")
+    return value
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -351,6 +362,9 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
                                                "8GiB), a size, or 0 (off); always off on a CPU"),
     "ipc_lease_s": (_positive(float), "5", "how long a fetch by IPC holds its rows in the arena at most when its "
                                            "consumer does not acknowledge its copy"),
+    "ipc_channel": (_ipc_channel, "auto", "Unix socket for fetches by IPC from this host (a persistent "
+                                          "channel beside HTTP): auto (with an arena, in a directory of this "
+                                          "uid's alone under the temp dir), off, or an absolute path"),
     "send_threads": (_non_negative(int), "8", "threads that write fetched rows onto HTTP sockets, several "
                                               "fetches at once (0: the event loop writes them)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
@@ -519,6 +533,7 @@ def _build(v: dict) -> Settings:
                               access_log=v["access_log"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"], send_threads=v["send_threads"],
                               ipc_arena_bytes=v["ipc_arena_bytes"], ipc_lease_s=v["ipc_lease_s"],
+                              ipc_channel=v["ipc_channel"],
                               sglang_protocol=v["sglang_protocol"], sglang_port=v["sglang_port"],
                               advertise_url=v["advertise_url"]),
         cache=CacheSettings(redis_url=v["redis_url"] or None, redis_ttl_s=v["redis_ttl_s"],

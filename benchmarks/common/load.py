@@ -32,7 +32,8 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
     """`targets`: [{"http": url, "grpc": host:port}] per replica. Runs until the `count` images run out (None:
     `images` is an endless stream) or `level_s` has passed (requests in flight then finish, each bounded by
     `timeout_s`). `flow`: "encode" (wait=true), "e2e" (that, a fetch of all the image's rows into the worker's
-    reused buffer, release) or "e2e-norelease" (e2e without the release: a client that never calls it). A 429
+    reused buffer, release), "e2e-norelease" (e2e without the release: a client that never calls it) or
+    "e2e-hold" (the encode itself asks for the rows by IPC into that buffer, client encode(out=...); release). A 429
     is waited out as its Retry-After says. `verify_every` n > 0: every
     n-th crossing fetch is fetched again on the encoding replica and compared bit for bit (the same encode's
     rows through Redis and from the encoder's own tier: a difference is a wrong row). `worker_offset`: this
@@ -72,9 +73,19 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
                 encoder, fetcher = clients[home], clients[(home + other) % len(clients)]
                 t0, info = time.perf_counter(), None
                 try:
-                    (info,) = await encoder.encode([data], wait=True)
+                    if flow == "e2e-hold":  # the encode's answer carries the rows' hold (IPC): one request
+                        def dest(i):
+                            nonlocal out
+                            if out is None or out.shape[0] < i.num_tokens:
+                                out = torch.empty(i.num_tokens, i.row_width, dtype=getattr(torch, i.dtype),
+                                                  device=out_device)
+                            return out[:i.num_tokens]
+
+                        (info,) = await encoder.encode([data], out=dest)
+                    else:
+                        (info,) = await encoder.encode([data], wait=True)
                     t1 = time.perf_counter()
-                    if flow != "encode":
+                    if flow not in ("encode", "e2e-hold"):
                         if out is None or out.shape[0] < info.num_tokens:
                             out = torch.empty(info.num_tokens, info.row_width, dtype=getattr(torch, info.dtype),
                                               device=out_device)
@@ -88,9 +99,11 @@ async def closed_loop(targets: list[dict], images: Iterable[bytes], workers: int
                             rec["wrong_rows"] += not torch.equal(own.rows, rows)
                         if flow == "e2e":
                             await encoder.release([info.id])
+                    elif flow == "e2e-hold":
+                        await encoder.release([info.id])
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     rec["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
-                    if info is not None and flow == "e2e":  # encoded, then the fetch failed: give the pin back
+                    if info is not None and flow in ("e2e", "e2e-hold"):  # encoded, the rows failed: pin back
                         with contextlib.suppress(Exception):
                             await encoder.release([info.id])
                     if isinstance(exc, Overloaded):  # a 429: wait as its Retry-After says (a client's manners)

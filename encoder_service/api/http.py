@@ -2,9 +2,12 @@
 
 POST /v1/encode   multipart (field `image`, repeated), a binary body (application/octet-stream or image/*,
                   one image; options in the query), or JSON {"images": [{"data": b64} | {"url": ...}, "id"?],
-                  "wait", "return_embeddings", "timeout_s"}. Videos the same ways (api/video_bodies.py):
+                  "wait", "return_embeddings", "timeout_s", "ipc"?}. Videos the same ways (api/video_bodies.py):
                   multipart `video` / `frame` fields, a video/* body, JSON {"videos": [...]}; answered as
                   {"videos": [VideoInfo], "timings"}.
+                  Images with "ipc": {"host", "hold", "ack"} (JSON; the query's `ipc_host` and `ipc_ack`,
+                  comma-separated tokens, for the other forms; implies wait): each image's answer carries
+                  "ipc": where its rows sit in the device row arena (a hold) or why not, as a fetch's.
 POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> protocol/wire.py payload
                   (application/octet-stream; application/safetensors when Accept asks for it).
                   With "shm": {"name", "offset", "by_position"} the rows go into that client file
@@ -93,12 +96,19 @@ class VideoJson(_Strict):
     frames_fps: float | None = None
 
 
+class IpcJson(_Strict):
+    host: str  # the consumer's boot id
+    hold: bool = True
+    ack: list[str] = []  # tokens of earlier fetches by IPC whose copies are done
+
+
 class EncodeJson(_Strict):
     images: list[ImageJson] = []
     videos: list[VideoJson] = []
     wait: bool = False
     return_embeddings: bool = False
     timeout_s: float | None = None
+    ipc: IpcJson | None = None  # the rows by IPC as soon as they land (protocol/ipc.py), per image
 
 
 class FetchItemJson(_Strict):
@@ -110,12 +120,6 @@ class ShmJson(_Strict):
     name: str
     offset: int
     by_position: bool = False
-
-
-class IpcJson(_Strict):
-    host: str  # the consumer's boot id
-    hold: bool = True
-    ack: list[str] = []  # tokens of earlier fetches by IPC whose copies are done
 
 
 class FetchJson(_Strict):
@@ -188,12 +192,15 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         q = request.query_params
         wait, embeds = _qbool(q, "wait"), _qbool(q, "return_embeddings")
         timeout_s = _qfloat(q, "timeout_s")
+        ipc = _ipc_request(q["ipc_host"], True, [t for t in q.get("ipc_ack", "").split(",") if t]) \
+            if "ipc_host" in q else None
         videos = []
         if ctype == "application/json":
             body = bodies.parse(EncodeJson, await bounded.body())
             images = [_json_image(i, img) for i, img in enumerate(body.images)]
             videos = [video_bodies.json_video(i, v) for i, v in enumerate(body.videos)]
             wait, embeds, timeout_s = body.wait, body.return_embeddings, body.timeout_s
+            ipc = _ipc_request(body.ipc.host, body.ipc.hold, body.ipc.ack) if body.ipc is not None else None
         elif ctype == "multipart/form-data":
             images, videos = await _multipart_media(bounded, settings, q)
         elif ctype.startswith("video/") or (ctype == OCTET and _qbool(q, "video")):
@@ -205,7 +212,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
             raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream, image/* "
                                       "or video/*")
         result = await _unless_disconnected(request, core.encode(images, wait=wait, return_embeddings=embeds,
-                                                                 timeout_s=timeout_s, videos=videos))
+                                                                 timeout_s=timeout_s, videos=videos, ipc=ipc))
         kind, infos = ("videos", result.videos) if videos else ("images", result.images)
         out = []
         for i, info in enumerate(infos):
@@ -214,6 +221,8 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
                 rows = result.embeddings[i]
                 d["embedding"] = {"data": base64.b64encode(wire.row_bytes(rows)).decode("ascii"),
                                   "dtype": dtype_name(rows.dtype), "shape": list(rows.shape)}
+            if result.ipc is not None:
+                d["ipc"] = result.ipc[i].to_dict()
             out.append(d)
         return JSONResponse({kind: out, "timings": result.timings}, headers=dict(timing_headers(result.timings)))
 

@@ -112,6 +112,7 @@ class Service:
         self._sglang_protocol = None
         self._grpc = None
         self._grpc_health = None
+        self._ipc_channel = None  # api/ipc_channel.py, with an arena and --ipc-channel not off
         self.http_address: str | None = None
         self.grpc_address: str | None = None
         self.sglang_address: str | None = None
@@ -135,6 +136,7 @@ class Service:
         pickups = Pickups() if http and s.server.grpc_port else None
         if http:
             await self._start_http(pickups)
+            await self._start_ipc_channel()
         if s.server.grpc_port:
             from encoder_service.api import grpc_server
 
@@ -178,6 +180,18 @@ class Service:
         sock = self._http_sock
         self._socket_send = SocketSend(create_app(self.core, pickups), s.send_threads)
         self._http, self._http_task, self.http_address = await self._serve(self._socket_send, sock, "HTTP")
+
+    async def _start_ipc_channel(self) -> None:
+        """The same-host channel of fetches by IPC, named in /v1/metadata once it listens."""
+        from encoder_service.api.ipc_channel import IpcChannel, channel_path
+
+        s = self.settings.server
+        path = channel_path(s.ipc_channel, self._http_sock.getsockname()[1], self.core.ipc.arena is not None)
+        if path is None:
+            return
+        channel = IpcChannel(self.core, path, s.auth_token, access_log=s.access_log)
+        if await channel.start():
+            self._ipc_channel, self.core.ipc.channel = channel, path
 
     async def _start_sglang(self) -> None:
         """SGLang's encoder protocol on its own port (unauthenticated: SGLang sends no credentials)."""
@@ -242,6 +256,9 @@ class Service:
         for task in (self._http_task, self._sglang_task):
             if task is not None:
                 await task
+        if self._ipc_channel is not None:
+            self.core.ipc.channel = None
+            await self._ipc_channel.stop()
         if self._socket_send is not None:
             self._socket_send.close()
         if self._sglang_protocol is not None:
@@ -280,6 +297,6 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
                                if service.sglang_address else "off"),
         "ipc fetch (rows GPU to GPU, consumers on this host, HTTP): " + (
-            f"device row arena {format_size(ipc['arena_bytes'])} on {ipc['device']}, hold lease {ipc['lease_s']:g}s"
-            if (ipc := core.ipc.metadata()) else "off"),
+            f"device row arena {format_size(ipc['arena_bytes'])} on {ipc['device']}, hold lease {ipc['lease_s']:g}s, "
+            f"channel {ipc['channel'] or 'off'}" if (ipc := core.ipc.metadata()) else "off"),
     ])

@@ -34,21 +34,21 @@ import torch
 from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
-from encoder_service.client.owners import AsyncOwnerRouting, OwnerRouting
 from encoder_service.client.ipc import IpcPath
+from encoder_service.client.owners import FALLBACK, AsyncOwnerRouting, OwnerRouting
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, ReleaseCount, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable
 from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
 from encoder_service.runtime.host_pool import HostRowPool
 
 FETCH_STREAMS = 4  # at most this many connections for one fetch
 SPLIT_BYTES = 16 << 20  # and at least this many bytes of `out` for each
-ACK_TIMEOUT_S = 5.0  # one acknowledgement of IPC holds (client/ipc.py)
 _UNKNOWN = object()  # the server's IPC metadata, not asked yet
 
 
@@ -201,10 +201,35 @@ class _ShmFetch:
 def _ipc_path(transport, ipc) -> IpcPath | None:
     """The client's fetch by IPC: "auto" (a CUDA reader once a CUDA `out` comes), "off", or a reader (the CPU
     tests' host stand-in, encoder_service/testing/host_ipc.py); None on transports without it (gRPC)."""
-    ack = getattr(transport, "ack_ipc", None)
-    if ipc == "off" or ipc is False or ack is None:
+    if ipc == "off" or ipc is False or getattr(transport, "fetch_ipc", None) is None:
         return None
-    return IpcPath(None if ipc == "auto" else ipc, lambda tokens: ack(tokens, ACK_TIMEOUT_S))
+    return IpcPath(None if ipc == "auto" else ipc)
+
+
+def _owner_named(routing: OwnerRouting | None, owner: tuple | None, answer, items) -> tuple | None:
+    """The Service (`owner` None) answered a fetch by IPC "not here, ask `answer.owner`": (that owner, its
+    transport) to ask next (remembered for later fetches of these ids); else None: this answer stands."""
+    if routing is None or owner is not None or not isinstance(answer, IpcUnavailable) or not answer.owner:
+        return None
+    return routing.learn_owner(answer.owner, items)
+
+
+def _encode_ipc(path: IpcPath | None, meta, transport) -> dict:
+    """{"ipc": the request} when an encode may ask for its rows by IPC (`meta`: the server's "ipc"), else {}."""
+    if path is None or not path.may_hold(meta):
+        return {}
+    return {"ipc": path.request(transport.ipc_acks)}
+
+
+def _whole(info: ImageInfo) -> wire.WireHeader:
+    """The header of a fetch of all of `info`'s rows at prompt row 0 (what an encode's hold places)."""
+    return wire.WireHeader(info.dtype, info.row_width, info.layout, (Segment(info.id, 0, 0, info.num_tokens),))
+
+
+def _release_hold(info: ImageInfo, acks) -> None:
+    """A hold this client will not copy under (its `out` is not one IPC fills): acknowledged at once."""
+    if isinstance(info.ipc, IpcPlacement) and info.ipc.token is not None:
+        acks.add(info.ipc.token)
 
 
 def _need_shm(shm: ShmBuffers | None) -> ShmBuffers:
@@ -224,6 +249,7 @@ class EncoderClient:
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
                  fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY, ipc="auto"):
         self._transport = transport if retry is None else Retrying(transport, retry)
+        self._routing = transport if isinstance(transport, OwnerRouting) else None  # fetches to the ids' owner
         self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None  # (dtype, row_width) of the server's rows
@@ -258,8 +284,37 @@ class EncoderClient:
         into it fails (a timeout, say), the server may still write that chunk's rows there for a moment."""
         return _need_shm(self._shm).alloc_rows(num_rows, row_width, dtype)
 
-    def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False) -> list[ImageInfo]:
-        return self._transport.encode([image_source(i) for i in images], wait, return_embeddings, self.timeout)
+    def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False,
+               out=None) -> list[ImageInfo]:
+        """`out`: a function of each image's answer (ImageInfo) giving the tensor its rows go into, as fetch's
+        `out` ([>= num_tokens, row_width]); implies wait. When the server can place them for this client (a
+        CUDA `out`, IPC on this host: client/ipc.py) the encode's answer carries each image's hold, and its
+        rows are copied GPU to GPU with no request of their own; the others are fetched as `fetch` would."""
+        sources = [image_source(i) for i in images]
+        if out is None:
+            return self._transport.encode(sources, wait, return_embeddings, self.timeout)
+        if self._ipc is not None and self._ipc_meta is _UNKNOWN:
+            self._ipc_meta = self.metadata().get("ipc")
+        ipc = _encode_ipc(self._ipc, self._ipc_meta, self._transport)
+        sent = time.monotonic()
+        infos = self._transport.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        for info in infos:
+            rows = out(info)
+            if not self._held_rows(info, rows, sent, self._ipc.finish if ipc else None):
+                self.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
+        return infos
+
+    def _held_rows(self, info: ImageInfo, out: torch.Tensor, sent: float, finish) -> bool:
+        """`info`'s rows copied into `out` under the hold its encode answer carries; False: fetch them."""
+        if finish is None or info.ipc is None:
+            return False
+        if not self._ipc.wants(out, self._ipc_meta):
+            _release_hold(info, self._transport.ipc_acks)
+            return False
+        if finish(_whole(info), info.ipc, out, 0, sent, self._transport.ipc_acks) is None:
+            return False
+        self.fetch_paths["ipc"] += 1
+        return True
 
     def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
                       **options) -> list[VideoInfo]:
@@ -316,14 +371,29 @@ class EncoderClient:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
     def _fetch_ipc(self, items, start: int, end: int, out: torch.Tensor) -> FetchedRows | None:
-        """The rows GPU to GPU (client/ipc.py), or None: fetch them the next way."""
+        """The rows GPU to GPU (client/ipc.py), or None: fetch them the next way. Asked of the ids' owner when
+        one is known (client/owners.py), else of the Service; a replica there that does not hold them names
+        their owner, asked once more. The hold's token goes back to the server that held it."""
         if self._ipc_meta is _UNKNOWN:
             self._ipc_meta = self.metadata().get("ipc")
         if not self._ipc.wants(out, self._ipc_meta):
             return None
-        sent = time.monotonic()
-        header, answer = self._transport.fetch_ipc(items, start, end, self._ipc.request(), self.timeout)
-        if self._ipc.finish(header, answer, out, start, sent) is None:
+        owner = self._routing.owner_of(items) if self._routing is not None else None
+        for _ in range(2):
+            via = self._transport if owner is None else owner[1]
+            sent = time.monotonic()
+            try:
+                header, answer = via.fetch_ipc(items, start, end, self._ipc.request(via.ipc_acks), self.timeout)
+            except FALLBACK:
+                if owner is None:
+                    raise
+                self._routing.given_up(owner[0])  # gone, or lost the rows: the Service finds them
+                owner = None
+                continue
+            owner = _owner_named(self._routing, owner, answer, items)
+            if owner is None:
+                break
+        if self._ipc.finish(header, answer, out, start, sent, via.ipc_acks) is None:
             return None
         self.fetch_paths["ipc"] += 1
         return _result(start, end, (header, out))
@@ -381,6 +451,7 @@ class AsyncEncoderClient:
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
                  fetch_streams: int = FETCH_STREAMS, retry: RetryPolicy | None = DEFAULT_RETRY, ipc="auto"):
         self._transport = transport if retry is None else AsyncRetrying(transport, retry)
+        self._routing = transport if isinstance(transport, AsyncOwnerRouting) else None
         self.timeout, self._shm = timeout, shm
         self.fetch_streams = fetch_streams
         self._geometry: tuple[str, int] | None = None
@@ -410,10 +481,35 @@ class AsyncEncoderClient:
         """See EncoderClient.alloc_rows (no I/O: not a coroutine)."""
         return _need_shm(self._shm).alloc_rows(num_rows, row_width, dtype)
 
-    async def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False
-                     ) -> list[ImageInfo]:
-        return await self._transport.encode([image_source(i) for i in images], wait, return_embeddings,
-                                            self.timeout)
+    async def encode(self, images: Sequence, wait: bool = False, return_embeddings: bool = False,
+                     out=None) -> list[ImageInfo]:
+        """See EncoderClient.encode (the copies and their synchronization on a thread, off the loop)."""
+        sources = [image_source(i) for i in images]
+        if out is None:
+            return await self._transport.encode(sources, wait, return_embeddings, self.timeout)
+        if self._ipc is not None and self._ipc_meta is _UNKNOWN:
+            self._ipc_meta = (await self.metadata()).get("ipc")
+        ipc = _encode_ipc(self._ipc, self._ipc_meta, self._transport)
+        sent = time.monotonic()
+        infos = await self._transport.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        for info in infos:
+            rows = out(info)
+            finish = (lambda *a: asyncio.to_thread(self._ipc.finish, *a)) if ipc else None
+            if not await self._held_rows(info, rows, sent, finish):
+                await self.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
+        return infos
+
+    async def _held_rows(self, info: ImageInfo, out: torch.Tensor, sent: float, finish) -> bool:
+        """See EncoderClient._held_rows."""
+        if finish is None or info.ipc is None:
+            return False
+        if not self._ipc.wants(out, self._ipc_meta):
+            _release_hold(info, self._transport.ipc_acks)
+            return False
+        if await finish(_whole(info), info.ipc, out, 0, sent, self._transport.ipc_acks) is None:
+            return False
+        self.fetch_paths["ipc"] += 1
+        return True
 
     async def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
                             **options) -> list[VideoInfo]:
@@ -466,9 +562,23 @@ class AsyncEncoderClient:
             self._ipc_meta = (await self.metadata()).get("ipc")
         if not self._ipc.wants(out, self._ipc_meta):
             return None
-        sent = time.monotonic()
-        header, answer = await self._transport.fetch_ipc(items, start, end, self._ipc.request(), self.timeout)
-        if await asyncio.to_thread(self._ipc.finish, header, answer, out, start, sent) is None:
+        owner = self._routing.owner_of(items) if self._routing is not None else None
+        for _ in range(2):
+            via = self._transport if owner is None else owner[1]
+            sent = time.monotonic()
+            try:
+                header, answer = await via.fetch_ipc(items, start, end, self._ipc.request(via.ipc_acks),
+                                                     self.timeout)
+            except FALLBACK:
+                if owner is None:
+                    raise
+                await self._routing.given_up(owner[0])
+                owner = None
+                continue
+            owner = _owner_named(self._routing, owner, answer, items)
+            if owner is None:
+                break
+        if await asyncio.to_thread(self._ipc.finish, header, answer, out, start, sent, via.ipc_acks) is None:
             return None
         self.fetch_paths["ipc"] += 1
         return _result(start, end, (header, out))

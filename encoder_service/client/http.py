@@ -8,11 +8,15 @@ read on its own threads, which receive in parallel with the GIL released); https
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
 (the rows are in the client's file), read on the same plain sockets: through httpx the request's own cost
 was that of the write it asks for. So does a fetch by IPC (the header and where the rows sit on the server's
-GPU: client/ipc.py); its acknowledgements (`ack_ipc`) are blocking calls, made on the client's acks thread.
+GPU: client/ipc.py), over the server's same-host channel when it has one (client/ipc_channel.py: a Unix socket
+kept open; HTTP whenever it can't); its acknowledgements go back to the server that held the rows: `ipc_acks`
+(client/ipc.py: Acks, one per transport), taken by this transport's next fetch by IPC or sent by `ack_ipc`
+(blocking) on the acks' thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -22,6 +26,8 @@ from functools import partial
 import httpx
 
 from encoder_service.client.destination import Destination
+from encoder_service.client.ipc import ACK_TIMEOUT_S, Acks
+from encoder_service.client.ipc_channel import AsyncChannelLink, ChannelLink
 from encoder_service.client.raw_http import (JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error,
                                              in_thread, read_fetch, read_json)
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
@@ -39,18 +45,21 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-def _encode_args(images: list[ImageSource], wait: bool, return_embeddings: bool, timeout) -> dict:
-    """httpx.request keyword arguments for POST /v1/encode."""
+def _encode_args(images: list[ImageSource], wait: bool, return_embeddings: bool, timeout,
+                 ipc: dict | None = None) -> dict:
+    """httpx.request keyword arguments for POST /v1/encode (`ipc`: the rows by IPC, protocol/ipc.py)."""
     if all(i.data is not None and i.caller_id is None for i in images):
         params = {"wait": str(wait).lower(), "return_embeddings": str(return_embeddings).lower()}
         if timeout is not None:
             params["timeout_s"] = str(timeout)
+        if ipc is not None:
+            params |= {"ipc_host": ipc["host"]} | ({"ipc_ack": ",".join(ipc["ack"])} if ipc.get("ack") else {})
         return {"files": [("image", (f"image{k}", i.data, "application/octet-stream")) for k, i in enumerate(images)],
                 "params": params}
     body = {"images": [({"data": base64.b64encode(i.data).decode("ascii")} if i.data is not None else {"url": i.url})
                        | ({"id": i.caller_id} if i.caller_id else {}) for i in images],
             "wait": wait, "return_embeddings": return_embeddings, "timeout_s": timeout}
-    return {"json": body}
+    return {"json": body | ({"ipc": ipc} if ipc is not None else {})}
 
 
 def _encode_videos_args(videos: list[VideoSource], wait: bool, return_embeddings: bool, timeout) -> dict:
@@ -83,8 +92,17 @@ def _b64(data: bytes) -> str:
 
 
 def _infos(response: httpx.Response) -> list[ImageInfo]:
-    return [ImageInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None)
+    return [ImageInfo.from_json(d, embedding=_embedding(d) if "embedding" in d else None,
+                                ipc=_encode_ipc(d["ipc"]) if "ipc" in d else None)
             for d in response.json()["images"]]
+
+
+def _encode_ipc(d) -> IpcPlacement | IpcUnavailable:
+    """An encode answer's per-image "ipc" (one segment: all the image's rows)."""
+    try:
+        return answer_from_dict(d, 1)
+    except IpcError as exc:
+        raise wire.WireError(f"not an encode's ipc answer: {exc}") from None
 
 
 def _video_infos(response: httpx.Response) -> list[VideoInfo]:
@@ -144,6 +162,10 @@ def _fetch_body(items, start: int, end: int, timeout, shm: dict | None = None, i
     return json.dumps(_fetch_json(items, start, end, timeout, shm, ipc), separators=(",", ":")).encode()
 
 
+def _release_body(ids) -> bytes:
+    return json.dumps({"ids": ids}, separators=(",", ":")).encode()
+
+
 def _decoded(response: httpx.Response, dest: Destination):
     """(header, rows) of a whole octet-stream body httpx read (the fallback path)."""
     header, data = wire.split_http(response.content)
@@ -168,12 +190,17 @@ class _RawFetch:
         much as the fetch itself when the rows are a small shm write (~0.5 ms on the CPU box)."""
         return self._post(body, timeout, read_json, JSON, cancel)
 
-    def _post(self, body: bytes, timeout, read, accept: str, cancel: Cancel | None):
+    def release(self, body: bytes, timeout, cancel: Cancel | None = None) -> dict | None:
+        """A release's JSON answer, or None as above (httpx's async connection pool costs the client more CPU
+        than the request itself: benchmarks/client_cpu.py's profile)."""
+        return self._post(body, timeout, read_json, JSON, cancel, "/v1/release")
+
+    def _post(self, body: bytes, timeout, read, accept: str, cancel: Cancel | None, path: str = "/v1/fetch"):
         raw = self.raw
         if raw is None:
             return None
         try:
-            return raw.post("/v1/fetch", body, timeout, read, accept=accept, cancel=cancel)
+            return raw.post(path, body, timeout, read, accept=accept, cancel=cancel)
         except NotRaw as exc:
             log.warning("fetch over a plain socket got an answer it does not handle (%s); using httpx", exc)
             self.raw = None
@@ -197,9 +224,15 @@ def _transport_error(exc: httpx.TransportError):
 
 
 class HttpTransport:
-    def __init__(self, base_url: str, *, token: str | None = None, **httpx_kw):
+    """`ipc_channel`: fetches by IPC over the server's same-host channel when it has one (False: HTTP)."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, ipc_channel: bool = True, **httpx_kw):
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
+        self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))  # this server's holds, done
+        self._channel = ChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
+        if not ipc_channel:
+            self._channel.close()
 
     def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -207,8 +240,9 @@ class HttpTransport:
         except httpx.TransportError as exc:
             raise _transport_error(exc) from exc
 
-    def encode(self, images, wait, return_embeddings, timeout):
-        return _infos(self._post("/v1/encode", timeout, **_encode_args(images, wait, return_embeddings, timeout)))
+    def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
+        return _infos(self._post("/v1/encode", timeout,
+                                 **_encode_args(images, wait, return_embeddings, timeout, ipc)))
 
     def encode_videos(self, videos, wait, return_embeddings, timeout):
         return _video_infos(self._post("/v1/encode", timeout,
@@ -229,6 +263,9 @@ class HttpTransport:
         return _shm_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def fetch_ipc(self, items, start, end, ipc: dict, timeout):
+        got = self._channel.fetch(items, start, end, ipc, timeout)
+        if got is not None:
+            return got
         body = _fetch_body(items, start, end, timeout, ipc=ipc)
         got = self._raw.fetch_shm(body, timeout)
         if got is not None:
@@ -236,14 +273,21 @@ class HttpTransport:
         return _ipc_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def ack_ipc(self, tokens: list[str], timeout) -> int:
-        """On a plain socket when there is one (the client's acks thread calls it beside fetches: httpx's
-        request handling would cost them CPU), else through httpx."""
+        """Over the channel when it is up (no answer: how many were live is not known, counted all), else on a
+        plain socket when there is one (the client's acks thread calls it beside fetches: httpx's request
+        handling would cost them CPU), else through httpx."""
+        if self._channel.ack(tokens):
+            return len(tokens)
         if self._raw.raw is not None:
             return _raw_ack(self._raw.raw, tokens, timeout)
         return int(self._post("/v1/fetch/ack", timeout, json={"tokens": tokens}).json()["released"])
 
     def release(self, ids, timeout):
-        return Released.from_json(self._post("/v1/release", timeout, json={"ids": ids}).json())
+        body = _release_body(ids)
+        got = self._raw.release(body, timeout)
+        if got is not None:
+            return Released.from_json(got)
+        return Released.from_json(self._post("/v1/release", timeout, content=body, headers=_SHM_HEADERS).json())
 
     def metadata(self, timeout):
         try:
@@ -252,15 +296,24 @@ class HttpTransport:
             raise _transport_error(exc) from exc
 
     def close(self):
+        self.ipc_acks.close()  # what is pending goes first
+        self._channel.close()
         self._raw.close()
         self._http.close()
 
 
 class AsyncHttpTransport:
-    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS, **httpx_kw):
+    """See HttpTransport."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS,
+                 ipc_channel: bool = True, **httpx_kw):
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
+        self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))
+        self._channel = AsyncChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
+        if not ipc_channel:
+            self._channel.close()
 
     async def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
@@ -268,9 +321,9 @@ class AsyncHttpTransport:
         except httpx.TransportError as exc:
             raise _transport_error(exc) from exc
 
-    async def encode(self, images, wait, return_embeddings, timeout):
+    async def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
         return _infos(await self._post("/v1/encode", timeout,
-                                       **_encode_args(images, wait, return_embeddings, timeout)))
+                                       **_encode_args(images, wait, return_embeddings, timeout, ipc)))
 
     async def encode_videos(self, videos, wait, return_embeddings, timeout):
         return _video_infos(await self._post("/v1/encode", timeout,
@@ -293,6 +346,9 @@ class AsyncHttpTransport:
         return _shm_reply(await self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     async def fetch_ipc(self, items, start, end, ipc: dict, timeout):
+        got = await self._channel.fetch(items, start, end, ipc, timeout)
+        if got is not None:
+            return got
         body = _fetch_body(items, start, end, timeout, ipc=ipc)
         if self._raw.raw is not None:
             got = await in_thread(self._threads, partial(self._raw.fetch_shm, body, timeout))
@@ -306,7 +362,13 @@ class AsyncHttpTransport:
         return _raw_ack(self._raw.raw, tokens, timeout) if self._raw.raw is not None else 0
 
     async def release(self, ids, timeout):
-        return Released.from_json((await self._post("/v1/release", timeout, json={"ids": ids})).json())
+        body = _release_body(ids)
+        if self._raw.raw is not None:  # short: a thread of the plain socket path, not httpx's pool on the loop
+            got = await in_thread(self._threads, partial(self._raw.release, body, timeout))
+            if got is not None:
+                return Released.from_json(got)
+        return Released.from_json((await self._post("/v1/release", timeout, content=body,
+                                                    headers=_SHM_HEADERS)).json())
 
     async def metadata(self, timeout):
         try:
@@ -315,6 +377,8 @@ class AsyncHttpTransport:
             raise _transport_error(exc) from exc
 
     async def close(self):
+        await asyncio.to_thread(self.ipc_acks.close)  # what is pending goes first (a blocking send)
+        self._channel.close()
         self._raw.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
         await self._http.aclose()

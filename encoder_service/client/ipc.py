@@ -5,9 +5,13 @@ A client (client/base.py) tries it first for a fetch into a CUDA `out` when the 
 is on, on this host (the same boot id) and of a kind this process reads; then the way it fetches otherwise
 (shared memory with shm=True, else the socket). For one fetch:
 
-  1. POST /v1/fetch with "ipc" (and the hold tokens of earlier fetches whose copies are done, `Acks`);
-  2. the answer places each segment's rows in the server's arena (else says why not: step 5);
-  3. `CudaIpcReader` opens the arena's handle once per server process (its `generation`) and device
+  1. POST /v1/fetch with "ipc" (and the hold tokens of earlier fetches whose copies are done, `Acks`: that
+     server's), over the server's same-host channel when it has one (client/ipc_channel.py), to the ids'
+     owner when one is known (client/owners.py);
+  2. the answer places each segment's rows in the server's arena (else says why not: step 5; a replica
+     without the ids names their owner, asked next: client/base.py);
+  3. `CudaIpcReader` opens the arena's handle once per server process (its `generation`; several servers'
+     at once, a server's older one closed when it restarts: `Generations`) and device
      (cudaIpcOpenMemHandle with lazy peer access, with out's device current), then each segment's bytes are
      copied into out's rows at position - start (cudaMemcpyAsync on out's device's current stream; through a
      temporary, then cast, when `out` is of another dtype), and that stream is synchronized (the same contract
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -39,13 +45,16 @@ from encoder_service.protocol.ipc import MAX_ACK_TOKENS, IpcPlacement, IpcReques
 log = logging.getLogger("encoder_service.client")
 
 ACK_DELAY_S = 0.005  # a token waits this long for a fetch to carry it before the background thread sends it
+ACK_TIMEOUT_S = 5.0  # one acknowledgement's request
+MAX_SERVERS = 256  # servers whose arena generation is remembered (one per replica a client reached)
+_QUOTED = re.compile(r"'[^']*'")  # an id in a server's reason
 ACK_WAIT_S = 1.0  # the background thread's longest sleep (it ends at close)
 
 
 class CudaIpcReader:
-    """Opens arenas' IPC handles on CUDA devices (one mapping per (generation, device); the older generation's
-    closed when a newer one appears: the server restarted) and copies byte ranges out of them with
-    cudaMemcpyAsync on the device's current stream. Thread-safe."""
+    """Opens arenas' IPC handles on CUDA devices (one mapping per (generation, device): several servers' arenas
+    at once, replicas on this host) and copies byte ranges out of them with cudaMemcpyAsync on the device's
+    current stream; `forget(generation)` closes a server process's mappings (it restarted: IpcPath). Thread-safe."""
 
     kind = cuda_ipc.KIND
 
@@ -72,6 +81,12 @@ class CudaIpcReader:
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
+    def forget(self, generation: str) -> None:
+        """Close the mappings of that server process's arena (it is gone: nobody copies from it now)."""
+        with self._lock:
+            for key in [k for k in self._maps if k[0] == generation]:
+                self._close(key)
+
     def close(self) -> None:
         with self._lock:
             for key in list(self._maps):
@@ -81,8 +96,6 @@ class CudaIpcReader:
         with self._lock:
             ptr = self._maps.get((generation, index))
             if ptr is None:
-                for old in [k for k in self._maps if k[1] == index]:  # a restarted server's: nobody copies now
-                    self._close(old)
                 with torch.cuda.device(index):
                     ptr = self._maps[(generation, index)] = cuda_ipc.open_handle(handle)
             return ptr
@@ -95,6 +108,28 @@ class CudaIpcReader:
                 cuda_ipc.close_handle(ptr)
         except (cuda_ipc.CudaIpcError, RuntimeError) as exc:
             log.debug("closing an IPC mapping failed: %s", exc)
+
+
+class Generations:
+    """Each server's arena generation last copied from (`server`: anything naming it); a new one means the
+    server restarted: its older arena is closed in the reader (`forget`), whose mappings of other servers'
+    arenas (replicas on this host) stay open. Thread-safe."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self._by_server: OrderedDict[object, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def seen(self, server, generation: str) -> None:
+        with self._lock:
+            old = self._by_server.get(server)
+            if old == generation:
+                return
+            self._by_server[server] = generation
+            if len(self._by_server) > MAX_SERVERS:
+                self._by_server.popitem(last=False)
+        if old is not None:
+            self._reader.forget(old)
 
 
 class Acks:
@@ -162,14 +197,15 @@ class Acks:
 
 
 class IpcPath:
-    """One client's fetch by IPC: its reader (None until a CUDA `out` needs the default one), the server's
-    IPC metadata, its acknowledgements, and why it is off (for good) if it is."""
+    """One client's fetch by IPC: its reader (None until a CUDA `out` needs the default one), and why it is off
+    (for good) if it is. The hold tokens go back to the server that held the rows (`acks`: that server's
+    transport's `ipc_acks`)."""
 
-    def __init__(self, reader=None, post_ack: Callable[[list[str]], None] | None = None):
+    def __init__(self, reader=None):
         self.reader = reader
-        self.acks = Acks(post_ack) if post_ack is not None else None
         self.off: str | None = None
         self._said: set[str] = set()
+        self._generations: Generations | None = None  # made with the reader
 
     def candidate(self, out: torch.Tensor) -> bool:
         """Whether a fetch into `out` may go by IPC at all (before asking the server anything)."""
@@ -177,36 +213,56 @@ class IpcPath:
             return False
         return out.is_cuda if self.reader is None else self.reader.accepts(out)
 
+    @staticmethod
+    def same_host(meta: dict | None) -> bool:
+        """The server's metadata["ipc"] says IPC is on, on this host."""
+        return bool(meta) and meta.get("host") == this_host() != ""
+
+    def may_hold(self, meta: dict | None) -> bool:
+        """Whether rows may come by IPC from that server (its metadata["ipc"]) at all: on, on this host, of
+        the kind this client reads (CUDA's until a reader is made), this client's IPC not off."""
+        kind = self.reader.kind if self.reader is not None else cuda_ipc.KIND
+        return self.off is None and self.same_host(meta) and meta.get("kind") == kind
+
     def wants(self, out: torch.Tensor, meta: dict | None) -> bool:
         """Whether to try IPC for a fetch into `out`, given the server's metadata["ipc"]."""
-        if not self.candidate(out) or not meta or meta.get("host") != this_host() or not this_host():
+        if not self.candidate(out) or not self.same_host(meta):
             return False
         if self.reader is None:
             self.reader = CudaIpcReader()
         return meta.get("kind") == self.reader.kind
 
-    def request(self) -> dict:
-        return IpcRequest(this_host(), hold=True, ack=tuple(self.acks.take() if self.acks else ())).to_dict()
+    @staticmethod
+    def request(acks: Acks) -> dict:
+        """A held fetch's "ipc", acknowledging the copies done of the server whose `acks` these are."""
+        return IpcRequest(this_host(), hold=True, ack=tuple(acks.take())).to_dict()
+
+    def unplaced(self, answer: IpcUnavailable) -> None:
+        """The server placed nothing: one log line per reason (the ids it names aside)."""
+        self._say(_QUOTED.sub("''", answer.reason), "the server: " + answer.reason)
 
     def finish(self, header: wire.WireHeader, answer: IpcPlacement | IpcUnavailable, out: torch.Tensor,
-               start: int, sent: float) -> torch.Tensor | None:
-        """Copy the placed rows into `out` (`sent`: time.monotonic() before the request went); `out`, or None
-        (the rows are not there: fetch them the next way)."""
+               start: int, sent: float, acks: Acks) -> torch.Tensor | None:
+        """Copy the placed rows into `out` (`sent`: time.monotonic() before the request went; `acks`: those of
+        the server that answered); `out`, or None (the rows are not there: fetch them the next way)."""
         if isinstance(answer, IpcUnavailable):
-            self._say(answer.reason, "the server: " + answer.reason)
+            self.unplaced(answer)
             return None
         try:
             copied = self._copy(header, answer, out, start)
         except wire.WireError:
-            self._ack(answer)
+            _ack(answer, acks)
             raise  # `out` can't hold the rows: the next way would say the same
         except (cuda_ipc.CudaIpcError, OSError, RuntimeError) as exc:
-            self._ack(answer)
+            _ack(answer, acks)
             self.off = f"{type(exc).__name__}: {exc}"
             log.warning("fetch by IPC is off for this client (%s); fetching over the next path from now on", exc)
             return None
         elapsed = time.monotonic() - sent
-        self._ack(answer)
+        _ack(answer, acks)
+        if self._generations is None:
+            self._generations = Generations(self.reader)
+        self._generations.seen(acks, answer.generation)
         if not copied:
             return None
         if elapsed >= answer.lease_s:  # the server may have reused those bytes while we read them
@@ -215,8 +271,6 @@ class IpcPath:
         return out
 
     def close(self) -> None:
-        if self.acks is not None:
-            self.acks.close()
         if self.reader is not None:
             self.reader.close()
 
@@ -246,11 +300,12 @@ class IpcPath:
         self.reader.synchronize(out.device)
         return True
 
-    def _ack(self, answer: IpcPlacement) -> None:
-        if answer.token is not None and self.acks is not None:
-            self.acks.add(answer.token)
-
     def _say(self, key: str, why: str) -> None:
         """One log line per reason (INFO the first time, DEBUG after)."""
         log.log(logging.DEBUG if key in self._said else logging.INFO, "fetch by IPC: %s; fetching the next way", why)
         self._said.add(key)
+
+
+def _ack(answer: IpcPlacement, acks: Acks) -> None:
+    if answer.token is not None:
+        acks.add(answer.token)

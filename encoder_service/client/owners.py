@@ -13,7 +13,9 @@ forgotten and the fetch goes to the Service, which finds the rows wherever they 
 the direct path would give. The owner is asked with a timeout of OWNER_S at most (it answers 504 itself when
 the rows are not ready by then: then the Service is asked with what is left of the caller's, the owner
 kept). Shared-memory fetches, which need a server on this host, and everything else go to the Service as
-they are.
+they are. A fetch by IPC (client/base.py) asks the
+owner first too (`owner_of`); a replica that answers it "not here" names the owner, which is remembered
+(`learn_owner`) and asked next.
 """
 
 from __future__ import annotations
@@ -50,6 +52,19 @@ class _Owners:
                 if owner and owner.rstrip("/") != self._service_url:
                     self._ids[info.id] = owner.rstrip("/")
                     self._ids.move_to_end(info.id)
+            while len(self._ids) > MAX_IDS:
+                self._ids.popitem(last=False)
+
+    def assign(self, items, owner: str) -> None:
+        """A replica said `owner` holds these items' rows."""
+        owner = owner.rstrip("/")
+        if owner == self._service_url:
+            return
+        with self._lock:
+            for item_id, _ in items:
+                base = item_id.partition(GROUP_SEP)[0]
+                self._ids[base] = owner
+                self._ids.move_to_end(base)
             while len(self._ids) > MAX_IDS:
                 self._ids.popitem(last=False)
 
@@ -96,8 +111,23 @@ class OwnerRouting:
         """Fetches sent to an owner directly, and owners given up for the Service."""
         return dict(self._owners.counters)
 
-    def encode(self, images, wait, return_embeddings, timeout):
-        infos = self._transport.encode(images, wait, return_embeddings, timeout)
+    def owner_of(self, items) -> tuple[str, object] | None:
+        """(owner, its transport) when every item's id has that one owner (a fetch by IPC asks it first)."""
+        return self._owners.transport_for(items)
+
+    def learn_owner(self, owner: str, items) -> tuple[str, object] | None:
+        """A replica answered that `owner` holds these items' rows: remembered (later fetches of them go there);
+        (owner, its transport), or None when that is the Service or an owner past MAX_OWNERS."""
+        self._owners.assign(items, owner)
+        return self._owners.transport_for(items)
+
+    def given_up(self, owner: str) -> None:
+        """`owner` failed (unreachable, or lost the rows): its ids go to the Service from now on."""
+        for stale in self._owners.forget(owner):
+            stale.close()
+
+    def encode(self, images, wait, return_embeddings, timeout, **ipc):
+        infos = self._transport.encode(images, wait, return_embeddings, timeout, **ipc)
         self._owners.learn(infos)
         return infos
 
@@ -116,8 +146,7 @@ class OwnerRouting:
                 self._owners.counters["direct"] += 1
                 return result
             except FALLBACK:
-                for stale in self._owners.forget(owner):
-                    stale.close()
+                self.given_up(owner)
             except errors.DeadlineExceeded:  # the owner's own 504: its rows were not ready within OWNER_S
                 if not _time_left(timeout, t0):
                     raise
@@ -133,8 +162,12 @@ class OwnerRouting:
 class AsyncOwnerRouting(OwnerRouting):
     """The same for the asyncio transports (client/http.py: AsyncHttpTransport)."""
 
-    async def encode(self, images, wait, return_embeddings, timeout):
-        infos = await self._transport.encode(images, wait, return_embeddings, timeout)
+    async def given_up(self, owner: str) -> None:
+        for stale in self._owners.forget(owner):
+            await stale.close()
+
+    async def encode(self, images, wait, return_embeddings, timeout, **ipc):
+        infos = await self._transport.encode(images, wait, return_embeddings, timeout, **ipc)
         self._owners.learn(infos)
         return infos
 
@@ -153,8 +186,7 @@ class AsyncOwnerRouting(OwnerRouting):
                 self._owners.counters["direct"] += 1
                 return result
             except FALLBACK:
-                for stale in self._owners.forget(owner):
-                    await stale.close()
+                await self.given_up(owner)
             except errors.DeadlineExceeded:
                 if not _time_left(timeout, t0):
                     raise

@@ -19,6 +19,7 @@ timeout, `tries` bounds them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -94,8 +95,9 @@ class Retrying:
                     raise
             time.sleep(pause)
 
-    def encode(self, images, wait, return_embeddings, timeout):
-        return self._call(self._transport.encode, images, wait, return_embeddings, timeout=timeout)
+    def encode(self, images, wait, return_embeddings, timeout, **ipc):
+        encode = functools.partial(self._transport.encode, **ipc) if ipc else self._transport.encode
+        return self._call(encode, images, wait, return_embeddings, timeout=timeout)
 
     def fetch(self, items, start, end, dest, timeout):
         return self._call(self._transport.fetch, items, start, end, dest, timeout=timeout)

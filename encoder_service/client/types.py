@@ -11,6 +11,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.protocol import image_info, video_info
+from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable
 from encoder_service.protocol.release import InvalidId, Released
 from encoder_service.protocol.video_request import OPTIONS, VideoRequest
 from encoder_service.ranges import Segment
@@ -60,6 +61,8 @@ class ImageInfo(image_info.ImageInfo):
     """The server's answer for one image (protocol/image_info.py), and its rows when asked."""
 
     embedding: torch.Tensor | None = field(default=None, repr=False)  # with return_embeddings
+    # An encode asking for the rows by IPC: where they sit on the server's GPU (held), or why not (protocol/ipc.py).
+    ipc: IpcPlacement | IpcUnavailable | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

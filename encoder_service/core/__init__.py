@@ -12,6 +12,8 @@
   flight.py      the one single flight: a Flight per id (waiters, queue permit, a fill that calls store and engine)
   replicas.py    across replicas (Redis): claim accepted ids; a fetch waits for another replica's encode, then
                  gets the rows from it (peers.py: its row path), or encodes the image again should it be gone
+  fetch_destination.py
+                 where a fetch's rows go (the answer, a shm file, IPC), chosen before any wait
   ipc_fetch.py   a fetch answered with where the rows sit on the GPU (CUDA IPC) instead of the rows
   timeouts.py    timeout_s (None / 0: don't wait / > 0), one Deadline over waits in turn, the bounded gather
   shm_writer.py  shared-memory fetch, server side: rows into a co-located client's file

@@ -8,8 +8,9 @@ GPU thread) and puts its rows in the store. `wait=True` waits for the rows (and 
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image, sized and read
 where each id's rows are (id_rows.py: its flight, the local tier, else, with Redis, the replica that holds
 them: replicas.py), only those rows (waiting for images still encoding). One `timeout_s` covers the waits and
-the reads (timeouts.Deadline). With a `ShmTarget` the rows go into the
-client's shared-memory file instead of the result (shm_writer.py).
+the reads (timeouts.Deadline). Where the rows go is chosen before any wait (fetch_destination.py): the
+result, the client's shared-memory file (`ShmTarget`, shm_writer.py), or where they sit on the GPU (IPC:
+ipc_fetch.py, answered at once when the ids are not here).
 Pins: each id is pinned from its encode until a fetch has delivered every one of its rows (per row, since the
 pin began: chunked fetches add up), the caller releases it, or its lease ends; rows stay in the LRU after.
 release: drop the encode pins of ids the caller is done with (leases end early).
@@ -21,6 +22,7 @@ reached it yet is sized from the video's plan and waited for (video_flights.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, model_f
 from encoder_service.cache.video_keys import group_key, is_video_id, video_key_from_id
 from encoder_service.core import shm_writer, timeouts
 from encoder_service.core.cache_metrics import CacheCollector
+from encoder_service.core.fetch_destination import Destinations
 from encoder_service.core.flight import Flights
 from encoder_service.core.replicas import Replicas
 from encoder_service.core.id_rows import IdRows
@@ -47,9 +50,9 @@ from encoder_service.core.video_flights import VideoFlights
 from encoder_service.core.videos import ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Job
 from encoder_service.protocol.dtypes import dtype_name
-from encoder_service.protocol.ipc import IpcRequest
+from encoder_service.protocol.ipc import IpcPlacement, IpcRequest
 from encoder_service.protocol.release import InvalidId, Released
-from encoder_service.protocol.shm import ShmTarget, placements
+from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment, plan_chunk
 from encoder_service.settings import Settings
@@ -104,6 +107,8 @@ class EncoderCore:
         self.ipc = IpcFetches(ipc_arena)  # core/ipc_fetch.py
         self.metrics.registry.register(IpcCollector(self.ipc))
         self.metrics.graph_captures(runner.describe())
+        self.destinations = Destinations(self.shm, self.ipc, self.id_rows, store, dtype=loaded.dtype,
+                                         row_bytes=self._row_bytes, max_fetch_bytes=lim.max_fetch_bytes)
         self.metrics.build_info(**build_labels(attention=settings.engine.attention,
                                                preprocess=settings.model.preprocess))
         self._ready = False
@@ -220,18 +225,48 @@ class EncoderCore:
 
     # ---- encode ----------------------------------------------------------------------------------------
     async def encode(self, images: list[ImageInput], *, wait: bool = False, return_embeddings: bool = False,
-                     timeout_s: float | None = None, videos: Sequence[VideoInput] = ()) -> EncodeResult:
-        """Images, or videos (`videos`: then `images` is empty and the result's `videos` answer, video_encode.py)."""
+                     timeout_s: float | None = None, videos: Sequence[VideoInput] = (),
+                     ipc: IpcRequest | None = None) -> EncodeResult:
+        """Images, or videos (`videos`: then `images` is empty and the result's `videos` answer, video_encode.py).
+        `ipc` (images only; implies `wait`): each image's rows are placed in the device row arena as soon as
+        they land, as a fetch by IPC of all of them would place them (core/ipc_fetch.py: a hold, delivered at
+        its acknowledgement), the result's `ipc` saying where or why not, per image."""
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
         if videos:
             if images:
                 raise errors.InvalidInput("a request carries images or videos, not both: send them in two requests")
+            if ipc is not None:
+                raise errors.InvalidInput("an encode answers with rows by IPC for images only: fetch a video's "
+                                          "frame groups by IPC")
             return await self.videos.encode(list(videos), wait=wait, return_embeddings=return_embeddings,
                                             timeout_s=timeout_s, t0=t0)
-        return await self.image_encoder.encode(images, wait=wait, return_embeddings=return_embeddings,
-                                               timeout_s=timeout_s, t0=t0)
+        if ipc is None:
+            return await self.image_encoder.encode(images, wait=wait, return_embeddings=return_embeddings,
+                                                   timeout_s=timeout_s, t0=t0)
+        self.ipc.ack(ipc.ack)  # earlier holds' copies are done
+        refused = self.ipc.refusal(ipc)  # off, another host: told now, the encode runs as asked
+        result = await self.image_encoder.encode(images, wait=True, return_embeddings=refused is None or
+                                                 return_embeddings, timeout_s=timeout_s, t0=t0)
+        result.ipc = [refused] * len(images) if refused is not None else self._placed(ipc, result, t0)
+        if not return_embeddings:
+            result.embeddings = None
+        return result
+
+    def _placed(self, ipc: IpcRequest, result: EncodeResult, t0: float) -> list:
+        """Where each image's rows (all of them) sit in the arena, held for the consumer (an image twice in the
+        request: one placement); delivered to its pin when the hold is acknowledged. A hold's `lease_s` counts
+        from the request's receipt (protocol/ipc.py), so the time the encode took is added to it."""
+        answers: dict[str, object] = {}
+        for info, rows in zip(result.images, result.embeddings):
+            if info.id not in answers:
+                key, n = self.key_of(info.id), info.num_tokens
+                answer = self.ipc.answer(ipc, [rows], lambda key=key, n=n: self.store.delivered(key, n, [(0, n)]))
+                if isinstance(answer, IpcPlacement):  # placed now: t0 is no earlier than the receipt
+                    answer = dataclasses.replace(answer, lease_s=answer.lease_s + time.perf_counter() - t0)
+                answers[info.id] = answer
+        return [answers[info.id] for info in result.images]
 
     def _owner_url(self) -> str | None:
         """Where clients may fetch what this replica answers for directly (with Redis: it holds the rows, or
@@ -261,53 +296,45 @@ class EncoderCore:
                     ) -> FetchResult:
         """The rows of `items` inside [start, end); with `shm`, written into that client file instead (the
         target is checked before any wait for rows) and the result carries `shm_bytes`, no rows; with `ipc`,
-        where the rows sit in the device row arena (core/ipc_fetch.py) or why not, no rows. `peer`: the
-        fetch comes from another replica (core/peers.py): answered from what is here only (flights, the local
-        tier), never from a third replica; "copy" (that replica keeps the rows) ends no pin here, "fetch" (for
-        its client) does, as the client's own fetch would."""
+        where the rows sit in the device row arena (core/ipc_fetch.py) or why not, no rows (answered before
+        any wait, with no segments, when that can be told without the rows). The destination is chosen first
+        (core/fetch_destination.py). `peer`: the fetch comes from another replica (core/peers.py): answered
+        from what is here only (flights, the local tier), never from a third replica; "copy" (that replica
+        keeps the rows) ends no pin here, "fetch" (for its client) does, as the client's own fetch would."""
         if peer not in (None, "fetch", "copy"):
             raise errors.InvalidInput(f"peer is {peer!r:.40}, expected \"fetch\" or \"copy\"")
         t0 = time.perf_counter()
         self._check_serving()
         timeout_s = timeouts.checked(timeout_s)
-        if ipc is not None:
-            if shm is not None:
-                raise errors.InvalidInput("a fetch asks for shm or ipc, not both")
-            self.ipc.ack(ipc.ack)  # earlier fetches' copies are done
-        if shm is not None and self.shm is None:
-            raise shm_writer.disabled()
+        destination = self.destinations.choose(shm, ipc, peer)
         if not items:
             raise errors.InvalidInput("no items in the fetch")
         self._check_id_count("fetch items", len(items))
         keys = {it.id: self.key_of(it.id) for it in items}
+        early = await destination.early(keys)
+        if early is not None:  # no rows needed to tell: nothing waited for, read or pulled from elsewhere
+            return FetchResult([], None, self.dtype, self.spec.row_width, self.spec.layout,
+                               {"plan_ms": (time.perf_counter() - t0) * 1e3}, ipc=early)
+        reach = destination.reach
         deadline = timeouts.Deadline(timeout_s)  # one timeout over the sizes (a wait on another replica) and rows
         try:
             sizes = dict(zip(keys, await timeouts.gather_within(
-                deadline.bound(), *(self.id_rows.num_tokens(k, deadline, peer) for k in keys.values()))))
+                deadline.bound(), *(self.id_rows.num_tokens(k, deadline, reach) for k in keys.values()))))
         except TimeoutError:
             raise self._rows_late(timeout_s, t0) from None
         segments = plan_chunk([(it.id, it.offset, sizes[it.id]) for it in items], start, end)
-        if shm is None and ipc is None and len(segments) > 1:  # gathered into one new tensor (below): bounded
-            nbytes, limit = sum(s.num_rows for s in segments) * self._row_bytes, self.settings.limits.max_fetch_bytes
-            if nbytes > limit:
-                raise errors.LimitExceeded("bytes of rows the fetch gathers", nbytes, f"{limit} (--max-fetch-bytes)",
-                                           hint="fetch the prompt chunk by chunk")
         if deadline.dont_wait:  # rows still encoding are not ready (cached ones, here or in Redis, are)
             encoding = sorted({s.id for s in segments if self.id_rows.encoding(keys[s.id])})
             if encoding:
                 raise errors.DeadlineExceeded(f"timeout_s=0 (don't wait) and {len(encoding)} of the chunk's images "
                                               f"are still encoding (first: {encoding[0]!r})")
-        places = mapping = None
-        if shm is not None:
-            places = placements(segments, start, self._row_bytes, shm.by_position)
-            mapping = self.shm.check(shm, max((at + n for at, n in places), default=0))
+        destination.planned(segments, start)
         t_plan = time.perf_counter()
         try:
-            parts = await timeouts.gather_within(deadline.bound(),
-                                                 *(self.id_rows.rows(keys[s.id], s, deadline, peer) for s in segments))
+            parts = await timeouts.gather_within(
+                deadline.bound(), *(self.id_rows.rows(keys[s.id], s, deadline, reach) for s in segments))
         except BaseException as exc:
-            if mapping is not None:
-                self.shm.release(mapping)
+            destination.abort()
             if isinstance(exc, TimeoutError):
                 raise self._rows_late(timeout_s, t0) from None
             raise
@@ -317,27 +344,8 @@ class EncoderCore:
         self.metrics.fetch_rows.inc(num_rows)
         self.metrics.fetch_bytes.inc(num_rows * self._row_bytes)
         timings = {"plan_ms": (t_plan - t0) * 1e3, "read_ms": (t_read - t_plan) * 1e3}
-        common = dict(segments=segments, dtype=self.dtype, row_width=self.spec.row_width, layout=self.spec.layout,
-                      timings=timings)
-        if ipc is not None:  # where the rows sit on the GPU; delivered (pins) once the consumer acknowledges
-            answer = self.ipc.answer(ipc, parts, lambda: self._delivered(keys, segments, sizes))
-            return FetchResult(rows=None, ipc=answer, **common)
-        if mapping is not None:  # each segment's rows straight to its place in the file: no concatenation
-            if any(p.numel() * p.element_size() != n for (_, n), p in zip(places, parts)):
-                self.shm.release(mapping)  # rows of another width or dtype than checked: never write past them
-                raise errors.EncoderServiceError("cached rows do not match this model's row size")
-            written = await self.shm.write(mapping, shm.offset, [(at, p) for (at, _), p in zip(places, parts)])
-            timings["shm_ms"] = (time.perf_counter() - t_read) * 1e3
-            if peer != "copy":
-                self._delivered(keys, segments, sizes)
-            return FetchResult(rows=None, shm_bytes=written, **common)
-        if len(parts) == 1:  # one image in the chunk: its rows are already one contiguous view, no copy
-            rows = parts[0]
-        else:
-            rows = torch.cat(parts) if parts else torch.empty((0, self.spec.row_width), dtype=self.loaded.dtype)
-        if peer != "copy":
-            self._delivered(keys, segments, sizes)
-        return FetchResult(rows=rows.contiguous(), **common)
+        result = FetchResult(segments, None, self.dtype, self.spec.row_width, self.spec.layout, timings)
+        return await destination.finish(parts, result, lambda: self._delivered(keys, segments, sizes))
 
     def _delivered(self, keys: dict[str, CacheKey], segments: list[Segment], sizes: dict[str, int]) -> None:
         """The fetch has every segment's rows: per id, the rows it delivered (an id placed twice in the prompt

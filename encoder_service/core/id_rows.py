@@ -3,13 +3,16 @@
 In order: how the id's last encode here failed (raised), its flight (rows once it lands), a video's frame
 group its driver has not reached yet (video_flights.py), the local tier (or a row copy in Redis), else the
 replica that holds them (replicas.py: peer to peer; should it be gone, this replica encodes the image again
-from its kept bytes). A fetch from another replica (`peer`) is answered from what is here only (flights, the
-local tier), never from a third replica. No rows anywhere: NotFound.
+from its kept bytes). How far a fetch reaches is its destination's (core/fetch_destination.py): ANY (the above);
+HERE (a fetch by IPC: flights and the local tier, never another replica); HELD (another replica's fetch:
+what the local tier holds now, at once, never a wait; an id still encoding here is settled through Redis).
+No rows anywhere: NotFound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 
 import torch
 
@@ -24,6 +27,12 @@ from encoder_service.core.video_flights import VideoFlights
 from encoder_service.ranges import Segment
 
 
+class Reach(enum.Enum):
+    ANY = "any"
+    HERE = "here"
+    HELD = "held"
+
+
 class IdRows:
     def __init__(self, store: EmbeddingStore, flights: Flights, video_flights: VideoFlights, replicas: Replicas,
                  metrics: Metrics):
@@ -34,11 +43,19 @@ class IdRows:
         """Its rows are still being encoded here (a flight, or a frame group its video's driver is on)."""
         return key.name in self.flights or (is_video_id(key.id) and self.video_flights.encoding(key))
 
-    async def num_tokens(self, key: CacheKey, deadline: timeouts.Deadline, peer: str | None) -> int:
+    def here(self, key: CacheKey) -> bool:
+        """Its rows are here or being encoded here (no Redis round trip); the failure of its last encode here
+        is raised."""
+        self.flights.raise_failure(key)
+        if is_video_id(key.id):
+            self.video_flights.raise_failure(key)
+        return self.encoding(key) or self.store.peek(key) is not None
+
+    async def num_tokens(self, key: CacheKey, deadline: timeouts.Deadline, reach: Reach) -> int:
         """The id's row count: its flight's, else its entry's header (local tier, else where Redis's directory
         says the rows are), else that of the rows another replica is encoding, once they land (no Redis round
         trip for ids known here)."""
-        if peer is not None:
+        if reach is Reach.HELD:
             return self._held(key).num_rows
         self.flights.raise_failure(key)
         flight = self.flights.get(key.name)
@@ -48,14 +65,19 @@ class IdRows:
             group_tokens = self.video_flights.group_tokens(key)
             if group_tokens is not None:
                 return group_tokens
+        if reach is Reach.HERE:
+            entry = self.store.peek(key)
+            if entry is None:
+                raise errors.NotFound(f"id {key.id!r} is not held by this replica")
+            return entry.num_rows
         header = await self.store.header(key)
         if header is None:  # another replica's encode: its rows once they land, or taken over here
             return await self.replicas.num_tokens_elsewhere(key, deadline)
         return header.num_rows
 
-    async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, peer: str | None) -> torch.Tensor:
+    async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, reach: Reach) -> torch.Tensor:
         """The segment's rows [seg.row_start, seg.row_end) of the id: [n, row_width]."""
-        if peer is not None:
+        if reach is Reach.HELD:
             rows = self._held(key).rows(seg.row_start, seg.row_end)
             self.metrics.cache_hits.labels(tier="local").inc()
             return rows
@@ -74,10 +96,14 @@ class IdRows:
                 self.flights.raise_failure(key)
                 if frame_group:
                     self.video_flights.raise_failure(key)
-                rows = self.store.local_rows(key, seg.row_start, seg.row_end)
-                if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
-                    tier = "peer"
-                    rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
+                if reach is Reach.HERE:
+                    entry = self.store.peek(key)
+                    rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
+                else:
+                    rows = self.store.local_rows(key, seg.row_start, seg.row_end)
+                    if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
+                        tier = "peer"
+                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         self.metrics.cache_hits.labels(tier=tier).inc()

@@ -2,13 +2,15 @@
 in the device row arena (runtime/device_arena.py) instead of the rows, copies them GPU to GPU, and
 acknowledges.
 
-`answer(request, parts, delivered)` runs once the fetch has its segments' rows in hand (as host tensors: the
-same waits and reads as every fetch; core/encoder.py): the rows of every segment in the arena -> an
-IpcPlacement (with a hold token unless the request is a probe); else IpcUnavailable, with why (IPC off here,
-the consumer on another host, a row in host memory only, holds full): the consumer fetches the next way.
-Not an error either way. Pins (cache/local.py) count the rows delivered when the token is acknowledged, not
-before: a consumer whose copy failed has not had them. `ack(tokens)` ends holds (and delivers); unknown or
-expired tokens are ignored.
+`refusal(request)` is asked before any wait (core/fetch_destination.py): IPC off here, or the consumer on
+another host, is answered at once, as is an id this replica neither holds nor encodes (`not_here`: with the
+owner's address, so the consumer asks it; no rows are pulled from it here, no pin of it ends). `answer(request,
+parts, delivered)` runs once the fetch has its segments' rows in hand (as host tensors: the same waits and
+reads as every fetch; core/encoder.py): the rows of every segment in the arena -> an IpcPlacement (with a
+hold token unless the request is a probe); else IpcUnavailable, with why (a row in host memory only, holds
+full): the consumer fetches the next way. Not an error either way. Pins (cache/local.py) count the rows
+delivered when the token is acknowledged, not before: a consumer whose copy failed has not had them.
+`ack(tokens)` ends holds (and delivers); unknown or expired tokens are ignored.
 
 /metrics (one collector, read at scrape): `encoder_ipc_fetches_total{outcome}` (held, probe, or why not),
 `encoder_ipc_fetch_bytes_total` (bytes of rows handed out by hold), and the arena's own counters and gauges
@@ -26,7 +28,8 @@ from prometheus_client.registry import Collector
 
 from encoder_service.protocol.ipc import IpcPlacement, IpcRequest, IpcUnavailable, this_host
 
-OFF, OTHER_HOST, NOT_IN_ARENA = "off", "other_host", "not_in_arena"
+OFF, OTHER_HOST, NOT_HERE, NOT_IN_ARENA = "off", "other_host", "not_here", "not_in_arena"
+OUTCOMES = ("held", "probe", OFF, OTHER_HOST, NOT_HERE, NOT_IN_ARENA)
 
 
 class IpcFetches:
@@ -36,8 +39,9 @@ class IpcFetches:
     def __init__(self, arena):
         self.arena = arena
         self.host = this_host()
-        self.outcomes: Counter[str] = Counter()  # held, probe, off, other_host, not_in_arena
+        self.outcomes: Counter[str] = Counter()  # OUTCOMES
         self.bytes_held = 0
+        self.channel: str | None = None  # the same-host channel's socket path (api/ipc_channel.py), once it listens
 
     def metadata(self) -> dict | None:
         """What /v1/metadata says of IPC (None: off): a consumer asks for it only on the same host and kind."""
@@ -45,15 +49,27 @@ class IpcFetches:
         if a is None:
             return None
         return {"host": self.host, "kind": a.memory.kind, "generation": a.generation, "arena_bytes": a.capacity,
-                "lease_s": a.lease_s, "device": str(a.memory.device)}
+                "lease_s": a.lease_s, "device": str(a.memory.device), "channel": self.channel}
 
-    def answer(self, request: IpcRequest, parts: Sequence[torch.Tensor],
-               delivered: Callable[[], None]) -> IpcPlacement | IpcUnavailable:
-        a = self.arena
-        if a is None:
+    def refusal(self, request: IpcRequest) -> IpcUnavailable | None:
+        """Why no fetch of this consumer's can go by IPC here (IPC off, another host), or None."""
+        if self.arena is None:
             return self._unavailable(OFF, "fetch by IPC is off on this server (--ipc-arena-bytes 0, or no GPU)")
         if not request.host or request.host != self.host:
             return self._unavailable(OTHER_HOST, "the consumer is on another host (its boot id is not ours)")
+        return None
+
+    def not_here(self, public_id: str, owner: str | None) -> IpcUnavailable:
+        """An id of the fetch is neither held nor encoded here: ask `owner` (its holder's address; None:
+        unknown, the next way finds the rows wherever they are)."""
+        where = f"ask its owner at {owner}" if owner else "its owner is not known here"
+        return self._unavailable(NOT_HERE, f"id {public_id!r:.80} is not on this replica ({where})", owner)
+
+    def answer(self, request: IpcRequest, parts: Sequence[torch.Tensor],
+               delivered: Callable[[], None]) -> IpcPlacement | IpcUnavailable:
+        """Where `parts` sit in the arena (held for the consumer unless a probe), or why not; `refusal` said
+        None for this request already."""
+        a = self.arena
         placed = a.place(parts, hold=request.hold, on_ack=delivered)
         if isinstance(placed, str):
             return self._unavailable(NOT_IN_ARENA, placed)
@@ -68,9 +84,9 @@ class IpcFetches:
         """End the holds of `tokens` (their consumers' copies are done); how many were live."""
         return self.arena.release(tokens) if self.arena is not None and tokens else 0
 
-    def _unavailable(self, outcome: str, why: str) -> IpcUnavailable:
+    def _unavailable(self, outcome: str, why: str, owner: str | None = None) -> IpcUnavailable:
         self.outcomes[outcome] += 1
-        return IpcUnavailable(why)
+        return IpcUnavailable(why, owner)
 
     def close(self) -> None:
         if self.arena is not None:
@@ -87,8 +103,9 @@ class IpcCollector(Collector):
         f = self._fetches
         outcomes = CounterMetricFamily("encoder_ipc_fetches", "Fetches by IPC, by outcome: held (the consumer "
                                        "copies GPU to GPU), probe (nothing held), or why not (off, other_host, "
-                                       "not_in_arena: the consumer fetched the next way)", labels=["outcome"])
-        for outcome in ("held", "probe", OFF, OTHER_HOST, NOT_IN_ARENA):
+                                       "not_here: answered before any wait; not_in_arena): the consumer fetched "
+                                       "the next way", labels=["outcome"])
+        for outcome in OUTCOMES:
             outcomes.add_metric([outcome], f.outcomes[outcome])
         yield outcomes
         yield CounterMetricFamily("encoder_ipc_fetch_bytes", "Bytes of rows handed out by IPC (held fetches)",

@@ -34,6 +34,7 @@ class EncodeResult:
     embeddings: list[torch.Tensor] | None = None  # per image (or video) [num_tokens, row_width], CPU, when asked
     timings: dict[str, float] = field(default_factory=dict)  # ms
     videos: list[VideoInfo] = field(default_factory=list)  # a request of videos answers these (images empty)
+    ipc: list | None = None  # with an IPC request: per image, protocol/ipc.py IpcPlacement or IpcUnavailable
 
 
 @dataclass(frozen=True)

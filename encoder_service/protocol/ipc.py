@@ -15,8 +15,15 @@ server answers the wire header's fields and, instead of rows, `"ipc"`:
     its copies finished, and finds less than `lease_s`, read rows the server kept still; past that it must
     not use them (fetch again another way).
     A probe (`hold` false) answers where the rows are and holds nothing (`token` None: never read them).
-  - `IpcUnavailable(reason)`: not this fetch (IPC off, another host, a row not in the arena, holds full):
-    the consumer fetches the same chunk the next way (shared memory, then the socket). Not an error.
+    An encode may ask for its images' rows the same way (HTTP JSON `"ipc"`, or the query's `ipc_host` /
+    `ipc_ack`; implies wait): each image's answer carries its `"ipc"` (one segment: all its rows), placed once
+    they landed; its `lease_s` counts from the receipt of the encode request too (what the encode took added).
+  - `IpcUnavailable(reason, owner)`: not this fetch (IPC off, another host, a row not in the arena, holds
+    full): the consumer fetches the same chunk the next way (shared memory, then the socket). Not an error.
+    `owner`: an id of the fetch is on another replica (not held nor encoded here), whose advertised address
+    this is (None: unknown): a consumer that can reach it asks it by IPC instead. Such an answer, like every
+    one the server can give before reading rows (IPC off, another host), comes before any wait and carries
+    no segments.
 """
 
 from __future__ import annotations
@@ -88,16 +95,18 @@ class IpcPlacement:
 @dataclass(frozen=True)
 class IpcUnavailable:
     reason: str
+    owner: str | None = None  # the replica that holds the rows, when this one does not (its advertised URL)
 
     def to_dict(self) -> dict:
-        return {"unavailable": self.reason}
+        return {"unavailable": self.reason} | ({"owner": self.owner} if self.owner else {})
 
 
 def answer_from_dict(d, num_segments: int) -> IpcPlacement | IpcUnavailable:
     """The `"ipc"` of a fetch answer with `num_segments` segments; IpcError when it is not one."""
     try:
         if "unavailable" in d:
-            return IpcUnavailable(str(d["unavailable"]))
+            owner = d.get("owner")
+            return IpcUnavailable(str(d["unavailable"]), owner if isinstance(owner, str) and owner else None)
         handle = base64.b64decode(d["handle"], validate=True)
         token = d["token"]
         placement = IpcPlacement(str(d["kind"]), handle, str(d["generation"]), int(d["size"]),

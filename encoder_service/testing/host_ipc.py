@@ -62,7 +62,7 @@ class HostStandInReader:
 
     def __init__(self, directory: str = "/dev/shm", refuse: bool = False):
         self.directory, self.refuse = directory, refuse
-        self._maps: dict[str, torch.Tensor] = {}  # generation -> the arena's bytes
+        self._maps: dict[str, torch.Tensor] = {}  # generation -> the arena's bytes (one per server process)
         self._lock = threading.Lock()
         self.opened = 0  # opens so far (one per generation)
 
@@ -86,12 +86,16 @@ class HostStandInReader:
                     raise OSError(f"not a host stand-in handle: {handle[:24]!r}")
                 with open(os.path.join(self.directory, name), "r+b") as f:
                     mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
-                self._maps = {generation: torch.frombuffer(mm, dtype=torch.uint8)}  # an older one: closed
+                self._maps[generation] = torch.frombuffer(mm, dtype=torch.uint8)
                 self.opened += 1
             return self._maps[generation]
 
     def synchronize(self, device: torch.device) -> None:
         pass  # CPU copies are done when copy_ returns
+
+    def forget(self, generation: str) -> None:
+        with self._lock:
+            self._maps.pop(generation, None)
 
     def close(self) -> None:
         with self._lock:

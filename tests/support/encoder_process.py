@@ -5,15 +5,17 @@ httpx), the replica tests and the benchmarks' replicas (soak.py, scale_out.py, r
 
   - `main_python()`: the python of the venv that has the service's dependencies: $ENCODER_MAIN_PYTHON, default
     .venv/bin/python (scripts/setup.sh).
-  - `encoder_service_argv(*args, python=None)`: `encoder-service ARGS` run by that python (or `python`).
+  - `encoder_service_argv(*args, python=None, entry=None)`: `encoder-service ARGS` run by that python (or
+    `python`); `entry`: another `-m` module and its first arguments that run the CLI (`standin_entry(dir)`:
+    tests/support/standin_serve.py, the device row arena on the host stand-in).
   - `ServiceProcess(argv, ready_url, log_path, env=None, name="encoder-service", new_session=False)`: starts
     `argv` (stdout and stderr into `log_path`; with `new_session`, as the leader of a process group of its own)
     on this checkout's code (first on PYTHONPATH), with no ENCODER_* variables of ours (only its command line
     configures it) plus `env`; `wait_ready(timeout_s)` returns it once `ready_url` answers (if it exits or is
     not ready in time: stopped, RuntimeError with the log's tail), `stop()` (idempotent), `log_tail()`; a
     context manager.
-  - `Replica(name, checkpoint, redis_url, log_dir, *args, device="cpu")`: `encoder-service serve` of
-    `checkpoint` on free loopback ports (`.url`, `.grpc_address`, `.target`), sharing `redis_url` (None: no
+  - `Replica(name, checkpoint, redis_url, log_dir, *args, device="cpu", entry=None)`: `encoder-service serve`
+    of `checkpoint` on free loopback ports (`.url`, `.grpc_address`, `.target`), sharing `redis_url` (None: no
     Redis), on `device` (None: the service's own default), plus `args`; `wait_ready` starts it again on other
     ports should another process take its port first; `metrics(names=None)` reads its /metrics (needs
     prometheus_client).
@@ -41,9 +43,14 @@ def main_python() -> str:
     return py
 
 
-def encoder_service_argv(*args: str, python: str | None = None) -> list[str]:
-    """`encoder-service ARGS` run by `python` (default: the main venv's)."""
-    return [python or main_python(), "-m", "encoder_service.cli", *args]
+def encoder_service_argv(*args: str, python: str | None = None, entry: list[str] | None = None) -> list[str]:
+    """`encoder-service ARGS` run by `python` (default: the main venv's); `entry`: as the module docstring says."""
+    return [python or main_python(), "-m", *(entry or ["encoder_service.cli"]), *args]
+
+
+def standin_entry(directory: Path) -> list[str]:
+    """The `entry` of a serve whose device row arena is the host stand-in's, its files in `directory`."""
+    return ["tests.support.standin_serve", str(directory)]
 
 
 class ServiceProcess:
@@ -101,19 +108,20 @@ PORT_TRIES = 3  # starts of a replica whose port another process took between fr
 
 class Replica(ServiceProcess):
     def __init__(self, name: str, checkpoint: Path, redis_url: str | None, log_dir: Path, *args: str,
-                 device: str | None = "cpu", python: str | None = None, env: dict[str, str] | None = None):
-        self._spec = (name, checkpoint, redis_url, Path(log_dir), args, device, python, env)
+                 device: str | None = "cpu", python: str | None = None, env: dict[str, str] | None = None,
+                 entry: list[str] | None = None):
+        self._spec = (name, checkpoint, redis_url, Path(log_dir), args, device, python, env, entry)
         self._spawn()
 
     def _spawn(self) -> None:
-        name, checkpoint, redis_url, log_dir, args, device, python, env = self._spec
+        name, checkpoint, redis_url, log_dir, args, device, python, env, entry = self._spec
         self.http_port = free_port()
         self.grpc_port = next(p for p in iter(free_port, None) if p != self.http_port)
         self.url, self.grpc_address = f"http://127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
         cmd = ["serve", "--model", str(checkpoint), *(["--device", device] if device else []),
                "--host", "127.0.0.1", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--log-level", "warning", *(["--redis-url", redis_url] if redis_url else []), *args]
-        super().__init__(encoder_service_argv(*cmd, python=python), f"{self.url}/health/ready",
+        super().__init__(encoder_service_argv(*cmd, python=python, entry=entry), f"{self.url}/health/ready",
                          log_dir / f"{name}.log", env=env, name=f"replica {name}")
 
     def wait_ready(self, timeout_s: float = 240.0) -> Replica:

@@ -24,7 +24,7 @@ import time
 import torch
 
 from encoder_service.client import EncoderClient
-from encoder_service.client.ipc import CudaIpcReader
+from encoder_service.client.ipc import CudaIpcReader, Generations
 from encoder_service.integrations.vllm.fetch import checked_rows, fetch_items
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.worker import IpcHold, IpcRows
@@ -43,6 +43,7 @@ class IpcLoader:
     def __init__(self, options: ConnectorOptions, device: torch.device | str, reader="auto"):
         self.options, self.device = options, torch.device(device)
         self.reader = CudaIpcReader() if reader == "auto" else reader
+        self._generations = Generations(self.reader)  # a replica's new arena (it restarted): its old one closed
         self._client: EncoderClient | None = None
         self._lock = threading.Lock()
         self._stream: torch.cuda.Stream | None = None  # made at the first load, once vLLM has set up the device
@@ -101,6 +102,7 @@ class IpcLoader:
         try:
             self.reader.copy(p.handle, p.generation, pieces)
             self.reader.synchronize(out.device)
+            self._generations.seen(hold.server, p.generation)
         except (cuda_ipc.CudaIpcError, OSError, RuntimeError) as exc:
             self._refused = f"{type(exc).__name__}: {exc}"
             log.warning("opening the encoder's IPC memory failed here (%s): fetching from now on", exc)
@@ -115,7 +117,8 @@ class IpcLoader:
             if self._client is None:
                 o = self.options
                 self._client = EncoderClient.http(o.url, token=o.auth_token, timeout=o.fetch_timeout_s,
-                                                  ipc="off" if self._refused else self.reader)
+                                                  ipc="off" if self._refused else self.reader,
+                                                  ipc_channel=o.ipc_channel == "auto")
             return self._client
 
     @property

@@ -27,6 +27,8 @@ class ConnectorOptions:
     ipc: "auto" (rows GPU to GPU, ipc_loads.py: when the encoder has a device row arena on this host, `url` is
         HTTP and vLLM's workers are on CUDA; an item whose rows are not in the encoder's arena goes the `shm`
         way) or "off".
+    ipc_channel: "auto" (a fetch by IPC goes over the encoder's same-host channel, a Unix socket, when it has
+        one: client/ipc_channel.py) or "off" (over HTTP).
     max_staged_bytes: bound on rows fetched ahead of need and not yet taken by vLLM (sizes: "1GiB", ...).
     arena_bytes: size of one staging file (rows of many items; an item larger than this gets its own).
     fetch_threads: fetches in flight at once.
@@ -41,6 +43,7 @@ class ConnectorOptions:
     shm: str = "auto"
     shm_dir: str = DEFAULT_DIR
     ipc: str = "auto"
+    ipc_channel: str = "auto"
     max_staged_bytes: int = 1 << 30
     arena_bytes: int = 128 << 20
     fetch_threads: int = 4
@@ -54,8 +57,9 @@ class ConnectorOptions:
             raise ValueError(f"url must be http://host:port or grpc://host:port, got {self.url!r}")
         if self.shm not in SHM_MODES:
             raise ValueError(f"shm must be one of {', '.join(SHM_MODES)}, got {self.shm!r}")
-        if self.ipc not in IPC_MODES:
-            raise ValueError(f"ipc must be one of {', '.join(IPC_MODES)}, got {self.ipc!r}")
+        for name in ("ipc", "ipc_channel"):
+            if getattr(self, name) not in IPC_MODES:
+                raise ValueError(f"{name} must be one of {', '.join(IPC_MODES)}, got {getattr(self, name)!r}")
         if not os.path.isabs(self.shm_dir):
             raise ValueError(f"shm_dir must be an absolute path, got {self.shm_dir!r}")
         for name in ("max_staged_bytes", "arena_bytes", "fetch_threads", "fetch_timeout_s", "wait_timeout_s"):
@@ -79,7 +83,7 @@ class ConnectorOptions:
                              "is required")
         parsers: dict[str, Callable] = {
             "url": str, "auth_token": lambda v: str(v) if v else None, "shm": _shm_mode, "shm_dir": str,
-            "ipc": _ipc_mode,
+            "ipc": _ipc_mode, "ipc_channel": _ipc_mode,
             "max_staged_bytes": _size, "arena_bytes": _size, "fetch_threads": int,
             "fetch_timeout_s": float, "wait_timeout_s": float,
             "release_on_finish": lambda v: v if isinstance(v, bool) else parse_bool(v)}

@@ -46,12 +46,14 @@ class IpcHold:
     one step's loads (protocol/ipc.py: IpcPlacement, with its token): segment k's `counts[k]` rows are at
     arena byte `placement.offsets[k]` and go to rows `positions[k]`.. of the item. The workers copy them
     before `deadline` (time.monotonic() of this host: the hold's lease from before the scheduler side's
-    request) and report the token (connector.py: worker metadata); the scheduler side then acknowledges it."""
+    request) and report the token (connector.py: worker metadata); the scheduler side then acknowledges it.
+    `server`: the address of the replica that holds them (a new arena generation from it: it restarted)."""
 
     placement: IpcPlacement
     positions: tuple[int, ...]
     counts: tuple[int, ...]
     deadline: float
+    server: str = ""
 
 
 @dataclass(frozen=True)
