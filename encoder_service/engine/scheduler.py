@@ -3,8 +3,9 @@
 Images are kept in arrival order of their requests and placeholder order within a request (urgent ones, that a
 fetch waits for, go to the front, in their own order); a batch is the images whose prepare has ended, in queue
 order, while their patches fit the budget (an image larger than the budget goes alone). An image still being
-prepared stays queued in its place and holds no other requester's images back; its own requester's later
-images wait for it, so each requester's images reach the GPU in their order. The budget is `batch_tokens`,
+prepared stays queued in its place and holds no other requester's images back (but an urgent one, which is
+prepared first); its own requester's later images wait for it, so each requester's images reach the GPU in
+their order. The budget is `batch_tokens`,
 capped at the largest graph bucket when graphs are in use so that a batch fills a captured bucket instead of
 falling back to eager. Items nobody wants any more (`wanted()` is false: their callers all left), or whose
 deadline passed, are dropped (their futures settled) before a batch is built.
@@ -123,6 +124,8 @@ class Scheduler:
         behind: set = set()  # requesters with an image not prepared yet: their later ones wait behind it
         for item in self._queue:  # those not prepared yet are passed over: they keep their places
             if item.requester in behind or not item.prepared.done():
+                if item.urgent:  # nothing passes an urgent one (a fetch waits for it; it is prepared first)
+                    break
                 behind.add(item.requester)
                 continue
             if batch and total + item.num_patches > self.budget:

@@ -58,8 +58,13 @@ async def test_images_still_preparing_keep_their_place_and_hold_back_only_their_
     assert s.next_batch() == [] and len(s) == 3 and s.queued_patches == 9
     big[0].prepared.set_result(None)
     assert s.next_batch() == [big[0], big[1]]  # in their order
+    urgent = [_item(loop, 2, prepared=False)]
+    urgent[0].urgent = True
+    s.push(urgent)
     other[0].prepared.set_result(None)
-    assert s.next_batch() == [other[0]] and len(s) == 0 and s.queued_patches == 0
+    assert s.next_batch() == []  # nothing passes an urgent image still being prepared
+    urgent[0].prepared.set_result(None)
+    assert s.next_batch() == [urgent[0], other[0]] and len(s) == 0 and s.queued_patches == 0
 
 
 def test_budget_is_capped_by_the_largest_bucket():
