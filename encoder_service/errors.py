@@ -75,6 +75,13 @@ class PayloadTooLarge(LimitExceeded):
                    f"{limit} (--max-body-bytes)")
 
 
+class RequestTimeout(InvalidInput):
+    """The request did not arrive in time: its body stopped coming for --read-timeout-s (HTTP; the connection
+    is closed). HTTP 408 / INVALID_ARGUMENT."""
+
+    kind = "request_timeout"
+
+
 class NotFound(EncoderServiceError):
     """Unknown or evicted id. HTTP 404 / NOT_FOUND."""
 
@@ -114,6 +121,11 @@ class Unavailable(EncoderServiceError):
     """Backend failure (the ViT batch failed, not ready). HTTP 503 / UNAVAILABLE."""
 
     kind = "unavailable"
+
+
+class Unreachable(Unavailable):
+    """The clients' own: the server could not be reached (connection refused, the connect's deadline passed),
+    so the request was never sent. Retried as a 503 is (client/retry.py)."""
 
 
 class FailedPrecondition(EncoderServiceError):

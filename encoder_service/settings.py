@@ -38,6 +38,14 @@ DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384)
 # mov reads MP4 and QuickTime files, matroska MKV and WebM.
 VIDEO_CONTAINERS = ("mov", "matroska")
 VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg")
+# --max-pixels' default: the most pixels one image may decode to. The models' own processors keep at most
+# 16777216 (Qwen3-VL) or 12845056 (Qwen2/2.5-VL) pixels, smart_resize shrinking larger images to that; twice
+# the larger still takes an 8K UHD frame (7680x4320) and a 24 MP photo, and bounds one image's decode (a PNG of
+# 8000x8000 took 0.66 s of CPU; the old default, 64 Mpx, let it through).
+MAX_PIXELS = 2 * 16_777_216
+# --max-request-pixels' default: the decode work of one request, eight images at that limit (64 images of 4 Mpx,
+# 2560x1600); with it sixteen 8000x8000 PNGs in one request are refused before any is decoded.
+MAX_REQUEST_PIXELS = 8 * MAX_PIXELS
 
 _UNITS = {
     "": 1, "b": 1,
@@ -145,6 +153,9 @@ class ServerSettings:
     shm_fetch: bool = False  # fetch rows into co-located clients' shared-memory files (core/shm_writer.py)
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
     send_threads: int = 8  # threads writing fetched rows onto HTTP sockets (api/socket_send.py); 0: the loop
+    # An HTTP request's head must arrive within this of its first byte (or of a new connection), and its body
+    # pause no longer than this (api/read_timeouts.py, api/bodies.py); else the connection is closed.
+    read_timeout_s: float = 30.0
     # Rows GPU to GPU for consumers on this host (runtime/device_arena.py): the arena's bytes (None: auto, 0: off)
     # and how long a fetch by IPC holds its rows at most without an acknowledgement.
     ipc_arena_bytes: int | None = None
@@ -186,6 +197,7 @@ class LimitSettings:
     max_image_bytes: int
     max_pixels: int
     allow_url_hosts: tuple[str, ...]  # empty: url images refused
+    max_request_pixels: int = MAX_REQUEST_PIXELS  # decoded pixels of a request's images together (headers)
     max_fetch_bytes: int = 4 << 30  # rows one socket fetch gathers from several items
 
 
@@ -334,7 +346,14 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "max_images": (_positive(int), "64", "images per request"),
     "max_body_bytes": (_positive(parse_size), "64MiB", "request body"),
     "max_image_bytes": (_positive(parse_size), "32MiB", "one encoded image"),
-    "max_pixels": (_positive(int), "67108864", "decoded pixels (checked from the header)"),
+    "max_pixels": (_positive(int), str(MAX_PIXELS), "decoded pixels of one image (width x height, checked from "
+                                                    "its header before decoding): twice the most the models' own "
+                                                    "processors keep (Qwen3-VL 16777216, Qwen2/2.5-VL 12845056; "
+                                                    "smart_resize shrinks larger images to that), so 8K frames "
+                                                    "and 24 MP photos pass"),
+    "max_request_pixels": (_positive(int), str(MAX_REQUEST_PIXELS),
+                           "decoded pixels of one request's images together (each counted as sent, from its "
+                           "header): the decode work one request may ask for"),
     "max_fetch_bytes": (_positive(parse_size), "4GiB", "rows one fetch gathers from several images or frame groups "
                                                         "over a socket (one item's are not copied; shm writes into "
                                                         "the client's file)"),
@@ -365,6 +384,9 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "ipc_channel": (_ipc_channel, "auto", "Unix socket for fetches by IPC from this host (a persistent "
                                           "channel beside HTTP): auto (with an arena, in a directory of this "
                                           "uid's alone under the temp dir), off, or an absolute path"),
+    "read_timeout_s": (_positive(float), "30", "an HTTP request's head must arrive within this many seconds of its "
+                                               "first byte (or of the connection's opening), and its body pause no "
+                                               "longer; else the connection is closed (a stalled body: 408)"),
     "send_threads": (_non_negative(int), "8", "threads that write fetched rows onto HTTP sockets, several "
                                               "fetches at once (0: the event loop writes them)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "
@@ -513,6 +535,9 @@ def _build(v: dict) -> Settings:
         for name, port in taken.items():
             if port and port == v["sglang_port"]:
                 raise SettingsError(f"--sglang-port and {name} are both {port}")
+    if v["max_pixels"] > v["max_request_pixels"]:
+        raise SettingsError(f"--max-pixels ({v['max_pixels']}) is over --max-request-pixels "
+                            f"({v['max_request_pixels']}): no request could carry one such image")
     if v["max_image_bytes"] > v["max_body_bytes"]:
         raise SettingsError(
             f"--max-image-bytes ({v['max_image_bytes']}) is over --max-body-bytes ({v['max_body_bytes']})")
@@ -530,7 +555,7 @@ def _build(v: dict) -> Settings:
                             preprocess=preprocess, exif_orientation=v["exif_orientation"]),
         server=ServerSettings(host=v["host"], http_port=v["http_port"], grpc_port=v["grpc_port"],
                               auth_token=v["auth_token"] or None, log_level=v["log_level"],
-                              access_log=v["access_log"],
+                              access_log=v["access_log"], read_timeout_s=v["read_timeout_s"],
                               shm_fetch=v["shm_fetch"], shm_dir=v["shm_dir"], send_threads=v["send_threads"],
                               ipc_arena_bytes=v["ipc_arena_bytes"], ipc_lease_s=v["ipc_lease_s"],
                               ipc_channel=v["ipc_channel"],
@@ -543,7 +568,8 @@ def _build(v: dict) -> Settings:
                               batch_tokens=v["batch_tokens"], max_queue=v["max_queue"], attention=v["attention"]),
         limits=LimitSettings(max_images=v["max_images"], max_body_bytes=v["max_body_bytes"],
                              max_image_bytes=v["max_image_bytes"], max_pixels=v["max_pixels"],
-                             allow_url_hosts=v["allow_url_hosts"], max_fetch_bytes=v["max_fetch_bytes"]),
+                             allow_url_hosts=v["allow_url_hosts"], max_fetch_bytes=v["max_fetch_bytes"],
+                             max_request_pixels=v["max_request_pixels"]),
         video=VideoSettings(**{name: v[name] for name in _VIDEO_OPTIONS}),
     )
 

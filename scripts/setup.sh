@@ -26,4 +26,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 extra=""
 [ "${1:-}" = "test" ] && extra="[test]"
+# A warm restart installs nothing: the package is installed editable (code changes need no install), so only
+# pyproject.toml (dependencies, entry points) or this script changing calls for pip again. The stamp
+# .venv/.setup-stamp holds one line per install done since: their checksum, then the extras (the test
+# extras include the runtime's).
+sum=$(cat pyproject.toml scripts/setup.sh | cksum | cut -d' ' -f1)
+installed() { grep -qxF "$sum $1" .venv/.setup-stamp 2>/dev/null; }
+if installed "[test]" || { [ -z "$extra" ] && installed runtime; }; then
+  exit 0
+fi
 $PIP install -q -e ".${extra}"
+echo "$sum ${extra:-runtime}" >> .venv/.setup-stamp

@@ -3,6 +3,7 @@ a byte limit, parse strict JSON into a model, decode strict base64."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 
@@ -10,11 +11,14 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.types import Message, Receive
 
-from encoder_service.errors import InvalidInput, PayloadTooLarge
+from encoder_service.errors import InvalidInput, PayloadTooLarge, RequestTimeout
 
 
-def bounded(request: Request, limit: int) -> Request:
-    """A view of `request` whose body reads raise PayloadTooLarge past `limit` bytes (never buffered beyond)."""
+def bounded(request: Request, limit: int, read_timeout_s: float | None = None) -> Request:
+    """A view of `request` whose body reads raise PayloadTooLarge past `limit` bytes (never buffered beyond),
+    and RequestTimeout when no part of the body arrives for `read_timeout_s` (None: no bound): a client that
+    stops sending its body (a stalled upload, a body cut short on a connection it keeps open) is answered and
+    its connection closed (api/http.py), not held, nor counted as a client that left."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge.declared(int(declared), limit)
@@ -23,7 +27,11 @@ def bounded(request: Request, limit: int) -> Request:
 
     async def bounded_receive() -> Message:
         nonlocal received
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), read_timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"the request body stopped arriving: no byte for {read_timeout_s:g}s after "
+                                 f"{received} bytes (--read-timeout-s)") from None
         if message["type"] == "http.request":
             received += len(message.get("body", b""))
             if received > limit:

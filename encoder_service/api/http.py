@@ -1,10 +1,10 @@
 """HTTP adapter (FastAPI) over EncoderCore. Thin: parse, call the core, map errors once (api/errors.py).
 
-POST /v1/encode   multipart (field `image`, repeated), a binary body (application/octet-stream or image/*,
-                  one image; options in the query), or JSON {"images": [{"data": b64} | {"url": ...}, "id"?],
-                  "wait", "return_embeddings", "timeout_s", "ipc"?}. Videos the same ways (api/video_bodies.py):
-                  multipart `video` / `frame` fields, a video/* body, JSON {"videos": [...]}; answered as
-                  {"videos": [VideoInfo], "timings"}.
+POST /v1/encode   multipart (field `image`, repeated; options in the query, `id` for one image), a binary
+                  body (application/octet-stream or image/*, one image; options in the query), or JSON
+                  {"images": [{"data": b64} | {"url": ...}, "id"?], "wait", "return_embeddings", "timeout_s",
+                  "ipc"?}. Videos the same ways (api/video_bodies.py): multipart `video` / `frame` fields, a
+                  video/* body, JSON {"videos": [...]}; answered as {"videos": [VideoInfo], "timings"}.
                   Images with "ipc": {"host", "hold", "ack"} (JSON; the query's `ipc_host` and `ipc_ack`,
                   comma-separated tokens, for the other forms; implies wait): each image's answer carries
                   "ipc": where its rows sit in the device row arena (a hold) or why not, as a fetch's.
@@ -22,7 +22,9 @@ GET  /health/live, /health/ready (with detail: {"ready", "redis": "up" | "down" 
      /metrics.
 The body limit is enforced while reading: Content-Length first, then by counting received bytes.
 JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400;
-so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why.
+so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why, and a
+query option the body does not take or one given twice (api/query_options.py). A body that stops arriving
+for --read-timeout-s is 408 (the outcome `request_timeout`) and its connection closed (api/read_timeouts.py).
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
 A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), or
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable
 from typing import Literal, TypeVar
@@ -47,7 +50,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from encoder_service.api import bodies, video_bodies
+from encoder_service.api import bodies, query_options, video_bodies
 from encoder_service.api import errors as api_errors
 from encoder_service.api.auth import BearerAuth
 from encoder_service.api.pickup import Pickups
@@ -56,8 +59,8 @@ from encoder_service.api.rows_response import RowsResponse
 from encoder_service.api.socket_send import EXTENSION
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
-from encoder_service.errors import (EncoderServiceError, InvalidInput, LimitExceeded, NotFound, Unauthenticated,
-                                     UnsupportedMediaType)
+from encoder_service.errors import (EncoderServiceError, InvalidInput, LimitExceeded, NotFound, RequestTimeout,
+                                   Unauthenticated, UnsupportedMediaType)
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
@@ -150,7 +153,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
     settings = core.settings
     auth = BearerAuth(settings.server.auth_token)
     owner = core.store.redis.owner if core.store.redis is not None else None  # what peers' signatures address
-    max_body = settings.limits.max_body_bytes
+    max_body, read_timeout_s = settings.limits.max_body_bytes, settings.server.read_timeout_s
     metrics, access_log = core.metrics, settings.server.access_log
     app = FastAPI(title="encoder_service", version="1", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -188,14 +191,17 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
     async def _encode(request: Request) -> Response:
         auth.check(request.headers.get("authorization"))
         ctype = _content_type(request)
-        bounded = bodies.bounded(request, max_body)
+        bounded = bodies.bounded(request, max_body, read_timeout_s)
         q = request.query_params
-        wait, embeds = _qbool(q, "wait"), _qbool(q, "return_embeddings")
-        timeout_s = _qfloat(q, "timeout_s")
-        ipc = _ipc_request(q["ipc_host"], True, [t for t in q.get("ipc_ack", "").split(",") if t]) \
-            if "ipc_host" in q else None
+        octet = query_options.OCTET if ctype == OCTET else ()
+        ipc = None
+        if ctype != "application/json":  # which of them the body takes: checked below
+            wait, embeds, timeout_s = _qbool(q, "wait"), _qbool(q, "return_embeddings"), _qfloat(q, "timeout_s")
+            if "ipc_host" in q:
+                ipc = _ipc_request(q["ipc_host"], True, [t for t in q.get("ipc_ack", "").split(",") if t])
         videos = []
         if ctype == "application/json":
+            query_options.check(q, (), "POST /v1/encode with a JSON body (its options go in the body)")
             body = bodies.parse(EncodeJson, await bounded.body())
             images = [_json_image(i, img) for i, img in enumerate(body.images)]
             videos = [video_bodies.json_video(i, v) for i, v in enumerate(body.videos)]
@@ -204,9 +210,11 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         elif ctype == "multipart/form-data":
             images, videos = await _multipart_media(bounded, settings, q)
         elif ctype.startswith("video/") or (ctype == OCTET and _qbool(q, "video")):
+            query_options.check(q, query_options.VIDEO + octet, "POST /v1/encode with a video body")
             images, videos = [], [VideoInput(data=await bounded.body(), caller_id=q.get("id"),
                                              **video_bodies.query_options(q))]
         elif ctype == OCTET or ctype.startswith("image/"):
+            query_options.check(q, query_options.IMAGE + octet, "POST /v1/encode with an image body")
             images = [ImageInput(data=await bounded.body(), caller_id=q.get("id"))]
         else:
             raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream, image/* "
@@ -266,7 +274,8 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         ctype = _content_type(request)
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
-        raw = await bodies.bounded(request, max_body).body()
+        query_options.check(request.query_params, (), f"POST {request.url.path} (its options go in the JSON body)")
+        raw = await bodies.bounded(request, max_body, read_timeout_s).body()
         if signed:
             auth.check_peer(authorization, "POST", peer_path, raw, me=owner)
         body = bodies.parse(model, raw)
@@ -394,6 +403,8 @@ def _error_response(exc: Exception) -> JSONResponse:
     retry = api_errors.retry_after_header(exc)
     if retry is not None:
         headers["retry-after"] = retry
+    if isinstance(exc, RequestTimeout):  # the rest of its body may come later: not a next request's bytes
+        headers["connection"] = "close"
     return JSONResponse(api_errors.error_body(exc), status_code=api_errors.http_status(exc), headers=headers)
 
 
@@ -413,8 +424,9 @@ def _json_image(index: int, img: ImageJson) -> ImageInput:
 
 async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInput], list[VideoInput]]:
     """`image` fields (one image each), `video` fields (one video file each) and `frame` fields (together, in
-    order, one video given as its frames, at most --max-images of them here: JSON takes more; options in the
-    query: api/video_bodies.py). Each may be a file part or a plain field."""
+    order, one video given as its frames, at most --max-images of them here: JSON takes more). Each may be a
+    file part or a plain field. The query options (api/query_options.py) are those of the fields sent: the
+    video options with videos; `id` names the body's one image or video."""
     max_images, bounds = settings.limits.max_images, _part_bounds(settings)
     try:
         form = await request.form(max_files=bounds["files"], max_fields=bounds["fields"])
@@ -424,8 +436,11 @@ async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInp
         async def read(field: str) -> list[bytes]:
             return [await part.read() if hasattr(part, "read") else str(part).encode() for part in form.getlist(field)]
 
+        with_videos = "video" in form or "frame" in form
+        query_options.check(q, query_options.VIDEO if with_videos else query_options.IMAGE,
+                            f"POST /v1/encode with a multipart body of {'videos' if with_videos else 'images'}")
         images = [ImageInput(data=data) for data in await read("image")]
-        options = video_bodies.query_options(q) if "video" in form or "frame" in form else {}
+        options = video_bodies.query_options(q) if with_videos else {}
         videos = [VideoInput(data=data, **options) for data in await read("video")]
         frames = await read("frame")
         if len(frames) > max_images:
@@ -436,6 +451,14 @@ async def _multipart_media(request: Request, settings, q) -> tuple[list[ImageInp
         if not images and not videos and len(form) > 0:
             raise InvalidInput(f"multipart body has no 'image', 'video' or 'frame' field (got fields "
                                f"{sorted(set(form.keys()))})")
+        caller_id = q.get("id")
+        if caller_id is not None:
+            items = images + videos
+            if len(items) != 1:
+                raise InvalidInput(f"query option 'id' names one image or video, and this multipart body holds "
+                                   f"{len(items)}: give each its id in a JSON body")
+            items[0] = dataclasses.replace(items[0], caller_id=caller_id)
+            images, videos = (items, []) if images else ([], items)
         return images, videos
     finally:
         await form.close()  # its spooled files

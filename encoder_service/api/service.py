@@ -17,6 +17,7 @@ import time
 import uvicorn
 
 from encoder_service.api.pickup import Pickups
+from encoder_service.api.read_timeouts import head_timeout_protocol
 from encoder_service.api.requests import install_log_ids
 from encoder_service.api.socket_send import SocketSend
 from encoder_service.core import EncoderCore
@@ -210,7 +211,8 @@ class Service:
         """uvicorn serving `app` on `sock`, started (listening) on this loop: (server, its task, its URL)."""
         s = self.settings.server
         config = uvicorn.Config(app, lifespan="off", log_level=s.log_level, access_log=False,
-                                timeout_graceful_shutdown=10, timeout_keep_alive=HTTP_KEEP_ALIVE_S, log_config=None)
+                                timeout_graceful_shutdown=10, timeout_keep_alive=HTTP_KEEP_ALIVE_S, log_config=None,
+                                http=head_timeout_protocol(s.read_timeout_s))
         server = _Uvicorn(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn {name}")
         listening = asyncio.create_task(server.listening.wait())
@@ -290,12 +292,15 @@ def startup_summary(service: Service, *, load_s: float, total_s: float) -> str:
         f"cache: {', '.join(tiers)}; hash {s.cache.hash}; lease {s.cache.lease_s:g}s",
         f"limits: max_images={s.limits.max_images} max_body={format_size(s.limits.max_body_bytes)} "
         f"max_image={format_size(s.limits.max_image_bytes)} max_pixels={s.limits.max_pixels} "
+        f"max_request_pixels={s.limits.max_request_pixels} read_timeout={s.server.read_timeout_s:g}s "
         f"url_hosts={','.join(s.limits.allow_url_hosts) or 'off'}",
         f"http: {service.http_address or 'off'} (rows written by {service.rows_written_by})  "
         f"grpc: {service.grpc_address or 'off'}  "
         f"auth: {'bearer token' if s.server.auth_token else 'off'}",
         "sglang protocol: " + (f"{service.sglang_address} (unauthenticated: private network only)"
                                if service.sglang_address else "off"),
+        "shm fetch (rows into clients' shared-memory files, this host): " + (
+            f"on, files in {s.server.shm_dir}" if s.server.shm_fetch else "off (--shm-fetch)"),
         "ipc fetch (rows GPU to GPU, consumers on this host, HTTP): " + (
             f"device row arena {format_size(ipc['arena_bytes'])} on {ipc['device']}, hold lease {ipc['lease_s']:g}s, "
             f"channel {ipc['channel'] or 'off'}" if (ipc := core.ipc.metadata()) else "off"),

@@ -5,7 +5,8 @@
   multipart  a `video` field per video file; `frame` fields, in order, are one video given as its frames
   binary     one video file: content-type video/* (or application/octet-stream with ?video=true)
 For multipart and binary bodies the options are query parameters (`fps`, `num_frames`, `sample_frames`,
-`min_pixels`, `max_pixels`, `frames_fps`; `id` for a binary body), the same for every video of the request.
+`min_pixels`, `max_pixels`, `frames_fps`; `id` for a binary body, or a multipart body of one video), the same
+for every video of the request (which options each body takes: api/query_options.py).
 A bad value is InvalidInput naming the parameter; what the options mean is preprocessing/video.py's
 VideoOptions (transformers' video processor's own).
 """

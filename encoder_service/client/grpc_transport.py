@@ -22,7 +22,7 @@ from encoder_service.client.destination import Destination
 from encoder_service.client.errors import remote_error
 from encoder_service.client.raw_http import READ_THREADS, Cancel, NotRaw, RawHttp, in_thread, read_fetch
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
-from encoder_service.errors import DeadlineExceeded, EncoderServiceError, InvalidInput
+from encoder_service.errors import DeadlineExceeded, EncoderServiceError, InvalidInput, Unreachable
 from encoder_service.protocol import grpc_messages as msgs
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
@@ -147,8 +147,12 @@ class _Pickups:
 def _error(exc: grpc.RpcError):
     trailing = dict(exc.trailing_metadata() or ())
     retry = trailing.get(msgs.RETRY_AFTER_S)
-    return remote_error(trailing.get(msgs.ERROR_KIND), exc.details() or "", exc.code(),
-                        float(retry) if retry else None)
+    kind, details = trailing.get(msgs.ERROR_KIND), exc.details() or ""
+    if kind is None and exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:
+        unreachable = Unreachable(f"cannot reach the server: {details}")  # gRPC's own: no server answered
+        unreachable.status = exc.code()
+        return unreachable
+    return remote_error(kind, details, exc.code(), float(retry) if retry else None)
 
 
 class GrpcTransport:

@@ -28,10 +28,10 @@ import httpx
 from encoder_service.client.destination import Destination
 from encoder_service.client.ipc import ACK_TIMEOUT_S, Acks
 from encoder_service.client.ipc_channel import AsyncChannelLink, ChannelLink
-from encoder_service.client.raw_http import (JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp, http_error,
-                                             in_thread, read_fetch, read_json)
+from encoder_service.client.raw_http import (CONNECT_TIMEOUT_S, JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp,
+                                             http_error, in_thread, read_fetch, read_json)
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
-from encoder_service.errors import DeadlineExceeded, Unavailable
+from encoder_service.errors import DeadlineExceeded, Unavailable, Unreachable
 from encoder_service.protocol import wire
 from encoder_service.protocol.ipc import IpcError, IpcPlacement, IpcUnavailable, answer_from_dict
 from encoder_service.protocol.release import Released
@@ -150,12 +150,18 @@ def _check(response: httpx.Response) -> httpx.Response:
     raise http_error(response.status_code, response.headers, response.content)
 
 
-def _raw(base_url: str, token: str | None, httpx_kw: dict) -> RawHttp | None:
+def _raw(base_url: str, token: str | None, connect_timeout_s: float, httpx_kw: dict) -> RawHttp | None:
     """The raw fetch path to `base_url`, unless httpx would route it elsewhere (https, proxies, a custom
     transport)."""
     if any(k in httpx_kw for k in _ROUTING_OPTIONS):
         return None
-    return RawHttp.for_url(base_url, _headers(token), trust_env=httpx_kw.get("trust_env", True))
+    return RawHttp.for_url(base_url, _headers(token), trust_env=httpx_kw.get("trust_env", True),
+                           connect_timeout_s=connect_timeout_s)
+
+
+def _timeout(timeout: float | None, connect_timeout_s: float) -> httpx.Timeout:
+    """The call's timeout for httpx, its connect bounded by `connect_timeout_s` too."""
+    return httpx.Timeout(timeout, connect=connect_timeout_s if timeout is None else min(timeout, connect_timeout_s))
 
 
 def _fetch_body(items, start: int, end: int, timeout, shm: dict | None = None, ipc: dict | None = None) -> bytes:
@@ -216,19 +222,27 @@ _FETCH_HEADERS = {"content-type": JSON, "accept": OCTET}
 _SHM_HEADERS = {"content-type": JSON, "accept": JSON}
 
 
-def _transport_error(exc: httpx.TransportError):
-    """Network trouble in the service's own terms: a timeout or an unreachable server."""
+def _transport_error(exc: httpx.TransportError, base_url: str):
+    """Network trouble in the service's own terms: a server that cannot be reached (the request never went),
+    a timeout, or a connection that failed mid-request."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return Unreachable(f"cannot reach {base_url}: the connect timed out ({exc!r})")
+    if isinstance(exc, httpx.ConnectError):
+        return Unreachable(f"cannot reach {base_url}: {exc}")
     if isinstance(exc, httpx.TimeoutException):
         return DeadlineExceeded(f"HTTP request timed out: {exc!r}")
     return Unavailable(f"HTTP request failed: {exc!r}")
 
 
 class HttpTransport:
-    """`ipc_channel`: fetches by IPC over the server's same-host channel when it has one (False: HTTP)."""
+    """`ipc_channel`: fetches by IPC over the server's same-host channel when it has one (False: HTTP);
+    `connect_timeout_s`: each connect's own deadline, within the call's timeout (CONNECT_TIMEOUT_S)."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, ipc_channel: bool = True, **httpx_kw):
+    def __init__(self, base_url: str, *, token: str | None = None, ipc_channel: bool = True,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, **httpx_kw):
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
-        self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
+        self._raw = _RawFetch(_raw(base_url, token, connect_timeout_s, httpx_kw))
+        self._base_url, self._connect_timeout_s = base_url, connect_timeout_s
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))  # this server's holds, done
         self._channel = ChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
         if not ipc_channel:
@@ -236,9 +250,9 @@ class HttpTransport:
 
     def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
-            return _check(self._http.post(path, timeout=timeout, **kw))
+            return _check(self._http.post(path, timeout=_timeout(timeout, self._connect_timeout_s), **kw))
         except httpx.TransportError as exc:
-            raise _transport_error(exc) from exc
+            raise _transport_error(exc, self._base_url) from exc
 
     def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
         return _infos(self._post("/v1/encode", timeout,
@@ -291,9 +305,9 @@ class HttpTransport:
 
     def metadata(self, timeout):
         try:
-            return _check(self._http.get("/v1/metadata", timeout=timeout)).json()
+            return _check(self._http.get("/v1/metadata", timeout=_timeout(timeout, self._connect_timeout_s))).json()
         except httpx.TransportError as exc:
-            raise _transport_error(exc) from exc
+            raise _transport_error(exc, self._base_url) from exc
 
     def close(self):
         self.ipc_acks.close()  # what is pending goes first
@@ -306,10 +320,11 @@ class AsyncHttpTransport:
     """See HttpTransport."""
 
     def __init__(self, base_url: str, *, token: str | None = None, fetch_threads: int = READ_THREADS,
-                 ipc_channel: bool = True, **httpx_kw):
+                 ipc_channel: bool = True, connect_timeout_s: float = CONNECT_TIMEOUT_S, **httpx_kw):
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
-        self._raw = _RawFetch(_raw(base_url, token, httpx_kw))
+        self._raw = _RawFetch(_raw(base_url, token, connect_timeout_s, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
+        self._base_url, self._connect_timeout_s = base_url, connect_timeout_s
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))
         self._channel = AsyncChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
         if not ipc_channel:
@@ -317,9 +332,9 @@ class AsyncHttpTransport:
 
     async def _post(self, path: str, timeout, **kw) -> httpx.Response:
         try:
-            return _check(await self._http.post(path, timeout=timeout, **kw))
+            return _check(await self._http.post(path, timeout=_timeout(timeout, self._connect_timeout_s), **kw))
         except httpx.TransportError as exc:
-            raise _transport_error(exc) from exc
+            raise _transport_error(exc, self._base_url) from exc
 
     async def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
         return _infos(await self._post("/v1/encode", timeout,
@@ -372,9 +387,10 @@ class AsyncHttpTransport:
 
     async def metadata(self, timeout):
         try:
-            return _check(await self._http.get("/v1/metadata", timeout=timeout)).json()
+            return _check(await self._http.get("/v1/metadata",
+                                               timeout=_timeout(timeout, self._connect_timeout_s))).json()
         except httpx.TransportError as exc:
-            raise _transport_error(exc) from exc
+            raise _transport_error(exc, self._base_url) from exc
 
     async def close(self):
         await asyncio.to_thread(self.ipc_acks.close)  # what is pending goes first (a blocking send)

@@ -23,7 +23,7 @@ from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
 from encoder_service.client.errors import remote_error
-from encoder_service.errors import DeadlineExceeded, EncoderServiceError, Unavailable
+from encoder_service.errors import DeadlineExceeded, EncoderServiceError, Unavailable, Unreachable
 from encoder_service.protocol import wire
 
 T = TypeVar("T")
@@ -31,6 +31,9 @@ MAX_HEAD_BYTES = 64 << 10  # status line + headers of our answers are a few hund
 MAX_ERROR_BODY_BYTES = 1 << 20  # an error answer's JSON; larger is not ours
 MAX_IDLE = 64  # keep-alive sockets kept for reuse (one per fetch in flight is open at a time)
 READ_THREADS = 32  # an async transport's threads for these reads (each blocks in recv_into, GIL released)
+# A connect's own deadline, within the call's timeout: an address where nothing answers (a host gone, a
+# firewall dropping the SYN) fails the try after this, not after the whole call's timeout.
+CONNECT_TIMEOUT_S = 5.0
 OCTET = "application/octet-stream"
 JSON = "application/json"
 
@@ -42,6 +45,11 @@ class NotRaw(Exception):
 class NoAnswer(DeadlineExceeded):
     """The server did not answer in time: a socket's timeout (the connect, or a read), not an answer of the
     server's (its own 504 is a plain DeadlineExceeded). Frozen, hung, or its packets dropped; or just slow."""
+
+
+class ConnectTimedOut(Unreachable):
+    """No connection within the connect's own deadline: a host that drops packets, or a listener whose backlog
+    is full (a frozen server). Unreachable to a client (it tries again); silent to a peer (core/peers.py)."""
 
 
 class Cancel:
@@ -188,17 +196,21 @@ class RawHttp:
     """POSTs to one http:// origin on keep-alive sockets, each response read by a caller-given function.
     Thread-safe: each request has a socket of its own; idle ones are kept (at most MAX_IDLE)."""
 
-    def __init__(self, host: str, port: int, path_prefix: str, headers: dict[str, str]):
+    def __init__(self, host: str, port: int, path_prefix: str, headers: dict[str, str],
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self._address = (host, port)
+        self._connect_timeout_s = connect_timeout_s  # a connect's own deadline (within the call's timeout)
         self._prefix = path_prefix
         netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._origin = f"http://{netloc}"
         self._head_lines = "".join(f"{k}: {v}\r\n" for k, v in ({"host": netloc} | headers).items())
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
 
     @classmethod
-    def for_url(cls, base_url: str, headers: dict[str, str], trust_env: bool = True) -> RawHttp | None:
+    def for_url(cls, base_url: str, headers: dict[str, str], trust_env: bool = True,
+                connect_timeout_s: float = CONNECT_TIMEOUT_S) -> RawHttp | None:
         """None unless `base_url` is plain http:// reached without a proxy (httpx's rules: the environment's
         proxies apply unless trust_env is off or NO_PROXY exempts the host)."""
         parts = urlsplit(base_url)
@@ -206,7 +218,7 @@ class RawHttp:
             return None
         if trust_env and urllib.request.getproxies().get("http") and not urllib.request.proxy_bypass(parts.hostname):
             return None
-        return cls(parts.hostname, parts.port or 80, parts.path.rstrip("/"), headers)
+        return cls(parts.hostname, parts.port or 80, parts.path.rstrip("/"), headers, connect_timeout_s)
 
     def post(self, path: str, body: bytes, timeout: float | None, read: Callable[[Response], T],
              accept: str = OCTET, cancel: Cancel | None = None, headers: dict[str, str] | None = None,
@@ -214,8 +226,8 @@ class RawHttp:
         """POST `body` (JSON) to `path` and return `read(response)` of a 200 answer, which must read exactly
         its body. `timeout` bounds each socket operation (`connect_s` the connect, when given: a peer that must
         answer at once, core/peers.py). `headers`: this request's own, beside the origin's. Other statuses
-        raise the service's error type; no answer in time NoAnswer; other network trouble Unavailable; a
-        response this reader does not handle NotRaw."""
+        raise the service's error type; no connection in time ConnectTimedOut, no answer in time NoAnswer; other
+        network trouble Unavailable; a response this reader does not handle NotRaw."""
         lines = self._head_lines + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (f"POST {self._prefix}{path} HTTP/1.1\r\n{lines}content-type: application/json\r\n"
                    f"accept: {accept}\r\ncontent-length: {len(body)}\r\n\r\n").encode("latin-1") + body
@@ -267,12 +279,13 @@ class RawHttp:
         with self._lock:
             if self._idle and not fresh:
                 return self._idle.pop(), True
+        connect_s = self._connect_timeout_s if timeout is None else min(timeout, self._connect_timeout_s)
         try:
-            sock = socket.create_connection(self._address, timeout=timeout)
+            sock = socket.create_connection(self._address, timeout=connect_s)
         except TimeoutError as exc:
-            raise NoAnswer(f"HTTP connect to {self._address} timed out after {timeout} s") from exc
+            raise ConnectTimedOut(f"cannot reach {self._origin}: the connect timed out after {connect_s:g} s") from exc
         except OSError as exc:
-            raise Unavailable(f"HTTP connect to {self._address} failed: {exc!r}") from exc
+            raise Unreachable(f"cannot reach {self._origin}: {exc.strerror or exc!r}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Connection(sock), False
 

@@ -2,6 +2,10 @@
 the service not ready or stopping, a rolling restart) and a server that cannot be reached (connection
 refused or reset) are tried again, with exponential backoff and full jitter, inside the caller's deadline.
 
+A server that cannot be reached is said at once: the first refused (or timed out) connect is a WARNING
+naming the address, and the tries go on; once a call gets through, the next time it cannot be reached is
+said again.
+
 Only calls that may run twice: fetch, release and metadata read; encode too, as an image's id is its
 content (or the caller's id for those bytes), so an encode that ran but whose answer was lost names the
 same id again (it pins the id once more: the pin ends at release or at its lease). Errors that another try
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 from encoder_service import errors
 
+log = logging.getLogger(__name__)
 RETRYABLE = (errors.Unavailable,)  # the server's 503 / UNAVAILABLE, and a server that cannot be reached
 # A retry starts only with this much of the caller's timeout left: one started with a sliver of it can only
 # time out (a connect not done in the sliver), and the caller would see a timeout (504) where the server
@@ -80,6 +86,7 @@ class Retrying:
 
     def __init__(self, transport, policy: RetryPolicy = DEFAULT_RETRY, rng: random.Random | None = None):
         self._transport, self._policy, self._rng = transport, policy, rng or random.Random()
+        self._unreachable_said = False  # since the last call that got through
 
     def __getattr__(self, name: str):  # close(), and whatever else a transport has: as it is
         return getattr(self._transport, name)
@@ -88,12 +95,27 @@ class Retrying:
         tries = _Attempts(self._policy, timeout, self._rng)
         while True:
             try:
-                return fn(*args, tries.left())
-            except RETRYABLE:
+                return self._got_through(fn(*args, tries.left()))
+            except RETRYABLE as exc:
                 pause = tries.pause()
+                self._say_unreachable(exc, timeout, pause)
                 if pause is None:
                     raise
             time.sleep(pause)
+
+    def _got_through(self, result):
+        self._unreachable_said = False
+        return result
+
+    def _say_unreachable(self, exc: Exception, timeout: float | None, pause: float | None) -> None:
+        """The first unreachable try (since a call got through) as a WARNING: a client on a wrong address,
+        or a server down, is seen at once, not when the call's timeout ends."""
+        if not isinstance(exc, errors.Unreachable) or self._unreachable_said:
+            return
+        self._unreachable_said = True
+        then = "giving up" if pause is None else (f"trying again within the call's timeout ({timeout:g} s)"
+                                                  if timeout is not None else "trying again")
+        log.warning("%s; %s", exc, then)
 
     def encode(self, images, wait, return_embeddings, timeout, **ipc):
         encode = functools.partial(self._transport.encode, **ipc) if ipc else self._transport.encode
@@ -122,9 +144,10 @@ class AsyncRetrying(Retrying):
         tries = _Attempts(self._policy, timeout, self._rng)
         while True:
             try:
-                return await fn(*args, tries.left())
-            except RETRYABLE:
+                return self._got_through(await fn(*args, tries.left()))
+            except RETRYABLE as exc:
                 pause = tries.pause()
+                self._say_unreachable(exc, timeout, pause)
                 if pause is None:
                     raise
             await asyncio.sleep(pause)

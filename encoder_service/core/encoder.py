@@ -98,7 +98,8 @@ class EncoderCore:
         self.replicas = Replicas(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
                                  row_bytes=self._row_bytes, peers=self.peers)
         self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.replicas, self.metrics,
-                                          max_images=lim.max_images, row_bytes=self._row_bytes, info=self._info)
+                                          max_images=lim.max_images, max_request_pixels=lim.max_request_pixels,
+                                          row_bytes=self._row_bytes, info=self._info)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
         self.id_rows = IdRows(store, self.flights, self.videos.video_flights, self.replicas, self.metrics)
         srv = settings.server
@@ -203,6 +204,7 @@ class EncoderCore:
                       "hash": s.cache.hash, "lease_s": s.cache.lease_s},
             "limits": {"max_images": s.limits.max_images, "max_body_bytes": s.limits.max_body_bytes,
                        "max_image_bytes": s.limits.max_image_bytes, "max_pixels": s.limits.max_pixels,
+                       "max_request_pixels": s.limits.max_request_pixels,
                        "max_fetch_bytes": s.limits.max_fetch_bytes, "url_images": bool(s.limits.allow_url_hosts)},
             "shm_fetch": self.shm is not None,
             "ipc": self.ipc.metadata(),

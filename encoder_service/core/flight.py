@@ -180,7 +180,7 @@ class Flights:
             elsewhere = await self._wait_elsewhere(flight, image.data, deadline)
         self._metrics.cache_misses.inc()
         (item,) = self._engine.submit([Job(image.data, flight.grid_thw, image.reader, wanted=flight.wanted,
-                                           urgent=flight.urgent)],
+                                           urgent=flight.urgent, requester=image.requester)],
                                       deadline=deadline, permits=None if flight.permit is None else [flight.permit])
         encoded = await item.future  # cancelled with the fill when every waiter leaves: the engine drops it
         # The engine's rows are owned host tensors: the entry takes them without a copy.

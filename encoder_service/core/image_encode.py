@@ -37,11 +37,12 @@ class ImageEncoder:
     """`info(probed, cached) -> ImageInfo` fills in the model's fields (row width, layout, dtype)."""
 
     def __init__(self, reader: ImageReader, flights: Flights, store: EmbeddingStore, engine: Engine,
-                 replicas: Replicas, metrics: Metrics, *, max_images: int, row_bytes: int,
+                 replicas: Replicas, metrics: Metrics, *, max_images: int, max_request_pixels: int, row_bytes: int,
                  info: Callable[[Probed, bool], ImageInfo]):
         self.reader, self.flights, self.store, self.engine = reader, flights, store, engine
         self.replicas, self.metrics = replicas, metrics
-        self.max_images, self._row_bytes, self._info = max_images, row_bytes, info
+        self.max_images, self.max_request_pixels = max_images, max_request_pixels
+        self._row_bytes, self._info = row_bytes, info
 
     async def encode(self, images: list[ImageInput], *, wait: bool, return_embeddings: bool,
                      timeout_s: float | None, t0: float) -> EncodeResult:
@@ -54,11 +55,17 @@ class ImageEncoder:
         datas = await asyncio.gather(*(self.reader.read(i, img) for i, img in enumerate(images)))
         t_read = time.perf_counter()
         loop = asyncio.get_running_loop()
+        requester = object()  # this request: the engine prepares its images in order, other requests' in turn
         probed: list[Probed] = await asyncio.gather(*(
-            loop.run_in_executor(self.engine.cpu_pool, self.reader.probe, i, data, img.caller_id)
+            loop.run_in_executor(self.engine.cpu_pool, self.reader.probe, i, data, img.caller_id, requester)
             for i, (data, img) in enumerate(zip(datas, images))))
         t_probe = time.perf_counter()
         timings = {"read_ms": (t_read - t0) * 1e3, "decode_ms": (t_probe - t_read) * 1e3}
+        pixels = sum(p.pixels for p in probed)  # what decoding them costs, cached or not: known before any is
+        if pixels > self.max_request_pixels:
+            raise errors.LimitExceeded(f"decoded pixel count of the request's {n} images together", pixels,
+                                       f"{self.max_request_pixels} (--max-request-pixels)",
+                                       "send them in several requests")
 
         unique, first_index = unique_items(probed, "image")
         await check_contents(self.replicas, {name: (p.key, p.key, p.content_tag) for name, p in unique.items()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 from PIL import Image
@@ -32,6 +32,8 @@ class Probed:
     data: Any  # what `reader.prepare` takes: an image's bytes (a video's frame group: core/videos.py, GroupJob)
     content_tag: int = 0  # of `data`, under a caller id (cache/keys.py: content_tag); 0 for a content key
     reader: Any = None  # engine/engine.py: Reader, the engine's prepare stage for `data`
+    pixels: int = 0  # an image's width x height as decoded (its header's): what decoding it costs
+    requester: Hashable | None = None  # who asked (engine/engine.py: Job.requester): one encode request, a video
 
 
 class ImageReader:
@@ -55,17 +57,19 @@ class ImageReader:
             raise errors.ImageDecodeError(f"image {index}: empty image data (0 bytes)")
         return img.data
 
-    def probe(self, index: int, data: bytes, caller_id: str | None) -> Probed:
-        """CPU thread: content hash (or caller key) and header-only sizing of one image."""
+    def probe(self, index: int, data: bytes, caller_id: str | None, requester: Hashable | None = None) -> Probed:
+        """CPU thread: content hash (or caller key) and header-only sizing of one image, for `requester`."""
         try:
             header = preprocessing.probe(data, self.limits, exif_orientation=self.backend.exif_orientation)
             plan = preprocessing.plan(header, self.cfg)
         except errors.EncoderServiceError as exc:
             raise exc.prefixed(f"image {index}: ") from None
         grid, num_tokens = tuple(int(x) for x in plan.grid_thw), int(plan.num_tokens)
-        if caller_id is not None:
-            return Probed(caller_key(caller_id, self._model_fp), grid, num_tokens, data, content_tag(data), self)
-        return Probed(make_key(data, self._model_fp, self._hash), grid, num_tokens, data, reader=self)
+        if caller_id is None:
+            key, tag = make_key(data, self._model_fp, self._hash), 0
+        else:
+            key, tag = caller_key(caller_id, self._model_fp), content_tag(data)
+        return Probed(key, grid, num_tokens, data, tag, self, header.width * header.height, requester)
 
     def prepare(self, data: bytes, grid_thw: GridTHW) -> torch.Tensor:
         """CPU thread (the engine's prepare stage): pixel values [num_patches, patch_dim] in the tower's dtype,

@@ -53,7 +53,7 @@ import torch
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Located
 from encoder_service.cache.entry import CorruptEntry, verify_rows
-from encoder_service.client.raw_http import NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
+from encoder_service.client.raw_http import ConnectTimedOut, NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
 from encoder_service.core.timeouts import gather_within
 from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import DTYPES
@@ -200,7 +200,7 @@ class Peers:
         try:
             peer.http.post(FETCH_PATH, body, ANSWER_S, read_fetch(writer), cancel=cancel, headers=headers,
                            connect_s=CONNECT_S)
-        except NoAnswer as exc:
+        except (NoAnswer, ConnectTimedOut) as exc:
             raise _NoAnswer(f"the replica at {peer.url} did not answer in time ({exc.message}): frozen, hung or "
                             f"unreachable; not asked for {SILENT_S:g} s") from None
         except errors.Unauthenticated as exc:

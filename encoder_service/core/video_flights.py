@@ -142,7 +142,7 @@ class VideoFlights:
                 if not vf.wanted():
                     raise asyncio.CancelledError
                 group = Probed(keys[g], plan.group_grid, plan.tokens_per_group, GroupJob(vf.decoder, plan, g),
-                               vf.video.content_tag, self._reader)
+                               vf.video.content_tag, self._reader, requester=vf)  # prepared in order
                 flight = vf.flights[g] = self._flights.join(group, vf.reservation.permit())
                 flight.urgent = g <= vf.demand
                 vf.started[g].set_result(None)

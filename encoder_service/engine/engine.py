@@ -1,15 +1,18 @@
 """The encode engine: CPU threads prepare images, ONE thread owns the GPU.
 
-    submit() --(CPU pool: decode/resize/patchify)--> Scheduler --(batcher task)--> to_gpu --> GPU thread
-                                                                                   (<= 1 waiting batch)
+    submit() --(CPU threads: decode/resize/patchify)--> Scheduler --(batcher task)--> to_gpu --> GPU thread
+                                                                                      (<= 1 waiting batch)
     GPU thread: launch the batch, queue its device-to-host copy (runtime/transfer.py) --> in flight
                 (<= 1 waiting) --> completion thread: wait for the copy, answer the futures
 
-The batcher (a task on the event loop) waits until the GPU thread has taken the previous batch, then packs
-the next one from whatever is queued, so batches grow while the GPU is busy and the CPU work of the next
-batch overlaps the ViT of the current one. The GPU thread never waits for the GPU: it launches the next
-batch while the completion thread waits for the previous one's rows, so the GPU runs batches back to back
-(at most three batches are launched and unanswered at a time). Answers go through futures via
+The CPU threads (preparers.py) take jobs from the requests in turn, each request's in its order, so one
+request of many large images does not hold up everyone else's. The batcher (a task on the event loop) waits
+until the GPU thread has taken the previous batch, then packs the next one from whatever is queued and
+prepared (waiting for the first prepare to end when none has), so batches grow while the GPU is busy, the
+CPU work of the next batch overlaps the ViT of the current one, and no batch waits for an image still being
+prepared. The GPU thread never waits for the GPU: it launches the next batch while the completion thread
+waits for the previous one's rows, so the GPU runs batches back to back (at most three batches are launched
+and unanswered at a time). Answers go through futures via
 `loop.call_soon_threadsafe`; the threads never touch the loop otherwise. A batch that raises fails only its
 own items; if a thread itself dies, the engine turns not-alive and every waiting caller gets Unavailable.
 
@@ -28,7 +31,7 @@ A caller that submits a long run of items over time (a video's frame groups, cor
 `Reservation` instead: room for `size` items, checked once like `admit`, held until it is closed; the items
 it submits (each with one of its permits) count against it, not again against the queue, so the caller
 keeps at most `size` of them in the engine at once whatever is admitted meanwhile. An `urgent` job (one a
-fetch waits for) goes to the front of the queue.
+fetch waits for) goes to the front of the queue, and is prepared first.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 
+from encoder_service.engine.preparers import Preparers
 from encoder_service.engine.scheduler import GridTHW, Scheduler, WorkItem, always_wanted, batch_budget, drop
 from encoder_service.errors import Overloaded, Unavailable
 from encoder_service.runtime.transfer import HostCopier
@@ -78,7 +82,10 @@ class Job:
     grid_thw: GridTHW
     reader: Reader
     wanted: Callable[[], bool] = always_wanted
-    urgent: bool = False  # queued ahead of everything else (a fetch waits for it)
+    urgent: bool = False  # queued and prepared ahead of everything else (a fetch waits for it)
+    # Who asked (an encode request, a video; None: the `submit` call): the CPU threads take from the
+    # requesters in turn, each one's jobs in their order (preparers.py), and batch them in that order.
+    requester: Hashable | None = None
 
 
 class Permit:
@@ -126,7 +133,10 @@ class Engine:
         self.max_queue = max_queue
         self._permits = 0  # admitted images not submitted yet (Permits not used or released), and reservations
         self._cpu_threads = cpu_threads or min(8, os.cpu_count() or 2)
+        # The callers' header reads and hashing (core/images.py: probe); prepares run on the engine's own
+        # threads (self._preparers), so a request's probe never waits behind other requests' decodes.
         self.cpu_pool = ThreadPoolExecutor(max_workers=self._cpu_threads, thread_name_prefix="encoder-cpu")
+        self._preparers: Preparers | None = None
         self._preparing = 0  # submitted images whose prepare (decode, resize, patchify) has not finished
         self._prepare_s: float | None = None  # moving average of one prepare on a CPU thread, for Retry-After
         self._metrics = metrics
@@ -149,11 +159,9 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._slot = asyncio.Semaphore(1)
         self._wakeup = asyncio.Event()
-        loops = (("encoder-gpu", self._gpu_loop), ("encoder-complete", self._complete_loop))
-        self._threads = [threading.Thread(target=self._thread_main, args=(loop_fn,), name=name, daemon=True)
-                         for name, loop_fn in loops]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [self._start_thread("encoder-gpu", self._gpu_loop),
+                         self._start_thread("encoder-complete", self._complete_loop)]
+        self._preparers = Preparers(_timed, self._cpu_threads, self._start_thread)
         self._batcher = asyncio.create_task(self._batch_loop(), name="encoder-batcher")
         self._batcher.add_done_callback(self._batcher_done)
 
@@ -164,6 +172,8 @@ class Engine:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
         self._fail_all(Unavailable("the service is shutting down"))
+        if self._preparers is not None:
+            self._preparers.stop()  # each ends after its prepare (not joined: a decode may take a while)
         if any(t.is_alive() for t in self._threads):
             self._to_gpu.put(None)  # the GPU thread passes it on to the completion thread
             for thread in self._threads:
@@ -178,8 +188,9 @@ class Engine:
 
     @property
     def alive(self) -> bool:
+        threads = self._threads + (self._preparers.threads if self._preparers is not None else [])
         return (self._death is None and not self._stopping and bool(self._threads)
-                and all(t.is_alive() for t in self._threads) and self._batcher is not None and not self._batcher.done())
+                and all(t.is_alive() for t in threads) and self._batcher is not None and not self._batcher.done())
 
     @property
     def queue_depth(self) -> int:
@@ -229,12 +240,15 @@ class Engine:
                 permits = self.admit(len(jobs))
             loop = self._loop
             items = []
+            call = object()  # the requester of jobs that name none: this call
             for job in jobs:
-                prepared = loop.run_in_executor(self.cpu_pool, _timed, job)
+                requester = call if job.requester is None else job.requester
+                prepared = self._preparers.submit(job, requester, urgent=job.urgent)
                 self._preparing += 1
                 prepared.add_done_callback(self._prepared)
                 items.append(WorkItem(grid_thw=job.grid_thw, prepared=prepared, future=loop.create_future(),
-                                      deadline=deadline, wanted=job.wanted, warmup=warmup, urgent=job.urgent))
+                                      deadline=deadline, wanted=job.wanted, warmup=warmup, urgent=job.urgent,
+                                      requester=requester))
                 items[-1].future.add_done_callback(functools.partial(self._cancelled, items[-1]))
             for item, permit in zip(items, permits):
                 item.reserved = permit.reservation is not None
@@ -269,9 +283,10 @@ class Engine:
         return float(min(60.0, max(1.0, gpu_s, cpu_s)))
 
     def _prepared(self, prepared: asyncio.Future) -> None:
-        """A prepare ended (done, failed or cancelled): one less in the CPU backlog; its time feeds the
-        moving average (the first one seeds it)."""
+        """A prepare ended (done, failed or cancelled): one less in the CPU backlog, the batcher may pack its
+        image now; its time feeds the moving average (the first one seeds it)."""
         self._preparing -= 1
+        self._wakeup.set()
         if prepared.cancelled() or prepared.exception() is not None:
             return
         seconds = prepared.result()[1] / 1e3
@@ -293,13 +308,12 @@ class Engine:
         while True:
             await self._slot.acquire()  # the GPU thread has taken the previous batch: at most one waits
             batch: list[WorkItem] = []
-            while not batch:
+            while not batch:  # the images prepared by now (their prepare done, failed or cancelled)
                 batch = self._scheduler.next_batch()
                 if not batch:
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    await self._wakeup.wait()  # an image queued, or a prepare ended
             self._gauge()
-            await asyncio.wait([it.prepared for it in batch])
             ready, inputs = [], []
             now = time.monotonic()
             for item in batch:
@@ -326,7 +340,13 @@ class Engine:
         self._death = exc or RuntimeError("batcher exited")
         self._fail_all(Unavailable(self._down_reason()))
 
-    # ---- GPU and completion threads ---------------------------------------------------------------------
+    # ---- GPU, completion and CPU threads -----------------------------------------------------------------
+    def _start_thread(self, name: str, loop_fn: Callable[[], None]) -> threading.Thread:
+        """A daemon thread running `loop_fn` whose death is logged and turns the engine down."""
+        thread = threading.Thread(target=self._thread_main, args=(loop_fn,), name=name, daemon=True)
+        thread.start()
+        return thread
+
     def _thread_main(self, loop_fn) -> None:
         try:
             loop_fn()

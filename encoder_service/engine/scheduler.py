@@ -1,11 +1,14 @@
 """Packs queued images into ViT batches by patch-token budget.
 
 Images are kept in arrival order of their requests and placeholder order within a request (urgent ones, that a
-fetch waits for, go to the front, in their own order); a batch is the
-longest prefix of the queue whose patches fit the budget (an image larger than the budget goes alone). The
-budget is `batch_tokens`, capped at the largest graph bucket when graphs are in use so that a batch fills a
-captured bucket instead of falling back to eager. Items nobody wants any more (`wanted()` is false: their
-callers all left), or whose deadline passed, are dropped (their futures settled) before a batch is built.
+fetch waits for, go to the front, in their own order); a batch is the images whose prepare has ended, in queue
+order, while their patches fit the budget (an image larger than the budget goes alone). An image still being
+prepared stays queued in its place and holds no other requester's images back (but an urgent one, which is
+prepared first); its own requester's later images wait for it, so each requester's images reach the GPU in
+their order. The budget is `batch_tokens`,
+capped at the largest graph bucket when graphs are in use so that a batch fills a captured bucket instead of
+falling back to eager. Items nobody wants any more (`wanted()` is false: their callers all left), or whose
+deadline passed, are dropped (their futures settled) before a batch is built.
 Pure and loop-bound: no threads here.
 """
 
@@ -15,7 +18,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 from encoder_service.errors import DeadlineExceeded
 from encoder_service.models.metadata import GridTHW
@@ -42,6 +45,8 @@ class WorkItem:
     wanted: Callable[[], bool] = always_wanted
     warmup: bool = False  # the readiness encode: not counted in the metrics
     urgent: bool = False  # pushed to the front of the queue
+    # Who asked (engine.py: Job.requester; by default the item itself): its images are batched in their order.
+    requester: Hashable = field(default_factory=object)
     reserved: bool = False  # submitted under an engine Reservation (counted by it, not by the queue)
     enqueued_at: float = field(default_factory=time.monotonic)
     seq: int = 0  # request arrival number (set by the scheduler)
@@ -110,17 +115,26 @@ class Scheduler:
         self._queue.extendleft(reversed([item for item in items if item.urgent]))
 
     def next_batch(self, now: float | None = None) -> list[WorkItem]:
-        """Drop dead items, then take the longest prefix within the budget (at least one item)."""
+        """Drop dead items, then take the prepared ones in queue order until one does not fit the budget (the
+        first whatever its size); empty when none is prepared."""
         now = time.monotonic() if now is None else now
         self._drop_dead(now)
         batch: list[WorkItem] = []
         total = 0
-        while self._queue:
-            n = self._queue[0].num_patches
-            if batch and total + n > self.budget:
+        behind: set = set()  # requesters with an image not prepared yet: their later ones wait behind it
+        for item in self._queue:  # those not prepared yet are passed over: they keep their places
+            if item.requester in behind or not item.prepared.done():
+                if item.urgent:  # nothing passes an urgent one (a fetch waits for it; it is prepared first)
+                    break
+                behind.add(item.requester)
+                continue
+            if batch and total + item.num_patches > self.budget:
                 break
-            batch.append(self._queue.popleft())
-            total += n
+            batch.append(item)
+            total += item.num_patches
+        if batch:
+            taken = set(batch)
+            self._queue = deque(item for item in self._queue if item not in taken)
         self._patches -= total
         self._reserved -= sum(item.reserved for item in batch)
         return batch

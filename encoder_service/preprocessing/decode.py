@@ -115,10 +115,12 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # The warning is an exception only where warnings are turned into errors.
         raise _pillow_bomb_limit(exc, limits) from None
-    except Exception as exc:
+    except Image.UnidentifiedImageError as exc:  # no format of ours knows these bytes
         raise ImageDecodeError(
             f"not an image in a supported format ({', '.join(SUPPORTED_FORMATS)}): {len(data)} bytes"
         ) from exc
+    except Exception as exc:  # a format knew them, then its header reader failed: Pillow's reason says why
+        raise ImageDecodeError(f"cannot read the image's header ({len(data)} bytes): {exc}") from exc
     try:
         width, height = image.size
         if width < 1 or height < 1:  # Pillow's plugins reject these today; smart_resize would divide by 0

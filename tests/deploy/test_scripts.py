@@ -115,6 +115,7 @@ def test_concurrent_setups_wait_for_each_other(tmp_path):
     venv's python fails `-m pip` until then, as a half-made venv does. The second set-up starts while the first
     is held: it must say that it waits for the lock (then both succeed), not run on and fail."""
     repo = scratch_repo(tmp_path, "setup.sh")
+    (repo / "pyproject.toml").write_text("[project]\n")
     release, installs = tmp_path / "release", tmp_path / "installs.txt"
     os.mkfifo(release)
     venv_python = executable(tmp_path / "venv_python", f"""\
@@ -151,7 +152,38 @@ def test_concurrent_setups_wait_for_each_other(tmp_path):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    assert installs.read_text().splitlines() == ["-m pip install -q -e .[test]"] * 2
+    # The second found the first's install done (its stamp): nothing changed since, so it installed nothing.
+    assert installs.read_text().splitlines() == ["-m pip install -q -e .[test]"]
+
+
+def test_a_warm_restart_installs_nothing_until_pyproject_or_the_script_changes(tmp_path):
+    """scripts/serve.sh runs setup.sh on every start: once the package is installed (editable) it is not
+    installed again while pyproject.toml and setup.sh are unchanged; the test extras cover a runtime set-up,
+    not the other way round."""
+    repo = scratch_repo(tmp_path, "setup.sh")
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    installs = tmp_path / "installs.txt"
+    executable(repo / ".venv" / "bin" / "python", f'''\
+        if [ "$1 $2" = "-m pip" ]; then echo "$*" >> {installs}; fi
+        ''')  # `-c "import torch"`: succeeds
+
+    def setup(*args: str) -> list[str]:
+        done = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], capture_output=True, text=True,
+                              timeout=WAIT_S)
+        assert done.returncode == 0, done.stderr
+        ran = installs.read_text().splitlines() if installs.exists() else []
+        installs.unlink(missing_ok=True)
+        return ran
+
+    assert setup() == ["-m pip install -q -e ."]  # the first start
+    assert setup() == []  # a warm restart
+    assert setup("test") == ["-m pip install -q -e .[test]"]  # the test extras were never installed
+    assert setup() == setup("test") == []  # they include the runtime's
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['y']\n")
+    assert setup() == ["-m pip install -q -e ."]
+    with open(repo / "scripts" / "setup.sh", "a") as script:
+        script.write("# changed\n")
+    assert setup() == ["-m pip install -q -e ."]
 
 
 # ---- the transformers range ------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 gRPC, shared memory), its chunked prefill of a video (a tiny checkpoint for the model named), and docs/vllm.md's
 chat requests, of an image and of a video (curl, through `encoder-service vllm-proxy` to a stand-in vLLM). The one
 edit: the documented addresses become the test servers' (tests/support/docs_blocks.py reads the
-`<!-- docs-test: NAME -->` blocks).
+`<!-- docs-test: NAME -->` blocks); the prefill's offline variant runs against the demo checkpoint, with no
+download.
 """
 
 from __future__ import annotations
@@ -237,3 +238,24 @@ def test_readme_video_prefill(service_with_tokenizer, tmp_path, monkeypatch):
     assert sum(c.rows_received for c in result.chunks) == video.num_tokens
     assert result.logits.shape[0] == namespace["prompt"].seq_len
     assert not svc.pinned(video.group_id(0))  # the example released it
+
+
+def test_readme_video_prefill_offline(request, tmp_path, monkeypatch):
+    """The offline variant: the demo checkpoint as `scripts/serve.sh` builds and serves it (demo:qwen2_5_vl
+    under .demo/), the README's tokenizer line in place of the example's checkpoint line, no download."""
+    from encoder_service.cli import resolve_demo_model
+    from encoder_service.settings import Settings
+
+    demo = resolve_demo_model(Settings.from_args(["--model", "demo:qwen2_5_vl"], env={}), root=tmp_path / ".demo")
+    svc = running(request, Path(demo.model.model))
+    video_files(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the repository's root, as the README says: .demo/ and clip.mp4 are here
+    example = documented_block("video-prefill", README, DOC_HTTP, svc.url)
+    line = '\ncheckpoint = "Qwen/Qwen2.5-VL-7B-Instruct"  # or a Qwen3-VL checkpoint: the same code\n'
+    assert line in example, "the example's checkpoint line changed: the offline variant replaces it"
+    code = example.replace(line, "\n" + block("video-prefill-offline", README) + "\n")
+    namespace = run_python(code, {}, "video-prefill-offline")
+    video, result = namespace["video"], namespace["result"]
+    assert namespace["checkpoint"] == ".demo/qwen2_5_vl"  # the demo's, where serve.sh built it
+    assert video.num_groups == 2 and isinstance(namespace["next_token"], str)
+    assert sum(c.rows_received for c in result.chunks) == video.num_tokens

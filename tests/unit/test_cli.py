@@ -86,6 +86,8 @@ def test_shm_dir_is_checked_when_settings_are_read_with_shm_fetch_on(tmp_path):
     (["--model", "m", "--redis-url", "localhost:6379"], {}, "redis://"),
     (["--model", "m", "--shm-dir", "shm"], {}, "--shm-dir / ENCODER_SHM_DIR must be an absolute path"),
     (["--model", "m"], {"ENCODER_SHM_FETCH": "maybe"}, "ENCODER_SHM_FETCH"),
+    (["--model", "m", "--max-request-pixels", "1000"], {}, "--max-pixels (33554432) is over --max-request-pixels"),
+    (["--model", "m"], {"ENCODER_READ_TIMEOUT_S": "0"}, "--read-timeout-s / ENCODER_READ_TIMEOUT_S"),
 ])
 def test_bad_values_raise_naming_the_setting(args, env, needle):
     with pytest.raises(SettingsError) as info:
@@ -101,7 +103,7 @@ def test_serve_demo_model_then_sigterm(tmp_path):
     grpc_port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "encoder_service.cli", "serve", "--model", "demo:qwen2_vl", "--device", "cpu",
-         "--grpc-port", str(grpc_port), "--http-port", str(free_port())],
+         "--grpc-port", str(grpc_port), "--http-port", str(free_port()), "--shm-fetch", "--shm-dir", str(tmp_path)],
         cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -119,7 +121,8 @@ def test_serve_demo_model_then_sigterm(tmp_path):
         summary = "".join(lines)
         assert (tmp_path / ".demo" / "qwen2_vl" / "config.json").exists()
         for needle in ("family=qwen2_vl", "dtype=float32", "buckets=", "cache: host LRU 4GiB", "http: http://",
-                       f"grpc: 127.0.0.1:{grpc_port}"):
+                       f"grpc: 127.0.0.1:{grpc_port}", f"shm fetch (rows into clients' shared-memory files, this "
+                       f"host): on, files in {tmp_path}\n", "max_pixels=33554432 max_request_pixels=268435456"):
             assert needle in summary, summary
         url = summary.split("http: ")[1].split()[0]
         assert httpx.get(f"{url}/health/ready", timeout=10).json() == {"ready": True, "redis": "off"}

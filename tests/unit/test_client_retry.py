@@ -119,7 +119,7 @@ def test_retries_stay_inside_the_callers_timeout():
                 client.metadata()
         assert len(seen) == 3  # without one, `tries` of them
     with EncoderClient.http(f"http://127.0.0.1:{free_port()}", timeout=0.3, retry=FAST) as client:
-        with pytest.raises(errors.Unavailable, match="HTTP request failed"):  # nothing listening: tried, then
+        with pytest.raises(errors.Unreachable, match="cannot reach"):  # nothing listening: tried, then
             client.metadata()
 
 

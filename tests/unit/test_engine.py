@@ -19,8 +19,14 @@ from encoder_service.errors import DeadlineExceeded, ImageDecodeError, Overloade
 WAIT_S = 10  # bound on every wait in this file
 
 
-def _item(loop, n: int, deadline=None) -> WorkItem:
-    return WorkItem(grid_thw=(1, 1, n), prepared=loop.create_future(), future=loop.create_future(), deadline=deadline)
+def _item(loop, n: int, deadline=None, prepared: bool = True, requester=None) -> WorkItem:
+    """An image of n patches, its prepare done (`prepared`) or still running; `requester`: who asked (None: it
+    alone)."""
+    item = WorkItem(grid_thw=(1, 1, n), prepared=loop.create_future(), future=loop.create_future(), deadline=deadline,
+                    **({} if requester is None else {"requester": requester}))
+    if prepared:
+        item.prepared.set_result(None)
+    return item
 
 
 async def test_packing_keeps_order_and_budget():
@@ -32,14 +38,33 @@ async def test_packing_keeps_order_and_budget():
     d = [_item(loop, 2), _item(loop, 2)]
     for req in (a, b, c, d):
         s.push(req)
-    batches = []
-    while len(s):
-        batches.append(s.next_batch())
+    batches = [s.next_batch() for _ in range(6)]
+    assert len(s) == 0
     assert [[it.num_patches for it in bt] for bt in batches] == [[3, 3], [3], [8], [1], [20], [2, 2]]
     flat = [it for bt in batches for it in bt]
     assert flat == a + b + c + d  # arrival order of requests, placeholder order inside each
     assert [(it.seq, it.index) for it in a] == [(1, 0), (1, 1), (1, 2)]
     assert s.queued_patches == 0
+
+
+async def test_images_still_preparing_keep_their_place_and_hold_back_only_their_own_requester():
+    loop = asyncio.get_running_loop()
+    s = Scheduler(budget=8)
+    big = [_item(loop, 3, prepared=False, requester="big"), _item(loop, 3, requester="big")]
+    other = [_item(loop, 3, prepared=False), _item(loop, 2)]
+    s.push(big)
+    s.push(other)
+    assert s.next_batch() == [other[1]]  # prepared, and nothing of its requester ahead of it still preparing
+    assert s.next_batch() == [] and len(s) == 3 and s.queued_patches == 9
+    big[0].prepared.set_result(None)
+    assert s.next_batch() == [big[0], big[1]]  # in their order
+    urgent = [_item(loop, 2, prepared=False)]
+    urgent[0].urgent = True
+    s.push(urgent)
+    other[0].prepared.set_result(None)
+    assert s.next_batch() == []  # nothing passes an urgent image still being prepared
+    urgent[0].prepared.set_result(None)
+    assert s.next_batch() == [urgent[0], other[0]] and len(s) == 0 and s.queued_patches == 0
 
 
 def test_budget_is_capped_by_the_largest_bucket():
@@ -137,7 +162,9 @@ async def test_engine_batches_in_order_and_answers(engine_and_tower):
     assert [float(r.rows[0, 0]) for r in out] == [2.0, 4.0, 6.0, 8.0, 10.0]
     assert out[1].rows.shape == (4, 2) and out[1].grid_thw == (1, 2, 2)
     assert {"preprocess_ms", "queue_ms", "encode_ms"} <= set(out[0].timings)
-    assert [t for call in tower.calls for t in call] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    order = [t for call in tower.calls for t in call]
+    assert sorted(order) == [1.0, 2.0, 3.0, 4.0, 5.0] and order[0] == 1.0
+    assert [t for t in order if t in (2.0, 3.0, 4.0)] == [2.0, 3.0, 4.0]  # a request's images in their order
     assert all(sum(1 for _ in call) * 4 <= 8 for call in tower.calls)  # budget 8 = two 4-patch images
 
 
@@ -305,3 +332,37 @@ async def test_urgent_jobs_go_to_the_front_in_their_order(engine_and_tower):
     tower.gate.set()
     await _results(running + queued + urgent)
     assert [t for call in tower.calls for t in call] == [1.0, 4.0, 5.0, 2.0, 3.0]
+
+
+async def test_the_cpu_threads_take_from_requests_in_turn():
+    """One request's four images, then another request's one: the CPU thread (one here) takes from the two in
+    turn, each request's images in order, not first come, first served per image; an urgent job first."""
+    started: list[float] = []  # the tags, in the order their prepare started
+    first_taken, go = threading.Event(), threading.Event()
+
+    def recording_prepare(tag: float, grid_thw) -> torch.Tensor:
+        started.append(tag)
+        first_taken.set()
+        assert go.wait(WAIT_S)  # the first prepare holds the thread until every job is queued
+        return prepare(tag, grid_thw)
+
+    class RecordingReader:
+        prepare = staticmethod(recording_prepare)
+
+    def job(tag: float, requester, urgent: bool = False) -> Job:
+        return Job(tag, (1, 2, 2), RecordingReader, requester=requester, urgent=urgent)
+
+    big, small, fetch = object(), object(), object()
+    engine = Engine(encode=FakeTower(), batch_tokens=64, max_queue=16, cpu_threads=1)
+    await engine.start()
+    try:
+        items = engine.submit([job(1.0, big), job(1.1, big), job(1.2, big), job(1.3, big)])
+        assert await asyncio.to_thread(first_taken.wait, WAIT_S)
+        items += engine.submit([job(2.0, small)])
+        items += engine.submit([job(3.0, fetch, urgent=True)])
+        go.set()
+        assert all(not isinstance(r, Exception) for r in await _results(items))
+        assert started == [1.0, 3.0, 1.1, 2.0, 1.2, 1.3]
+    finally:
+        go.set()
+        await engine.stop()

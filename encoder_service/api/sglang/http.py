@@ -76,7 +76,7 @@ class RegisterBody(_Body):
 
 
 def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI:
-    max_body = core.settings.limits.max_body_bytes
+    max_body, read_timeout_s = core.settings.limits.max_body_bytes, core.settings.server.read_timeout_s
     metrics, access_log = core.metrics, core.settings.server.access_log
     app = FastAPI(title="encoder_service (SGLang protocol)", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -90,7 +90,7 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
         body = part = None
         with served(metrics, "sglang", "encode", request.headers.get(REQUEST_ID), access_log=access_log) as serving:
             try:
-                body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body).body())
+                body = bodies.parse(EncodeBody, await bodies.bounded(request, max_body, read_timeout_s).body())
                 validate_encode(body)
                 part = sessions.open_encode(body.req_id)
                 await _encode(body, part)
@@ -110,7 +110,8 @@ def create_app(core: EncoderCore, sessions: Sessions, pusher: Pusher) -> FastAPI
         with served(metrics, "sglang", "register", request.headers.get(REQUEST_ID),
                     access_log=access_log) as serving:
             try:
-                body = bodies.parse(RegisterBody, await bodies.bounded(request, _REGISTER_MAX_BYTES).body())
+                register = bodies.bounded(request, _REGISTER_MAX_BYTES, read_timeout_s)
+                body = bodies.parse(RegisterBody, await register.body())
                 if not body.req_id:
                     raise InvalidInput("req_id must be a non-empty string")
                 endpoint(body.receive_url)  # a well-formed host:port, or InvalidInput

@@ -1,0 +1,123 @@
+"""The CPU threads that prepare the engine's jobs (decode, resize, patchify: `Job.reader.prepare`), shared
+fairly between requests.
+
+Each requester's jobs (one encode request's images, one video's frame groups) wait behind its own earlier
+ones, and the threads take from the requesters in turn (round robin: one served goes to the back of the line,
+behind those that came meanwhile): a request of sixteen large images holds another request's small image back
+by the prepares running when it comes and one of each requester ahead of it, not by all sixteen, as a first
+come, first served queue of images did. Urgent jobs (a fetch waits for them) are taken before any other.
+
+    preparers = Preparers(prepare, threads, start_thread)   # prepare(job) -> result, on a CPU thread
+    prepared = preparers.submit(job, requester)             # an asyncio future of the result, on this loop
+    prepared.cancel()                                       # not started yet: it leaves the queue
+    preparers.stop()
+
+A result (or the exception `prepare` raised) is handed to its future on the loop; a future cancelled while its
+job runs gets nothing. Thread-safe: `submit` and cancellation on the loop, `_take` on the threads, under one
+lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+class _Task:
+    __slots__ = ("job", "requester", "future", "loop")
+
+    def __init__(self, job: Any, requester: Hashable, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        self.job, self.requester, self.future, self.loop = job, requester, future, loop
+
+
+class Preparers:
+    """`prepare(job)` on `threads` threads, each started by `start_thread(name, target)` (the engine's: a
+    thread whose death is noticed)."""
+
+    def __init__(self, prepare: Callable[[Any], Any], threads: int,
+                 start_thread: Callable[[str, Callable[[], None]], threading.Thread]):
+        self._prepare = prepare
+        self._ready = threading.Condition()
+        # Requesters with jobs waiting, in the order the threads serve them: the first is served next, then goes
+        # to the back of the line (or leaves it, with no job left).
+        self._line: OrderedDict[Hashable, deque[_Task]] = OrderedDict()
+        self._urgent: deque[_Task] = deque()
+        self._stopped = False
+        self.threads = [start_thread(f"encoder-prepare-{k}", self._run) for k in range(threads)]
+
+    def submit(self, job: Any, requester: Hashable, *, urgent: bool = False) -> asyncio.Future:
+        """Queue `job` for `requester`; its future, on the running loop."""
+        loop = asyncio.get_running_loop()
+        task = _Task(job, requester, loop.create_future(), loop)
+        with self._ready:
+            if urgent:
+                self._urgent.append(task)
+            else:
+                self._line.setdefault(task.requester, deque()).append(task)
+            self._ready.notify()
+        task.future.add_done_callback(lambda future: self._forget(task) if future.cancelled() else None)
+        return task.future
+
+    def __len__(self) -> int:
+        """Jobs waiting for a thread."""
+        with self._ready:
+            return len(self._urgent) + sum(len(tasks) for tasks in self._line.values())
+
+    def stop(self) -> None:
+        """The threads end after the job each is running (the queued ones are never run: their futures are the
+        engine's to settle)."""
+        with self._ready:
+            self._stopped = True
+            self._ready.notify_all()
+
+    def _forget(self, task: _Task) -> None:
+        """A cancelled job leaves the queue (if no thread took it yet)."""
+        with self._ready:
+            if task in self._urgent:
+                self._urgent.remove(task)
+                return
+            tasks = self._line.get(task.requester)
+            if tasks is not None and task in tasks:
+                tasks.remove(task)
+                if not tasks:
+                    del self._line[task.requester]
+
+    def _take(self) -> _Task | None:
+        """The next job (None: stopped), waiting for one."""
+        with self._ready:
+            while not self._stopped:
+                if self._urgent:
+                    return self._urgent.popleft()
+                if self._line:
+                    requester, tasks = next(iter(self._line.items()))
+                    task = tasks.popleft()
+                    del self._line[requester]
+                    if tasks:  # to the back of the line: the others' next jobs go first
+                        self._line[requester] = tasks
+                    return task
+                self._ready.wait()
+            return None
+
+    def _run(self) -> None:
+        while (task := self._take()) is not None:
+            try:
+                outcome = (self._prepare(task.job), None)
+            except Exception as exc:  # the job's failure (a corrupt image), answered to its future
+                outcome = (None, exc)
+            try:
+                task.loop.call_soon_threadsafe(_settle, task.future, outcome)
+            except RuntimeError:  # the loop is closed: nobody waits for it
+                pass
+
+
+def _settle(future: asyncio.Future, outcome: tuple[Any, BaseException | None]) -> None:
+    if future.done():  # cancelled while it ran
+        return
+    result, exc = outcome
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
