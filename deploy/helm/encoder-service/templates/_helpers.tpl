@@ -157,6 +157,7 @@ float64: integral ones are printed without an exponent.
     (list "ENCODER_SHM_DIR" $srv.shmDir)
     (list "ENCODER_IPC_ARENA_BYTES" $srv.ipcArenaBytes)
     (list "ENCODER_IPC_LEASE_S" $srv.ipcLeaseS)
+    (list "ENCODER_IPC_CHANNEL" $srv.ipcChannel)
     (list "ENCODER_SEND_THREADS" $srv.sendThreads)
     (list "ENCODER_READ_TIMEOUT_S" $srv.readTimeoutS)
     (list "ENCODER_REDIS_ROW_COPY_BYTES" (ternary "" $srv.redisRowCopyBytes (eq .Values.redis.mode "none")))
