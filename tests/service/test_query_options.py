@@ -29,7 +29,7 @@ def image_parts(*images: bytes) -> dict:
 
 REFUSED = {
     "a typo": ("/v1/encode?wiat=true", image_body(), "an image body: query option 'wiat' not taken (it takes "
-                                                     "wait, return_embeddings, timeout_s, id)"),
+                                                     "wait, return_embeddings, timeout_s, id, ipc_host, ipc_ack)"),
     "fps on a binary image": ("/v1/encode?fps=2", image_body(), "'fps' only with a video"),
     "fps on multipart images": ("/v1/encode?fps=2&wait=true", image_parts(PNG), "'fps' only with a video"),
     "an empty fps on an image": ("/v1/encode?fps=", image_body(), "'fps' only with a video"),
