@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from encoder_service.protocol.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
+from encoder_service.redis_url import parse_url
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "host": (str, "127.0.0.1", "bind address of both servers"),
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
-    "redis_url": (str, None, "enables the shared Redis tier"),
+    "redis_url": (str, None, "enables the shared Redis tier: redis://host:port/0 (one server, or any node of a "
+                              "Redis Cluster), redis+sentinel://host:port,host:port/<master name>"),
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
     "redis_row_copy_bytes": (_non_negative(parse_size), "0", "entries up to this size also get a copy of their "
                                                             "rows in Redis (0: none; rows go replica to replica)"),
@@ -548,8 +550,11 @@ def _build(v: dict) -> Settings:
         raise SettingsError(f"--shm-dir / ENCODER_SHM_DIR must be an absolute path, got {v['shm_dir']!r}")
     if v["shm_fetch"]:
         _check_shm_dir(v["shm_dir"])
-    if v["redis_url"] and not re.match(r"^(redis|rediss|unix)://", v["redis_url"]):
-        raise SettingsError("--redis-url / ENCODER_REDIS_URL must start with redis://, rediss:// or unix://")
+    if v["redis_url"]:
+        try:
+            parse_url(v["redis_url"])
+        except ValueError as exc:
+            raise SettingsError(f"--redis-url / ENCODER_REDIS_URL: {exc}") from None
     return Settings(
         model=ModelSettings(model=v["model"], revision=v["revision"], device=device, dtype=dtype,
                             preprocess=preprocess, exif_orientation=v["exif_orientation"]),

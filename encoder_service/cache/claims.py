@@ -150,7 +150,8 @@ class Claims:
         lease_px = max(1, int(lease_s * 1000))
         deleting = list(self._to_delete)  # inputs the budget pushed out (best effort)
         self._to_delete.clear()
-        commands, marker_at, input_at = [("delete", *map(input_name, deleting))] if deleting else [], [], {}
+        # One DEL per name: in a Redis Cluster the names of different ids live in different slots.
+        commands, marker_at, input_at = [("delete", input_name(key)) for key in deleting], [], {}
         for key, claim in claims.items():
             if claim.input is not None:  # first: a marker anyone sees has its input beside it
                 input_at[key] = len(commands)

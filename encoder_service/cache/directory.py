@@ -54,11 +54,12 @@ redis_tier.py) and writes them once Redis is back; a waiter elsewhere may take t
 and both encode it (correct, the work done twice). A marker is a small key: an allkeys-lru Redis may evict
 it, and a waiter then takes the image over (input still there) or answers 404 as it did without markers.
 
-Names: the marker of entry `encsvc:<fp>:<c|u>:<rest>` is `encsvc:<fp>:pending:<c|u>:<rest>`, its input
-`encsvc:<fp>:input:<c|u>:<rest>` and a caller id's binding `encsvc:<fp>:tag:u:<rest>` (no entry name has
-`pending`, `input` or `tag` in the third place, so they never collide, and no braces); the marker's channel is the
+Names: the marker of entry `encsvc:<fp>:{<c|u>:<rest>}` is `encsvc:<fp>:pending:{<c|u>:<rest>}`, its input
+`encsvc:<fp>:input:{...}`, its location `encsvc:<fp>:at:{...}` and a caller id's binding `encsvc:<fp>:tag:{u:...}`
+(no entry name has `pending`, `input`, `at` or `tag` in the third place, so they never collide); the braces are
+the id's Redis Cluster hash tag (keys.py), so all of an id's names share one slot. The marker's channel is the
 same string as the marker (Redis keeps channel names apart from key names). Names outside that scheme (tests) get
-`<name>:pending` and `<name>:input`.
+`{<name>}:pending` and the like.
 """
 
 from __future__ import annotations
@@ -125,11 +126,13 @@ class EncodeFailed(EncoderServiceError):
 
 
 def _scheme_name(name: str, part: str) -> str:
+    """`encsvc:<fp>:<part>:{<id>}` beside entry `encsvc:<fp>:{<id>}` (the same hash tag: one Cluster slot);
+    names outside that scheme (tests) get `{<name>}:<part>` (their hash tag: the slot of `<name>`)."""
     prefix, sep, rest = name.partition(":")
     fp, sep2, tail = rest.partition(":")
-    if prefix == KEY_PREFIX and sep and sep2:
+    if prefix == KEY_PREFIX and sep and sep2 and tail.startswith("{"):
         return f"{KEY_PREFIX}:{fp}:{part}:{tail}"
-    return f"{name}:{part}"
+    return f"{{{name}}}:{part}" if "{" not in name else f"{name}:{part}"
 
 
 def marker_name(name: str) -> str:

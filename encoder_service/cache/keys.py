@@ -9,8 +9,11 @@ A key has two parts:
     It namespaces the Redis key, so replicas of another model, dtype, setting or numerics version sharing one
     Redis never read each other's rows.
 
-Full key (Redis and local tier): `encsvc:<model_fp>:c:<algo>:<hex>` or `encsvc:<model_fp>:u:<caller id>`.
-Key names never contain braces (Redis Cluster would treat `{...}` as a hash tag).
+Full key (Redis and local tier): `encsvc:<model_fp>:{c:<algo>:<hex>}` or `encsvc:<model_fp>:{u:<caller id>}`.
+The braces are a Redis Cluster hash tag: Redis hashes only what is between them, so every name the replicas
+keep for one id (directory.py: its location, marker, input and binding beside its entry) falls in one hash
+slot, on one node, and a pipeline or script over them never crosses slots; ids spread over every node. Caller
+ids hold no braces, so the first `}` closes the tag.
 
 A caller id must never name two contents: the `content_tag` of the bytes it was first encoded from goes
 with its entry (entry.py's header, so every replica reading it knows), its flight and its pending marker;
@@ -36,7 +39,7 @@ from encoder_service.errors import InvalidInput
 HASH_ALGOS = ("blake3", "xxh3_128", "sha256")
 KEY_PREFIX = "encsvc"
 CALLER_PREFIX = "u:"
-# Caller ids: printable, no whitespace, no braces (Cluster hash tags), bounded so keys stay short.
+# Caller ids: printable, no whitespace, no braces (they would end the Cluster hash tag), bounded so keys stay short.
 _CALLER_ID_RE = re.compile(r"^[A-Za-z0-9._:/@+=\-]{1,128}$")
 _CONTENT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -130,7 +133,7 @@ class CacheKey:
 def make_key(data: bytes | memoryview, model_fp: str, algo: str = "blake3") -> CacheKey:
     """Key of an image given as raw encoded bytes."""
     digest = content_hash(data, algo)
-    return CacheKey(id=digest, name=f"{KEY_PREFIX}:{model_fp}:c:{algo}:{digest}")
+    return CacheKey(id=digest, name=f"{KEY_PREFIX}:{model_fp}:{{c:{algo}:{digest}}}")
 
 
 def caller_key(caller_id: str, model_fp: str) -> CacheKey:
@@ -141,7 +144,7 @@ def caller_key(caller_id: str, model_fp: str) -> CacheKey:
             "(no spaces or braces)"
         )
     public = CALLER_PREFIX + caller_id
-    return CacheKey(id=public, name=f"{KEY_PREFIX}:{model_fp}:u:{caller_id}")
+    return CacheKey(id=public, name=f"{KEY_PREFIX}:{model_fp}:{{u:{caller_id}}}")
 
 
 def key_from_id(public_id: str, model_fp: str, algo: str = "blake3") -> CacheKey:
@@ -154,4 +157,4 @@ def key_from_id(public_id: str, model_fp: str, algo: str = "blake3") -> CacheKey
             raise InvalidInput(f"malformed id {public_id!r:.80}: {exc.message}") from None
     if not _CONTENT_ID_RE.match(public_id):
         raise InvalidInput(f"malformed id {public_id!r:.80}: not a 32-hex-digit content id or u:<caller id>")
-    return CacheKey(id=public_id, name=f"{KEY_PREFIX}:{model_fp}:c:{algo}:{public_id}")
+    return CacheKey(id=public_id, name=f"{KEY_PREFIX}:{model_fp}:{{c:{algo}:{public_id}}}")

@@ -4,7 +4,8 @@
     health.start()                    at the tier's start, on its loop
     health.available()                up (a call made while down is counted, and skipped by the caller)
     health.recovering()               up again within `recovery_grace_s` (others may not have written theirs yet)
-    await health.node_recovering(key) the node holding `key` is new here (a restart not seen yet) or recovering
+    await health.cannot_tell(key)     Redis may not know yet what others hold of `key` (recovering, a node new
+                                      here, a primary down): "unavailable", not a 404
     health.known_nodes()              the nodes' run ids seen, for scripts to tell a new node (bindings.py)
     health.not_writing()              why nothing is written now (down, or an OOM pause), else None
     health.on_error(exc, writing=...) a failed command: unreachable -> down, an OOM reply to a write -> a pause
@@ -27,20 +28,28 @@ when full pauses nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import re
 import time
 
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from encoder_service.cache.bindings import NO_NODE, NODE_RUN_ID
 from encoder_service.cache.redis_connections import Connections, PoolTimeout
+from encoder_service.redis_url import CLUSTER, SENTINEL
 from encoder_service.cache.subscriber import Subscriber
 
 log = logging.getLogger("encoder_service.cache.redis")
 
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+# A lost connection, and what a failover answers meanwhile: a Cluster's slots without a master (CLUSTERDOWN,
+# TRYAGAIN), a Sentinel's old master demoted to a replica (READONLY). All mean "down until the probe finds every
+# primary again", never a miss.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError, ClusterDownError,
+               TryAgainError, ReadOnlyError)
+ERROR_LOG_S = 10.0  # at most one line per kind of error reply this often
 
 
 class RedisHealth:
@@ -56,7 +65,10 @@ class RedisHealth:
         self.epoch = 0  # one more at each recovery: claims written before it are written again
         self.generation = 0  # one more each time it goes down: what was read before may be stale
         self._up_since: float | None = None  # time.monotonic() of the last recovery (None: never down)
-        self._run_id: str | None = None  # Redis's run id as last seen: another one means it restarted
+        self._seen: frozenset[str] | None = None  # the primaries' run ids as last seen: a new one is a restart
+        self.nodes: dict[str, str] = {}  # primary address -> "up" / "down", as last seen
+        self.error_reasons: collections.Counter[str] = collections.Counter()  # error replies by their code
+        self._error_logged_at: dict[str, float] = {}
         self._recovery: asyncio.Future | None = None  # resolved at the next recovery
         self.oom_pause_s = 0.0  # the current pause after an OOM reply, doubled by each one of its probes
         self.paused_until = 0.0  # monotonic; set by an OOM reply to a write
@@ -77,8 +89,13 @@ class RedisHealth:
 
     @property
     def state(self) -> str:
-        """"up" or "down" (readiness detail, stats)."""
-        return "up" if self.up else "down"
+        """"up"; "down"; or "failing_over": down, while a Cluster's other primaries or a master's Sentinels
+        still answer (a failover is expected to end it) (readiness detail, stats)."""
+        if self.up:
+            return "up"
+        if self._conns.kind in (CLUSTER, SENTINEL) and any(state == "up" for state in self.nodes.values()):
+            return "failing_over"
+        return "down"
 
     def available(self) -> bool:
         if not self.up:
@@ -89,22 +106,31 @@ class RedisHealth:
         return self._up_since is not None and time.monotonic() - self._up_since < self.recovery_grace_s
 
     def known_nodes(self) -> str:
-        """What a script checks the Redis node it runs on against (bindings.py): the run id seen by the last
-        look, or NO_NODE while recovering (every node is new then); "" before the first look."""
-        return NO_NODE if self.recovering() else (self._run_id or "")
+        """What a script checks the Redis node it runs on against (bindings.py): the primaries' run ids seen
+        by the last look, or NO_NODE while recovering (every node is new then); "" before the first look."""
+        return NO_NODE if self.recovering() else ",".join(sorted(self._seen or ()))
 
-    async def node_recovering(self, key: str) -> bool:
-        """Whether the Redis node holding `key` is new to this replica (restarted, or promoted by a failover,
-        since the heartbeat last looked; the heartbeat then looks at once) or recovering: nothing there is
-        known yet of what the other replicas hold. Raises what Redis raised."""
+    async def cannot_tell(self, key: str) -> bool:
+        """Whether Redis may not know yet what the other replicas hold of `key`: this replica is recovering; the
+        node holding `key` is new to it (restarted, or promoted by a failover, since the heartbeat last looked;
+        the heartbeat then looks at once); or, in a Cluster or behind Sentinels, a primary is down (a replica
+        that lost it is down meanwhile, and writes again what it accepted once it is back). Asked before
+        answering "nobody has it" (404). Raises what Redis raised."""
         known = self.known_nodes()
-        if known in ("", NO_NODE):
-            return known == NO_NODE
-        (run_id,) = await self._conns.pipelined(NODE_RUN_ID.command((key,), ()))
-        new = run_id is None or run_id.decode() not in known
-        if new:
-            self.wake.set()
-        return new
+        if known == NO_NODE:
+            return True
+        if known:
+            (run_id,) = await self._conns.pipelined(NODE_RUN_ID.command((key,), ()))
+            if run_id is None or run_id.decode() not in known:
+                self.wake.set()
+                return True
+        if self._conns.kind in (CLUSTER, SENTINEL):
+            states = await self._conns.ping_primaries()
+            down = sorted(node for node, state in states.items() if state != "up")
+            if down:
+                self.mark_down(RedisConnectionError(f"primaries down: {', '.join(down)}"))
+                return True
+        return False
 
     def writes_paused(self) -> bool:
         return time.monotonic() < self.paused_until
@@ -123,8 +149,14 @@ class RedisHealth:
                 self._pause(exc)
         elif isinstance(exc, UNREACHABLE):
             self.mark_down(exc)
-        else:  # e.g. WRONGTYPE: someone stored another type under our key; a miss, not an outage
-            log.debug("redis tier error: %r", exc)
+        else:  # an error reply (CROSSSLOT, NOSCRIPT, WRONGTYPE, ...): a miss or a dropped write, never silent
+            reason = error_reason(exc)
+            self.error_reasons[reason] += 1
+            now = time.monotonic()
+            if now - self._error_logged_at.get(reason, -ERROR_LOG_S) >= ERROR_LOG_S:
+                self._error_logged_at[reason] = now
+                log.error("redis tier: Redis answered an error (%s): %s (encoder_cache_redis_error_replies_total "
+                          "counts them)", reason, exc)
 
     def _pause(self, exc: Exception) -> None:
         # Probe sooner than a fixed cool-down: the pause doubles with each OOM of its probe, from the minimum.
@@ -145,6 +177,7 @@ class RedisHealth:
         if not self.up:
             return
         self.up = False
+        self.nodes = dict.fromkeys(self.nodes, "down")  # until the probe looks at each one
         self.generation += 1
         self.up_again.clear()
         self.counters["down_events"] += 1
@@ -157,25 +190,29 @@ class RedisHealth:
         while True:
             await asyncio.sleep(delay)
             try:
-                await self._conns.run("ping")
-            except (*UNREACHABLE, PoolTimeout):
+                # The topology again (a failover moves a Cluster's slots, or a Sentinel's master), and closes
+                # the connections from before the outage (after a restart they are dead), then every primary.
+                await self._conns.refresh()
+                self.nodes = await self._conns.ping_primaries()
+            except (*UNREACHABLE, PoolTimeout) as exc:
+                self.nodes = self._conns.nodes_down(exc)
                 delay = min(delay * 2, self.probe_max_s)
                 continue
-            except RedisError as exc:  # answering, if oddly (e.g. LOADING): try again later
+            except RedisError as exc:  # answering, if oddly (e.g. LOADING, CLUSTERDOWN): try again later
                 log.debug("redis probe: %r", exc)
                 delay = min(delay * 2, self.probe_max_s)
                 continue
-            # Connections pooled before the outage are dead if Redis restarted: close the idle ones, so the
-            # first reads after recovery connect afresh instead of failing on them.
-            await self._conns.close_idle()
+            if not all(state == "up" for state in self.nodes.values()):
+                delay = min(delay * 2, self.probe_max_s)
+                continue
             self._recovered()
             log.warning("redis tier reachable again at %s: reads and writes resume", self.url)
             return
 
     def _recovered(self) -> None:
         self.up = True
+        # The grace: the other replicas write again what Redis lost, or what they could not write meanwhile.
         self._up_since = time.monotonic()
-        self._run_id = None  # the next check records the run id of the Redis that answers now
         self.epoch += 1
         self.up_again.set()  # the writes waiting for Redis go on
         self.wake.set()  # claims are written again at once
@@ -184,16 +221,28 @@ class RedisHealth:
             recovery.set_result(None)
 
     async def check(self) -> dict:
-        """Redis's INFO memory; a Redis that restarted between two commands of this replica (an idle one: no
-        command failed) is empty all the same: its run id changed, taken as a recovery. Raises what Redis
+        """Redis's memory (INFO memory of every primary, summed). A primary this replica has not seen before
+        (its run id is new: it restarted between two commands of this replica, an idle one included, or a
+        failover promoted a replica) may lack what the replicas wrote: taken as a recovery. Raises what Redis
         raised."""
-        server, memory = await self._conns.pipelined(("info", "server"), ("info", "memory"))
-        run_id = server.get("run_id")
-        if run_id != self._run_id:
-            if self._run_id is not None:
-                self.counters["restarts_seen"] += 1
-                log.warning("redis tier: Redis at %s restarted (its run id changed): writing this replica's "
-                            "claims, leased ids and bindings again", self.url)
-                self._recovered()
-            self._run_id = run_id
-        return memory
+        servers = await self._conns.on_primaries("INFO", "server")
+        memory = await self._conns.on_primaries("INFO", "memory")
+        new = [node for node, info in servers.items()
+               if self._seen is not None and str(info.get("run_id")) not in self._seen]
+        if new and not self.recovering():
+            self.counters["restarts_seen"] += 1
+            log.warning("redis tier: Redis primary %s at %s is new (restarted, or promoted by a failover): writing "
+                        "this replica's claims, leased ids and bindings again", ", ".join(new), self.url)
+            self._recovered()
+        self._seen = frozenset(str(info.get("run_id")) for info in servers.values())
+        self.nodes = dict.fromkeys(servers, "up")
+        totals = {k: sum(int(m.get(k, 0)) for m in memory.values()) for k in ("maxmemory", "used_memory")}
+        policies = {m.get("maxmemory_policy", "noeviction") for m in memory.values()}
+        return dict(totals, maxmemory_policy="noeviction" if "noeviction" in policies else policies.pop())
+
+
+def error_reason(exc: Exception) -> str:
+    """An error reply's code (its first word when Redis gave one: CROSSSLOT, NOSCRIPT, WRONGTYPE, OOM, ...), else
+    the exception's type."""
+    word = str(exc).split(" ", 1)[0]
+    return word if re.fullmatch(r"[A-Z]{3,20}", word) else type(exc).__name__

@@ -134,7 +134,8 @@ class RedisTier:
             pending_settled=0, pending_waits=0,
             pending_wakeups=0, pending_timeouts=0, pending_failures=0, pending_orphaned=0,
         )  # fmt: skip
-        self.health = RedisHealth(self._conns, self._subscriber, url, self.counters, probe_min_s=o.probe_min_s,
+        self.health = RedisHealth(self._conns, self._subscriber, self._conns.target.shown, self.counters,
+                                  probe_min_s=o.probe_min_s,
                                   probe_max_s=o.probe_max_s, recovery_grace_s=o.recovery_grace_s,
                                   oom_pause_min_s=o.oom_pause_min_s, oom_pause_max_s=o.oom_pause_max_s)
 
@@ -182,8 +183,13 @@ class RedisTier:
 
     @property
     def state(self) -> str:
-        """"up" or "down" (readiness detail, stats)."""
+        """"up", "down" or "failing_over" (readiness detail, stats)."""
         return self.health.state
+
+    def describe(self) -> dict:
+        """Readiness detail: the kind of Redis (standalone, cluster, sentinel; None before the first connect),
+        the tier's state, and each primary's (and a master's Sentinels') as last seen."""
+        return {"mode": self._conns.kind, "state": self.state, "nodes": dict(self.health.nodes)}
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -611,17 +617,17 @@ class RedisTier:
         except RedisError as exc:
             self.health.on_error(exc)
             return Settled.UNAVAILABLE
-        if settled is Settled.NOT_PENDING and (self.health.recovering() or await self._node_recovering(key)):
-            return Settled.UNAVAILABLE  # its owner may not have written its marker again yet
+        if settled is Settled.NOT_PENDING and await self._cannot_tell(key):
+            return Settled.UNAVAILABLE  # its owner may not have written its marker (again) yet
         self._locations.pop(key, None)  # landed (or being taken over) since it was last read: read it afresh
         self.counters["pending_orphaned"] += settled is Settled.ORPHANED
         return settled
 
-    async def _node_recovering(self, key: str) -> bool:
+    async def _cannot_tell(self, key: str) -> bool:
         try:
-            return await self.health.node_recovering(key)
+            return await self.health.cannot_tell(key)
         except (RedisError, PoolTimeout):
-            return True  # cannot tell: not a 404
+            return True  # not a 404 either
 
     async def _wait(self, key: str, label: str, deadline: float | None) -> Settled:
         marker = marker_name(key)
@@ -778,6 +784,8 @@ class RedisTier:
             input_bytes=self._claims.input_bytes,
             inputs_skipped=self._claims.inputs_skipped,
             inputs_pushed_out=self._claims.inputs_pushed_out,
+            error_replies=dict(self.health.error_reasons),
+            nodes={node: int(state == "up") for node, state in self.health.nodes.items()},
         )
 
 

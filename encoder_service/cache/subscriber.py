@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 log = logging.getLogger("encoder_service.cache.redis")
 
@@ -42,8 +42,8 @@ class _Channel:
 
 
 class Subscriber:
-    def __init__(self, make_connection: Callable[[], object], on_lost: Callable[[Exception], None]):
-        """`make_connection()`: an unconnected redis-py asyncio Connection (RESP2, no read timeout);
+    def __init__(self, make_connection: Callable[[], Awaitable[object]], on_lost: Callable[[Exception], None]):
+        """`await make_connection()`: an unconnected redis-py asyncio Connection (RESP2, no read timeout);
         `on_lost(exc)`: called when the connection fails by itself (not on `reset`)."""
         self._make_connection = make_connection
         self._on_lost = on_lost
@@ -108,7 +108,7 @@ class Subscriber:
 
     async def _connect(self):
         try:
-            conn = self._make_connection()
+            conn = await self._make_connection()
             await conn.connect()
         finally:
             self._connecting = None

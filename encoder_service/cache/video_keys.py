@@ -9,7 +9,8 @@ that a video id never names an image nor the other way round:
             v:u:<caller id>     a caller's id for it (the id names that content: other bytes or options 409)
     group   <video id>#<g>      frame group g (0-based): what fetch and release take
 
-Full names: `encsvc:<video_fp>:v:c:<algo>:<hex>#<g>` and `encsvc:<video_fp>:v:u:<caller id>#<g>`. The
+Full names: `encsvc:<video_fp>:{v:c:<algo>:<hex>}#<g>` and `encsvc:<video_fp>:{v:u:<caller id>}#<g>` (the
+video's hash tag: a Redis Cluster keeps every group of one video on one node, keys.py). The
 fingerprint `video_fp` is the model's with the video preprocessing (the checkpoint's video processor settings,
 the device kind the frames are resized on) instead of the image backend's: rows of a video and of an image
 never share a key. `#` is in neither hex digests nor caller ids, so a group id parses one way only.
@@ -60,7 +61,7 @@ def video_key(parts: Iterable[bytes | memoryview], options: Mapping, video_fp: s
         hasher.update(piece)
     # 128 bits in 32 hex digits, whichever algorithm (as cache/keys.py: content_hash)
     digest = hasher.hexdigest(length=16) if algo == "blake3" else hasher.hexdigest()[:32]
-    return CacheKey(id=f"{VIDEO_PREFIX}{digest}", name=f"{KEY_PREFIX}:{video_fp}:v:c:{algo}:{digest}")
+    return CacheKey(id=f"{VIDEO_PREFIX}{digest}", name=f"{KEY_PREFIX}:{video_fp}:{{v:c:{algo}:{digest}}}")
 
 
 def video_tag(parts: Iterable[bytes | memoryview], options: Mapping) -> int:
@@ -74,7 +75,7 @@ def video_tag(parts: Iterable[bytes | memoryview], options: Mapping) -> int:
 def video_caller_key(caller_id: str, video_fp: str) -> CacheKey:
     """Key of a caller's id for a video (InvalidInput when malformed, as for images)."""
     image = caller_key(caller_id, video_fp)  # the same rules for the id itself
-    return CacheKey(id=VIDEO_PREFIX + image.id, name=f"{KEY_PREFIX}:{video_fp}:v:u:{caller_id}")
+    return CacheKey(id=VIDEO_PREFIX + image.id, name=f"{KEY_PREFIX}:{video_fp}:{{v:u:{caller_id}}}")
 
 
 def group_key(video: CacheKey, group: int) -> CacheKey:
@@ -100,7 +101,7 @@ def video_key_from_id(public_id: str, video_fp: str, algo: str = "blake3") -> tu
         except InvalidInput as exc:
             raise InvalidInput(f"malformed id {public_id!r:.80}: {exc.message}") from None
     elif _CONTENT_RE.match(body):
-        key = CacheKey(id=video_id, name=f"{KEY_PREFIX}:{video_fp}:v:c:{algo}:{body}")
+        key = CacheKey(id=video_id, name=f"{KEY_PREFIX}:{video_fp}:{{v:c:{algo}:{body}}}")
     else:
         raise InvalidInput(f"malformed id {public_id!r:.80}: a video id is v:<32 hex digits> or v:u:<caller id>")
     return key, int(group) if sep else None

@@ -24,6 +24,7 @@ class Stat:
     counter: bool  # else a gauge
     help: str
     labels: tuple[tuple[str, str], ...] = ()
+    by: str = ""  # the stat is a dict: one sample per key, this label naming it
 
 
 def _counter(metric: str, help: str, **labels: str) -> Stat:
@@ -79,8 +80,8 @@ STORE: dict[str, Stat] = {
     "local_max_pinned_bytes": _gauge("encoder_cache_max_pinned_bytes", "Bound on pinned bytes (--max-pinned-bytes)"),
     # Redis tier (cache/redis_tier.py); absent without --redis-url
     "redis_state": _gauge("encoder_cache_redis_up",
-                          "1 while the Redis tier is up, 0 while it is down (reads miss at once, writes wait in "
-                          "the backlog, a background probe reconnects)"),
+                          "1 while the Redis tier is up, 0 while it is down or failing over (reads miss at once, "
+                          "writes wait in the backlog, a background probe reconnects)"),
     "redis_writes_paused": _gauge("encoder_cache_redis_writes_paused",
                                   "1 while writes to Redis pause after an OOM reply (cool-down), else 0"),
     "redis_queued_bytes": _gauge("encoder_cache_redis_write_queue_bytes",
@@ -172,6 +173,13 @@ STORE: dict[str, Stat] = {
                                     "ids and bindings written again"),
     "redis_bindings_checked": _counter("encoder_cache_redis_bindings_checked",
                                        "Caller ids bound (or found bound) to their content in Redis"),
+    "redis_error_replies": Stat("encoder_cache_redis_error_replies", True,
+                                "Error replies from Redis other than a lost connection or a failover (CROSSSLOT, "
+                                "NOSCRIPT, WRONGTYPE, ...), by their code: logged as errors; the operation was a "
+                                "miss or a dropped write", by="reason"),
+    "redis_nodes": Stat("encoder_cache_redis_node_up", False,
+                        "1 for each Redis primary (and a master's Sentinels) that answered the tier's last look, "
+                        "0 for each that did not", by="node"),
 }
 
 # ShmWriter.stats() key -> metric (core/shm_writer.py); absent without --shm-fetch.
@@ -227,12 +235,21 @@ def _add(families: dict[str, Metric], table: dict[str, Stat], stats: dict, prefi
     for key, value in stats.items():
         if key == "redis_state":
             value = value == "up"
+        stat = table.get(key)
+        if stat is not None and stat.by and isinstance(value, dict):
+            for label, one in value.items():
+                _family(families, stat, (stat.by,)).add_metric([str(label)], float(one))
+            continue
         if not isinstance(value, (int, float)):  # bools are ints
             continue
-        stat = table.get(key) or _gauge(prefix + key, f"stats() key {key!r} (not described in core/cache_metrics.py)")
-        family = families.get(stat.metric)
-        if family is None:
-            names = [name for name, _ in stat.labels]
-            kind = CounterMetricFamily if stat.counter else GaugeMetricFamily
-            family = families[stat.metric] = kind(stat.metric, stat.help, labels=names)
-        family.add_metric([v for _, v in stat.labels], float(value))
+        stat = stat or _gauge(prefix + key, f"stats() key {key!r} (not described in core/cache_metrics.py)")
+        _family(families, stat, tuple(name for name, _ in stat.labels)).add_metric([v for _, v in stat.labels],
+                                                                                   float(value))
+
+
+def _family(families: dict[str, Metric], stat: Stat, labels: tuple[str, ...]) -> Metric:
+    family = families.get(stat.metric)
+    if family is None:
+        kind = CounterMetricFamily if stat.counter else GaugeMetricFamily
+        family = families[stat.metric] = kind(stat.metric, stat.help, labels=list(labels))
+    return family

@@ -184,9 +184,13 @@ class EncoderCore:
         return self._ready and not self._draining and self.engine.alive
 
     def readiness(self) -> dict:
-        """`ready`, with the Redis tier's state as detail ("up", "down" or "off"). Redis down leaves the
-        service ready: it serves from the local tier and encodes on. Liveness never looks at Redis."""
-        return {"ready": self.ready(), "redis": "off" if self.store.redis is None else self.store.redis.state}
+        """`ready`, with the Redis tier's state as detail ("up", "down", "failing_over" or "off") and, with
+        Redis, `redis_detail`: its kind and each node's state. Redis down leaves the service ready: it serves
+        from the local tier and encodes on. Liveness never looks at Redis."""
+        redis = self.store.redis
+        if redis is None:
+            return {"ready": self.ready(), "redis": "off"}
+        return {"ready": self.ready(), "redis": redis.state, "redis_detail": redis.describe()}
 
     def metadata(self) -> dict:
         s, spec = self.settings, self.spec

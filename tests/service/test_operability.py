@@ -119,7 +119,9 @@ def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_serve
         assert r.status_code == 504 and svc.sample("encoder_cache_redis_subscriber_connects_total") == 1
         before = processed()
         assert c.get("/health/live").json() == {"live": True}
-        assert c.get("/health/ready").json() == {"ready": True, "redis": "up"}
+        address = f"127.0.0.1:{redis_server.port}"
+        assert c.get("/health/ready").json() == {"ready": True, "redis": "up", "redis_detail": {
+            "mode": "standalone", "state": "up", "nodes": {address: "up"}}}
         assert processed() == before + 1  # the probes sent Redis nothing: state is what the tier last saw
         commands.close()
 
@@ -128,7 +130,8 @@ def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_serve
         # Not here, and the tier (down now: its header read failed) cannot say whether another replica has it.
         assert r.status_code == 503 and "Redis tier" in r.json()["error"]["message"]
         r = c.get("/health/ready")
-        assert r.status_code == 200 and r.json() == {"ready": True, "redis": "down"}
+        assert r.status_code == 200 and r.json()["redis"] == "down"
+        assert r.json()["redis_detail"]["nodes"] == {address: "down"}
         assert c.get("/health/live").status_code == 200
         m = scrape(c)
         assert m["encoder_cache_redis_up"] == 0 and m["encoder_cache_redis_down_events_total"] == 1

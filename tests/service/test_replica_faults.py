@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import signal
 import time
@@ -30,7 +29,6 @@ import pytest
 import redis
 import torch
 
-from encoder_service import errors
 from encoder_service.cache import key_from_id
 from encoder_service.cache.directory import is_pending, marker_name
 from encoder_service.cache.redis_tier import RedisOptions
@@ -38,13 +36,13 @@ from encoder_service.client import AsyncEncoderClient, EncoderClient
 from tests.support.encoder_process import Replica, started
 from tests.support.images import image_bytes, png_with_text
 from tests.support.redis_server import RedisServer
+from tests.support.replica_load import Load
 from tests.support.reference import assert_close, reference_rows
 from tests.support.service import RunningService, held_decode, running
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
-CONCURRENCY = 12
 PAIRS = {"before": 32, "outage": 32, "after": 32}
 OUTAGE_S = {"kill": 2.0, "pause": 5.0}  # a pause must outlast the 2 s socket timeout to be an outage
 PROBE_INTERVAL_S = RedisOptions.probe_max_s  # the service's (no flag changes it)
@@ -52,50 +50,6 @@ FETCH_TIMEOUT_S = 15.0  # each call's deadline: the clients retry inside it
 KILL_BOUND_S = 10.0
 WAIT_S = 30.0
 PENDING_WAITS = "encoder_cache_redis_pending_waits_total"  # B's fetches asleep on a marker of A's
-
-
-class Load:
-    def __init__(self, replicas: tuple[RunningService, RunningService]):
-        self.replicas = replicas
-        self.outcomes: dict[str, collections.Counter] = {phase: collections.Counter() for phase in PAIRS}
-        self.wrong_rows = 0
-        self.local_failures: list[str] = []
-        self.encoded: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (num_tokens, the encoding replica's rows)
-        self._next_seed = 0
-
-    async def run(self, phase: str, clients) -> None:
-        """PAIRS[phase] pairs, at most CONCURRENCY at once, alternating which replica encodes."""
-        seeds = range(self._next_seed, self._next_seed + PAIRS[phase])
-        self._next_seed += PAIRS[phase]
-        slots = asyncio.Semaphore(CONCURRENCY)
-
-        async def pair(seed: int) -> None:
-            async with slots:
-                encoder, other = (clients[0], clients[1]) if seed % 2 == 0 else (clients[1], clients[0])
-                await self._pair(phase, seed, encoder, other)
-
-        await asyncio.gather(*(pair(s) for s in seeds))
-
-    async def _pair(self, phase: str, seed: int, encoder, other) -> None:
-        try:
-            (info,) = await encoder.encode([image_bytes(64, 48, seed=50_000 + seed)])
-        except errors.EncoderServiceError as exc:
-            self.local_failures.append(f"encode: {exc}")
-            return
-        try:
-            cross = (await other.fetch([(info.id, 0)], 0, info.num_tokens)).rows
-            outcome = "ok"
-        except errors.EncoderServiceError as exc:
-            cross, outcome = None, f"{getattr(exc, 'status', None)} {exc}"[:200]
-        self.outcomes[phase][outcome] += 1
-        try:
-            own = (await encoder.fetch([(info.id, 0)], 0, info.num_tokens)).rows
-        except errors.EncoderServiceError as exc:
-            self.local_failures.append(f"fetch on the encoding replica: {exc}")
-            return
-        self.encoded[info.id] = (info.num_tokens, own)
-        if cross is not None and not torch.equal(cross, own):
-            self.wrong_rows += 1
 
 
 def redis_state(svc: RunningService) -> str:
@@ -112,7 +66,7 @@ def test_a_redis_outage_under_load_is_invisible_to_callers(request, tiny_checkpo
     checkpoint = tiny_checkpoint("qwen2_5_vl")
     replicas = (running(request, checkpoint, "--redis-url", redis_server.url),
                 running(request, checkpoint, "--redis-url", redis_server.url))
-    load = Load(replicas)
+    load = Load(replicas, PAIRS)
 
     async def over_after(seconds: float) -> None:
         await asyncio.sleep(seconds)

@@ -11,9 +11,11 @@ import time
 import pytest
 import redis
 import torch
+from redis.crc import key_slot
 
 from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
-from encoder_service.cache.directory import location_name, marker_name
+from encoder_service.cache.directory import binding_name, input_name, location_name, marker_name
+from encoder_service.cache.keys import caller_key, content_hash, make_key
 from encoder_service.errors import ImageDecodeError, Unavailable
 from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
 from tests.support.waits import async_wait_for
@@ -55,10 +57,15 @@ async def accepted_and_awaited(a: EmbeddingStore, b: EmbeddingStore, key: str) -
 
 def test_marker_names_follow_the_key_scheme():
     fp = "0123456789abcdef01234567"
-    assert marker_name(f"encsvc:{fp}:c:blake3:{'a' * 32}") == f"encsvc:{fp}:pending:c:blake3:{'a' * 32}"
-    assert marker_name(f"encsvc:{fp}:u:doc-7:page/2") == f"encsvc:{fp}:pending:u:doc-7:page/2"
-    assert marker_name("k") == "k:pending"
-    assert not any(c in marker_name(f"encsvc:{fp}:u:x") for c in "{}")  # no Cluster hash tags
+    content = make_key(b"pixels", fp).name
+    assert content == f"encsvc:{fp}:{{c:blake3:{content_hash(b'pixels')}}}"
+    assert marker_name(content) == f"encsvc:{fp}:pending:{{c:blake3:{content_hash(b'pixels')}}}"
+    assert marker_name(f"encsvc:{fp}:{{u:doc-7:page/2}}") == f"encsvc:{fp}:pending:{{u:doc-7:page/2}}"
+    assert marker_name("k") == "{k}:pending"
+    # One Redis Cluster slot for every name of an id (its hash tag), whatever it is
+    for name in (content, caller_key("doc-7:page/2", fp).name, "k"):
+        names = [name, marker_name(name), input_name(name), location_name(name), binding_name(name)]
+        assert len({key_slot(n.encode()) for n in names}) == 1, names
 
 
 async def test_a_fetch_elsewhere_is_woken_when_the_rows_land(redis_server):

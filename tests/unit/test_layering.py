@@ -35,8 +35,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves; and the
     # host memory pool the server's rows come from, for the rows of its own fetches
     "client": {"protocol", "ranges", "errors", "runtime.host_pool"},
-    "settings": {"protocol", "errors"},
-    "cache": {"errors", ""},
+    "settings": {"protocol", "errors", "redis_url"},
+    "cache": {"errors", "redis_url", ""},
+    "redis_url": set(),
     "protocol": {"ranges", "errors"},
     "models": {"ops", "errors"},
     "ranges": {"errors"},
