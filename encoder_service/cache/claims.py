@@ -39,6 +39,9 @@ from encoder_service.cache.directory import (
 from encoder_service.cache.redis_connections import Connections
 
 
+_REWRITE_BATCH = 64  # kept inputs written again per round trip after an outage (up to the input budget in all)
+
+
 @dataclass(eq=False)
 class Claim:
     value: bytes  # the marker's value: pending <tag> <owner>
@@ -54,13 +57,15 @@ class Claims:
         self._px = int(pending_ttl_s * 1000)
         self._max_claims, self._max_input_bytes = max_claims, max_input_bytes
         self._claims: OrderedDict[str, Claim] = OrderedDict()
-        # Inputs sent, oldest first: (until, bytes, key), and how many of them each key has (a key claimed again
-        # has a newer input under the same name); those the budget pushes out, to DEL with the next write
-        # (at most max_claims of them: past it the oldest are left to their lease).
-        self._kept: collections.deque[tuple[float, int, str]] = collections.deque()
+        # Inputs sent, oldest first: (until, key, the bytes: kept here too, to write again into a Redis that lost
+        # them), and how many of them each key has (a key claimed again has a newer input under the same name);
+        # those the budget pushes out, to DEL with the next write (at most max_claims of them: past it the
+        # oldest are left to their lease).
+        self._kept: collections.deque[tuple[float, str, bytes]] = collections.deque()
         self._kept_keys: collections.Counter[str] = collections.Counter()
         self._to_delete: collections.deque[str] = collections.deque(maxlen=max_claims)
         self._kept_bytes = 0
+        self._kept_epoch = 0  # the tier's epoch the kept inputs were last all written in
         self._redis_maxmemory = 0  # 0: unknown, or no limit
         self._headroom: int | None = None  # bytes inputs may still take on a Redis that never evicts
         self.inputs_skipped = 0
@@ -94,7 +99,7 @@ class Claims:
                         if old is not None:  # (a key claimed again keeps its newer input: no DEL)
                             self._to_delete.append(old)
                         self.inputs_pushed_out += 1
-                    self._kept.append((until, len(data), key))
+                    self._kept.append((until, key, data))
                     self._kept_keys[key] += 1
                     self._kept_bytes += len(data)
                     if self._headroom is not None:
@@ -133,8 +138,8 @@ class Claims:
 
     def _pop_kept(self) -> str | None:
         """The oldest kept input leaves the books: its key, or None while a newer input of that key is kept."""
-        _, nbytes, key = self._kept.popleft()
-        self._kept_bytes -= nbytes
+        _, key, data = self._kept.popleft()
+        self._kept_bytes -= len(data)
         self._kept_keys[key] -= 1
         if self._kept_keys[key]:
             return None
@@ -187,11 +192,16 @@ class Claims:
 
     async def beat(self, epoch: int, writable: bool) -> None:
         """Renew every claim's marker (PEXPIRE, which a full Redis does not refuse); write again, when
-        `writable`, those Redis lost (an outage, a restart, an eviction) or never had. Claims past their
-        lease are dropped first."""
+        `writable`, those Redis lost (an outage, a restart, an eviction) or never had, and after an outage or a
+        failover the kept inputs of settled claims still in their lease (a Redis that lost them could not have
+        another replica encode those images again, should this one die). Claims past their lease are dropped
+        first."""
         now = time.monotonic()
         for key in [k for k, c in self._claims.items() if c.until <= now]:
             self.drop(key)
+        if writable and epoch != self._kept_epoch:
+            await self._write_kept_inputs(now)
+            self._kept_epoch = epoch
         async with self.lock:
             claims = list(self._claims.items())
             if not claims:
@@ -208,6 +218,16 @@ class Claims:
             await self._conns.pipelined(*commands)
             for _, claim in lost:
                 claim.epoch = epoch
+
+    async def _write_kept_inputs(self, now: float) -> None:
+        """SET again the kept inputs whose lease runs on (those of live claims that carry their own: by the claims'
+        rewrite), newest last, a bounded batch per round trip."""
+        latest = {key: (until, data) for until, key, data in self._kept
+                  if until > now and getattr(self._claims.get(key), "input", None) is None}
+        commands = [("set", input_name(key), data, max(1, int((until - now) * 1000)))
+                    for key, (until, data) in latest.items()]
+        for at in range(0, len(commands), _REWRITE_BATCH):
+            await self._conns.pipelined(*commands[at:at + _REWRITE_BATCH])
 
     async def settle(self, key: str, value: bytes, claim: Claim | None, failure_ttl_s: float) -> bool:
         """Publish `key`'s outcome, state first, then the message (a waiter subscribed before the PUBLISH gets

@@ -323,6 +323,24 @@ async def test_rows_found_in_redis_settle_the_marker(redis_server):
         assert redis.Redis.from_url(redis_server.url).exists(marker_name("k")) == 0
 
 
+async def test_kept_bytes_of_landed_ids_are_written_again_after_a_restart(redis_server):
+    """An image's bytes stay in Redis for its lease after its rows land, so that another replica can encode it
+    again should this one die. A restarted (or failed over) Redis lost them: the replica that kept them writes
+    them again (before: only the bytes of claims not yet settled were)."""
+    store = await open_store(redis_server.url)
+    try:
+        assert await store.mark_pending(["k"], inputs={"k": b"the image's bytes"})
+        store.put("k", make_entry(1))
+        await store.redis.flush()
+        redis_server.restart()
+        with redis.Redis.from_url(redis_server.url) as direct:
+            await async_wait_for(lambda: direct.get(input_name("k")) == b"the image's bytes",
+                                 "the kept bytes written again", STATE_WAIT_S)
+            assert direct.pttl(input_name("k")) > 0  # for what is left of the lease, not for good
+    finally:
+        await store.close()
+
+
 async def test_redis_killed_during_a_wait_answers_at_once(redis_server):
     async with replicas(redis_server.url) as (a, b):
         waiting = await accepted_and_awaited(a, b, "k")
