@@ -28,8 +28,9 @@ import torch
 
 from benchmarks.common.report import stamp, write_result
 from benchmarks.common.stats import percentile
-from encoder_service.cache import EmbeddingStore, Entry
+from encoder_service.cache import Entry
 from tests.support.redis_server import RedisServer
+from tests.support.stores import open_store
 
 ENTRIES = [  # name, rows, row_width, layout
     ("Qwen2.5-VL-7B 1080p", 2691, 3584, "main"),
@@ -49,10 +50,8 @@ async def timed(fn, iters: int) -> tuple[float, float]:
 
 
 async def bench(url: str, iters: int) -> list[dict]:
-    writer = EmbeddingStore(4 << 30, redis_url=url, redis_options=dict(socket_timeout_s=10))
-    reader = EmbeddingStore(4 << 30, redis_url=url, redis_options=dict(socket_timeout_s=10))
-    await writer.start()
-    await reader.start()
+    writer = await open_store(url, 4 << 30, socket_timeout_s=10, connect_timeout_s=10)  # with row copies
+    reader = await open_store(url, 4 << 30, socket_timeout_s=10, connect_timeout_s=10)
     rows_out = []
     for name, num_rows, width, layout in ENTRIES:
         g = torch.Generator().manual_seed(0)

@@ -152,7 +152,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
     rows gRPC fetches left for their clients (shared with the gRPC server)."""
     settings = core.settings
     auth = BearerAuth(settings.server.auth_token)
-    owner = core.store.redis.owner if core.store.redis is not None else None  # what peers' signatures address
+    owner = core.replicas.owner  # what peers' signatures address (None: no peers)
     max_body, read_timeout_s = settings.limits.max_body_bytes, settings.server.read_timeout_s
     metrics, access_log = core.metrics, settings.server.access_log
     app = FastAPI(title="encoder_service", version="1", docs_url=None, redoc_url=None, openapi_url=None)

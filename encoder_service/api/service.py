@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -23,6 +24,9 @@ from encoder_service.api.socket_send import SocketSend
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
 from encoder_service.settings import PortUnavailable, Settings, format_size
+
+if TYPE_CHECKING:
+    from encoder_service.replicas import RedisTier
 
 log = logging.getLogger("encoder_service")
 
@@ -35,8 +39,9 @@ HTTP_KEEP_ALIVE_S = 120
 
 def build_core(settings: Settings, *, loaded=None, ipc_memory=None) -> EncoderCore:
     """Load the model (unless `loaded` is given), make the runner, the device row arena (once the graphs are
-    captured: it is sized from the memory left), the store and the core (not started). `ipc_memory(nbytes)`:
-    the arena's memory instead of cudaMalloc (the CPU tests' host stand-in, encoder_service/testing/host_ipc.py)."""
+    captured: it is sized from the memory left), the store, the Redis tier and the core (not started).
+    `ipc_memory(nbytes)`: the arena's memory instead of cudaMalloc (the CPU tests' host stand-in,
+    encoder_service/testing/host_ipc.py)."""
     from encoder_service.cache import EmbeddingStore
     from encoder_service.models.loader import load_model
     from encoder_service.preprocessing import PreprocessConfig
@@ -50,11 +55,20 @@ def build_core(settings: Settings, *, loaded=None, ipc_memory=None) -> EncoderCo
     srv = settings.server
     arena = make_arena(loaded.device, srv.ipc_arena_bytes, srv.ipc_lease_s, memory=ipc_memory)
     cfg = PreprocessConfig.from_checkpoint(loaded.checkpoint_dir, loaded.spec)
-    store = EmbeddingStore(c.cache_bytes, c.redis_url, redis_ttl_s=c.redis_ttl_s, lease_s=c.lease_s,
-                           max_pinned_bytes=c.max_pinned_bytes,
-                           redis_options=dict(row_copy_bytes=c.redis_row_copy_bytes))
-    return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store, metrics=Metrics(),
-                       ipc_arena=arena)
+    store = EmbeddingStore(c.cache_bytes, lease_s=c.lease_s, max_pinned_bytes=c.max_pinned_bytes)
+    return EncoderCore(settings, loaded=loaded, runner=runner, preprocess_cfg=cfg, store=store,
+                       redis=redis_tier(settings), metrics=Metrics(), ipc_arena=arena)
+
+
+def redis_tier(settings: Settings) -> RedisTier | None:
+    """The Redis tier replicas share (replicas/redis_tier.py: RedisTier, not started), or None without
+    --redis-url: the replica is alone."""
+    from encoder_service.replicas import RedisOptions, RedisTier
+
+    c = settings.cache
+    if not c.redis_url:
+        return None
+    return RedisTier(c.redis_url, RedisOptions(ttl_s=c.redis_ttl_s, row_copy_bytes=c.redis_row_copy_bytes))
 
 
 class _Uvicorn(uvicorn.Server):

@@ -9,13 +9,12 @@
   videos.py      a video to engine input, frame group by frame group: read, probe (limits, plan, key), one
                  decoder per video, prepare; video_flights.py: a video's groups fed to the engine in order, a
                  window at a time; video_encode.py: an encode of videos (admission, pins, the answer)
-  flight.py      the one single flight: a Flight per id (waiters, queue permit, a fill that calls store and engine)
-  replicas.py    across replicas (Redis): claim accepted ids; a fetch waits for another replica's encode, then
-                 gets the rows from it (peers.py: its row path), or encodes the image again should it be gone
+  flight.py      the one single flight: a Flight per id (waiters, queue permit, a fill that calls the replicas'
+                 face, replicas/face.py, and the engine)
+  take_over.py   an image whose accepting replica is gone, encoded here from the bytes it kept (the face calls it)
   fetch_destination.py
                  where a fetch's rows go (the answer, a shm file, IPC), chosen before any wait
   ipc_fetch.py   a fetch answered with where the rows sit on the GPU (CUDA IPC) instead of the rows
-  timeouts.py    timeout_s (None / 0: don't wait / > 0), one Deadline over waits in turn, the bounded gather
   shm_writer.py  shared-memory fetch, server side: rows into a co-located client's file
   urls.py        allow-listed URL images
   metrics.py     Prometheus metrics (one registry per core); cache_metrics.py: the cache's and shm's counters on it

@@ -1,5 +1,6 @@
-"""The cache's own counters on /metrics: one Prometheus collector reading `store.stats()` (host LRU tier,
-leases, Redis tier), the shared-memory writer's and the peer row path's `stats()` when Prometheus scrapes.
+"""The cache's own counters on /metrics: one Prometheus collector reading `replicas.stats()` (the face the
+core holds, replicas/face.py: the host LRU tier and leases, and, shared, the Redis tier and the peer row
+path) and the shared-memory writer's `stats()` when Prometheus scrapes.
 
 Nothing is counted per request: the store and the writer keep their counters as they always do, and a
 scrape reads them. On the event loop, where the store lives (the /metrics handler runs there): a reader on
@@ -44,9 +45,10 @@ _DROPPED_COPIES = ("Row copies not written to Redis, by reason (refused: Redis f
 _REDIS_HITS = ("Redis tier reads that found a valid value, by what was read (entry: the whole value, rows: a "
                "chunk's rows by GETRANGE, header: the header alone)")
 
-# store.stats() key -> metric. The local tier's keys start with `local_`, Redis's with `redis_`.
+# replicas.stats() key -> metric. The local tier's keys start with `local_`, Redis's with `redis_`, the peer
+# row path's with `peer_` (PEERS).
 STORE: dict[str, Stat] = {
-    # the store (cache/store.py)
+    # what this replica holds, kept known in Redis (replicas/announce.py)
     "reshared": _counter("encoder_cache_reshared",
                          "Entries an encode found in the host LRU tier after Redis had evicted them: written to "
                          "Redis again, so that other replicas can fetch them"),
@@ -78,7 +80,7 @@ STORE: dict[str, Stat] = {
     "local_pinned_bytes": _gauge("encoder_cache_pinned_bytes",
                                  "Bytes pinned: entries, and reservations for the rows still encoding"),
     "local_max_pinned_bytes": _gauge("encoder_cache_max_pinned_bytes", "Bound on pinned bytes (--max-pinned-bytes)"),
-    # Redis tier (cache/redis_tier.py); absent without --redis-url
+    # Redis tier (replicas/redis_tier.py); absent without --redis-url
     "redis_state": _gauge("encoder_cache_redis_up",
                           "1 while the Redis tier is up, 0 while it is down or failing over (reads miss at once, "
                           "writes wait in the backlog, a background probe reconnects)"),
@@ -114,7 +116,7 @@ STORE: dict[str, Stat] = {
                                           "back"),
     "redis_skipped_down": _counter("encoder_cache_redis_skipped_while_down",
                                    "Redis reads answered as a miss at once because the tier was down"),
-    # Redis connections (cache/redis_connections.py)
+    # Redis connections (replicas/redis_connections.py)
     "redis_pool_waits": _counter("encoder_cache_redis_pool_waits",
                                  "Redis operations that waited for a free connection (all of them busy)"),
     "redis_pool_timeouts": _counter("encoder_cache_redis_pool_timeouts",
@@ -123,7 +125,7 @@ STORE: dict[str, Stat] = {
     "redis_retries": _counter("encoder_cache_redis_retries",
                               "Redis commands run again on a fresh connection after a connection error (pooled "
                               "connections dead after a Redis restart)"),
-    # handoff of ids between replicas (cache/directory.py, cache/subscriber.py)
+    # handoff of ids between replicas (replicas/directory.py, replicas/subscriber.py)
     "redis_pending_marked": _counter("encoder_cache_redis_pending_marked",
                                      "Ids this replica marked pending in Redis when it accepted them"),
     "redis_pending_elsewhere": _counter("encoder_cache_redis_claimed_elsewhere",
@@ -200,34 +202,33 @@ _PEER_FAILURES = ("Row fetches from another replica that failed over (to another
                   "auth_mismatch (it refused this replica's signature: the replicas' --auth-token differ), other "
                   "(gone, or it no longer holds the rows)")
 
-# Peers.stats() key -> metric (core/peers.py); absent without --redis-url.
+# replicas.stats() `peer_` key -> metric: Peers.stats() (replicas/peers.py); absent without --redis-url.
 PEERS: dict[str, Stat] = {
-    "fetches": _counter("encoder_peer_fetches", "Row fetches from another replica that got their rows"),
-    "bytes": _counter("encoder_peer_bytes", "Bytes of rows fetched from other replicas"),
-    "failures": _counter("encoder_peer_failed_fetches", "Row fetches from another replica that failed (any reason)"),
-    "no_answer": _counter("encoder_peer_failures", _PEER_FAILURES, reason="no_answer"),
-    "foreign": _counter("encoder_peer_failures", _PEER_FAILURES, reason="foreign_rows"),
-    "refused": _counter("encoder_peer_failures", _PEER_FAILURES, reason="auth_mismatch"),
-    "skipped": _counter("encoder_peer_skipped",
+    "peer_fetches": _counter("encoder_peer_fetches", "Row fetches from another replica that got their rows"),
+    "peer_bytes": _counter("encoder_peer_bytes", "Bytes of rows fetched from other replicas"),
+    "peer_failures": _counter("encoder_peer_failed_fetches",
+                              "Row fetches from another replica that failed (any reason)"),
+    "peer_no_answer": _counter("encoder_peer_failures", _PEER_FAILURES, reason="no_answer"),
+    "peer_foreign": _counter("encoder_peer_failures", _PEER_FAILURES, reason="foreign_rows"),
+    "peer_refused": _counter("encoder_peer_failures", _PEER_FAILURES, reason="auth_mismatch"),
+    "peer_skipped": _counter("encoder_peer_skipped",
                         "Row fetches not sent to a replica that did not answer in time, or sent rows that were not "
                         "the directory's, moments before (failed over at once)"),
 }
 
 
 class CacheCollector(Collector):
-    """Registered on the core's registry (core/metrics.py); `shm` is None when shared-memory fetch is off,
-    `peers` without Redis."""
+    """Registered on the core's registry (core/metrics.py); `cache`: what has `stats()` (the replicas' face, or
+    a store alone); `shm` is None when shared-memory fetch is off."""
 
-    def __init__(self, store, shm=None, peers=None):
-        self._store, self._shm, self._peers = store, shm, peers
+    def __init__(self, cache, shm=None):
+        self._cache, self._shm = cache, shm
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        _add(families, STORE, self._store.stats(), "encoder_cache_")
+        _add(families, STORE | PEERS, self._cache.stats(), "encoder_cache_")
         if self._shm is not None:
             _add(families, SHM, self._shm.stats(), "encoder_shm_")
-        if self._peers is not None:
-            _add(families, PEERS, self._peers.stats(), "encoder_peer_")
         yield from families.values()
 
 

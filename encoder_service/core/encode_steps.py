@@ -21,13 +21,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
-from encoder_service import errors
+from encoder_service import errors, timeouts
 from encoder_service.cache import CacheKey, EmbeddingStore, other_content
-from encoder_service.cache.bindings import RETIRED
-from encoder_service.core import timeouts
 from encoder_service.core.flight import conflict
-from encoder_service.core.replicas import Replicas
 from encoder_service.engine.engine import Engine
+from encoder_service.replicas import Replicas
+from encoder_service.replicas.bindings import RETIRED
 
 T = TypeVar("T")
 

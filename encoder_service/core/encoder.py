@@ -6,8 +6,8 @@ they share are encode_steps.py). Each id rides one flight (flight.py, the one si
 reads the store and, on a miss, submits the image to the engine (decoded on a CPU thread, encoded on the
 GPU thread) and puts its rows in the store. `wait=True` waits for the rows (and can return them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image, sized and read
-where each id's rows are (id_rows.py: its flight, the local tier, else, with Redis, the replica that holds
-them: replicas.py), only those rows (waiting for images still encoding). One `timeout_s` covers the waits and
+where each id's rows are (id_rows.py: its flight, the store, else the other replicas: the face the core
+holds, replicas/face.py), only those rows (waiting for images still encoding). One `timeout_s` covers the waits and
 the reads (timeouts.Deadline). Where the rows go is chosen before any wait (fetch_destination.py): the
 result, the client's shared-memory file (`ShmTarget`, shm_writer.py), or where they sit on the GPU (IPC:
 ipc_fetch.py, answered at once when the ids are not here).
@@ -29,20 +29,19 @@ from collections.abc import Sequence
 
 import torch
 
-from encoder_service import errors, preprocessing
+from encoder_service import errors, preprocessing, timeouts
 from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, model_fingerprint
 from encoder_service.cache.video_keys import group_key, is_video_id, video_key_from_id
-from encoder_service.core import shm_writer, timeouts
+from encoder_service.core import shm_writer
 from encoder_service.core.cache_metrics import CacheCollector
 from encoder_service.core.fetch_destination import Destinations
 from encoder_service.core.flight import Flights
-from encoder_service.core.replicas import Replicas
 from encoder_service.core.id_rows import IdRows
 from encoder_service.core.image_encode import ImageEncoder
 from encoder_service.core.ipc_fetch import IpcCollector, IpcFetches
 from encoder_service.core.images import ImageReader, Probed, warmup_image
 from encoder_service.core.metrics import Metrics, build_labels
-from encoder_service.core.peers import Peers
+from encoder_service.core.take_over import TakeOver
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput, VideoInput
 from encoder_service.core.urls import UrlFetcher
 from encoder_service.core.video_encode import VideoEncoder
@@ -55,6 +54,7 @@ from encoder_service.protocol.release import InvalidId, Released
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.protocol.video_info import VideoInfo
 from encoder_service.ranges import Segment, plan_chunk
+from encoder_service.replicas import Peers, RedisTier, form
 from encoder_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,11 @@ class EncoderCore:
     """Built by `build_core(settings)` (api/service.py); `start()` warms up, then `ready()` turns true."""
 
     def __init__(self, settings: Settings, *, loaded, runner, preprocess_cfg: preprocessing.PreprocessConfig,
-                 store: EmbeddingStore, metrics: Metrics | None = None, ipc_arena=None):
-        """`ipc_arena`: the device row arena (runtime/device_arena.py) for fetches by IPC; None: IPC is off."""
+                 store: EmbeddingStore, redis: RedisTier | None = None, metrics: Metrics | None = None,
+                 ipc_arena=None):
+        """`store`: what this process holds; `redis`: the tier replicas share (not started; None: this replica
+        is alone); `ipc_arena`: the device row arena (runtime/device_arena.py) for fetches by IPC; None: IPC is
+        off."""
         self.settings = settings
         self.loaded, self.runner, self.spec = loaded, runner, loaded.spec
         self.preprocess_cfg = preprocess_cfg
@@ -88,27 +91,29 @@ class EncoderCore:
         self.engine = Engine(encode=runner.encode,
                              batch_tokens=settings.engine.batch_tokens, buckets=runner.buckets,
                              max_queue=settings.engine.max_queue, metrics=self.metrics, arena=ipc_arena)
-        # Rows of ids other replicas hold come over their row path (peers.py); only with Redis (the directory).
-        self.peers = None if store.redis is None else Peers(
-            token=settings.server.auth_token, row_width=self.spec.row_width, dtype=loaded.dtype,
-            pool=self.engine.host_pool)
-        self.flights = Flights(store, self.engine, self.metrics, layout=self.spec.layout,
-                               lease_s=settings.cache.lease_s, peers=self.peers)
+        # The other replicas, as the core sees them (replicas/face.py): none (Solo) or those sharing `redis`,
+        # whose rows of ids they hold come over their row path (replicas/peers.py).
+        self.replicas = form(store, redis, Peers(token=settings.server.auth_token, row_width=self.spec.row_width,
+                                                 dtype=loaded.dtype, pool=self.engine.host_pool),
+                             layout=self.spec.layout, on_unmarked=self.metrics.pending_unmarked.inc)
+        self.flights = Flights(self.replicas, self.engine, self.metrics, layout=self.spec.layout,
+                               lease_s=settings.cache.lease_s)
         self._row_bytes = self.spec.row_width * loaded.dtype.itemsize
-        self.replicas = Replicas(store, self.metrics, flights=self.flights, images=self.images, engine=self.engine,
-                                 row_bytes=self._row_bytes, peers=self.peers)
+        self.take_over = TakeOver(store, self.replicas, flights=self.flights, images=self.images, engine=self.engine,
+                                  row_bytes=self._row_bytes)
         self.image_encoder = ImageEncoder(self.images, self.flights, store, self.engine, self.replicas, self.metrics,
                                           max_images=lim.max_images, max_request_pixels=lim.max_request_pixels,
                                           row_bytes=self._row_bytes, info=self._info)
         self.videos = self._video_encoder(settings, loaded, hash_algo=settings.cache.hash)
-        self.id_rows = IdRows(store, self.flights, self.videos.video_flights, self.replicas, self.metrics)
+        self.id_rows = IdRows(store, self.replicas, self.take_over, self.flights, self.videos.video_flights,
+                              self.metrics)
         srv = settings.server
         self.shm = shm_writer.ShmWriter(srv.shm_dir) if srv.shm_fetch else None  # None: shm fetch is off
-        self.metrics.registry.register(CacheCollector(store, self.shm, self.peers))
+        self.metrics.registry.register(CacheCollector(self.replicas, self.shm))
         self.ipc = IpcFetches(ipc_arena)  # core/ipc_fetch.py
         self.metrics.registry.register(IpcCollector(self.ipc))
         self.metrics.graph_captures(runner.describe())
-        self.destinations = Destinations(self.shm, self.ipc, self.id_rows, store, dtype=loaded.dtype,
+        self.destinations = Destinations(self.shm, self.ipc, self.id_rows, self.replicas, dtype=loaded.dtype,
                                          row_bytes=self._row_bytes, max_fetch_bytes=lim.max_fetch_bytes)
         self.metrics.build_info(**build_labels(attention=settings.engine.attention,
                                                preprocess=settings.model.preprocess))
@@ -135,21 +140,21 @@ class EncoderCore:
         urls = UrlFetcher(settings.limits.allow_url_hosts, max_bytes=v.max_video_bytes, what="video")
         reader = VideoReader(cfg, limits, urls, video_fp=self.video_fp, hash_algo=hash_algo, device=device,
                              dtype=loaded.dtype)
-        video_flights = VideoFlights(self.flights, self.store, reader, window=v.video_window)
+        video_flights = VideoFlights(self.flights, self.replicas, reader, window=v.video_window)
         return VideoEncoder(reader, video_flights, self.flights, self.store, self.engine, self.replicas, self.metrics,
                             max_videos=v.max_videos, row_bytes=self._row_bytes, info=self._video_info)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def advertise(self, url: str | None) -> None:
         """Where other replicas fetch the rows this one holds (its HTTP port), before `start`: written in Redis
-        beside this replica's liveness (cache/directory.py); None: they cannot (then they encode an id again
+        beside this replica's liveness (replicas/directory.py); None: they cannot (then they encode an id again
         from its kept bytes, or read a row copy)."""
-        if self.store.redis is not None:
-            self.store.redis.owner_url = url
+        self.replicas.advertise(url)
 
     async def start(self, *, warmup: bool = True) -> None:
-        """Start the store and engine, then run a real tiny encode through the whole engine."""
-        await self.store.start()
+        """Start the replicas' face (Redis) and the engine, then run a real tiny encode through the whole
+        engine."""
+        await self.replicas.start()
         await self.engine.start()
         self._started = True
         if warmup:
@@ -170,9 +175,7 @@ class EncoderCore:
             await self.engine.stop()
         await self.images.urls.close()
         await self.videos.reader.urls.close()
-        await self.store.close()
-        if self.peers is not None:
-            self.peers.close()
+        await self.replicas.close()
         if self.shm is not None:
             await asyncio.to_thread(self.shm.close)  # waits for copies in flight
         self.ipc.close()
@@ -187,10 +190,7 @@ class EncoderCore:
         """`ready`, with the Redis tier's state as detail ("up", "down", "failing_over" or "off") and, with
         Redis, `redis_detail`: its kind and each node's state. Redis down leaves the service ready: it serves
         from the local tier and encodes on. Liveness never looks at Redis."""
-        redis = self.store.redis
-        if redis is None:
-            return {"ready": self.ready(), "redis": "off"}
-        return {"ready": self.ready(), "redis": redis.state, "redis_detail": redis.describe()}
+        return {"ready": self.ready(), **self.replicas.readiness()}
 
     def metadata(self) -> dict:
         s, spec = self.settings, self.spec
@@ -277,7 +277,7 @@ class EncoderCore:
     def _owner_url(self) -> str | None:
         """Where clients may fetch what this replica answers for directly (with Redis: it holds the rows, or
         pulls them); None without Redis (there is no other replica to go past)."""
-        return self.store.redis.owner_url if self.store.redis is not None else None
+        return self.replicas.owner_url
 
     def _info(self, p: Probed, cached: bool) -> ImageInfo:
         spec = self.spec
@@ -338,7 +338,7 @@ class EncoderCore:
         t_plan = time.perf_counter()
         try:
             parts = await timeouts.gather_within(
-                deadline.bound(), *(self.id_rows.rows(keys[s.id], s, deadline, reach) for s in segments))
+                deadline.bound(), *(self.id_rows.rows(keys[s.id], s, reach) for s in segments))
         except BaseException as exc:
             destination.abort()
             if isinstance(exc, TimeoutError):

@@ -6,7 +6,7 @@
            chunk is planned, before the wait for rows; each segment's rows copied straight to its place
   IpcTo    left in the device row arena for a consumer on this host (core/ipc_fetch.py): what can be told
            without rows is answered before any wait: IPC off, the consumer on another host, or an id this
-           replica neither holds nor encodes, with its owner's address (cache/directory.py: Located.url) for
+           replica neither holds nor encodes, with its owner's address (replicas/directory.py: Located.url) for
            the consumer to ask. Rows are read from here only (flights, the local tier): pulling them from
            another replica would end a pin there (a delivered fetch) only to find them in no arena here.
 
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore
+from encoder_service.cache import CacheKey
 from encoder_service.core import shm_writer
 from encoder_service.core.id_rows import IdRows, Reach
 from encoder_service.core.ipc_fetch import IpcFetches
@@ -33,6 +33,7 @@ from encoder_service.core.types import FetchResult
 from encoder_service.protocol.ipc import IpcRequest, IpcUnavailable
 from encoder_service.protocol.shm import ShmTarget, placements
 from encoder_service.ranges import Segment
+from encoder_service.replicas import Replicas
 
 
 class RowsTo:
@@ -111,8 +112,8 @@ class IpcTo:
 
     reach = Reach.HERE  # rows on this replica's GPU: never pulled from another one
 
-    def __init__(self, fetches: IpcFetches, request: IpcRequest, id_rows: IdRows, store: EmbeddingStore):
-        self._fetches, self._request, self._id_rows, self._store = fetches, request, id_rows, store
+    def __init__(self, fetches: IpcFetches, request: IpcRequest, id_rows: IdRows, replicas: Replicas):
+        self._fetches, self._request, self._id_rows, self._replicas = fetches, request, id_rows, replicas
 
     async def early(self, keys: Mapping[str, CacheKey]) -> IpcUnavailable | None:
         refused = self._fetches.refusal(self._request)
@@ -121,7 +122,7 @@ class IpcTo:
         away = next((key for key in keys.values() if not self._id_rows.here(key)), None)
         if away is None:
             return None
-        located = await self._store.locate(away, strict=False)  # one directory read (kept a second), no wait
+        located = await self._replicas.locate(away, strict=False)  # one directory read (kept a second), no wait
         return self._fetches.not_here(away.id, located.url if located is not None else None)
 
     def planned(self, segments: list[Segment], start: int) -> None:
@@ -141,11 +142,11 @@ FetchDestination = RowsTo | ShmTo | IpcTo
 
 class Destinations:
     """Chooses each fetch's destination (`choose`), from the core's parts: the shm writer (None: shm fetch is
-    off), the IPC fetches, where ids' rows are, the store, the rows' dtype and bytes, --max-fetch-bytes."""
+    off), the IPC fetches, where ids' rows are, the other replicas, the rows' dtype and bytes, --max-fetch-bytes."""
 
-    def __init__(self, shm: shm_writer.ShmWriter | None, ipc: IpcFetches, id_rows: IdRows, store: EmbeddingStore,
+    def __init__(self, shm: shm_writer.ShmWriter | None, ipc: IpcFetches, id_rows: IdRows, replicas: Replicas,
                  *, dtype: torch.dtype, row_bytes: int, max_fetch_bytes: int):
-        self.shm, self.ipc, self._id_rows, self._store = shm, ipc, id_rows, store
+        self.shm, self.ipc, self._id_rows, self._replicas = shm, ipc, id_rows, replicas
         self._dtype, self._row_bytes, self._max_fetch_bytes = dtype, row_bytes, max_fetch_bytes
 
     def choose(self, shm: ShmTarget | None, ipc: IpcRequest | None, peer: str | None) -> FetchDestination:
@@ -153,7 +154,7 @@ class Destinations:
             if shm is not None:
                 raise errors.InvalidInput("a fetch asks for shm or ipc, not both")
             self.ipc.ack(ipc.ack)  # earlier fetches' copies are done
-            return IpcTo(self.ipc, ipc, self._id_rows, self._store)
+            return IpcTo(self.ipc, ipc, self._id_rows, self._replicas)
         if shm is not None:
             if self.shm is None:
                 raise shm_writer.disabled()

@@ -2,16 +2,17 @@
 failed ones.
 
 A flight starts with the first encode request of an id that has no flight here (or, with Redis, with a
-fetch of an id whose accepting replica is gone: core/replicas.py), and ends when its fill does. The fill
-only calls down, with data:
+fetch of an id whose accepting replica is gone: core/take_over.py), and ends when its fill does. The fill
+only calls down, with data, through the face of the replicas (replicas/face.py):
 
-    store.get(key)                      the local tier, else Redis (rows another replica wrote)
-    while another replica claimed the image (Redis; cache/directory.py):
-         store.wait_for(key)            its rows land (read them), or it is gone: store.mark_pending claims
-                                        the image here (whoever claims first encodes it)
+    replicas.get(key)                   this process's store, else Redis (a row copy another replica wrote)
+    replicas.pull(key)                  else the rows from the replica holding them (peer to peer)
+    while another replica claimed the image (Redis; replicas/directory.py):
+         replicas.wait_for(key)         its rows land (read them), or it is gone: replicas.mark_pending
+                                        claims the image here (whoever claims first encodes it)
     else engine.submit([Job(image bytes, grid_thw)])  -> rows   (decoded on a CPU thread, ViT on the GPU)
-         store.put(key, entry)          local tier, written behind to Redis
-    on any failure (cancelled too): store.failed(key, exc): Redis publishes it (or releases the claim)
+         replicas.put(key, entry)       the store, and written behind to Redis
+    on any failure (cancelled too): replicas.failed(key, exc): Redis publishes it (or releases the claim)
 
 and resolves to `Landed(entry, encoded, timings)`. A flight holds everything the core needs about its id
 meanwhile:
@@ -47,12 +48,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Entry, Marked, Settled, other_content
+from encoder_service.cache import CacheKey, Entry, other_content
 from encoder_service.cache.video_keys import VIDEO_PREFIX
 from encoder_service.core.images import Probed
-from encoder_service.core.peers import PeerAuthMismatch, Peers
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine, Job, Permit
+from encoder_service.replicas import Marked, Replicas, Settled
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,13 @@ class Flight:
 
 
 class Flights:
-    """The flights of one core, by cache key name. Event loop only. Fills read and write `store` and
-    encode on `engine`; `layout` is the rows' (models/spec.py), `lease_s` how long an encode stays wanted
+    """The flights of one core, by cache key name. Event loop only. Fills read and write through `replicas`
+    and encode on `engine`; `layout` is the rows' (models/spec.py), `lease_s` how long an encode stays wanted
     (past it nobody holds the id)."""
 
-    def __init__(self, store: EmbeddingStore, engine: Engine, metrics: Metrics, *, layout: str, lease_s: float,
-                 peers: Peers | None = None, failures_kept: int = FAILURES_KEPT):
-        self._store, self._engine, self._metrics, self._peers = store, engine, metrics, peers
+    def __init__(self, replicas: Replicas, engine: Engine, metrics: Metrics, *, layout: str, lease_s: float,
+                 failures_kept: int = FAILURES_KEPT):
+        self._replicas, self._engine, self._metrics = replicas, engine, metrics
         self._layout, self._lease_s = layout, lease_s
         self._flights: dict[str, Flight] = {}
         self._failures: OrderedDict[str, errors.EncoderServiceError] = OrderedDict()
@@ -147,9 +148,9 @@ class Flights:
             raise
         except BaseException as exc:  # cancelled too (every caller left): Redis publishes it, if claimed here
             if after is not None and not after.done():  # once the claim is written, not before
-                after.add_done_callback(lambda _, exc=exc: self._store.failed(flight.key, exc))
+                after.add_done_callback(lambda _, exc=exc: self._replicas.failed(flight.key, exc))
             else:
-                self._store.failed(flight.key, exc)
+                self._replicas.failed(flight.key, exc)
             if isinstance(exc, errors.EncoderServiceError) and exc.kind not in NOT_THE_IMAGES:
                 self._failures[name] = exc
                 while len(self._failures) > self._failures_kept:
@@ -164,14 +165,14 @@ class Flights:
     async def _fill(self, flight: Flight, image: Probed, *, elsewhere: bool) -> Landed:
         deadline = time.monotonic() + self._lease_s
         while True:
-            entry = await self._store.get(flight.key)
-            pulled = entry is None and (entry := await self._pull(flight.key)) is not None
+            entry = await self._replicas.get(flight.key)
+            pulled = entry is None and (entry := await self._replicas.pull(flight.key)) is not None
             if entry is not None:
                 if other_content(flight.content_tag, entry.header.content_tag):  # another replica's rows
-                    await self._store.withdraw(flight.key, entry.header.content_tag)
+                    await self._replicas.withdraw(flight.key, entry.header.content_tag)
                     raise conflict(flight.key)
                 if pulled:  # a copy here: its location names this replica too, and that settles our claim
-                    self._store.put(flight.key, entry)
+                    self._replicas.put(flight.key, entry)
                 if flight.permit is not None:  # a local miss when admitted: another replica's rows
                     self._metrics.cache_hits.labels(tier="peer" if pulled else "redis").inc()
                 return Landed(entry, encoded=False)
@@ -186,27 +187,8 @@ class Flights:
         # The engine's rows are owned host tensors: the entry takes them without a copy.
         entry = Entry.from_rows(encoded.rows, encoded.grid_thw, self._layout, copy=False,
                                 content_tag=flight.content_tag)
-        self._store.put(flight.key, entry)
+        self._replicas.put(flight.key, entry)
         return Landed(entry, encoded=True, timings=encoded.timings)
-
-    async def _pull(self, key: CacheKey) -> Entry | None:
-        """The rows another replica holds (Redis's directory says which: cache/directory.py), pulled whole over
-        its row path (peers.py: bounded however long the lease, its owner silent or not); None when no live
-        replica gives them (encode them here) or without Redis."""
-        if self._peers is None:
-            return None
-        located = await self._store.locate(key, strict=False)
-        if located is None or located.url is None:
-            return None
-        try:
-            rows, located = await self._peers.from_owner(self._store, key, 0, located.header.num_rows, copy=True,
-                                                         strict=False)
-        except PeerAuthMismatch:  # logged there; this flight has the image: it encodes it here instead
-            return None
-        if rows is None:
-            return None
-        return Entry.from_rows(rows, located.header.grid_thw, self._layout, copy=False,
-                               content_tag=located.header.content_tag)
 
     async def _wait_elsewhere(self, flight: Flight, data: Any, deadline: float) -> bool:
         """Another replica claimed the image first: wait for its rows rather than encode them twice. Its
@@ -216,12 +198,12 @@ class Flights:
         one did first (wait for that one). Never encode without the claim: two replicas that outlived the
         replica holding the rows would both encode it again."""
         key = flight.key
-        settled = await self._store.wait_for(key, max(0.0, deadline - time.monotonic()))
+        settled = await self._replicas.wait_for(key, max(0.0, deadline - time.monotonic()))
         if settled is Settled.TIMED_OUT:
             raise errors.DeadlineExceeded(f"id {key.id!r}: the replica encoding it did not finish within the "
                                           f"lease ({self._lease_s:g} s)")
         kept = {key.name: data} if isinstance(data, bytes) else {}  # a video's frame group keeps no bytes
-        marked = await self._store.mark_pending([key], self._lease_s, {key.name: flight.content_tag}, kept)
+        marked = await self._replicas.mark_pending([key], self._lease_s, {key.name: flight.content_tag}, kept)
         return key.name in marked.elsewhere
 
     def raise_failure(self, key: CacheKey) -> None:

@@ -1,11 +1,12 @@
 """Where one id's rows come from, for a fetch (core/encoder.py): its row count, then the rows of a segment.
 
 In order: how the id's last encode here failed (raised), its flight (rows once it lands), a video's frame
-group its driver has not reached yet (video_flights.py), the local tier (or a row copy in Redis), else the
-replica that holds them (replicas.py: peer to peer; should it be gone, this replica encodes the image again
-from its kept bytes). How far a fetch reaches is its destination's (core/fetch_destination.py): ANY (the above);
-HERE (a fetch by IPC: flights and the local tier, never another replica); HELD (another replica's fetch:
-what the local tier holds now, at once, never a wait; an id still encoding here is settled through Redis).
+group its driver has not reached yet (video_flights.py), the store, else the other replicas (the face:
+replicas/face.py; shared, a row copy in Redis or the replica that holds them, peer to peer; should it be
+gone, this replica encodes the image again from its kept bytes: take_over.py). How far a fetch reaches is
+its destination's (core/fetch_destination.py): ANY (the above); HERE (a fetch by IPC: flights and the store,
+never another replica); HELD (another replica's fetch: what the store holds now, at once, never a wait; an id
+still encoding here is settled through Redis).
 No rows anywhere: NotFound.
 """
 
@@ -17,14 +18,15 @@ import enum
 import torch
 
 from encoder_service import errors
+from encoder_service import timeouts
 from encoder_service.cache import CacheKey, EmbeddingStore, Entry
 from encoder_service.cache.video_keys import is_video_id
-from encoder_service.core import timeouts
 from encoder_service.core.flight import Flights
 from encoder_service.core.metrics import Metrics
-from encoder_service.core.replicas import Replicas
+from encoder_service.core.take_over import TakeOver
 from encoder_service.core.video_flights import VideoFlights
 from encoder_service.ranges import Segment
+from encoder_service.replicas import Replicas
 
 
 class Reach(enum.Enum):
@@ -34,10 +36,10 @@ class Reach(enum.Enum):
 
 
 class IdRows:
-    def __init__(self, store: EmbeddingStore, flights: Flights, video_flights: VideoFlights, replicas: Replicas,
-                 metrics: Metrics):
-        self.store, self.flights, self.video_flights = store, flights, video_flights
-        self.replicas, self.metrics = replicas, metrics
+    def __init__(self, store: EmbeddingStore, replicas: Replicas, take_over: TakeOver, flights: Flights,
+                 video_flights: VideoFlights, metrics: Metrics):
+        self.store, self.replicas, self.take_over = store, replicas, take_over
+        self.flights, self.video_flights, self.metrics = flights, video_flights, metrics
 
     def encoding(self, key: CacheKey) -> bool:
         """Its rows are still being encoded here (a flight, or a frame group its video's driver is on)."""
@@ -52,7 +54,7 @@ class IdRows:
         return self.encoding(key) or self.store.peek(key) is not None
 
     async def num_tokens(self, key: CacheKey, deadline: timeouts.Deadline, reach: Reach) -> int:
-        """The id's row count: its flight's, else its entry's header (local tier, else where Redis's directory
+        """The id's row count: its flight's, else its entry's header (the store, else where Redis's directory
         says the rows are), else that of the rows another replica is encoding, once they land (no Redis round
         trip for ids known here)."""
         if reach is Reach.HELD:
@@ -70,12 +72,12 @@ class IdRows:
             if entry is None:
                 raise errors.NotFound(f"id {key.id!r} is not held by this replica")
             return entry.num_rows
-        header = await self.store.header(key)
+        header = await self.replicas.header(key)
         if header is None:  # another replica's encode: its rows once they land, or taken over here
-            return await self.replicas.num_tokens_elsewhere(key, deadline)
+            return await self.replicas.num_tokens_elsewhere(key, deadline, self.take_over)
         return header.num_rows
 
-    async def rows(self, key: CacheKey, seg: Segment, deadline: timeouts.Deadline, reach: Reach) -> torch.Tensor:
+    async def rows(self, key: CacheKey, seg: Segment, reach: Reach) -> torch.Tensor:
         """The segment's rows [seg.row_start, seg.row_end) of the id: [n, row_width]."""
         if reach is Reach.HELD:
             rows = self._held(key).rows(seg.row_start, seg.row_end)
@@ -100,10 +102,10 @@ class IdRows:
                     entry = self.store.peek(key)
                     rows = entry.rows(seg.row_start, seg.row_end) if entry is not None else None
                 else:
-                    rows = self.store.local_rows(key, seg.row_start, seg.row_end)
+                    rows = self.store.rows(key, seg.row_start, seg.row_end)
                     if rows is None:  # another replica's (or a row copy in Redis, or encoded here again)
                         tier = "peer"
-                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, deadline)
+                        rows = await self.replicas.rows_elsewhere(key, seg.row_start, seg.row_end, self.take_over)
         if rows is None:
             raise errors.NotFound(f"unknown id {key.id!r}: evicted or its encode failed (encode it again)")
         self.metrics.cache_hits.labels(tier=tier).inc()

@@ -26,11 +26,11 @@ from encoder_service import errors
 from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.core.encode_steps import check_contents, pin_all, unique_items, wait_all
 from encoder_service.core.flight import Flight, Flights
-from encoder_service.core.replicas import Replicas
 from encoder_service.core.images import ImageReader, Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, ImageInfo, ImageInput
 from encoder_service.engine.engine import Engine, Permit
+from encoder_service.replicas import Replicas
 
 
 class ImageEncoder:

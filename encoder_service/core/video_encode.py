@@ -33,13 +33,13 @@ from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.cache.video_keys import GROUP_SEP
 from encoder_service.core.encode_steps import check_contents, pin_all, unique_items, wait_all
 from encoder_service.core.flight import Flights
-from encoder_service.core.replicas import GroupClaim, Replicas
 from encoder_service.core.metrics import Metrics
 from encoder_service.core.types import EncodeResult, VideoInput
 from encoder_service.core.video_flights import VideoFlight, VideoFlights
 from encoder_service.core.videos import ProbedVideo, VideoReader
 from encoder_service.engine.engine import Engine, Reservation
 from encoder_service.protocol.video_info import VideoInfo
+from encoder_service.replicas import GroupClaim, Replicas
 
 REJOINS = 3  # lookups of a request whose groups a flight in progress will not encode (each waits that flight out)
 

@@ -4,8 +4,9 @@ the engine in order, a window at a time, each group its own flight (flight.py) a
     driver: for each group g not cached when the video's encode started, in order:
               wait until fewer than `window` of the video's groups are in the engine (or a group lands)
               flights.join(group g: Job(GroupJob(decoder, g), (1, h, w)), a permit of the video's reservation)
-                 -> store.get, else the engine (the CPU threads decode group g from the video's one decoder,
-                    in order, and prepare it; the GPU thread encodes it batched with other work), store.put
+                 -> replicas.get, else the engine (the CPU threads decode group g from the video's one
+                    decoder, in order, and prepare it; the GPU thread encodes it batched with other work),
+                    replicas.put
             a group that fails ends the video: the groups after it fail with its error
 
 So a video never has more than `window` groups queued or prepared (the engine's Reservation holds that room
@@ -35,12 +36,13 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Entry
+from encoder_service.cache import CacheKey, Entry
 from encoder_service.cache.video_keys import GROUP_SEP
 from encoder_service.core.flight import FAILURES_KEPT, Flight, Flights
 from encoder_service.core.images import Probed
 from encoder_service.core.videos import GroupJob, ProbedVideo, VideoDecoder, VideoReader
 from encoder_service.engine.engine import Reservation
+from encoder_service.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +79,9 @@ class VideoFlights:
     """The video flights of one core, by the video's key name. Event loop only. Groups fly as `flights`
     (the core's, shared with images); `window`: a video's groups in the engine at once."""
 
-    def __init__(self, flights: Flights, store: EmbeddingStore, reader: VideoReader, *, window: int,
+    def __init__(self, flights: Flights, replicas: Replicas, reader: VideoReader, *, window: int,
                  failures_kept: int = FAILURES_KEPT):
-        self._flights, self._store, self._reader, self.window = flights, store, reader, window
+        self._flights, self._replicas, self._reader, self.window = flights, replicas, reader, window
         self._videos: dict[str, VideoFlight] = {}
         self._failures: OrderedDict[str, errors.EncoderServiceError] = OrderedDict()
         self._failures_kept = failures_kept
@@ -188,7 +190,7 @@ class VideoFlights:
         self._let_go(vf)
         for g, started in vf.started.items():
             if not started.done():
-                self._store.failed(keys[g], exc)
+                self._replicas.failed(keys[g], exc)
                 started.set_exception(exc)
                 started.exception()  # retrieved: nobody may be waiting
 

@@ -25,7 +25,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import key_from_id
-from encoder_service.cache.directory import binding_name, location_name
+from encoder_service.replicas.directory import binding_name, location_name
 from encoder_service.client import EncoderClient
 from encoder_service.client.types import ImageSource
 from tests.support.encoder_process import Replica, started

@@ -411,11 +411,11 @@ def test_replicas_share_entries_through_redis(request, redis_server, tiny_checkp
     data = image_bytes(80, 60, 31337)
     with client(a) as ca:
         info = encode_json(ca, [data], wait=True).json()["images"][0]
-    a.call(a.core.store.redis.flush)  # the write-behind has landed in Redis
+    a.call(a.core.replicas.redis.flush)  # the write-behind has landed in Redis
     before = images_encoded(b)
 
     async def store_stats():  # on b's loop: the store is not thread-safe
-        return b.core.store.stats()
+        return b.core.replicas.stats()
 
     with client(b) as cb:  # replica b never saw the image: Redis says a has it, and b fetches those rows there
         r = cb.post("/v1/fetch", json={"items": [{"id": info["id"], "offset": 2}], "start": 0, "end": 6})

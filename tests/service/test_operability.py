@@ -78,7 +78,7 @@ def test_metrics_carry_the_cache_redis_and_shm_counters(redis_service, tmp_path)
         assert m["encoder_cache_local_used_bytes"] == 768 * m["encoder_cache_local_entries"] <= 8192
         assert m["encoder_cache_pinned_bytes"] == m["encoder_cache_pinned_ids"] == 0
 
-        svc.call(svc.core.store.redis.flush)  # the write-behind has landed
+        svc.call(svc.core.replicas.redis.flush)  # the write-behind has landed
         m = scrape(c)
         assert m["encoder_cache_redis_writes_total"] == 16 and m["encoder_cache_redis_write_queue_bytes"] == 0
         assert m["encoder_cache_redis_dropped_writes_total{reason=failed}"] == 0

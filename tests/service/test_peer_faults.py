@@ -33,7 +33,7 @@ import torch
 from encoder_service import errors
 from encoder_service.api.service import bind_socket
 from encoder_service.cache import key_from_id
-from encoder_service.cache.directory import location_name, replica_name
+from encoder_service.replicas.directory import location_name, replica_name
 from encoder_service.client import EncoderClient
 from encoder_service.protocol.peer_auth import SCHEME
 from tests.support.blackhole import Blackhole
@@ -245,9 +245,9 @@ def test_a_forged_directory_address_gets_no_token_and_its_rows_are_refused(reque
         request.addfinalizer(fake.close)
         # Whoever can write Redis points A's address at the fake (A's own heartbeat made to write the same,
         # so that it does not put its address back meanwhile).
-        a.core.store.redis.owner_url = fake.url
+        a.core.replicas.redis.owner_url = fake.url
         with redis.Redis.from_url(shared_redis.url) as direct:
-            direct.set(replica_name(a.core.store.redis.owner), fake.url, px=4000)
+            direct.set(replica_name(a.core.replicas.redis.owner), fake.url, px=4000)
         rows = on_b.fetch([(info.id, 0)], 0, info.num_tokens).rows
     assert fake.requests, "B never asked the forged address"
     for head, body in fake.requests:
@@ -277,7 +277,7 @@ def test_a_peer_signature_authorizes_a_peer_fetch_only(request, tiny_checkpoint,
     a = running(request, tiny_checkpoint("qwen2_5_vl"), *redis_args(shared_redis, "--auth-token", TOKEN))
     with EncoderClient.http(a.url, token=TOKEN, timeout=WAIT_S, follow_owner=False) as on_a:
         (info,) = on_a.encode([image_bytes(64, 48, seed=38_600)], wait=True)
-    me, key = a.core.store.redis.owner, peer_key(TOKEN)
+    me, key = a.core.replicas.redis.owner, peer_key(TOKEN)
 
     def post(path: str, body: dict, to: str = me, signing_key: bytes = key) -> httpx.Response:
         raw = httpx.Request("POST", "/", json=body).content

@@ -35,7 +35,7 @@ from PIL import Image
 
 from encoder_service import errors
 from encoder_service.cache import key_from_id
-from encoder_service.cache.directory import location_name
+from encoder_service.replicas.directory import location_name
 from encoder_service.client import AsyncEncoderClient
 from tests.support.clients import sync_client
 from tests.support.forwarder import Forwarder
@@ -142,7 +142,7 @@ def test_128_concurrent_fetches_of_ids_only_a_holds(replicas, shared_redis):
     with sync_client(a, "http") as on_a:
         infos = [info for k in range(0, 128, 8) for info in on_a.encode(datas[k:k + 8], wait=True)]
         expected = {info.id: on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows for info in infos}
-    a.call(a.core.store.redis.flush)  # A's write-behind has landed: the directory knows
+    a.call(a.core.replicas.redis.flush)  # A's write-behind has landed: the directory knows
     names = [name_of(b, i.id) for i in infos]
     assert all(b.core.store.peek(n) is None for n in names)  # B has none of them locally
     with redis.Redis.from_url(shared_redis.url) as direct:
@@ -177,7 +177,7 @@ def test_a_redis_far_too_small_for_the_rows_holds_the_directory(request, tiny_ch
     with sync_client(a, "http") as on_a, sync_client(b, "grpc") as on_b:
         infos = [info for k in range(0, 80, 8) for info in on_a.encode(datas[k:k + 8], wait=True)]
         own = [on_a.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
-        a.call(a.core.store.redis.flush)
+        a.call(a.core.replicas.redis.flush)
         crossed = [on_b.fetch([(i.id, 0)], 0, i.num_tokens).rows for i in infos]
     assert sum(r.numel() * r.element_size() for r in own) > 3 * room
     assert all(torch.equal(x, y) for x, y in zip(crossed, own))
@@ -225,7 +225,7 @@ def test_an_id_a_serves_locally_but_redis_evicted_is_fetched_on_b(replicas, shar
     data = image_bytes(96, 96, seed=77)
     with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:
         (info,) = on_a.encode([data], wait=True)
-        a.call(a.core.store.redis.flush)
+        a.call(a.core.replicas.redis.flush)
         with redis.Redis.from_url(shared_redis.url) as direct:
             assert direct.delete(location_name(name_of(a, info.id))) == 1  # evicted from Redis; A still has it
         (again,) = on_a.encode([data])
@@ -240,7 +240,7 @@ def test_fetching_local_ids_sends_redis_nothing(replicas, shared_redis):
     a, _ = replicas
     with sync_client(a, "http") as on_a, redis.Redis.from_url(shared_redis.url) as direct:
         (info,) = on_a.encode([image_bytes(64, 64, seed=2024)], wait=True)
-        a.call(a.core.store.redis.flush)
+        a.call(a.core.replicas.redis.flush)
         before = direct.info("stats")["total_commands_processed"]
         for _ in range(5):
             on_a.fetch([(info.id, 0)], 0, info.num_tokens)

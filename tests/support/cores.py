@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from encoder_service.api.service import build_core
+from encoder_service.api.service import build_core, redis_tier
 from encoder_service.core import EncoderCore
 from tests.support.service import make_settings
 
@@ -44,7 +44,7 @@ class Cores:
         core = build_core(make_settings(self._checkpoint(family), *flags, grpc=False))
         if gated:
             core = EncoderCore(core.settings, loaded=core.loaded, runner=GatedRunner(core.runner),
-                               preprocess_cfg=core.preprocess_cfg, store=core.store)
+                               preprocess_cfg=core.preprocess_cfg, store=core.store, redis=redis_tier(core.settings))
         self._cores.append(core)
         await core.start()
         if gated:  # the warm-up encode went through the gate: `entered` counts the batches after it

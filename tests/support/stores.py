@@ -1,10 +1,12 @@
-"""EmbeddingStores against a real redis-server, for the cache tests: entries, fast fault timings."""
+"""Replicas' shared stores (replicas/shared.py: Shared, over an EmbeddingStore) against a real redis-server, for
+the cache tests: entries, fast fault timings."""
 
 from __future__ import annotations
 
 import torch
 
 from encoder_service.cache import EmbeddingStore, Entry
+from encoder_service.replicas import Peers, RedisOptions, RedisTier, Shared
 
 MIB = 1 << 20
 # Timeouts and probe intervals short enough for tests to see faults and recoveries quickly.
@@ -23,7 +25,10 @@ def make_entry(seed: int, num_rows=300, row_width=256, layout="main", dtype=torc
     return Entry.from_rows(torch.randn(num_rows, row_width, generator=g).to(dtype), (1, 2, 2 * num_rows), layout)
 
 
-async def open_store(url: str, local_bytes: int = 64 * MIB, **redis_options) -> EmbeddingStore:
-    store = EmbeddingStore(local_bytes, redis_url=url, redis_ttl_s=600, redis_options={**FAST, **redis_options})
+async def open_store(url: str, local_bytes: int = 64 * MIB, **redis_options) -> Shared:
+    """Started; its rows are make_entry's (no peer holds any: these replicas advertise no address)."""
+    redis = RedisTier(url, RedisOptions(ttl_s=600, **{**FAST, **redis_options}))
+    store = Shared(EmbeddingStore(local_bytes), redis, Peers(token=None, row_width=256, dtype=torch.bfloat16),
+                   layout="main")
     await store.start()
     return store

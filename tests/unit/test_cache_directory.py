@@ -13,8 +13,9 @@ import redis
 import torch
 from redis.crc import key_slot
 
-from encoder_service.cache import EmbeddingStore, EncodeFailed, Settled
-from encoder_service.cache.directory import binding_name, input_name, location_name, marker_name
+from encoder_service.cache import EmbeddingStore
+from encoder_service.replicas import EncodeFailed, Settled, Solo
+from encoder_service.replicas.directory import binding_name, input_name, location_name, marker_name
 from encoder_service.cache.keys import caller_key, content_hash, make_key
 from encoder_service.errors import ImageDecodeError, Unavailable
 from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
@@ -126,7 +127,7 @@ async def test_an_id_nobody_accepted_is_not_pending_at_once(redis_server):
         assert await b.wait_for("there", LONG_S) is Settled.LANDED  # in Redis already
         assert time.monotonic() - t0 < WOKEN_S
         assert b.stats()["redis_subscriber_connects"] == 0  # nothing to wait for: no subscription
-    local_only = EmbeddingStore(1 << 20)
+    local_only = Solo(EmbeddingStore(1 << 20))
     assert await local_only.wait_for("x", LONG_S) is Settled.NOT_PENDING  # no Redis: nothing to wait on
 
 
@@ -398,8 +399,8 @@ async def test_a_local_hit_that_redis_evicted_is_shared_again(redis_server):
         assert await b.wait_for("k", LONG_S) is Settled.LANDED
         assert torch.equal(await b.read_rows("k", 0, 300), entry.tensor)
         assert a.stats()["reshared"] == 1
-        local_only = EmbeddingStore(1 << 20)
-        assert await local_only.share(["k"]) == 0  # no Redis: nothing to share
+        local_only = Solo(EmbeddingStore(1 << 20))
+        assert local_only.mark([], [make_key(b"k", "fp", "blake3")]) is None  # no Redis: nothing to share
 
 
 async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_server):

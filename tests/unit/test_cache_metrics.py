@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_service.cache import EmbeddingStore, Entry
 from encoder_service.core.cache_metrics import PEERS, SHM, STORE, CacheCollector
-from encoder_service.core.peers import Peers
 from encoder_service.core.shm_writer import ShmWriter
+from encoder_service.replicas import Peers, RedisTier, Shared
 
 
 def scrape(registry: CollectorRegistry) -> dict:
@@ -21,13 +21,12 @@ def scrape(registry: CollectorRegistry) -> dict:
 
 
 def test_every_stat_has_a_described_metric(tmp_path):
-    store = EmbeddingStore(1 << 20, "redis://127.0.0.1:1/0")  # never started: no connection is made
-    shm = ShmWriter(str(tmp_path))
+    peers = Peers(token=None, row_width=8, dtype=torch.float32)
+    store = Shared(EmbeddingStore(1 << 20), RedisTier("redis://127.0.0.1:1/0"), peers, layout="main")  # never
+    shm = ShmWriter(str(tmp_path))  # started: no connection is made
     try:
-        assert set(store.stats()) <= set(STORE), "give each new store stat a row in core/cache_metrics.py"
+        assert set(store.stats()) <= set(STORE) | set(PEERS), "give each new stat a row in core/cache_metrics.py"
         assert set(shm.stats()) <= set(SHM)
-        peers = Peers(token=None, row_width=8, dtype=torch.float32)
-        assert set(peers.stats()) <= set(PEERS)
         peers.close()
     finally:
         shm.close()

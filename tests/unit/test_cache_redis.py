@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 import torch
 
 from encoder_service import errors
-from encoder_service.cache.directory import location_name
+from encoder_service.replicas.directory import location_name
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, EntryHeader, verify_rows
 from tests.support.stores import LOADED, STATE_WAIT_S, make_entry, open_store
 from tests.support.waits import async_wait_for
@@ -27,7 +27,7 @@ CASES = [  # (num_rows, row_width, layout, dtype): Qwen2.5 'main' and Qwen3 [mai
 
 
 def log_count(caplog, text: str) -> int:
-    return sum(text in r.getMessage() for r in caplog.records if r.name.startswith("encoder_service.cache"))
+    return sum(text in r.getMessage() for r in caplog.records if r.name.startswith("encoder_service.replicas"))
 
 
 @pytest.mark.parametrize("num_rows,row_width,layout,dtype", CASES)
@@ -118,7 +118,7 @@ async def test_corrupt_truncated_and_foreign_values_are_misses(redis_server):
 async def test_bad_values_are_counted_every_time_and_logged_rarely(redis_server, caplog):
     """A value rewritten while another replica reads it reads as corrupt, thousands of times a second under
     load: each is counted, one line is logged per CORRUPT_LOG_S (before: a WARNING per read)."""
-    caplog.set_level(logging.WARNING, logger="encoder_service.cache")
+    caplog.set_level(logging.WARNING, logger="encoder_service.replicas")
     store = await open_store(redis_server.url)
     with redis.Redis.from_url(redis_server.url) as direct:
         direct.set("k", b"some other service's value" * 10)
@@ -142,7 +142,7 @@ async def test_header_alone_is_read_and_verified(redis_server):
     assert (header.grid_thw, header.layout, header.dtype) == (entry.header.grid_thw, "main+deepstack3", torch.bfloat16)
     assert direct.info("stats")["total_net_output_bytes"] - sent < 4096  # the rows (92 KB) were not pulled
     stats = reader.stats()
-    assert stats["redis_located"] == 1 and stats["redis_hits"] == 0 and reader.peek("k") is None
+    assert stats["redis_located"] == 1 and stats["redis_hits"] == 0 and reader.store.peek("k") is None
     assert stats["local_entries"] == 0  # nothing promoted
     assert await reader.header("missing") is None
     # The row copy's own header, verified (without the location the writer's heartbeat renews: none here).
@@ -231,9 +231,9 @@ async def test_redis_killed_and_restarted_mid_run(redis_server, caplog):
     """Rows finished while Redis is down wait in the backlog and are written once it is back (issue 22 item
     2; before, they were dropped: another replica answered 404 for them from then on); so are the ids leased
     here from before the outage, which the restarted (empty) Redis lost."""
-    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    caplog.set_level(logging.INFO, logger="encoder_service.replicas")
     store = await open_store(redis_server.url)
-    store.pin("a", nbytes=1)  # leased here, as an encode pins its id
+    store.store.pin("a", nbytes=1)  # leased here, as an encode pins its id
     store.put("a", make_entry(1))
     await store.redis.flush()
     redis_server.kill()
@@ -307,7 +307,7 @@ async def test_the_backlog_is_bounded_and_what_it_drops_is_counted(redis_server)
 
 
 async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
-    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    caplog.set_level(logging.INFO, logger="encoder_service.replicas")
     store = await open_store(redis_server.url)
     store.put("a", make_entry(1))
     await store.redis.flush()
@@ -327,7 +327,7 @@ async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
 
 
 async def test_full_redis_without_eviction_pauses_writes_and_keeps_serving(redis_server_noevict, caplog):
-    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    caplog.set_level(logging.INFO, logger="encoder_service.replicas")
     url = redis_server_noevict.url
     store = await open_store(url)
     entries = [make_entry(i, 512, 256, "main", torch.float32) for i in range(12)]  # 12 x 512 KiB into 2 MB
@@ -410,7 +410,7 @@ async def test_writes_refused_during_an_oom_pause_do_not_extend_it(redis_server_
 async def test_unreachable_at_start_then_comes_up(caplog):
     from tests.support.redis_server import RedisServer
 
-    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    caplog.set_level(logging.INFO, logger="encoder_service.replicas")
     server = RedisServer()
     store = await open_store(server.url)  # nothing listening yet
     try:
@@ -535,7 +535,7 @@ async def test_first_reads_after_an_unnoticed_restart_retry_once_on_a_fresh_conn
 
 
 async def test_restart_recovers_within_one_probe_interval_and_then_reads_succeed(redis_server, caplog):
-    caplog.set_level(logging.INFO, logger="encoder_service.cache")
+    caplog.set_level(logging.INFO, logger="encoder_service.replicas")
     probe_max_s = 0.5
     store = await open_store(redis_server.url, probe_min_s=0.1, probe_max_s=probe_max_s)
     entries = {f"k{i}": make_entry(i, 64, 128) for i in range(20)}

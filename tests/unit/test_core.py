@@ -20,16 +20,17 @@ import pytest
 import redis
 import torch
 
-from encoder_service import errors
+from encoder_service import errors, timeouts
 from encoder_service.cache import CacheKey, EmbeddingStore, key_from_id, make_key
-from encoder_service.cache.directory import binding_name, input_name, is_pending, marker_name
 from encoder_service.cache.keys import content_tag
-from encoder_service.core import FetchItem, ImageInput, timeouts
+from encoder_service.core import FetchItem, ImageInput
 from encoder_service.core.flight import Flights
 from encoder_service.core.images import Probed
 from encoder_service.core.metrics import Metrics
 from encoder_service.engine.engine import Engine
 from encoder_service.ranges import chunks, plan_chunk
+from encoder_service.replicas import Solo
+from encoder_service.replicas.directory import binding_name, input_name, is_pending, marker_name
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.reference import assert_close, reference_rows
 from tests.support.waits import async_wait_for
@@ -246,7 +247,7 @@ async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_se
     a, b = image_bytes(64, 64, 52), image_bytes(96, 64, 53)
     # Rows another replica wrote (in Redis): a Conflict before the answer, without waiting.
     await a_core.encode(named(a, "x"), wait=True)
-    await a_core.store.redis.flush()
+    await a_core.replicas.redis.flush()
     with pytest.raises(errors.Conflict, match="'u:x' already names other image bytes"):
         await b_core.encode(named(b, "x"))
     (same,) = (await b_core.encode(named(a, "x"), wait=True)).images
@@ -261,7 +262,7 @@ async def test_a_caller_id_names_one_content_across_replicas(make_core, redis_se
     # the fill finds can: a waiting encode fails with the Conflict, but that is the request's failure, never the
     # id's: a fetch of the id there gets the rows of the content it names.
     (first,) = (await a_core.encode(named(a, "z"), wait=True, return_embeddings=True)).embeddings
-    await a_core.store.redis.flush()
+    await a_core.replicas.redis.flush()
 
     async def cannot_tell(tags):
         return {}
@@ -385,7 +386,7 @@ async def test_failures_are_remembered_up_to_a_bound():
     engine = Engine(encode=lambda pixel_values, grids: [], batch_tokens=64)
     await engine.start()
     try:
-        flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main", lease_s=60, failures_kept=2)
+        flights = Flights(Solo(EmbeddingStore(1 << 20)), engine, Metrics(), layout="main", lease_s=60, failures_kept=2)
         keys = [make_key(bytes([k]), "fp") for k in range(3)]
         for key in keys:
             flight = flights.join(Probed(key, (1, 2, 2), 1, b"image", reader=Undecodable()), None)
@@ -414,7 +415,7 @@ async def test_a_failure_not_of_the_image_is_not_its_outcome(failure):
     if failure == "timeout":
         await engine.start()
     try:
-        flights = Flights(EmbeddingStore(1 << 20), engine, Metrics(), layout="main",
+        flights = Flights(Solo(EmbeddingStore(1 << 20)), engine, Metrics(), layout="main",
                           lease_s=0.0 if failure == "timeout" else 60)
         key = make_key(b"x", "fp")
         flight = flights.join(Probed(key, (1, 2, 2), 1, b"image", reader=Blank()), None)
@@ -442,7 +443,7 @@ async def test_queue_permits_are_given_back(make_core, redis_server):
     reader = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     data = image_bytes(80, 60, 14)
     (first,) = (await writer.encode(inputs(data), wait=True)).images
-    await writer.store.redis.flush()  # the write-behind has landed
+    await writer.replicas.redis.flush()  # the write-behind has landed
     encoded = images_encoded(reader)
     (second,) = (await reader.encode(inputs(data), wait=True)).images
     assert second.id == first.id and second.cached and images_encoded(reader) == encoded
@@ -464,11 +465,11 @@ async def test_encode_marks_its_misses_pending_before_answering(make_core, redis
     assert is_pending(marker_of(redis_server, key_of(core, data)))
     core.runner.gate.set()
     await core.encode(inputs(data), wait=True)
-    await core.store.redis.flush()
+    await core.replicas.redis.flush()
     assert marker_of(redis_server, key_of(core, data)) is None  # the rows landed: the marker went with them
-    marked = core.store.stats()["redis_pending_marked"]
+    marked = core.replicas.stats()["redis_pending_marked"]
     await core.encode(inputs(data))  # cached here: nothing to mark
-    assert core.store.stats()["redis_pending_marked"] == marked
+    assert core.replicas.stats()["redis_pending_marked"] == marked
 
 
 async def test_encode_goes_on_when_its_marker_cannot_be_written(make_core, redis_server):
@@ -492,7 +493,7 @@ async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, r
         await b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=0.2)
     assert time.monotonic() - t0 < 10  # the timeouts ended them (else they'd wait for the gate: the test's timeout)
     fetching = asyncio.create_task(b.fetch([FetchItem(info.id, 0)], 0, 4, timeout_s=WAIT_S))
-    await async_wait_for(lambda: b.store.stats()["redis_pending_waits"] == 2, "B's fetch waiting", WAIT_S)
+    await async_wait_for(lambda: b.replicas.stats()["redis_pending_waits"] == 2, "B's fetch waiting", WAIT_S)
     a.runner.gate.set()
     rows = (await asyncio.wait_for(fetching, WAIT_S)).rows
     assert torch.equal(rows, (await a.fetch([FetchItem(info.id, 0)], 0, 4)).rows)
@@ -501,12 +502,12 @@ async def test_a_fetch_on_another_core_waits_within_its_one_timeout(make_core, r
 async def test_a_fetch_stops_waiting_elsewhere_when_another_of_its_ids_is_unknown(make_core, redis_server):
     b = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
     pending = key_from_id("ab" * 16, b.model_fp, b.settings.cache.hash)
-    assert await b.store.mark_pending([pending])  # as another replica that accepted it (and never finishes)
+    assert await b.replicas.mark_pending([pending])  # as another replica that accepted it (and never finishes)
     fetching = asyncio.create_task(b.fetch([FetchItem(pending.id, 0), FetchItem("cd" * 16, 8)], 0, 12,
                                            timeout_s=WAIT_S))
     with pytest.raises(errors.NotFound, match="'cd"):
         await asyncio.wait_for(fetching, 5)
-    await async_wait_for(lambda: b.store.stats()["redis_pending_channels"] == 0,
+    await async_wait_for(lambda: b.replicas.stats()["redis_pending_channels"] == 0,
                          "the wait for the other id cancelled", WAIT_S)
     redis_server.kill()
     with pytest.raises(errors.Unavailable, match="Redis tier"):  # not here, and Redis cannot tell: 503
@@ -530,13 +531,13 @@ async def test_a_fetch_of_an_id_whose_flight_waits_for_its_marker_waits_for_the_
     """A new flight's fill starts once the id's pending marker is written (a Redis round trip): a fetch of the
     id meanwhile (another request's: its encode joined the flight) waits for the flight, it is no 404."""
     core = await make_core("qwen2_5_vl", *with_row_copies(redis_server))
-    gate, mark_pending = asyncio.Event(), core.store.mark_pending
+    gate, mark_pending = asyncio.Event(), core.replicas.mark_pending
 
     async def slow_mark_pending(keys, **kw):
         await gate.wait()
         return await mark_pending(keys, **kw)
 
-    core.store.mark_pending = slow_mark_pending
+    core.replicas.mark_pending = slow_mark_pending
     data = image_bytes(64, 64, 43)
     key = key_of(core, data)
     encoding = asyncio.create_task(core.encode(inputs(data)))

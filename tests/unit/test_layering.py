@@ -24,10 +24,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     # the LLM side: a client of the service, never its server; of models/ only the row-width rules
     "integrations": {"client", "protocol", "ranges", "errors", "settings", "models.configs", "models.spec"},
     # transports: parse, call the core, answer; api/service.py builds the core from its parts
-    "api": {"core", "engine", "runtime", "preprocessing", "models", "cache", "protocol", "ranges", "errors",
-            "settings", ""},
-    # the flow: no transport; a replica fetches rows from another as a client does (core/peers.py)
-    "core": {"engine", "preprocessing", "models", "cache", "client", "protocol", "ranges", "errors", "settings", ""},
+    "api": {"core", "replicas", "engine", "runtime", "preprocessing", "models", "cache", "protocol", "ranges",
+            "errors", "settings", ""},
+    # the flow: no transport
+    "core": {"replicas", "engine", "preprocessing", "models", "cache", "protocol", "ranges", "timeouts", "errors",
+             "settings", ""},
+    # what replicas share and how (Redis, the row path between them): what this process holds is cache/'s; a
+    # replica fetches rows from another as a client does (client/raw_http.py)
+    "replicas": {"cache", "protocol", "ranges", "timeouts", "errors", "redis_url", "client.raw_http"},
     "engine": {"runtime", "models", "errors", "settings"},
     # the device row arena makes its CUDA IPC handle with the calls its consumers open it with (protocol/cuda_ipc.py)
     "runtime": {"models", "ops", "errors", "settings", "protocol.cuda_ipc"},
@@ -36,11 +40,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     # host memory pool the server's rows come from, for the rows of its own fetches
     "client": {"protocol", "ranges", "errors", "runtime.host_pool"},
     "settings": {"protocol", "errors", "redis_url"},
-    "cache": {"errors", "redis_url", ""},
+    "cache": {"errors", ""},
     "redis_url": set(),
     "protocol": {"ranges", "errors"},
     "models": {"ops", "errors"},
     "ranges": {"errors"},
+    "timeouts": {"errors"},
     "ops": {"errors"},
     "testing": set(),
     "errors": set(),

@@ -13,7 +13,8 @@ import pytest
 
 from encoder_service import errors
 from encoder_service.api import errors as api_errors
-from encoder_service.cache import CorruptEntry, EncodeFailed
+from encoder_service.cache import CorruptEntry
+from encoder_service.replicas import EncodeFailed
 from encoder_service.client.base import ImageInfo as ClientImageInfo
 from encoder_service.client.errors import remote_error
 from encoder_service.core.metrics import Metrics

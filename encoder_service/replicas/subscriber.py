@@ -26,7 +26,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-log = logging.getLogger("encoder_service.cache.redis")
+log = logging.getLogger("encoder_service.replicas.redis")
 
 
 class SubscriberLost(Exception):

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from redis.exceptions import OutOfMemoryError
 
-from encoder_service.cache.directory import (
+from encoder_service.replicas.directory import (
     LANDED, RELEASED, input_name, is_pending, marker_name, pending_owner, pending_value,
 )  # fmt: skip
-from encoder_service.cache.redis_connections import Connections
+from encoder_service.replicas.redis_connections import Connections
 
 
 _REWRITE_BATCH = 64  # kept inputs written again per round trip after an outage (up to the input budget in all)

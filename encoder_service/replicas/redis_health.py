@@ -37,12 +37,12 @@ from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from encoder_service.cache.bindings import NO_NODE, NODE_RUN_ID
-from encoder_service.cache.redis_connections import Connections, PoolTimeout
+from encoder_service.replicas.bindings import NO_NODE, NODE_RUN_ID
+from encoder_service.replicas.redis_connections import Connections, PoolTimeout
 from encoder_service.redis_url import CLUSTER, SENTINEL
-from encoder_service.cache.subscriber import Subscriber
+from encoder_service.replicas.subscriber import Subscriber
 
-log = logging.getLogger("encoder_service.cache.redis")
+log = logging.getLogger("encoder_service.replicas.redis")
 
 # A lost connection, and what a failover answers meanwhile: a Cluster's slots without a master (CLUSTERDOWN,
 # TRYAGAIN), a Sentinel's old master demoted to a replica (READONLY). All mean "down until the probe finds every

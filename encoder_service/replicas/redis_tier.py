@@ -45,18 +45,18 @@ import torch
 import xxhash
 from redis.exceptions import OutOfMemoryError, RedisError
 
-from encoder_service.cache import bindings, directory
+from encoder_service.replicas import bindings, directory
 from encoder_service.cache.entry import HEADER_LEN, CorruptEntry, Entry, EntryHeader, rows_from_blocks
-from encoder_service.cache.claims import Claim, Claims
-from encoder_service.cache.directory import (
+from encoder_service.replicas.claims import Claim, Claims
+from encoder_service.replicas.directory import (
     LANDED, RELEASED, EncodeFailed, Located, Marked, Settled, input_name, is_pending, marker_name,
 )  # fmt: skip
-from encoder_service.cache.redis_connections import Connections, PoolTimeout, timeout, timeout_at
-from encoder_service.cache.redis_health import UNREACHABLE, RedisHealth
-from encoder_service.cache.subscriber import Subscriber, SubscriberLost
+from encoder_service.replicas.redis_connections import Connections, PoolTimeout, timeout, timeout_at
+from encoder_service.replicas.redis_health import UNREACHABLE, RedisHealth
+from encoder_service.replicas.subscriber import Subscriber, SubscriberLost
 from encoder_service.errors import Unavailable
 
-log = logging.getLogger("encoder_service.cache.redis")
+log = logging.getLogger("encoder_service.replicas.redis")
 T = TypeVar("T")
 
 # Verify (hash) values larger than this in a worker thread so the event loop keeps serving.

@@ -29,7 +29,7 @@ expires (`RedisTier.retire`): both callers get a 404 or a 409, never the other's
 from __future__ import annotations
 
 from encoder_service.cache.entry import HEADER_LEN
-from encoder_service.cache.redis_connections import LuaScript
+from encoder_service.replicas.redis_connections import LuaScript
 
 RETIRED_VALUE = b"retired"
 # The content tag inside an entry header (entry.py's _FIELDS: magic 4, version 2, dtype 1, checksum 1, six u32,

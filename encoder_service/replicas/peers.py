@@ -9,7 +9,7 @@ range over `split_bytes` is fetched over several connections at once (each its o
 destination), as the client does for a large `out`.
 
     peers = Peers(token=..., row_width=..., dtype=torch.bfloat16, pool=engine.host_pool)
-    rows, located = await peers.from_owner(store, key, 0, 713, copy=False)
+    rows, located = await peers.from_owner(redis, key, 0, 713, copy=False)
 
 The request says it comes from a peer (`"peer": "fetch"`, or `"copy"` for a replica that keeps what it
 pulls, whose fetch must not end the owner's pins): the owner answers at once from the rows it holds, never
@@ -51,12 +51,14 @@ from urllib.parse import urlsplit
 import torch
 
 from encoder_service import errors
-from encoder_service.cache import CacheKey, EmbeddingStore, Located
+from encoder_service.cache import CacheKey
 from encoder_service.cache.entry import CorruptEntry, verify_rows
 from encoder_service.client.raw_http import ConnectTimedOut, NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
-from encoder_service.core.timeouts import gather_within
 from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import DTYPES
+from encoder_service.replicas.directory import Located
+from encoder_service.replicas.redis_tier import RedisTier
+from encoder_service.timeouts import gather_within
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +114,16 @@ class Peers:
         self._lock = threading.Lock()
         self.counters = dict(fetches=0, bytes=0, failures=0, no_answer=0, skipped=0, foreign=0, refused=0)
 
-    async def from_owner(self, store: EmbeddingStore, key: CacheKey, start: int, end: int, *, copy: bool,
+    async def from_owner(self, redis: RedisTier, key: CacheKey, start: int, end: int, *, copy: bool,
                          strict: bool = True) -> tuple[torch.Tensor, Located] | tuple[None, Located | None]:
-        """Rows [start, end) of `key` from the replica Redis's directory names, and where they were found.
+        """Rows [start, end) of `key` from the replica `redis`'s directory names, and where they were found.
         A replica that does not give them (gone, silent, lost them, rows not the directory's) is forgotten
         and the directory read afresh once (another replica may hold them now: one that encoded them again).
         (None, the last location read) when no live replica gives them. `strict`: Unavailable while Redis is
         down, else (None, None). PeerAuthMismatch: the owner refused this replica's signature."""
         located = None
         for _ in range(2):
-            located = await store.locate(key, strict=strict)
+            located = await redis.locate(key.name, strict=strict)
             if located is None or located.url is None:
                 break
             try:
@@ -130,7 +132,7 @@ class Peers:
                 raise
             except (errors.Unavailable, errors.NotFound) as exc:
                 log.info("id %s: the replica holding its rows (%s) did not give them: %s", key.id, located.url, exc)
-                store.forget_location(key, located.owner)
+                redis.forget_location(key.name, located.owner)
         return None, located
 
     async def rows(self, located: Located, public_id: str, start: int, end: int, *, copy: bool) -> torch.Tensor:
