@@ -72,20 +72,20 @@ async def bench(url: str, iters: int) -> list[dict]:
             return read
 
         async def redis_get():
-            return await reader.redis.get(key)
+            return await reader.redis.reads.get(key)
 
         def redis_rows(n):
             async def read():
-                return await reader.redis.read_rows(key, 0, n)
+                return await reader.redis.reads.read_rows(key, 0, n)
 
             return read
 
         async def redis_write():  # the tier's own write-behind path, waited for
-            assert reader.redis.write_behind(key, entry), "write-behind refused"
+            assert reader.redis.writes.write_behind(key, entry), "write-behind refused"
             await reader.redis.flush()
             return True
 
-        fetched = await reader.redis.get(key)
+        fetched = await reader.redis.reads.get(key)
         assert torch.equal(fetched.tensor, entry.tensor)
         ranges = [min(n, num_rows) for n in RANGE_ROWS]
         for n in ranges:

@@ -36,14 +36,14 @@ class Announcer:
         marked pending for the lease and written again from the store (a fetch elsewhere waits for the
         write); the others are only touched in Redis (its LRU follows their use here). Returns how many
         were written again."""
-        missing = {name: entry for name in await self.redis.touch(names)
+        missing = {name: entry for name in await self.redis.writes.touch(names)
                    if (entry := self.store.peek(name)) is not None}
         if not missing:
             return 0
-        await self.redis.mark_pending(list(missing), self.lease_s,
+        await self.redis.pending.mark_pending(list(missing), self.lease_s,
                                       {name: entry.header.content_tag for name, entry in missing.items()})
         for name, entry in missing.items():  # each write, once it lands, settles its marker
-            self.redis.write_behind(name, entry)
+            self.redis.writes.write_behind(name, entry)
         self.counters["reshared"] += len(missing)
         return len(missing)
 
@@ -100,11 +100,11 @@ class Announcer:
         dropped."""
         if not tags:
             return []
-        bound = await self.redis.bind_tags(tags, again=True)
+        bound = await self.redis.bindings.bind_tags(tags, again=True)
         lost = [name for name, tag in bound.items() if tag != tags[name]]
         if not lost:
             return []
-        await self.redis.retire([name for name in lost if bound[name] != RETIRED])
+        await self.redis.bindings.retire([name for name in lost if bound[name] != RETIRED])
         for name in lost:
             self.store.local.discard(name)
         log.warning("%d caller ids held here are bound to other bytes in Redis, or retired (Redis lost them, then "

@@ -23,7 +23,7 @@ So the script, atomically on the id's Redis node:
 A *retired* id (RETIRED, the binding's value `retired`) is one Redis lost everything about while a replica
 held it, and that was then sent with other bytes elsewhere: two contents exist under it on two replicas, and
 no fetch can say which its caller meant. Every replica drops it, and it names nothing until the retirement
-expires (`RedisTier.retire`): both callers get a 404 or a 409, never the other's rows.
+expires (binding_writes.py: `retire`): both callers get a 404 or a 409, never the other's rows.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""This replica's claims in Redis (cache/directory.py): the ids it accepted and encodes (or whose rows it
+"""This replica's claims in Redis (replicas/directory.py): the ids it accepted and encodes (or whose rows it
 writes), each a pending marker it renews until the outcome settles it, with the image bytes beside it.
 
     claims = Claims(connections, owner, pending_ttl_s=4, max_claims=65536, max_input_bytes=256 << 20)
@@ -9,12 +9,12 @@ writes), each a pending marker it renews until the outcome settles it, with the 
     await claims.settle(key, value, claim, failure_ttl_s)   # landed, failed or released: state, then message
     await claims.withdraw(key)                              # the id names other rows: no claim, no input
 
-The tier (redis_tier.py) owns one, runs its heartbeat, and answers the Redis errors these raise. Bounded:
-at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by itself), each claim
-until its lease ends at the latest. Image bytes stay in Redis for their lease, after the rows land too (so
-that another replica can encode the image again should this one die); this replica keeps at most
-`input_budget` bytes of them there at a time (`max_input_bytes`, a quarter of Redis's maxmemory when that is
-smaller): past it the oldest it kept are deleted to make room (but not the newer bytes of a key claimed
+The tier owns one (redis_link.py), runs its heartbeat (redis_tier.py), and answers the Redis errors these
+raise. Bounded: at most `max_claims` ids (past it the oldest is no longer renewed: its marker expires by
+itself), each claim until its lease ends at the latest. Image bytes stay in Redis for their lease, after the
+rows land too (so that another replica can encode the image again should this one die); this replica keeps at
+most `input_budget` bytes of them there at a time (`max_input_bytes`, a quarter of Redis's maxmemory when that
+is smaller): past it the oldest it kept are deleted to make room (but not the newer bytes of a key claimed
 again), the newest images (those most likely not yet fetched) always kept. On a Redis that never evicts
 (noeviction) an image's bytes are kept only while Redis is under half full as last read (`redis_memory`):
 else, and when Redis refuses them, not kept (counted); the markers and the directory always come first.

@@ -5,13 +5,13 @@ Behind one Service an LLM server's `encode` and its `fetch` land on different re
 asked for the same new image at once, and a replica may die (or lose Redis) mid-encode. So, per id:
 
   - A *claim*: the replica that accepts an id (before it answers `encode`) SETs a small *pending marker*
-    next to the entry with NX (`RedisTier.mark_pending`): `pending <content tag: 16 hex> <owner>`. The first
+    next to the entry with NX (pending.py: `mark_pending`): `pending <content tag: 16 hex> <owner>`. The first
     replica to set it encodes the image; one that finds another owner's marker does not encode it too, it
     waits for that replica's rows (core/flight.py). A caller id's marker carries the content tag of its
     bytes (keys.py: content_tag), as its entry's header will (the binding below, not the marker, decides a
     conflict; replicas before the binding read it from the marker, so it stays in the format).
   - A caller id's *binding*: before a replica admits anything of an encode with caller ids, it binds each id
-    to the content tag of its bytes (`RedisTier.bind_tags`, one script per id: bindings.py): the first
+    to the content tag of its bytes (binding_writes.py: `bind_tags`, one script per id: bindings.py): the first
     replica to bind an id decides what it names, on every replica, and where Redis lost the binding the tag
     the id's location or marker carries decides; every other replica asked for the id with other bytes
     answers Conflict (409) before admitting anything, so it claims nothing and keeps no bytes. A binding
@@ -34,7 +34,7 @@ asked for the same new image at once, and a replica may die (or lose Redis) mid-
                 short TTL (under OOM, where SET is refused: DEL it), DEL input, PUBLISH the same value;
       released  the owner gives the image up without a verdict on it (it is shutting down, its engine
                 died): DEL marker, keep the input, PUBLISH "released": a waiter takes it over at once.
-  - A waiter (`RedisTier.wait_for`) checks [EXISTS entry, GET marker, PTTL marker, STRLEN input]; only when
+  - A waiter (pending.py: `wait_for`) checks [EXISTS entry, GET marker, PTTL marker, STRLEN input]; only when
     the marker says pending does it SUBSCRIBE (one shared connection, subscriber.py), wait for Redis to
     confirm, and check again: an outcome published between the first check and the subscription is then
     visible as state, and one published after it arrives as a message. No polling: it sleeps on a future
@@ -50,7 +50,7 @@ the project's clients retry within their deadline). A failure is raised as `Enco
 owner answered (a decode error stays a 400 elsewhere), so nobody answers 404 for it.
 
 Where it stays best effort: an owner whose Redis is down keeps its claims and rows (a bounded backlog,
-redis_tier.py) and writes them once Redis is back; a waiter elsewhere may take the image over meanwhile,
+write_behind.py) and writes them once Redis is back; a waiter elsewhere may take the image over meanwhile,
 and both encode it (correct, the work done twice). A marker is a small key: an allkeys-lru Redis may evict
 it, and a waiter then takes the image over (input still there) or answers 404 as it did without markers.
 
@@ -171,7 +171,7 @@ def replica_name(owner: str) -> str:
 
 def binding_name(name: str) -> str:
     """Where a caller id's binding to one content lives: the content tag of the bytes it was first accepted
-    with (16 hex), first come first served across replicas (RedisTier.bind_tags)."""
+    with (16 hex), first come first served across replicas (binding_writes.py: bind_tags)."""
     return _scheme_name(name, "tag")
 
 

@@ -3,19 +3,19 @@ same HTTP row path clients use (POST /v1/fetch; the owner's send threads write t
 `client/raw_http.py` reads them with recv_into straight into place).
 
 Behind one Service a fetch may reach a replica that does not hold the id (the directory in Redis names the
-one that does: cache/directory.py). That replica asks the owner for just the chunk's rows, into host memory
+one that does: replicas/directory.py). That replica asks the owner for just the chunk's rows, into host memory
 of its own (the engine's HostRowPool: pages of rows freed before, not fresh ones), and passes them on. A
 range over `split_bytes` is fetched over several connections at once (each its own slice of the
 destination), as the client does for a large `out`.
 
     peers = Peers(token=..., row_width=..., dtype=torch.bfloat16, pool=engine.host_pool)
-    rows, located = await peers.from_owner(redis, key, 0, 713, copy=False)
+    rows, located = await peers.from_owner(directory, key, 0, 713, copy=False)
 
 The request says it comes from a peer (`"peer": "fetch"`, or `"copy"` for a replica that keeps what it
 pulls, whose fetch must not end the owner's pins): the owner answers at once from the rows it holds, never
 waits for an encode and never asks a third replica (core/id_rows.py), so a directory that is out of date
 can never send a fetch round in a circle, nor to this replica's own flight. Only addresses other replicas
-wrote into the directory are asked (http:// only; never one that is this replica's own: cache/redis_tier.py).
+wrote into the directory are asked (http:// only; never one that is this replica's own: redis_reads.py).
 
 What a replica trusts of the directory, which whoever can write Redis can write (issue 38):
   - The request carries no token: it is signed with a key derived from it (protocol/peer_auth.py), for the
@@ -30,7 +30,7 @@ What a replica trusts of the directory, which whoever can write Redis can write 
 A silent owner (frozen, hung, its packets dropped) must not hold a fetch: the connect has CONNECT_S, the
 answer's head and each read of its rows ANSWER_S (a live owner answers what it holds at once), whatever
 the caller's timeout. One that does not answer in time is not asked again for SILENT_S (its fetches fail
-over at once: core/replicas.py takes the image over). Each owner has its own SLOTS threads (a bulkhead):
+over at once: shared.py takes the image over, through the core). Each owner has its own SLOTS threads (a bulkhead):
 a slow one holds only its own fetches, never another owner's.
 
 Failures are the service's error types: Unavailable (the owner is gone, unreachable, silent, or its rows are
@@ -57,7 +57,7 @@ from encoder_service.client.raw_http import ConnectTimedOut, NoAnswer, NotRaw, R
 from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import DTYPES
 from encoder_service.replicas.directory import Located
-from encoder_service.replicas.redis_tier import RedisTier
+from encoder_service.replicas.redis_reads import DirectoryReads
 from encoder_service.timeouts import gather_within
 
 log = logging.getLogger(__name__)
@@ -114,16 +114,16 @@ class Peers:
         self._lock = threading.Lock()
         self.counters = dict(fetches=0, bytes=0, failures=0, no_answer=0, skipped=0, foreign=0, refused=0)
 
-    async def from_owner(self, redis: RedisTier, key: CacheKey, start: int, end: int, *, copy: bool,
+    async def from_owner(self, directory: DirectoryReads, key: CacheKey, start: int, end: int, *, copy: bool,
                          strict: bool = True) -> tuple[torch.Tensor, Located] | tuple[None, Located | None]:
-        """Rows [start, end) of `key` from the replica `redis`'s directory names, and where they were found.
+        """Rows [start, end) of `key` from the replica the `directory` names, and where they were found.
         A replica that does not give them (gone, silent, lost them, rows not the directory's) is forgotten
         and the directory read afresh once (another replica may hold them now: one that encoded them again).
         (None, the last location read) when no live replica gives them. `strict`: Unavailable while Redis is
         down, else (None, None). PeerAuthMismatch: the owner refused this replica's signature."""
         located = None
         for _ in range(2):
-            located = await redis.locate(key.name, strict=strict)
+            located = await directory.locate(key.name, strict=strict)
             if located is None or located.url is None:
                 break
             try:
@@ -132,7 +132,7 @@ class Peers:
                 raise
             except (errors.Unavailable, errors.NotFound) as exc:
                 log.info("id %s: the replica holding its rows (%s) did not give them: %s", key.id, located.url, exc)
-                redis.forget_location(key.name, located.owner)
+                directory.forget_location(key.name, located.owner)
         return None, located
 
     async def rows(self, located: Located, public_id: str, start: int, end: int, *, copy: bool) -> torch.Tensor:

@@ -124,9 +124,9 @@ class Shared:
         name = _name(key)
         entry = self.store.get(name)
         if entry is None:
-            entry = await self.redis.get(name)
+            entry = await self.redis.reads.get(name)
             if entry is not None:
-                self.redis.mark_landed(name)
+                self.redis.writes.mark_landed(name)
                 self.store.put(name, entry)
         return entry
 
@@ -137,11 +137,11 @@ class Shared:
         entry = self.store.peek(name)
         if entry is not None:
             return entry.header
-        located = await self.redis.locate(name)
+        located = await self.redis.reads.locate(name)
         return located.header if located is not None else None
 
     async def locate(self, key: Key, *, strict: bool = True) -> Located | None:
-        return await self.redis.locate(_name(key), strict=strict)
+        return await self.redis.reads.locate(_name(key), strict=strict)
 
     async def read_rows(self, key: Key, start: int, end: int) -> torch.Tensor | None:
         """Rows [start, end) of the store's entry, else of a row copy in Redis (GETRANGE, verified); None
@@ -151,7 +151,7 @@ class Shared:
         entry = self.store.get(name)
         if entry is not None:
             return entry.rows(start, end)
-        return await self.redis.read_rows(name, start, end)
+        return await self.redis.reads.read_rows(name, start, end)
 
     async def pull(self, key: CacheKey) -> Entry | None:
         """The rows another replica holds (the directory says which), pulled whole over its row path (peers.py:
@@ -160,7 +160,7 @@ class Shared:
         if located is None or located.url is None:
             return None
         try:
-            rows, located = await self.peers.from_owner(self.redis, key, 0, located.header.num_rows, copy=True,
+            rows, located = await self.peers.from_owner(self.redis.reads, key, 0, located.header.num_rows, copy=True,
                                                         strict=False)
         except PeerAuthMismatch:  # logged there; the caller has the image: it encodes it here instead
             return None
@@ -176,17 +176,17 @@ class Shared:
         marker settles."""
         name = _name(key)
         self.store.put(name, entry)
-        self.redis.write_behind(name, entry)
+        self.redis.writes.write_behind(name, entry)
 
     def failed(self, key: Key, exc: BaseException) -> None:
         """Fetches waiting on other replicas answer this error instead of waiting on the id's marker until its
         lease ends (or, for a fault of this replica's own, one of them encodes it)."""
-        self.redis.mark_failed(_name(key), exc)
+        self.redis.writes.mark_failed(_name(key), exc)
 
     async def withdraw(self, key: Key, tag: int) -> None:
         """Its claim and kept bytes go and the id's binding names the rows that exist, so nothing waits on the
         claim of a request that was a Conflict."""
-        await self.redis.withdraw(_name(key), tag)
+        await self.redis.bindings.withdraw(_name(key), tag)
 
     # ---- an encode's claims, bindings and waits -------------------------------------------------------------
     async def bind_tags(self, tags: Mapping[CacheKey, int]) -> dict[str, int]:
@@ -196,7 +196,7 @@ class Shared:
         on, as it does without Redis). Unavailable right after Redis came back for ids not bound yet."""
         if not tags:
             return {}
-        return await self.redis.bind_tags({key.name: tag for key, tag in tags.items()})
+        return await self.redis.bindings.bind_tags({key.name: tag for key, tag in tags.items()})
 
     def mark(self, misses: Sequence[Claimed], hits: Sequence[CacheKey]) -> asyncio.Task | None:
         """Start claiming `misses` (each marker with its content tag, an image's bytes beside it: a video's
@@ -252,7 +252,7 @@ class Shared:
         image does not encode it too (`Marked.elsewhere`: the names another replica claimed first); `tags`:
         the content tags of caller ids' bytes, `inputs`: the image bytes, by name. Not `ok` when not marked
         now."""
-        return await self.redis.mark_pending(_names(keys), self.store.lease_s if lease_s is None else lease_s,
+        return await self.redis.pending.mark_pending(_names(keys), self.store.lease_s if lease_s is None else lease_s,
                                              tags, inputs)
 
     async def wait_for(self, key: Key, timeout_s: float | None) -> Settled:
@@ -262,11 +262,11 @@ class Shared:
         past `timeout_s` (timeouts.py: None no bound, 0 don't wait), UNAVAILABLE when Redis is down.
         Raises `EncodeFailed` when that encode failed."""
         label = key.id if isinstance(key, CacheKey) else key
-        return await self.redis.wait_for(_name(key), timeout_s, label)
+        return await self.redis.pending.wait_for(_name(key), timeout_s, label)
 
     async def input(self, key: Key) -> bytes | None:
         """None when none are kept, or while Redis is down."""
-        return await self.redis.input(_name(key))
+        return await self.redis.reads.input(_name(key))
 
     # ---- a fetch of an id no tier here has ------------------------------------------------------------------
     async def num_tokens_elsewhere(self, key: CacheKey, deadline: Deadline, take_over: TakeOver) -> int:
@@ -305,7 +305,7 @@ class Shared:
         longer hold them, a row copy in Redis answers, else this replica takes the image over (encodes it
         from the bytes kept in Redis, once across replicas: a flight here claims it). None: nobody has the
         rows nor the bytes (404). Unavailable while Redis is down."""
-        rows, located = await self.peers.from_owner(self.redis, key, start, end, copy=False)
+        rows, located = await self.peers.from_owner(self.redis.reads, key, start, end, copy=False)
         if rows is not None:  # passed on, not kept: their pages go back to the pool for the next pull (warm)
             return rows
         if located is not None and located.copy:

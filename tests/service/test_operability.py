@@ -113,7 +113,7 @@ def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_serve
         # An id another replica is encoding: this fetch's wait opens the tier's pub/sub connection, which
         # stays open (idle) after it; the probes must not use it either.
         pending = key_from_id("cd" * 16, svc.core.model_fp, svc.core.settings.cache.hash)
-        assert svc.call(svc.core.store.mark_pending, [pending])
+        assert svc.call(svc.core.replicas.mark_pending, [pending])
         r = c.post("/v1/fetch", json={"items": [{"id": "cd" * 16, "offset": 0}], "start": 0, "end": 4,
                                       "timeout_s": 0.2})
         assert r.status_code == 504 and svc.sample("encoder_cache_redis_subscriber_connects_total") == 1

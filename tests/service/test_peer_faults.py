@@ -1,4 +1,4 @@
-"""One replica fetching rows from another (core/peers.py) when that other one, or the directory naming it,
+"""One replica fetching rows from another (replicas/peers.py) when that other one, or the directory naming it,
 misbehaves (issue 38), against real replicas sharing a real redis-server on loopback:
 
   - a silent owner: frozen (an `encoder-service serve` process SIGSTOPped: its heartbeat stops too), or

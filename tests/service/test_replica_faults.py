@@ -31,7 +31,7 @@ import torch
 
 from encoder_service.cache import key_from_id
 from encoder_service.replicas.directory import is_pending, marker_name
-from encoder_service.replicas.redis_tier import RedisOptions
+from encoder_service.replicas import RedisOptions
 from encoder_service.client import AsyncEncoderClient, EncoderClient
 from tests.support.encoder_process import Replica, started
 from tests.support.images import image_bytes, png_with_text

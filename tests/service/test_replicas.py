@@ -1,9 +1,9 @@
 """Two real replicas on loopback sharing one real redis-server, as behind one Kubernetes Service: each is the
 whole service (core + HTTP + gRPC). Redis holds the directory (who holds which id), the claims and the
 image bytes; the rows stay on the replica that made them and travel replica to replica over its HTTP row
-path (core/peers.py). An LLM server's encode reaches replica A and its fetch of the same id reaches B:
+path (replicas/peers.py). An LLM server's encode reaches replica A and its fetch of the same id reaches B:
 
-  - B's fetch, made while A's encode is still running, waits (on Redis pub/sub, core/replicas.py) and gets
+  - B's fetch, made while A's encode is still running, waits (on Redis pub/sub, replicas/shared.py) and gets
     A's rows bit for bit once they land, fetched from A: over HTTP, and over gRPC;
   - A's encode failing (a JPEG cut short: its header is fine, its decode fails in A's engine) gives B that
     400, not a 404;

@@ -1,4 +1,4 @@
-"""Replicas of an id between replicas (cache/directory.py), against a real redis-server: two EmbeddingStores on
+"""Replicas of an id between replicas (replicas/directory.py), against a real redis-server: two EmbeddingStores on
 one Redis stand for replica A, which accepts an image and encodes it, and replica B, which serves a fetch
 for it. Without the handoff, B answered 404 until A's rows happened to be in Redis."""
 
@@ -357,7 +357,7 @@ async def test_redis_that_stops_answering_during_a_wait_answers_at_once(redis_se
         waiting = await accepted_and_awaited(a, b, "k")
         redis_server.pause()
         try:
-            assert await b.redis.get("other") is None  # B's next command times out: the tier goes down...
+            assert await b.redis.reads.get("other") is None  # B's next command times out: the tier goes down...
             assert await asyncio.wait_for(waiting, WOKEN_S) is Settled.UNAVAILABLE  # ...and the wait ends with it
         finally:
             redis_server.resume()
@@ -405,13 +405,13 @@ async def test_a_local_hit_that_redis_evicted_is_shared_again(redis_server):
 
 async def test_a_local_hit_whose_write_is_on_its_way_is_not_written_twice(redis_server):
     async with replicas(redis_server.url) as (a, b):
-        gate, write = asyncio.Event(), a.redis._write
+        gate, write = asyncio.Event(), a.redis.writes._write
 
         async def held_write(key, entry, *args):  # the write-behind has not reached Redis yet
             await gate.wait()
             return await write(key, entry, *args)
 
-        a.redis._write = held_write
+        a.redis.writes._write = held_write
         a.put("k", make_entry(9))
         assert await a.share(["k"]) == 0  # not in Redis, but its write is queued: nothing to do
         gate.set()

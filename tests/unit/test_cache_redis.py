@@ -36,7 +36,7 @@ async def test_range_reads_equal_slices_of_the_whole_entry(redis_server, num_row
     entry = make_entry(7, num_rows, row_width, layout, dtype)
     writer.put("k", entry)
     await writer.redis.flush()
-    whole = await reader.redis.get("k")
+    whole = await reader.redis.reads.get("k")
     assert whole is not None and torch.equal(whole.tensor, entry.tensor)
     rng = random.Random(0)
     h = entry.header
@@ -160,7 +160,7 @@ async def test_header_alone_is_read_and_verified(redis_server):
 
 
 async def test_a_location_carries_the_rows_block_checksums(redis_server):
-    """Issue 38: what a replica checks the rows another one sends against (core/peers.py); a location written
+    """Issue 38: what a replica checks the rows another one sends against (replicas/peers.py); a location written
     before the checksums were is still read (without them), one whose checksums are not its header's is none."""
     writer, reader = await open_store(redis_server.url), await open_store(redis_server.url, replica_url_cache_s=0)
     entry = make_entry(4, 300, 256)
@@ -321,7 +321,7 @@ async def test_slow_redis_times_out_and_recovers(redis_server, caplog):
     finally:
         redis_server.resume()
     await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
-    assert torch.equal(await store.redis.read_rows("a", 0, 2), make_entry(1).tensor[:2])
+    assert torch.equal(await store.redis.reads.read_rows("a", 0, 2), make_entry(1).tensor[:2])
     assert log_count(caplog, "redis tier unavailable") == 1
     await store.close()
 
@@ -421,7 +421,7 @@ async def test_unreachable_at_start_then_comes_up(caplog):
         await async_wait_for(lambda: store.redis.up, "the tier up again", STATE_WAIT_S)
         store.put("b", make_entry(2))
         await store.redis.flush()
-        assert (await store.redis.get("b")) is not None
+        assert (await store.redis.reads.get("b")) is not None
     finally:
         await store.close()
         server.stop()
@@ -450,7 +450,7 @@ async def test_more_concurrent_reads_than_connections_wait_and_all_succeed(redis
 
     ranged, whole, _ = await asyncio.gather(
         asyncio.gather(*(header_and_rows(key, i % 18) for i, key in enumerate(keys))),
-        asyncio.gather(*(reader.redis.get(key) for key in keys)),
+        asyncio.gather(*(reader.redis.reads.get(key) for key in keys)),
         write_meanwhile(),
     )
     for i, (key, (header, rows)) in enumerate(zip(keys, ranged)):
@@ -484,7 +484,7 @@ async def test_full_redis_without_eviction_still_reads_and_only_writes_pause(red
     for key, entry in entries.items():
         header = await reader.header(key)
         rows = await reader.read_rows(key, 10, 200)
-        whole = await reader.redis.get(key)
+        whole = await reader.redis.reads.get(key)
         assert header is not None and header.num_rows == 300, key
         assert rows is not None and torch.equal(rows, entry.tensor[10:200]), key
         assert whole is not None and torch.equal(whole.tensor, entry.tensor), key
@@ -496,7 +496,7 @@ async def test_full_redis_without_eviction_still_reads_and_only_writes_pause(red
             pipe.getrange(key, 0, 7)
             return await pipe.execute()
 
-    assert await reader.redis._read("k0", refused_read) is None  # a miss...
+    assert await reader.redis.reads._read("k0", refused_read) is None  # a miss...
     stats = reader.stats()
     assert stats["redis_errors"] == 1 and stats["redis_oom_events"] == 0 and not stats["redis_writes_paused"]
     reader.put("late", make_entry(9))  # ...and only a refused write pauses writes
@@ -516,7 +516,7 @@ def _put(url: str, entries: dict) -> None:
 
 
 async def _get_all(store, entries: dict) -> None:
-    got = await asyncio.gather(*(store.redis.get(key) for key in entries))
+    got = await asyncio.gather(*(store.redis.reads.get(key) for key in entries))
     for (key, entry), value in zip(entries.items(), got):
         assert value is not None and torch.equal(value.tensor, entry.tensor), key
 
@@ -542,7 +542,7 @@ async def test_restart_recovers_within_one_probe_interval_and_then_reads_succeed
     _put(redis_server.url, entries)
     await _get_all(store, entries)  # 20 connections in the pool now
     redis_server.kill()
-    assert await store.redis.get("k0") is None and not store.redis.up
+    assert await store.redis.reads.get("k0") is None and not store.redis.up
     await asyncio.sleep(8 * probe_max_s)  # the probe's backoff reaches its cap (uncapped, it would be 3.2 s)
     redis_server.start()
     answering = time.monotonic()

@@ -7,7 +7,7 @@ per chunk, exactly the overlapping slices of the whole embeddings (Qwen3's deeps
 (core/flight.py): a request for an id in flight joins it without queue room, waiters leaving drop the
 queued image, a failure is remembered for fetch (and named by its image index when waited for), queue
 permits are given back on every path. timeout_s=0 answers what is cached and never waits. Across cores
-sharing one Redis (core/replicas.py): encode marks its misses pending before answering (and goes on when it
+sharing one Redis (replicas/shared.py): encode marks its misses pending before answering (and goes on when it
 cannot), a fetch elsewhere waits for them within its one timeout, and stops waiting at its first error.
 """
 
@@ -451,7 +451,7 @@ async def test_queue_permits_are_given_back(make_core, redis_server):
     assert reader.metrics.registry.get_sample_value("encoder_cache_hits_total", {"tier": "redis"}) == 1
 
 
-# ---- across replicas (core/replicas.py; the two real replicas: tests/service/test_replicas.py) ------------
+# ---- across replicas (replicas/shared.py; the two real replicas: tests/service/test_replicas.py) ------------
 def marker_of(redis_server, key: CacheKey) -> bytes | None:
     with redis.Redis.from_url(redis_server.url) as direct:
         return direct.get(marker_name(key.name))
