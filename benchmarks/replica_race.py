@@ -1,7 +1,7 @@
 """Encodes per distinct image when two replicas are asked for the same new images at once.
 
 Behind one Service the same image may reach two replicas together (two LLM servers, a retry that lands
-elsewhere). Each replica claims an image it accepts in Redis (SET NX of its pending marker, cache/directory.py):
+elsewhere). Each replica claims an image it accepts in Redis (SET NX of its pending marker, replicas/directory.py):
 the first claim encodes it, the other replica waits for those rows. Measured as the ViT's work: the sum over
 the replicas of `encoder_images_encoded_total`, per distinct image (1.0: never encoded twice; the issue's
 measurement before the claim: 74-79 encodes per 40 images, 1.85-1.98).

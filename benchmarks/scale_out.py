@@ -16,7 +16,7 @@ Per family:
   1. scale-out: closed loops of encode (wait=true), a fetch of all the image's rows, release
      (benchmarks/common/load.py), --workers per replica, per image size: one replica, then N with half of
      the fetches on another replica than the encoding one (through the Service's path: that replica gets the
-     rows from the encoding one over its HTTP row path, core/peers.py; the fetching client never saw the
+     rows from the encoding one over its HTTP row path, replicas/peers.py; the fetching client never saw the
      encode, so it cannot go to the owner directly); one crossing fetch in 16 is fetched again on the
      encoding replica and compared bit for bit. images/s N over one (goal >= 1.9x on two GPUs, 3.7x on
      four) and as % of the model alone on the GPUs the replicas run on, latencies, what the replicas counted

@@ -1,7 +1,7 @@
 """What `--redis-url` names: one Redis server, a Redis Cluster, or a master watched by Sentinels.
 
     redis://h:p/0, rediss://..., unix://...      one server, or a node of a Cluster (which, is asked at
-                                                 connect: cache/redis_connections.py)
+                                                 connect: replicas/redis_connections.py)
     redis+cluster://h:p[,h:p...]                 a Cluster, said so (any of its nodes)
     redis+sentinel://[user:pass@]h:p[,h:p...]/<master name>[/<db>]
                                                  the master the Sentinels name; a failover is followed

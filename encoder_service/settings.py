@@ -166,7 +166,7 @@ class ServerSettings:
     # SGLang's encoder-server protocol (api/sglang/): its own port, off by default (nothing listens then).
     sglang_protocol: bool = False
     sglang_port: int = 8100
-    # Where other replicas reach this one's HTTP row path (core/peers.py); None: the bound HTTP address
+    # Where other replicas reach this one's HTTP row path (replicas/peers.py); None: the bound HTTP address
     # (api/service.py: advertised_url).
     advertise_url: str | None = None
 

@@ -1,6 +1,6 @@
 """Optional bearer-token auth shared by HTTP and gRPC. Health endpoints stay open (the transports decide).
 
-Another replica fetching rows (core/peers.py) sends no token: it signs its request with a key derived from the
+Another replica fetching rows (replicas/peers.py) sends no token: it signs its request with a key derived from the
 token (protocol/peer_auth.py), which this accepts on the row path only (`check_fetch`)."""
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class FetchJson(_Strict):
     end: int
     timeout_s: float | None = None
     shm: ShmJson | None = None
-    peer: Literal["fetch", "copy"] | None = None  # another replica fetching (core/peers.py): only what is here
+    peer: Literal["fetch", "copy"] | None = None  # another replica fetching (replicas/peers.py): only what is here
     ipc: IpcJson | None = None
 
 

@@ -49,7 +49,7 @@ class NoAnswer(DeadlineExceeded):
 
 class ConnectTimedOut(Unreachable):
     """No connection within the connect's own deadline: a host that drops packets, or a listener whose backlog
-    is full (a frozen server). Unreachable to a client (it tries again); silent to a peer (core/peers.py)."""
+    is full (a frozen server). Unreachable to a client (it tries again); silent to a peer (replicas/peers.py)."""
 
 
 class Cancel:
@@ -225,7 +225,7 @@ class RawHttp:
              connect_s: float | None = None) -> T:
         """POST `body` (JSON) to `path` and return `read(response)` of a 200 answer, which must read exactly
         its body. `timeout` bounds each socket operation (`connect_s` the connect, when given: a peer that must
-        answer at once, core/peers.py). `headers`: this request's own, beside the origin's. Other statuses
+        answer at once, replicas/peers.py). `headers`: this request's own, beside the origin's. Other statuses
         raise the service's error type; no connection in time ConnectTimedOut, no answer in time NoAnswer; other
         network trouble Unavailable; a response this reader does not handle NotRaw."""
         lines = self._head_lines + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())

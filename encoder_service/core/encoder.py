@@ -4,13 +4,15 @@ encode: images go to image_encode.py, videos to video_encode.py (twins: read, pr
 hits, admission and pins all or none, claims in Redis, flights, the answer before the ViT runs; the steps
 they share are encode_steps.py). Each id rides one flight (flight.py, the one single flight), whose fill
 reads the store and, on a miss, submits the image to the engine (decoded on a CPU thread, encoded on the
-GPU thread) and puts its rows in the store. `wait=True` waits for the rows (and can return them).
+GPU thread) and puts its rows in the store, both through the face of the other replicas the core holds
+(replicas/face.py: alone, or sharing Redis; the core never asks which). `wait=True` waits for the rows
+(and can return them).
 fetch: per chunk [start, end), `ranges.plan_chunk` picks the overlapping rows of each image, sized and read
-where each id's rows are (id_rows.py: its flight, the store, else the other replicas: the face the core
-holds, replicas/face.py), only those rows (waiting for images still encoding). One `timeout_s` covers the waits and
-the reads (timeouts.Deadline). Where the rows go is chosen before any wait (fetch_destination.py): the
-result, the client's shared-memory file (`ShmTarget`, shm_writer.py), or where they sit on the GPU (IPC:
-ipc_fetch.py, answered at once when the ids are not here).
+where each id's rows are (id_rows.py: its flight, the store, else the other replicas), only those rows
+(waiting for images still encoding). One `timeout_s` covers the waits and the reads (timeouts.Deadline). Where
+the rows go is chosen before any wait (fetch_destination.py): the result, the client's shared-memory file
+(`ShmTarget`, shm_writer.py), or where they sit on the GPU (IPC: ipc_fetch.py, answered at once when the ids
+are not here).
 Pins: each id is pinned from its encode until a fetch has delivered every one of its rows (per row, since the
 pin began: chunked fetches add up), the caller releases it, or its lease ends; rows stay in the LRU after.
 release: drop the encode pins of ids the caller is done with (leases end early).
@@ -304,7 +306,7 @@ class EncoderCore:
         target is checked before any wait for rows) and the result carries `shm_bytes`, no rows; with `ipc`,
         where the rows sit in the device row arena (core/ipc_fetch.py) or why not, no rows (answered before
         any wait, with no segments, when that can be told without the rows). The destination is chosen first
-        (core/fetch_destination.py). `peer`: the fetch comes from another replica (core/peers.py): answered
+        (core/fetch_destination.py). `peer`: the fetch comes from another replica (replicas/peers.py): answered
         from what is here only (flights, the local tier), never from a third replica; "copy" (that replica
         keeps the rows) ends no pin here, "fetch" (for its client) does, as the client's own fetch would."""
         if peer not in (None, "fetch", "copy"):

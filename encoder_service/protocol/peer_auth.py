@@ -1,7 +1,7 @@
 """How one replica proves to another that a row request comes from a replica of the same service, without
-sending the service's bearer token (core/peers.py signs, api/auth.py checks).
+sending the service's bearer token (replicas/peers.py signs, api/auth.py checks).
 
-The directory in Redis names where each id's rows are (cache/directory.py); a replica fetches them from the
+The directory in Redis names where each id's rows are (replicas/directory.py); a replica fetches them from the
 address it reads there. Whoever can write that key chooses the address, so what a replica sends there must
 be of no use anywhere else: not the token, but a signature of this one request.
 

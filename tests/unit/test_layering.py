@@ -17,8 +17,9 @@ TESTS = Path(__file__).resolve().parents[1]
 
 # The parts of encoder_service (a subpackage, or a module at the top) and what each may import besides itself,
 # from the top down: a part, or one module of a part ("models.configs"); "" is encoder_service/__init__.py
-# (__version__, NUMERICS_VERSION). Two stacks share the bottom: the server (cli -> api -> core -> engine ->
-# runtime -> models -> ops) and the LLM side (integrations -> client), both over protocol/, ranges and errors.
+# (__version__, NUMERICS_VERSION). Two stacks share the bottom: the server (cli -> api -> core -> replicas and
+# engine -> runtime -> models -> ops; replicas over cache) and the LLM side (integrations -> client), both over
+# protocol/, ranges and errors.
 MAY_IMPORT: dict[str, set[str]] = {
     "cli": {"api", "integrations", "settings", "testing", "errors"},
     # the LLM side: a client of the service, never its server; of models/ only the row-width rules
