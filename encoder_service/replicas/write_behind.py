@@ -95,6 +95,8 @@ class WriteBehind:
         return [k for k, n in zip(keys, found) if not n and k not in self._writing]
 
     async def run(self) -> None:
+        """The one writer (a task of the tier's): the queue in order, each item tried `max_write_tries` times,
+        waiting for Redis to be up before each."""
         while True:
             kind, key, item, epoch = await self._queue.get()
             try:
