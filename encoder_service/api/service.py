@@ -9,7 +9,6 @@ worker thread so the loop stays responsive; readiness turns true only after the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -20,6 +19,7 @@ from encoder_service.api.pickup import Pickups
 from encoder_service.api.read_timeouts import head_timeout_protocol
 from encoder_service.api.requests import install_log_ids
 from encoder_service.api.socket_send import SocketSend
+from encoder_service.api.uvicorn_internals import UvicornServer
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
 from encoder_service.settings import PortUnavailable, Settings, format_size
@@ -57,23 +57,6 @@ def build_core(settings: Settings, *, loaded=None, ipc_memory=None) -> EncoderCo
                        ipc_arena=arena)
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling (the service stops HTTP and gRPC together) and with an
-    event for "listening" so nobody polls `started`."""
-
-    def __init__(self, config: uvicorn.Config):
-        super().__init__(config)
-        self.listening = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets=sockets)
-        self.listening.set()
-
-
 def advertised_url(host: str, port: int) -> str | None:
     """Where other replicas reach the HTTP port bound at host:port (--advertise-url overrides it): a wildcard
     host (0.0.0.0, ::) is this machine's address as its name resolves; None when that fails."""
@@ -105,10 +88,10 @@ class Service:
         self.core = core
         self._http_sock = http_sock
         self._sglang_sock = sglang_sock
-        self._http: _Uvicorn | None = None
+        self._http: UvicornServer | None = None
         self._http_task: asyncio.Task | None = None
         self._socket_send: SocketSend | None = None
-        self._sglang: _Uvicorn | None = None
+        self._sglang: UvicornServer | None = None
         self._sglang_task: asyncio.Task | None = None
         self._sglang_protocol = None
         self._grpc = None
@@ -207,13 +190,13 @@ class Service:
             log.warning("--auth-token does not cover the SGLang protocol port %s (SGLang sends no credentials): "
                         "keep it on a private network", self.sglang_address)
 
-    async def _serve(self, app, sock: socket.socket, name: str) -> tuple[_Uvicorn, asyncio.Task, str]:
+    async def _serve(self, app, sock: socket.socket, name: str) -> tuple[UvicornServer, asyncio.Task, str]:
         """uvicorn serving `app` on `sock`, started (listening) on this loop: (server, its task, its URL)."""
         s = self.settings.server
         config = uvicorn.Config(app, lifespan="off", log_level=s.log_level, access_log=False,
                                 timeout_graceful_shutdown=10, timeout_keep_alive=HTTP_KEEP_ALIVE_S, log_config=None,
                                 http=head_timeout_protocol(s.read_timeout_s))
-        server = _Uvicorn(config)
+        server = UvicornServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn {name}")
         listening = asyncio.create_task(server.listening.wait())
         await asyncio.wait([task, listening], return_when=asyncio.FIRST_COMPLETED)

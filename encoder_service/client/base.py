@@ -45,7 +45,7 @@ from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable
 from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
-from encoder_service.runtime.host_pool import HostRowPool
+from encoder_service.rowpath.host_pool import HostRowPool
 
 FETCH_STREAMS = 4  # at most this many connections for one fetch
 SPLIT_BYTES = 16 << 20  # and at least this many bytes of `out` for each

@@ -3,7 +3,7 @@
 Encode sends multipart (raw bytes, field `image`; `video` for videos) unless an image is a URL or carries a
 caller id (a video: is not a file, carries a caller id or options of its own), which only the JSON form
 (base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py) and reads it
-on a plain socket straight into its destination (client/raw_http.py; the async transport runs that blocking
+on a plain socket straight into its destination (rowpath/raw_http.py; the async transport runs that blocking
 read on its own threads, which receive in parallel with the GIL released); https, a proxy, or an answer the
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
 (the rows are in the client's file), read on the same plain sockets: through httpx the request's own cost
@@ -28,13 +28,13 @@ import httpx
 from encoder_service.client.destination import Destination
 from encoder_service.client.ipc import ACK_TIMEOUT_S, Acks
 from encoder_service.client.ipc_channel import AsyncChannelLink, ChannelLink
-from encoder_service.client.raw_http import (CONNECT_TIMEOUT_S, JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp,
-                                             http_error, in_thread, read_fetch, read_json)
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, Unavailable, Unreachable
 from encoder_service.protocol import wire
 from encoder_service.protocol.ipc import IpcError, IpcPlacement, IpcUnavailable, answer_from_dict
 from encoder_service.protocol.release import Released
+from encoder_service.rowpath.raw_http import (CONNECT_TIMEOUT_S, JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp,
+                                              http_error, in_thread, read_fetch, read_json)
 
 log = logging.getLogger(__name__)
 # httpx options that route requests somewhere the raw reader would not go.

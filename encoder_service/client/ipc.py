@@ -38,9 +38,10 @@ from collections.abc import Callable
 
 import torch
 
-from encoder_service.protocol import cuda_ipc, wire
+from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.ipc import MAX_ACK_TOKENS, IpcPlacement, IpcRequest, IpcUnavailable, this_host
+from encoder_service.rowpath import cuda_ipc
 
 log = logging.getLogger("encoder_service.client")
 

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from encoder_service import errors
-from encoder_service.client.errors import remote_error
 from encoder_service.protocol import ipc_channel as proto
-from encoder_service.protocol.errors import KINDS
+from encoder_service.protocol.errors import KINDS, remote_error
 from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable, this_host
 from encoder_service.protocol.wire import WireHeader
 

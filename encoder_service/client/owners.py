@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from encoder_service import errors
-from encoder_service.client.raw_http import NoAnswer
 from encoder_service.protocol.video_info import GROUP_SEP
+from encoder_service.rowpath.raw_http import NoAnswer
 
 MAX_IDS = 1 << 16  # ids whose owner is remembered
 MAX_OWNERS = 64  # owners with a transport kept open (one per replica: those past it are reached via the Service)

@@ -53,7 +53,7 @@ import torch
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Located
 from encoder_service.cache.entry import CorruptEntry, verify_rows
-from encoder_service.client.raw_http import ConnectTimedOut, NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
+from encoder_service.rowpath.raw_http import ConnectTimedOut, NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
 from encoder_service.core.timeouts import gather_within
 from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import DTYPES

@@ -29,8 +29,7 @@ from __future__ import annotations
 import math
 import struct
 
-from encoder_service.protocol.cuda_ipc import HANDLE_BYTES
-from encoder_service.protocol.ipc import TOKEN_RE, IpcPlacement, IpcUnavailable
+from encoder_service.protocol.ipc import HANDLE_BYTES, TOKEN_RE, IpcPlacement, IpcUnavailable
 from encoder_service.protocol.wire import WireHeader
 from encoder_service.ranges import Segment
 

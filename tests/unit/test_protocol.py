@@ -15,9 +15,9 @@ from encoder_service import errors
 from encoder_service.api import errors as api_errors
 from encoder_service.cache import CorruptEntry, EncodeFailed
 from encoder_service.client.base import ImageInfo as ClientImageInfo
-from encoder_service.client.errors import remote_error
 from encoder_service.core.metrics import Metrics
 from encoder_service.protocol import errors as kinds
+from encoder_service.protocol.errors import remote_error
 from encoder_service.protocol.grpc_messages import info_from_proto, info_to_proto
 from encoder_service.protocol.image_info import ImageInfo
 

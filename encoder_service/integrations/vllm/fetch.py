@@ -53,7 +53,7 @@ class RowFetcher:
     file), "http" or "grpc" (our client writes what the socket brings), or "ipc" (rows left on the encoder's
     GPU for the workers, items not there staged the shm / socket way). With shm "auto", an encoder that
     can't reach our files (another container's /dev/shm) turns the fetcher to the socket once, logged.
-    `ipc_kind`: the IPC memory vLLM's workers can open (protocol/cuda_ipc.py: KIND on CUDA workers; None:
+    `ipc_kind`: the IPC memory vLLM's workers can open (rowpath/cuda_ipc.py: KIND on CUDA workers; None:
     no IPC); with ipc "auto", IPC is used when the encoder's arena is of that kind, on this host, over HTTP.
     """
 
