@@ -193,6 +193,7 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         ctype = _content_type(request)
         bounded = bodies.bounded(request, max_body, read_timeout_s)
         q = request.query_params
+        query_options.bounded(q, "POST /v1/encode")
         octet = query_options.OCTET if ctype == OCTET else ()
         ipc = None
         if ctype != "application/json":  # which of them the body takes: checked below
