@@ -61,7 +61,7 @@ from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
 from encoder_service.errors import (EncoderServiceError, InvalidInput, LimitExceeded, NotFound, RequestTimeout,
                                    Unauthenticated, UnsupportedMediaType)
-from encoder_service.protocol import wire
+from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
 from encoder_service.protocol.ipc import IpcError, IpcRequest
@@ -266,19 +266,23 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
 
     async def _json_body(request: Request, model: type[_Strict], peer_path: str | None = None):
         """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch, pickup and release).
-        `peer_path`: the row path, where another replica's signature of the request (its body included: read
-        first) stands for the token, for a fetch marked `peer` only."""
+        `peer_path`: the row path, where another replica's signature of the request stands for the token, for
+        a fetch marked `peer` only: its form, replica and time checked before the body is read, which is then
+        read up to peer_auth.MAX_BODY_BYTES only (a peer's fetch is one item) and checked against the
+        signature."""
         authorization = request.headers.get("authorization")
         signed = peer_path is not None and auth.signed_by_peer(authorization)
+        signature = auth.addressed_to(authorization, owner) if signed else None
         if not signed:
             auth.check(authorization)
         ctype = _content_type(request)
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
         query_options.check(request.query_params, (), f"POST {request.url.path} (its options go in the JSON body)")
-        raw = await bodies.bounded(request, max_body, read_timeout_s).body()
+        limit = min(max_body, peer_auth.MAX_BODY_BYTES) if signed else max_body
+        raw = await bodies.bounded(request, limit, read_timeout_s).body()
         if signed:
-            auth.check_peer(authorization, "POST", peer_path, raw, me=owner)
+            auth.check_peer(signature, "POST", peer_path, raw)
         body = bodies.parse(model, raw)
         if signed and getattr(body, "peer", None) is None:
             raise Unauthenticated("a replica's signature authorizes its own fetches only (marked \"peer\")")
