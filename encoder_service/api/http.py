@@ -24,7 +24,8 @@ The body limit is enforced while reading: Content-Length first, then by counting
 JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400;
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why, and a
 query option the body does not take or one given twice (api/query_options.py). A body that stops arriving
-for --read-timeout-s is 408 (the outcome `request_timeout`) and its connection closed (api/read_timeouts.py).
+for --read-timeout-s, or has not arrived whole by then plus its length at api/bodies.py's MIN_BODY_RATE, is 408
+(the outcome `request_timeout`) and its connection closed (api/read_timeouts.py).
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
 A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), or
