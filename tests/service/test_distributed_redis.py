@@ -9,7 +9,9 @@ Sentinels) named by a redis+sentinel:// URL.
     503 only, and 503 for at most 2 s past the moment Redis itself finished the failover.
   - /health/ready names the kind of Redis and each node's state.
 
-Failure detection is fast here (node timeout and down-after 1 s); redis_cluster.py builds the sets.
+Failure detection is faster here than redis_cluster.py's default (node timeout and down-after FAILOVER_DETECT_MS),
+so that a failover fits a test, and not so fast that CPU starvation fails a node over mid-test; the bounds are
+relative to Redis's own failover. redis_cluster.py builds the sets.
 """
 
 from __future__ import annotations
@@ -37,18 +39,19 @@ PAIRS = {"before": 16, "failover": 24, "after": 16}
 FETCH_TIMEOUT_S = 20.0  # each call's deadline: the clients retry inside it
 FAILOVER_S = 30.0  # bound on Redis's own failover here
 PAST_FAILOVER_S = 2.0  # what the service may add to Redis's failover, as raw callers see it
+FAILOVER_DETECT_MS = 2000  # the Cluster's node timeout, the Sentinels' down-after
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    redis_set = RedisClusterSet(masters=3, replicas=1).start()
+    redis_set = RedisClusterSet(masters=3, replicas=1, node_timeout_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
 
 
 @pytest.fixture(scope="module")
 def sentinels():
-    redis_set = SentinelSet(replicas=1, sentinels=3).start()
+    redis_set = SentinelSet(replicas=1, sentinels=3, down_after_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
 
