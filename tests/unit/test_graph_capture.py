@@ -101,6 +101,25 @@ def test_an_exact_graph_that_cannot_be_captured_is_not_timed_and_runs_eagerly(lo
     check_batch(runner, lm, [(1, 8, 12), (1, 8, 12), (1, 4, 4)], 5)
 
 
+def test_images_of_an_exact_bucket_whose_graph_failed_are_packed_not_run_alone(loaded):
+    """A bucket's exact graph missing, its size is no solo bucket (it stayed one: each such image ran eagerly
+    alone, where packed together they replay a multi graph)."""
+    lm = loaded("qwen2_5_vl")
+    runner = GraphRunner(lm, buckets=BUCKETS, exact_buckets=[96], solo_min_patches=96,
+                         capturer=FlakyCapture({(96, "exact"): 2}))
+    assert runner.describe()["solo_buckets"] == []
+    assert routes(runner, [(1, 8, 12), (1, 8, 12)]) == [(256, "multi")]
+    check_batch(runner, lm, [(1, 8, 12), (1, 8, 12)], 6)
+    captured = GraphRunner(lm, buckets=BUCKETS, exact_buckets=[96], solo_min_patches=96, capturer=FlakyCapture({}))
+    assert routes(captured, [(1, 8, 12), (1, 8, 12)]) == [(96, "exact"), (96, "exact")]
+
+
+def test_no_capture_means_no_capture_whatever_capturer_is_given(loaded):
+    capture = FlakyCapture({})
+    runner = GraphRunner(loaded("qwen2_vl"), buckets=BUCKETS, capture=False, capturer=capture)
+    assert capture.attempts == [] and runner.describe()["runner"] == "static_buffers"
+
+
 async def test_a_core_starts_and_serves_with_a_graph_that_could_not_be_captured(make_core, tiny_checkpoint):
     """A serving start never dies of a failed capture: the core's warm-up encode and a request whose image
     lands in that graph's bucket run eagerly; /metrics and the metadata say which graph."""
