@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from encoder_service.core import EncoderCore, ImageInput
 from encoder_service.core.metrics import Metrics
+from encoder_service.ops.cuda_graph import gc_paused
 from encoder_service.runtime.graphs import GraphRunner
 from tests.support.graph_cases import BUCKETS, MIXED, SAME_TOTAL_MULTI, SAME_TOTAL_SINGLE, check_batch
 from tests.support.images import image_bytes
@@ -167,3 +169,34 @@ def test_running_out_of_memory_is_not_retried(loaded):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         GraphRunner(loaded("qwen2_vl"), buckets=BUCKETS, capturer=capture)
     assert capture.recoveries == 0
+
+
+def test_the_collector_stays_paused_until_the_last_capture_on_any_thread_ends():
+    """gc_paused is process-wide: with captures on two threads, the first to end turned the collector on again
+    in the middle of the other's."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def second() -> None:
+        first_in.wait(10)
+        with gc_paused():
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first ended"] = gc.isenabled()
+
+    was_enabled = gc.isenabled()
+    gc.enable()
+    thread = threading.Thread(target=second)
+    thread.start()
+    try:
+        with gc_paused():
+            first_in.set()
+            assert second_in.wait(10)
+        first_out.set()
+        thread.join(10)
+        assert seen == {"after the first ended": False} and gc.isenabled()
+    finally:
+        first_out.set()
+        thread.join(10)
+        if not was_enabled:
+            gc.disable()
