@@ -328,7 +328,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
     "redis_url": (str, None, "enables the shared Redis tier: redis://host:port/0 (one server, or any node of a "
-                              "Redis Cluster), redis+sentinel://host:port,host:port/<master name>"),
+                              "Redis Cluster), unix:///path, redis+cluster://host:port[,host:port...] (a Cluster), "
+                              "redis+sentinel://host:port,host:port/<master name>[/<db>] (the master the Sentinels "
+                              "name); rediss://, rediss+cluster://, rediss+sentinel:// for TLS (the ssl_* query "
+                              "options only with these)"),
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
     "redis_row_copy_bytes": (_non_negative(parse_size), "0", "entries up to this size also get a copy of their "
                                                             "rows in Redis (0: none; rows go replica to replica)"),
