@@ -43,6 +43,10 @@ REFUSED = {
     "an option of fetch's body": ("/v1/fetch?timeout_s=0", {"json": {"items": [], "start": 0, "end": 1}},
                                   "POST /v1/fetch (its options go in the JSON body): query option 'timeout_s'"),
     "release": ("/v1/release?ids=x", {"json": {"ids": []}}, "query option 'ids' not taken"),
+    # its tokens were dropped, unacknowledged, without a word
+    "ipc_ack without ipc_host": ("/v1/encode?ipc_ack=t1", image_body(), "query option 'ipc_ack' without ipc_host"),
+    "ipc_ack on a video body": ("/v1/encode?ipc_ack=t1", {"content": CLIP, "headers": {"content-type": "video/mp4"}},
+                                "query option 'ipc_ack' not taken"),
 }
 
 

@@ -22,11 +22,11 @@ GIVE_UP_S = 20.0  # the test's own bound on waiting for the server to close (far
 
 @pytest.fixture(scope="module")
 def svc(request, tiny_checkpoint):
-    return running(request, tiny_checkpoint("qwen2_5_vl"), "--read-timeout-s", str(READ_TIMEOUT_S))
+    return running(request, tiny_checkpoint("qwen2_5_vl"), "--read-timeout-s", str(READ_TIMEOUT_S), "--sglang-protocol")
 
 
-def connect(svc) -> socket.socket:
-    host, port = svc.url.removeprefix("http://").rsplit(":", 1)
+def connect(svc, url: str | None = None) -> socket.socket:
+    host, port = (url or svc.url).removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=GIVE_UP_S)
     return sock
 
@@ -108,3 +108,16 @@ def test_a_body_trickling_past_its_deadline_is_answered_408(svc):
     assert b"did not arrive within" in answer and b"KiB/s" in answer, answer[:600]
     assert answered_in < GIVE_UP_S / 2
     assert requests_counted(svc, "request_timeout") == timed_out + 1
+
+
+def test_a_body_cut_short_on_the_sglang_port_is_answered_408_with_the_connection_closed(svc):
+    """The SGLang port's 408 said nothing of the connection (api/http.py's says `connection: close`): the rest
+    of the body, should it come, is no next request's bytes."""
+    body = b'{"mm_items": ["aGk="], "req_id": "r", "num_parts": 1, "part_idx": 0}'
+    head = f"POST /encode HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    with connect(svc, svc.sglang_url) as sock:
+        sock.sendall(head.encode() + body[:10])
+        answer = read_until_closed(sock)
+    head_lines = answer.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert head_lines[0].startswith(b"http/1.1 408"), answer[:300]
+    assert b"connection: close" in head_lines, answer[:300]
