@@ -28,7 +28,7 @@ import torch
 from encoder_service.client import AsyncEncoderClient
 from tests.support.images import image_bytes
 from tests.support.redis_cluster import RedisClusterSet, SentinelSet, slot_owners
-from tests.support.redis_server import find_redis7, find_redis_server
+from tests.support.redis_server import find_redis7, find_redis_server, major_version
 from tests.support.stores import make_entry, open_store
 from tests.support.replica_load import Load
 from tests.support.service import RunningService, running
@@ -54,12 +54,6 @@ def sentinels():
     redis_set = SentinelSet(replicas=1, sentinels=3, down_after_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
-
-
-def redis_major(binary: str) -> int:
-    import subprocess
-
-    return int(subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.split(" v=")[1][0])
 
 
 def pair(request, tiny_checkpoint, url: str) -> tuple[RunningService, RunningService]:
@@ -162,7 +156,7 @@ def test_a_cluster_named_by_one_node_spreads_ids_over_every_master(request, tiny
     a, b = pair(request, tiny_checkpoint, cluster.url)
     detail = ready(a)["redis_detail"]
     assert detail["mode"] == "cluster" and detail["state"] == "up"
-    assert detail["pubsub"] == ("sharded" if redis_major(cluster.binary) >= 7 else "plain")
+    assert detail["pubsub"] == ("sharded" if major_version(cluster.binary) >= 7 else "plain")
     assert sorted(detail["nodes"]) == sorted(m.address for m in cluster.live_masters())
     before = slot_owners(cluster)
 
@@ -210,7 +204,7 @@ def test_waits_on_a_cluster_are_woken_by_plain_or_sharded_pub_sub(version):
     """Redis >= 7: SPUBLISH to the master of the marker's slot, each waiter subscribed there (no message over
     the cluster bus); 6.2 (no sharded pub/sub): plain PUBLISH, one subscriber connection, broadcast."""
     binary = find_redis7() if version == "7" else find_redis_server()
-    if redis_major(binary) != int(version):
+    if major_version(binary) != int(version):
         pytest.skip(f"no redis-server {version} here")
     cluster = RedisClusterSet(masters=3, replicas=0, binary=binary).start()
 
