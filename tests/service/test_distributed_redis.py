@@ -9,7 +9,9 @@ Sentinels) named by a redis+sentinel:// URL.
     503 only, and 503 for at most 2 s past the moment Redis itself finished the failover.
   - /health/ready names the kind of Redis and each node's state.
 
-Failure detection is fast here (node timeout and down-after 1 s); redis_cluster.py builds the sets.
+Failure detection is faster here than redis_cluster.py's default (node timeout and down-after FAILOVER_DETECT_MS),
+so that a failover fits a test, and not so fast that CPU starvation fails a node over mid-test; the bounds are
+relative to Redis's own failover. redis_cluster.py builds the sets.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from encoder_service.client import AsyncEncoderClient
 from tests.support.images import image_bytes
 from tests.support.redis_cluster import RedisClusterSet, SentinelSet, slot_owners
-from tests.support.redis_server import find_redis7, find_redis_server
+from tests.support.redis_server import find_redis7, find_redis_server, major_version
 from tests.support.stores import make_entry, open_store
 from tests.support.replica_load import Load
 from tests.support.service import RunningService, running
@@ -37,26 +39,21 @@ PAIRS = {"before": 16, "failover": 24, "after": 16}
 FETCH_TIMEOUT_S = 20.0  # each call's deadline: the clients retry inside it
 FAILOVER_S = 30.0  # bound on Redis's own failover here
 PAST_FAILOVER_S = 2.0  # what the service may add to Redis's failover, as raw callers see it
+FAILOVER_DETECT_MS = 2000  # the Cluster's node timeout, the Sentinels' down-after
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    redis_set = RedisClusterSet(masters=3, replicas=1).start()
+    redis_set = RedisClusterSet(masters=3, replicas=1, node_timeout_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
 
 
 @pytest.fixture(scope="module")
 def sentinels():
-    redis_set = SentinelSet(replicas=1, sentinels=3).start()
+    redis_set = SentinelSet(replicas=1, sentinels=3, down_after_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
-
-
-def redis_major(binary: str) -> int:
-    import subprocess
-
-    return int(subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.split(" v=")[1][0])
 
 
 def pair(request, tiny_checkpoint, url: str) -> tuple[RunningService, RunningService]:
@@ -159,7 +156,7 @@ def test_a_cluster_named_by_one_node_spreads_ids_over_every_master(request, tiny
     a, b = pair(request, tiny_checkpoint, cluster.url)
     detail = ready(a)["redis_detail"]
     assert detail["mode"] == "cluster" and detail["state"] == "up"
-    assert detail["pubsub"] == ("sharded" if redis_major(cluster.binary) >= 7 else "plain")
+    assert detail["pubsub"] == ("sharded" if major_version(cluster.binary) >= 7 else "plain")
     assert sorted(detail["nodes"]) == sorted(m.address for m in cluster.live_masters())
     before = slot_owners(cluster)
 
@@ -207,7 +204,7 @@ def test_waits_on_a_cluster_are_woken_by_plain_or_sharded_pub_sub(version):
     """Redis >= 7: SPUBLISH to the master of the marker's slot, each waiter subscribed there (no message over
     the cluster bus); 6.2 (no sharded pub/sub): plain PUBLISH, one subscriber connection, broadcast."""
     binary = find_redis7() if version == "7" else find_redis_server()
-    if redis_major(binary) != int(version):
+    if major_version(binary) != int(version):
         pytest.skip(f"no redis-server {version} here")
     cluster = RedisClusterSet(masters=3, replicas=0, binary=binary).start()
 

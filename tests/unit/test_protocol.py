@@ -54,6 +54,14 @@ def test_every_kind_maps_both_ways():
         assert type(err) is row.error and err.message.startswith("why") and err.status == row.http_status
 
 
+@pytest.mark.parametrize("kind, status", [("request_timeout", 408), (None, 408)])
+def test_a_408_is_raised_as_a_request_timeout(kind, status):
+    """It was a plain InvalidInput: a client could not tell a body the server stopped waiting for (send it
+    again) from a bad request."""
+    err = remote_error(kind, "the request body stopped arriving", status)
+    assert type(err) is errors.RequestTimeout and isinstance(err, errors.InvalidInput)
+
+
 def test_statuses_by_kind_not_by_message():
     assert api_errors.http_status(errors.PayloadTooLarge("request body bytes", 9, 8)) == 413
     assert api_errors.http_status(errors.LimitExceeded("request body bytes", 9, 8)) == 400  # no message matching
