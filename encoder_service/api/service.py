@@ -170,7 +170,7 @@ class Service:
         from encoder_service.api.ipc_channel import IpcChannel, channel_path
 
         s = self.settings.server
-        path = channel_path(s.ipc_channel, self._http_sock.getsockname()[1], self.core.ipc.arena is not None)
+        path = channel_path(s.ipc_channel, *self._http_sock.getsockname()[:2], self.core.ipc.arena is not None)
         if path is None:
             return
         channel = IpcChannel(self.core, path, s.auth_token, access_log=s.access_log)
@@ -231,6 +231,10 @@ class Service:
         core. Readiness goes first so gRPC Health says NOT_SERVING (and /health/ready 503) during the grace."""
         if self.core is not None:
             self.core.drain()
+        channel = None  # the IPC channel takes nothing new from now on; its fetches in flight end within grace_s
+        if self._ipc_channel is not None:
+            self.core.ipc.channel = None
+            channel = asyncio.create_task(self._ipc_channel.stop(grace_s))
         if self._grpc_health is not None:
             await self._grpc_health.enter_graceful_shutdown()  # open Health.Watch streams hear it now
         if self._grpc is not None:
@@ -241,9 +245,8 @@ class Service:
         for task in (self._http_task, self._sglang_task):
             if task is not None:
                 await task
-        if self._ipc_channel is not None:
-            self.core.ipc.channel = None
-            await self._ipc_channel.stop()
+        if channel is not None:
+            await channel
         if self._socket_send is not None:
             self._socket_send.close()
         if self._sglang_protocol is not None:
