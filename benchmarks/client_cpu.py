@@ -11,7 +11,7 @@ into the worker's reused `out` by IPC, release. Four ways, each its own run:
 Measured in the client's process (the server's CPU is not in it): CPU seconds (process_time: the event loop and
 the client's threads) per image, in microseconds, and images/s (the server, on the shared CPU, bounds that).
 `--profile`: cProfile of the client's event loop thread per way, its top functions by own time written to
-$OUT/client_cpu-<way>.txt.
+$OUT/client_cpu-<way>.txt (the way's / as -: client_cpu-fetch-channel.txt).
 
     python -m benchmarks.client_cpu [--images 400] [--concurrency 16] [--profile]
 """
@@ -135,7 +135,7 @@ def main() -> int:
             for k, way in enumerate(w for w in args.ways.split(",") if w):
                 flow, channel = WAYS[way]
                 job = Path(tmp) / f"job{k}.json"
-                profile = str(out / f"client_cpu-{k}.txt") if args.profile else None
+                profile = str(out / f"client_cpu-{way.replace('/', '-')}.txt") if args.profile else None
                 job.write_text(json.dumps(dict(url=servers[channel].url, standin=tmp, flow=flow, images=args.images,
                                                concurrency=args.concurrency, seed=1000 * (k + 1), profile=profile)))
                 done = subprocess.run([sys.executable, "-m", "benchmarks.client_cpu", "--client", str(job)],

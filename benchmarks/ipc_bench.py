@@ -220,7 +220,7 @@ class Consumer:
         from encoder_service.integrations.vllm.options import ConnectorOptions
         from encoder_service.integrations.vllm.staging import Need, StagingTable
         from encoder_service.integrations.vllm.worker import IpcRows, RowLoader
-        from encoder_service.protocol.cuda_ipc import KIND
+        from encoder_service.rowpath.cuda_ipc import KIND
 
         width = ref.shape[1]
         options = ConnectorOptions(self.job["url"], shm="on", shm_dir=self.job["shm_dir"], ipc=ipc,

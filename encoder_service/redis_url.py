@@ -6,7 +6,8 @@
     redis+sentinel://[user:pass@]h:p[,h:p...]/<master name>[/<db>]
                                                  the master the Sentinels name; a failover is followed
     (rediss+cluster, rediss+sentinel: TLS; Sentinel query options: ssl_ca_certs, ssl_certfile, ssl_keyfile,
-     ssl_cert_reqs, sentinel_username, sentinel_password; user:pass@ is the master's)
+     ssl_cert_reqs, sentinel_username, sentinel_password; user:pass@ is the master's; the ssl_* options only
+     with TLS, on every form)
 
 Parsed once where settings are read (a bad URL stops the start with a clear message) and again by the tier.
 """
@@ -51,7 +52,17 @@ def parse_url(url: str) -> RedisTarget:
         raise ValueError(f"a redis URL starts with redis://, rediss:// or unix:// (one server or a Cluster node), "
                          f"redis+cluster:// or redis+sentinel://host:port,host:port/<master name>, not "
                          f"{parts.scheme + '://' if parts.scheme else repr(_redacted(url)[:40])}")
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    tls_asked = sorted(set(query) & set(_SSL_OPTIONS))
+    if tls_asked and base != "rediss":  # redis-py passes them to a plain connection: a TypeError at connect
+        raise ValueError(f"redis URL option(s) {', '.join(tls_asked)} are for TLS: give them with rediss"
+                         f"{'+' + kind if kind else ''}://, or leave them out")
     if not kind:
+        if base != "unix":
+            try:
+                parts.port  # redis-py reads it only at connect
+            except ValueError:
+                raise ValueError(f"redis URL {_redacted(url)!r}: the port must be a number in 0-65535") from None
         return RedisTarget(None, url)
     nodes = tuple(_host_port(hp, url) for hp in parts.netloc.rpartition("@")[2].split(",") if hp)
     if not nodes:
@@ -61,9 +72,8 @@ def parse_url(url: str) -> RedisTarget:
         first = f"{base}://{userinfo + '@' if userinfo else ''}{nodes[0][0]}:{nodes[0][1]}{parts.path}"
         return RedisTarget(CLUSTER, first + (f"?{parts.query}" if parts.query else ""), nodes)
     path = [unquote(p) for p in parts.path.split("/") if p]
-    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+    if not path or len(path) > 2 or (len(path) == 2 and not (path[1].isascii() and path[1].isdigit())):
         raise ValueError(f"redis URL {_redacted(url)!r}: a Sentinel URL ends in /<master name>[/<db>]")
-    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     unknown = set(query) - {*_SSL_OPTIONS, "sentinel_username", "sentinel_password"}
     if unknown:
         raise ValueError(f"redis URL option(s) {', '.join(sorted(unknown))} not known for a Sentinel URL")
@@ -84,8 +94,8 @@ def parse_url(url: str) -> RedisTarget:
 
 def _host_port(text: str, url: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"redis URL {_redacted(url)!r}: {text!r} is not host:port")
+    if not sep or not host or not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise ValueError(f"redis URL {_redacted(url)!r}: {text!r} is not host:port (a port in 0-65535)")
     return host.strip("[]"), int(port)
 
 

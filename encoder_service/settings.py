@@ -155,7 +155,8 @@ class ServerSettings:
     shm_dir: str = DEFAULT_SHM_DIR  # the only directory those files may be in
     send_threads: int = 8  # threads writing fetched rows onto HTTP sockets (api/socket_send.py); 0: the loop
     # An HTTP request's head must arrive within this of its first byte (or of a new connection), and its body
-    # pause no longer than this (api/read_timeouts.py, api/bodies.py); else the connection is closed.
+    # pause no longer than this, and arrive whole within it plus its length at api/bodies.py: MIN_BODY_RATE
+    # (api/read_timeouts.py, api/bodies.py); else the connection is closed.
     read_timeout_s: float = 30.0
     # Rows GPU to GPU for consumers on this host (runtime/device_arena.py): the arena's bytes (None: auto, 0: off)
     # and how long a fetch by IPC holds its rows at most without an acknowledgement.
@@ -327,7 +328,10 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
     "http_port": (_port, "8000", "0 disables HTTP"),
     "grpc_port": (_port, "50051", "0 disables gRPC"),
     "redis_url": (str, None, "enables the shared Redis tier: redis://host:port/0 (one server, or any node of a "
-                              "Redis Cluster), redis+sentinel://host:port,host:port/<master name>"),
+                              "Redis Cluster), unix:///path, redis+cluster://host:port[,host:port...] (a Cluster), "
+                              "redis+sentinel://host:port,host:port/<master name>[/<db>] (the master the Sentinels "
+                              "name); rediss://, rediss+cluster://, rediss+sentinel:// for TLS (the ssl_* query "
+                              "options only with these)"),
     "redis_ttl_s": (_positive(int), "86400", "backstop TTL of Redis entries"),
     "redis_row_copy_bytes": (_non_negative(parse_size), "0", "entries up to this size also get a copy of their "
                                                             "rows in Redis (0: none; rows go replica to replica)"),
@@ -388,7 +392,8 @@ OPTIONS: dict[str, tuple[Callable[[str], object], object, str]] = {
                                           "uid's alone under the temp dir), off, or an absolute path"),
     "read_timeout_s": (_positive(float), "30", "an HTTP request's head must arrive within this many seconds of its "
                                                "first byte (or of the connection's opening), and its body pause no "
-                                               "longer; else the connection is closed (a stalled body: 408)"),
+                                               "longer and arrive whole within it plus its length at 64 KiB/s; "
+                                               "else the connection is closed (a stalled or trickling body: 408)"),
     "send_threads": (_non_negative(int), "8", "threads that write fetched rows onto HTTP sockets, several "
                                               "fetches at once (0: the event loop writes them)"),
     "sglang_protocol": (parse_bool, "false", "serve SGLang's encoder protocol (--language-only --encoder-urls) "

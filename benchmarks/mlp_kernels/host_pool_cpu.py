@@ -1,5 +1,5 @@
 """The completion thread's copy out of staging on this host's CPU, no GPU: torch's allocator (clone, the copy
-before issue 23) against runtime/host_pool.py's HostRowPool, as the service runs it: the copy on one thread
+before issue 23) against rowpath/host_pool.py's HostRowPool, as the service runs it: the copy on one thread
 (the completion thread), the rows freed on another (the event loop's cache evicting), a cache at capacity (the
 last WINDOW batches' rows kept). Per batch: the copy's wall ms, the process's CPU ms (the copy and the frees)
 and minor page faults (medians after the window filled), two passes each (glibc adapts its mmap threshold to
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from encoder_service.runtime.host_pool import HostRowPool
+from encoder_service.rowpath.host_pool import HostRowPool
 
 BATCHES = {"qwen3 4 x 720p": [(880, 16384)] * 4, "qwen3 1080p": [(2040, 16384)]}
 WINDOW, ITERS = 8, 24

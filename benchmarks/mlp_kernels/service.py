@@ -6,7 +6,7 @@ without HTTP, on Qwen3-VL-8B 720p (3520 patches, rows 880 x 16384 bf16 = 28.8 MB
   host_copy     the completion thread's work per batch (runtime/transfer.py): the pinned staging copy's host
                 cost, the device-to-host copy's GPU time, the copy out of staging into new pageable tensors
                 (torch's allocator: page faults on fresh memory; the same with one CPU thread), into reused
-                (already touched) buffers, and into runtime/host_pool.py's pool: fresh mappings, and mappings
+                (already touched) buffers, and into rowpath/host_pool.py's pool: fresh mappings, and mappings
                 given back by a batch freed before (an LRU at capacity); for Qwen3 (4 x 28.8 MB) and Qwen2.5
                 (3 x 8.6 MB), with the page faults each took
   runner_alone  runner.encode synchronized, batches of 1 to 4 routed as the service routes them: the
@@ -78,7 +78,7 @@ def host_copy(outputs: list[torch.Tensor], iters: int = 8) -> dict:
     one CPU thread, into buffers already touched, into the pool's fresh mappings (rows kept; with and without
     transparent huge pages advised) and into the pool after the previous batch was freed (its mappings
     reused); minor page faults per batch beside."""
-    from encoder_service.runtime.host_pool import HostRowPool
+    from encoder_service.rowpath.host_pool import HostRowPool
     from encoder_service.runtime.transfer import HostCopier
 
     nbytes = sum(o.numel() * o.element_size() for o in outputs)
@@ -214,7 +214,7 @@ class _TimedCopier:
     """HostCopier with the completion thread's wait() timed; rows "pinned" hands out the pinned views."""
 
     def __init__(self, rows: str, wait_ms: list):
-        from encoder_service.runtime.host_pool import HostRowPool
+        from encoder_service.rowpath.host_pool import HostRowPool
         from encoder_service.runtime.transfer import HostCopier
 
         pool = {"clone": HostRowPool(min_bytes=float("inf")), "pool_thp": HostRowPool(huge_pages=True)}.get(rows)

@@ -1,7 +1,8 @@
 """Optional bearer-token auth shared by HTTP and gRPC. Health endpoints stay open (the transports decide).
 
 Another replica fetching rows (replicas/peers.py) sends no token: it signs its request with a key derived from the
-token (protocol/peer_auth.py), which this accepts on the row path only (`check_fetch`)."""
+token (protocol/peer_auth.py), which this accepts on the row path only: `signed_by_peer` says a request is
+one, `addressed_to` checks what it can before the body is read, `check_peer` the signature of the body."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class BearerAuth:
     def __init__(self, token: str | None):
         self._token = token.encode() if token else None
         self._peer_key = peer_auth.peer_key(token) if token else None
+        self._seen = peer_auth.Seen()  # signatures taken: none is taken twice
 
     @property
     def enabled(self) -> bool:
@@ -38,10 +40,16 @@ class BearerAuth:
             raise Unauthenticated("wrong bearer token")
 
     def signed_by_peer(self, authorization: str | None) -> bool:
-        """The request says it is another replica's (checked with its body: `check_peer`); else `check` it."""
+        """The request says it is another replica's (checked: `addressed_to`, then with its body `check_peer`);
+        else `check` it."""
         return self._peer_key is not None and peer_auth.is_peer(authorization)
 
-    def check_peer(self, authorization: str, method: str, path: str, body: bytes, me: str | None) -> None:
-        """Raises Unauthenticated unless `authorization` is a replica's signature of this request, addressed to
-        this replica (`me`: its owner id in the directory; None: no Redis, so no peers)."""
-        peer_auth.check(self._peer_key, authorization, method, path, body, me)
+    def addressed_to(self, authorization: str, me: str | None) -> peer_auth.Signature:
+        """Raises Unauthenticated unless `authorization` is a replica's signature in form, addressed to this
+        replica (`me`: its owner id in the directory; None: no Redis, so no peers) and signed in time."""
+        return peer_auth.addressed(authorization, me)
+
+    def check_peer(self, signature: peer_auth.Signature, method: str, path: str, body: bytes) -> None:
+        """Raises Unauthenticated unless `signature` (`addressed_to`) signs this request, and was not taken
+        before (a replayed request)."""
+        peer_auth.check(self._peer_key, signature, method, path, body, self._seen)

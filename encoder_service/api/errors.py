@@ -11,7 +11,7 @@ from encoder_service import errors
 from encoder_service.protocol.errors import grpc_code_name, http_status
 
 # http_status (protocol/errors.py's) is part of the server's answers: the transports and the vLLM proxy take it here.
-__all__ = ["error_body", "grpc_code", "http_status", "retry_after_header"]
+__all__ = ["answer_headers", "error_body", "grpc_code", "http_status", "retry_after_header"]
 
 
 def grpc_code(exc: BaseException):
@@ -36,3 +36,15 @@ def retry_after_header(exc: BaseException) -> str | None:
     if isinstance(exc, errors.Overloaded):
         return str(max(1, int(-(-exc.retry_after_s // 1))))
     return None
+
+
+def answer_headers(exc: BaseException) -> dict[str, str]:
+    """HTTP headers of an error answer, on every HTTP port: Retry-After for an Overloaded error; `connection:
+    close` for a RequestTimeout (the rest of its body may come later: not a next request's bytes)."""
+    headers = {}
+    retry = retry_after_header(exc)
+    if retry is not None:
+        headers["retry-after"] = retry
+    if isinstance(exc, errors.RequestTimeout):
+        headers["connection"] = "close"
+    return headers

@@ -6,7 +6,8 @@ POST /v1/encode   multipart (field `image`, repeated; options in the query, `id`
                   "ipc"?}. Videos the same ways (api/video_bodies.py): multipart `video` / `frame` fields, a
                   video/* body, JSON {"videos": [...]}; answered as {"videos": [VideoInfo], "timings"}.
                   Images with "ipc": {"host", "hold", "ack"} (JSON; the query's `ipc_host` and `ipc_ack`,
-                  comma-separated tokens, for the other forms; implies wait): each image's answer carries
+                  comma-separated tokens, for a binary or multipart body of images: a video body refuses them,
+                  400, and so does `ipc_ack` without `ipc_host`; implies wait): each image's answer carries
                   "ipc": where its rows sit in the device row arena (a hold) or why not, as a fetch's.
 POST /v1/fetch    JSON {"items": [{"id", "offset"}], "start", "end", "timeout_s"} -> protocol/wire.py payload
                   (application/octet-stream; application/safetensors when Accept asks for it).
@@ -24,7 +25,8 @@ The body limit is enforced while reading: Content-Length first, then by counting
 JSON bodies are strict: unknown fields, and values of another JSON type ("5" or true for a number), are 400;
 so is a multipart body the parser refuses (no boundary, no parts, too many files or fields), naming why, and a
 query option the body does not take or one given twice (api/query_options.py). A body that stops arriving
-for --read-timeout-s is 408 (the outcome `request_timeout`) and its connection closed (api/read_timeouts.py).
+for --read-timeout-s, or has not arrived whole by then plus its length at api/bodies.py's MIN_BODY_RATE, is 408
+(the outcome `request_timeout`) and its connection closed (api/read_timeouts.py).
 Starlette's own answers (404 unknown path, 405 wrong method) come in the same error shape. Every answer of
 the three POSTs carries its request id (x-request-id: api/requests.py).
 A client that goes away mid-upload, or while the core works for it (watched: ASGI's http.disconnect), or
@@ -59,9 +61,9 @@ from encoder_service.api.rows_response import RowsResponse
 from encoder_service.api.socket_send import EXTENSION
 from encoder_service.core import EncoderCore, FetchItem, ImageInput
 from encoder_service.core.types import VideoInput
-from encoder_service.errors import (EncoderServiceError, InvalidInput, LimitExceeded, NotFound, RequestTimeout,
-                                   Unauthenticated, UnsupportedMediaType)
-from encoder_service.protocol import wire
+from encoder_service.errors import (EncoderServiceError, InvalidInput, LimitExceeded, NotFound, Unauthenticated,
+                                   UnsupportedMediaType)
+from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import dtype_name
 from encoder_service.protocol.errors import kind_from_status
 from encoder_service.protocol.ipc import IpcError, IpcRequest
@@ -193,12 +195,10 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         ctype = _content_type(request)
         bounded = bodies.bounded(request, max_body, read_timeout_s)
         q = request.query_params
+        query_options.bounded(q, "POST /v1/encode")
         octet = query_options.OCTET if ctype == OCTET else ()
-        ipc = None
         if ctype != "application/json":  # which of them the body takes: checked below
             wait, embeds, timeout_s = _qbool(q, "wait"), _qbool(q, "return_embeddings"), _qfloat(q, "timeout_s")
-            if "ipc_host" in q:
-                ipc = _ipc_request(q["ipc_host"], True, [t for t in q.get("ipc_ack", "").split(",") if t])
         videos = []
         if ctype == "application/json":
             query_options.check(q, (), "POST /v1/encode with a JSON body (its options go in the body)")
@@ -219,6 +219,8 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
         else:
             raise _unsupported(ctype, "application/json, multipart/form-data, application/octet-stream, image/* "
                                       "or video/*")
+        if ctype != "application/json":  # the query's options checked above (a video body takes no ipc_*)
+            ipc = _query_ipc(q)
         result = await _unless_disconnected(request, core.encode(images, wait=wait, return_embeddings=embeds,
                                                                  timeout_s=timeout_s, videos=videos, ipc=ipc))
         kind, infos = ("videos", result.videos) if videos else ("images", result.images)
@@ -265,19 +267,23 @@ def create_app(core: EncoderCore, pickups: Pickups | None = None) -> ASGIApp:
 
     async def _json_body(request: Request, model: type[_Strict], peer_path: str | None = None):
         """Auth, then a JSON body of at most max_body bytes parsed into `model` (fetch, pickup and release).
-        `peer_path`: the row path, where another replica's signature of the request (its body included: read
-        first) stands for the token, for a fetch marked `peer` only."""
+        `peer_path`: the row path, where another replica's signature of the request stands for the token, for
+        a fetch marked `peer` only: its form, replica and time checked before the body is read, which is then
+        read up to peer_auth.MAX_BODY_BYTES only (a peer's fetch is one item) and checked against the
+        signature."""
         authorization = request.headers.get("authorization")
         signed = peer_path is not None and auth.signed_by_peer(authorization)
+        signature = auth.addressed_to(authorization, owner) if signed else None
         if not signed:
             auth.check(authorization)
         ctype = _content_type(request)
         if ctype != "application/json":
             raise _unsupported(ctype, "application/json")
         query_options.check(request.query_params, (), f"POST {request.url.path} (its options go in the JSON body)")
-        raw = await bodies.bounded(request, max_body, read_timeout_s).body()
+        limit = min(max_body, peer_auth.MAX_BODY_BYTES) if signed else max_body
+        raw = await bodies.bounded(request, limit, read_timeout_s).body()
         if signed:
-            auth.check_peer(authorization, "POST", peer_path, raw, me=owner)
+            auth.check_peer(signature, "POST", peer_path, raw)
         body = bodies.parse(model, raw)
         if signed and getattr(body, "peer", None) is None:
             raise Unauthenticated("a replica's signature authorizes its own fetches only (marked \"peer\")")
@@ -391,6 +397,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _query_ipc(q) -> IpcRequest | None:
+    """The IPC request of a binary or multipart body of images: `ipc_host` and `ipc_ack` in the query."""
+    if "ipc_host" in q:
+        return _ipc_request(q["ipc_host"], True, [t for t in q.get("ipc_ack", "").split(",") if t])
+    if "ipc_ack" in q:  # its tokens would go unacknowledged, silently
+        raise InvalidInput("query option 'ipc_ack' without ipc_host: the tokens are acknowledged with a request "
+                           "by IPC (give ipc_host, the consumer's boot id), or by POST /v1/fetch/ack")
+    return None
+
+
 def _ipc_request(host: str, hold: bool, ack: list[str]) -> IpcRequest:
     try:
         return IpcRequest(host, hold, tuple(ack))
@@ -399,13 +415,8 @@ def _ipc_request(host: str, hold: bool, ack: list[str]) -> IpcRequest:
 
 
 def _error_response(exc: Exception) -> JSONResponse:
-    headers = {}
-    retry = api_errors.retry_after_header(exc)
-    if retry is not None:
-        headers["retry-after"] = retry
-    if isinstance(exc, RequestTimeout):  # the rest of its body may come later: not a next request's bytes
-        headers["connection"] = "close"
-    return JSONResponse(api_errors.error_body(exc), status_code=api_errors.http_status(exc), headers=headers)
+    return JSONResponse(api_errors.error_body(exc), status_code=api_errors.http_status(exc),
+                        headers=api_errors.answer_headers(exc))
 
 
 def _unsupported(ctype: str, expected: str) -> UnsupportedMediaType:

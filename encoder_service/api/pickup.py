@@ -2,7 +2,7 @@
 
 gRPC's Python message handling copies every message several times and one channel is one TCP stream, so a
 gRPC client that asks for it gets the header on the stream and a ticket; it reads the rows with the HTTP
-fetch reader (client/raw_http.py), straight into its buffer, on connections of its own.
+fetch reader (rowpath/raw_http.py), straight into its buffer, on connections of its own.
 
 A ticket is `secrets.token_urlsafe(32)` (256 random bits: unguessable), names exactly one fetch's answer,
 works once (taken on first claim) and expires TTL_S after it is made; the claim also needs the call's

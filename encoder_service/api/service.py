@@ -9,7 +9,6 @@ worker thread so the loop stays responsive; readiness turns true only after the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -21,6 +20,7 @@ from encoder_service.api.pickup import Pickups
 from encoder_service.api.read_timeouts import head_timeout_protocol
 from encoder_service.api.requests import install_log_ids
 from encoder_service.api.socket_send import SocketSend
+from encoder_service.api.uvicorn_internals import UvicornServer
 from encoder_service.core import EncoderCore
 from encoder_service.core.metrics import Metrics
 from encoder_service.settings import PortUnavailable, Settings, format_size
@@ -71,23 +71,6 @@ def redis_tier(settings: Settings) -> RedisTier | None:
     return RedisTier(c.redis_url, RedisOptions(ttl_s=c.redis_ttl_s, row_copy_bytes=c.redis_row_copy_bytes))
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling (the service stops HTTP and gRPC together) and with an
-    event for "listening" so nobody polls `started`."""
-
-    def __init__(self, config: uvicorn.Config):
-        super().__init__(config)
-        self.listening = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets=sockets)
-        self.listening.set()
-
-
 def advertised_url(host: str, port: int) -> str | None:
     """Where other replicas reach the HTTP port bound at host:port (--advertise-url overrides it): a wildcard
     host (0.0.0.0, ::) is this machine's address as its name resolves; None when that fails."""
@@ -119,10 +102,10 @@ class Service:
         self.core = core
         self._http_sock = http_sock
         self._sglang_sock = sglang_sock
-        self._http: _Uvicorn | None = None
+        self._http: UvicornServer | None = None
         self._http_task: asyncio.Task | None = None
         self._socket_send: SocketSend | None = None
-        self._sglang: _Uvicorn | None = None
+        self._sglang: UvicornServer | None = None
         self._sglang_task: asyncio.Task | None = None
         self._sglang_protocol = None
         self._grpc = None
@@ -201,7 +184,7 @@ class Service:
         from encoder_service.api.ipc_channel import IpcChannel, channel_path
 
         s = self.settings.server
-        path = channel_path(s.ipc_channel, self._http_sock.getsockname()[1], self.core.ipc.arena is not None)
+        path = channel_path(s.ipc_channel, *self._http_sock.getsockname()[:2], self.core.ipc.arena is not None)
         if path is None:
             return
         channel = IpcChannel(self.core, path, s.auth_token, access_log=s.access_log)
@@ -221,13 +204,13 @@ class Service:
             log.warning("--auth-token does not cover the SGLang protocol port %s (SGLang sends no credentials): "
                         "keep it on a private network", self.sglang_address)
 
-    async def _serve(self, app, sock: socket.socket, name: str) -> tuple[_Uvicorn, asyncio.Task, str]:
+    async def _serve(self, app, sock: socket.socket, name: str) -> tuple[UvicornServer, asyncio.Task, str]:
         """uvicorn serving `app` on `sock`, started (listening) on this loop: (server, its task, its URL)."""
         s = self.settings.server
         config = uvicorn.Config(app, lifespan="off", log_level=s.log_level, access_log=False,
                                 timeout_graceful_shutdown=10, timeout_keep_alive=HTTP_KEEP_ALIVE_S, log_config=None,
                                 http=head_timeout_protocol(s.read_timeout_s))
-        server = _Uvicorn(config)
+        server = UvicornServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn {name}")
         listening = asyncio.create_task(server.listening.wait())
         await asyncio.wait([task, listening], return_when=asyncio.FIRST_COMPLETED)
@@ -262,6 +245,10 @@ class Service:
         core. Readiness goes first so gRPC Health says NOT_SERVING (and /health/ready 503) during the grace."""
         if self.core is not None:
             self.core.drain()
+        channel = None  # the IPC channel takes nothing new from now on; its fetches in flight end within grace_s
+        if self._ipc_channel is not None:
+            self.core.ipc.channel = None
+            channel = asyncio.create_task(self._ipc_channel.stop(grace_s))
         if self._grpc_health is not None:
             await self._grpc_health.enter_graceful_shutdown()  # open Health.Watch streams hear it now
         if self._grpc is not None:
@@ -272,9 +259,8 @@ class Service:
         for task in (self._http_task, self._sglang_task):
             if task is not None:
                 await task
-        if self._ipc_channel is not None:
-            self.core.ipc.channel = None
-            await self._ipc_channel.stop()
+        if channel is not None:
+            await channel
         if self._socket_send is not None:
             self._socket_send.close()
         if self._sglang_protocol is not None:

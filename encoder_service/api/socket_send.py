@@ -20,10 +20,10 @@ A send error or timeout closes the connection (the client sees a short body, as 
 A JSON answer, whose body comes at once, is written whole instead (`SocketWriter.whole_answer`, api/http.py):
 its status line and headers wait for the body and leave with it in one write (up to WHOLE_MAX_BYTES of body).
 
-uvicorn's ASGI interface has no "write these bytes from a thread", so this reads two attributes of its
-httptools protocol's per-request cycle: `transport` and `expected_content_length` (checked once, at
-start-up, on the class). Anything else - the h11 protocol, another server, an in-process test client - gets
-no writer, and RowsResponse sends through ASGI.
+uvicorn's ASGI interface has no "write these bytes from a thread", so this goes through its httptools
+protocol's per-request cycle (api/uvicorn_internals.py: RequestCycle; checked once, at start-up). Anything
+else - the h11 protocol, another server, an in-process test client - gets no writer, and RowsResponse sends
+through ASGI.
 
 When every thread is busy a fetch waits for one, up to QUEUE_WAIT_S: readers that keep up free a thread in
 tens of milliseconds, and a fetch sent by the loop meanwhile would cap every connection at the loop's rate
@@ -44,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from encoder_service.api.uvicorn_internals import RequestCycle, httptools_cycle_type, request_cycle
+
 log = logging.getLogger("encoder_service")
 
 EXTENSION = "encoder_service.socket_writer"
@@ -55,25 +57,12 @@ QUEUE_WAIT_S = 0.25  # waiting for a free thread; else the loop path
 WHOLE_MAX_BYTES = 1 << 16  # a JSON body up to this size leaves with its headers in one write (whole_answer)
 
 
-def httptools_cycle() -> type | None:
-    """uvicorn's httptools request cycle, when uvicorn serves HTTP with it and it has what SocketWriter uses."""
-    try:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
-    except ImportError:  # httptools not installed
-        return None
-    if AutoHTTPProtocol is not HttpToolsProtocol:
-        return None
-    probe = RequestResponseCycle.__init__.__code__.co_names
-    return RequestResponseCycle if {"transport", "expected_content_length"} <= set(probe) else None
-
-
 class SocketSend:
     """ASGI middleware: hands each HTTP request on uvicorn's httptools protocol a SocketWriter (module docstring)."""
 
     def __init__(self, app: ASGIApp, threads: int):
         self.app = app
-        self._cycle_type = httptools_cycle() if threads > 0 else None
+        self._cycle_type = httptools_cycle_type() if threads > 0 else None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="row-send") if self._cycle_type else None
         self._free = FreeThreads(threads) if self._cycle_type else None
         if threads > 0 and self._cycle_type is None:
@@ -84,8 +73,7 @@ class SocketSend:
         return self._pool is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cycle = getattr(send, "__self__", None)
-        if self._pool is not None and scope["type"] == "http" and type(cycle) is self._cycle_type:
+        if self._pool is not None and scope["type"] == "http" and (cycle := request_cycle(send, self._cycle_type)):
             scope.setdefault("extensions", {})[EXTENSION] = SocketWriter(cycle, self._pool, self._free)
         await self.app(scope, receive, send)
 
@@ -141,7 +129,7 @@ class SocketWriter:
     """Writes one response's rows from a pool thread; see the module docstring for the steps. Also writes a
     small answer whole (`whole_answer`)."""
 
-    def __init__(self, cycle, pool: ThreadPoolExecutor, free: FreeThreads):
+    def __init__(self, cycle: RequestCycle, pool: ThreadPoolExecutor, free: FreeThreads):
         self._cycle, self._pool, self._free = cycle, pool, free
 
     @contextlib.contextmanager
@@ -150,13 +138,11 @@ class SocketWriter:
         them in one transport write: one send at the server and one read at the client instead of two each
         (uvicorn writes the headers as soon as they come). Only for an answer whose body comes at once (a JSON
         answer): rows written by a thread must find the headers sent (step 1 above)."""
-        real = self._cycle.transport
-        held = _HeadWithBody(real)
-        self._cycle.transport = held
+        held = _HeadWithBody(self._cycle.transport)
         try:
-            yield
+            with self._cycle.transport_replaced(held):
+                yield
         finally:
-            self._cycle.transport = real
             held.flush()
 
     async def write(self, rows: memoryview) -> str:
@@ -175,7 +161,7 @@ class SocketWriter:
             return await _gone(transport)
         finally:
             self._free.give()
-        self._cycle.expected_content_length -= len(rows)
+        self._cycle.sent_elsewhere(len(rows))
         return SENT
 
 

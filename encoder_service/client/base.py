@@ -34,18 +34,19 @@ import torch
 from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.grpc_transport import AsyncGrpcTransport, GrpcTransport
 from encoder_service.client.http import AsyncHttpTransport, HttpTransport
-from encoder_service.client.ipc import IpcPath
-from encoder_service.client.owners import FALLBACK, AsyncOwnerRouting, OwnerRouting
+from encoder_service.client.ipc import IpcPath, held_request
+from encoder_service.client.ipc_route import IpcAnswer, IpcRoute
+from encoder_service.client.owners import AsyncOwnerRouting, OwnerRouting
 from encoder_service.client.retry import DEFAULT_RETRY, AsyncRetrying, Retrying, RetryPolicy
 from encoder_service.client.shm import ShmBuffers, ShmFile
 from encoder_service.client.types import FetchedRows, ImageInfo, ImageSource, ReleaseCount, VideoInfo, VideoSource
 from encoder_service.errors import InvalidInput
 from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
-from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable
+from encoder_service.protocol.ipc import IpcPlacement
 from encoder_service.protocol.shm import DEFAULT_DIR
 from encoder_service.ranges import PromptLayout, Segment, chunks, overlapping
-from encoder_service.runtime.host_pool import HostRowPool
+from encoder_service.rowpath.host_pool import HostRowPool
 
 FETCH_STREAMS = 4  # at most this many connections for one fetch
 SPLIT_BYTES = 16 << 20  # and at least this many bytes of `out` for each
@@ -206,19 +207,18 @@ def _ipc_path(transport, ipc) -> IpcPath | None:
     return IpcPath(None if ipc == "auto" else ipc)
 
 
-def _owner_named(routing: OwnerRouting | None, owner: tuple | None, answer, items) -> tuple | None:
-    """The Service (`owner` None) answered a fetch by IPC "not here, ask `answer.owner`": (that owner, its
-    transport) to ask next (remembered for later fetches of these ids); else None: this answer stands."""
-    if routing is None or owner is not None or not isinstance(answer, IpcUnavailable) or not answer.owner:
-        return None
-    return routing.learn_owner(answer.owner, items)
-
-
 def _encode_ipc(path: IpcPath | None, meta, transport) -> dict:
-    """{"ipc": the request} when an encode may ask for its rows by IPC (`meta`: the server's "ipc"), else {}."""
+    """{"ipc": the request} when an encode may ask for its rows by IPC (`meta`: the server's "ipc"), else {};
+    the acknowledgements it carries are taken from the server's (`_restore` them when the encode fails)."""
     if path is None or not path.may_hold(meta):
         return {}
-    return {"ipc": path.request(transport.ipc_acks)}
+    return {"ipc": held_request(transport.ipc_acks.take())}
+
+
+def _restore(ipc: dict, transport) -> None:
+    """An encode carrying `ipc` (_encode_ipc) failed: its acknowledgements go with a later request."""
+    if ipc:
+        transport.ipc_acks.restore(ipc["ipc"].get("ack", ()))
 
 
 def _whole(info: ImageInfo) -> wire.WireHeader:
@@ -232,13 +232,51 @@ def _release_hold(info: ImageInfo, acks) -> None:
         acks.add(info.ipc.token)
 
 
+def _copy_held(path: IpcPath | None, meta, info: ImageInfo, out: torch.Tensor, transport) -> bool:
+    """Whether to copy `info`'s rows into `out` under the hold its encode answer carries (then IpcPath.finish);
+    a hold that will not be used is acknowledged at once."""
+    if path is None or info.ipc is None:
+        return False
+    if not path.wants(out, meta):
+        _release_hold(info, transport.ipc_acks)
+        return False
+    return True
+
+
+def _finish_args(got: IpcAnswer, out: torch.Tensor, start: int) -> tuple:
+    """IpcPath.finish's arguments for the answer a route got (client/ipc_route.py)."""
+    return got.header, got.answer, out, start, got.sent, got.transport.ipc_acks, got.server
+
+
 def _need_shm(shm: ShmBuffers | None) -> ShmBuffers:
     if shm is None:
         raise InvalidInput("alloc_rows needs a client built with shm=True")
     return shm
 
 
-class EncoderClient:
+class _Client:
+    """What both clients share that does no I/O."""
+
+    _ipc: IpcPath | None
+    fetch_paths: Counter[str]
+
+    def _by_ipc(self, copied: torch.Tensor | None) -> bool:
+        """Whether rows came by IPC (IpcPath.finish's answer), counted."""
+        if copied is None:
+            return False
+        self.fetch_paths["ipc"] += 1
+        return True
+
+    def _fetched_by_ipc(self, start: int, end: int, got: IpcAnswer, copied: torch.Tensor | None) -> FetchedRows | None:
+        return _result(start, end, (got.header, copied)) if self._by_ipc(copied) else None
+
+    @property
+    def ipc_off(self) -> str | None:
+        """Why this client does not fetch by IPC (a refused open, gRPC), None while it may."""
+        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
+
+
+class EncoderClient(_Client):
     """Blocking client. Build with EncoderClient.http(url) or EncoderClient.grpc(target).
 
     `shm=True` (server on this host with --shm-fetch, sharing `shm_dir`): fetches come back through
@@ -295,26 +333,20 @@ class EncoderClient:
             return self._transport.encode(sources, wait, return_embeddings, self.timeout)
         if self._ipc is not None and self._ipc_meta is _UNKNOWN:
             self._ipc_meta = self.metadata().get("ipc")
-        ipc = _encode_ipc(self._ipc, self._ipc_meta, self._transport)
+        ipc, t = _encode_ipc(self._ipc, self._ipc_meta, self._transport), self._transport
         sent = time.monotonic()
-        infos = self._transport.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        try:
+            infos = t.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        except BaseException:
+            _restore(ipc, t)
+            raise
         for info in infos:
             rows = out(info)
-            if not self._held_rows(info, rows, sent, self._ipc.finish if ipc else None):
+            held = ipc and _copy_held(self._ipc, self._ipc_meta, info, rows, t)
+            if not (held and self._by_ipc(self._ipc.finish(_whole(info), info.ipc, rows, 0, sent, t.ipc_acks,
+                                                            t.base_url))):
                 self.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
         return infos
-
-    def _held_rows(self, info: ImageInfo, out: torch.Tensor, sent: float, finish) -> bool:
-        """`info`'s rows copied into `out` under the hold its encode answer carries; False: fetch them."""
-        if finish is None or info.ipc is None:
-            return False
-        if not self._ipc.wants(out, self._ipc_meta):
-            _release_hold(info, self._transport.ipc_acks)
-            return False
-        if finish(_whole(info), info.ipc, out, 0, sent, self._transport.ipc_acks) is None:
-            return False
-        self.fetch_paths["ipc"] += 1
-        return True
 
     def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
                       **options) -> list[VideoInfo]:
@@ -371,37 +403,15 @@ class EncoderClient:
             return _result(start, end, self._transport.fetch(items, start, end, dest, self.timeout))
 
     def _fetch_ipc(self, items, start: int, end: int, out: torch.Tensor) -> FetchedRows | None:
-        """The rows GPU to GPU (client/ipc.py), or None: fetch them the next way. Asked of the ids' owner when
-        one is known (client/owners.py), else of the Service; a replica there that does not hold them names
-        their owner, asked once more. The hold's token goes back to the server that held it."""
+        """The rows GPU to GPU (client/ipc.py), or None: fetch them the next way. Sent where client/ipc_route.py
+        says (the ids' owner when one is known, else the Service, which may name it); the hold's token goes
+        back to the server that held the rows."""
         if self._ipc_meta is _UNKNOWN:
             self._ipc_meta = self.metadata().get("ipc")
         if not self._ipc.wants(out, self._ipc_meta):
             return None
-        owner = self._routing.owner_of(items) if self._routing is not None else None
-        for _ in range(2):
-            via = self._transport if owner is None else owner[1]
-            sent = time.monotonic()
-            try:
-                header, answer = via.fetch_ipc(items, start, end, self._ipc.request(via.ipc_acks), self.timeout)
-            except FALLBACK:
-                if owner is None:
-                    raise
-                self._routing.given_up(owner[0])  # gone, or lost the rows: the Service finds them
-                owner = None
-                continue
-            owner = _owner_named(self._routing, owner, answer, items)
-            if owner is None:
-                break
-        if self._ipc.finish(header, answer, out, start, sent, via.ipc_acks) is None:
-            return None
-        self.fetch_paths["ipc"] += 1
-        return _result(start, end, (header, out))
-
-    @property
-    def ipc_off(self) -> str | None:
-        """Why this client does not fetch by IPC (a refused open, gRPC), None while it may."""
-        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
+        got = IpcRoute(self._transport, self._routing, items, self.timeout).run(start, end)
+        return self._fetched_by_ipc(start, end, got, self._ipc.finish(*_finish_args(got, out, start)))
 
     def release(self, ids) -> ReleaseCount:
         """End the encode pins of `ids` early (done with them); returns how many had one (an int), whose
@@ -445,7 +455,7 @@ class EncoderClient:
         self.close()
 
 
-class AsyncEncoderClient:
+class AsyncEncoderClient(_Client):
     """asyncio client, same methods as EncoderClient (shm too). Build with AsyncEncoderClient.http / .grpc."""
 
     def __init__(self, transport, timeout: float | None = 60.0, shm: ShmBuffers | None = None,
@@ -489,27 +499,20 @@ class AsyncEncoderClient:
             return await self._transport.encode(sources, wait, return_embeddings, self.timeout)
         if self._ipc is not None and self._ipc_meta is _UNKNOWN:
             self._ipc_meta = (await self.metadata()).get("ipc")
-        ipc = _encode_ipc(self._ipc, self._ipc_meta, self._transport)
+        ipc, t = _encode_ipc(self._ipc, self._ipc_meta, self._transport), self._transport
         sent = time.monotonic()
-        infos = await self._transport.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        try:
+            infos = await t.encode(sources, True, return_embeddings, self.timeout, **ipc)
+        except BaseException:
+            _restore(ipc, t)
+            raise
         for info in infos:
             rows = out(info)
-            finish = (lambda *a: asyncio.to_thread(self._ipc.finish, *a)) if ipc else None
-            if not await self._held_rows(info, rows, sent, finish):
+            held = ipc and _copy_held(self._ipc, self._ipc_meta, info, rows, t)
+            if not (held and self._by_ipc(await asyncio.to_thread(
+                    self._ipc.finish, _whole(info), info.ipc, rows, 0, sent, t.ipc_acks, t.base_url))):
                 await self.fetch([(info.id, 0)], 0, info.num_tokens, out=rows)
         return infos
-
-    async def _held_rows(self, info: ImageInfo, out: torch.Tensor, sent: float, finish) -> bool:
-        """See EncoderClient._held_rows."""
-        if finish is None or info.ipc is None:
-            return False
-        if not self._ipc.wants(out, self._ipc_meta):
-            _release_hold(info, self._transport.ipc_acks)
-            return False
-        if await finish(_whole(info), info.ipc, out, 0, sent, self._transport.ipc_acks) is None:
-            return False
-        self.fetch_paths["ipc"] += 1
-        return True
 
     async def encode_videos(self, videos: Sequence, wait: bool = False, return_embeddings: bool = False,
                             **options) -> list[VideoInfo]:
@@ -562,31 +565,9 @@ class AsyncEncoderClient:
             self._ipc_meta = (await self.metadata()).get("ipc")
         if not self._ipc.wants(out, self._ipc_meta):
             return None
-        owner = self._routing.owner_of(items) if self._routing is not None else None
-        for _ in range(2):
-            via = self._transport if owner is None else owner[1]
-            sent = time.monotonic()
-            try:
-                header, answer = await via.fetch_ipc(items, start, end, self._ipc.request(via.ipc_acks),
-                                                     self.timeout)
-            except FALLBACK:
-                if owner is None:
-                    raise
-                await self._routing.given_up(owner[0])
-                owner = None
-                continue
-            owner = _owner_named(self._routing, owner, answer, items)
-            if owner is None:
-                break
-        if await asyncio.to_thread(self._ipc.finish, header, answer, out, start, sent, via.ipc_acks) is None:
-            return None
-        self.fetch_paths["ipc"] += 1
-        return _result(start, end, (header, out))
-
-    @property
-    def ipc_off(self) -> str | None:
-        """See EncoderClient.ipc_off."""
-        return "ipc=\"off\", or a gRPC client (the fetch by IPC is HTTP only)" if self._ipc is None else self._ipc.off
+        got = await IpcRoute(self._transport, self._routing, items, self.timeout).run_async(start, end)
+        copied = await asyncio.to_thread(self._ipc.finish, *_finish_args(got, out, start))
+        return self._fetched_by_ipc(start, end, got, copied)
 
     async def release(self, ids) -> ReleaseCount:
         """See EncoderClient.release."""

@@ -1,7 +1,7 @@
 """Where a fetch's rows land on the client, whatever the transport (protocol/wire.py: RowWriter does the writing).
 
 - No `out`: a [num_rows, row_width] tensor the socket reads into, the caller's to keep, on memory of the
-  client's `HostRowPool` (runtime/host_pool.py): fresh pages cost a page fault per 4 KiB at their first
+  client's `HostRowPool` (rowpath/host_pool.py): fresh pages cost a page fault per 4 KiB at their first
   touch, which made such fetches several times slower than into a preallocated `out` (transfer_bench.py's
   "no out" variants), so the pool hands out again the pages of rows the caller has dropped (never while
   any view of them lives).
@@ -21,7 +21,7 @@ import torch
 
 from encoder_service.protocol.dtypes import DTYPES
 from encoder_service.protocol.wire import RowWriter, WireHeader, is_direct
-from encoder_service.runtime.host_pool import HostRowPool
+from encoder_service.rowpath.host_pool import HostRowPool
 
 STAGING_ROUND_BYTES = 4 << 20  # sizes rounded up so chunks of similar size reuse one buffer
 STAGING_IDLE = 4  # idle buffers kept (more exist only while that many staged fetches overlap)

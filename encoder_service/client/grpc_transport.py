@@ -3,7 +3,7 @@
 Fetch reads its stream's messages raw (no protobuf parse of the row bytes: protocol/grpc_messages.py:
 FetchAssembler) and asks for data messages of FETCH_MESSAGE_BYTES. By default it also asks the server to
 leave the rows on its HTTP port (`pickup`, api/pickup.py): the header comes on the stream with a ticket and
-the rows are read with the HTTP fetch reader (client/raw_http.py) straight into place, on connections of
+the rows are read with the HTTP fetch reader (rowpath/raw_http.py) straight into place, on connections of
 their own. When a pickup fails (the HTTP port unreachable from here, a load balancer sending it to another
 replica) the fetch is asked again on the stream, and this transport stops asking for pickups.
 """
@@ -19,14 +19,14 @@ from functools import partial
 import grpc
 
 from encoder_service.client.destination import Destination
-from encoder_service.client.errors import remote_error
-from encoder_service.client.raw_http import READ_THREADS, Cancel, NotRaw, RawHttp, in_thread, read_fetch
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, EncoderServiceError, InvalidInput, Unreachable
 from encoder_service.protocol import grpc_messages as msgs
+from encoder_service.protocol.errors import remote_error
 from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.protocol.wire import RowWriter, WireError, WireHeader
+from encoder_service.rowpath.raw_http import READ_THREADS, Cancel, NotRaw, RawHttp, in_thread, read_fetch
 
 log = logging.getLogger(__name__)
 # Fetch messages are <= FETCH_MESSAGE_BYTES, but Encode with return_embeddings answers in one message.

@@ -3,7 +3,7 @@
 Encode sends multipart (raw bytes, field `image`; `video` for videos) unless an image is a URL or carries a
 caller id (a video: is not a file, carries a caller id or options of its own), which only the JSON form
 (base64) can say. Fetch asks for the octet-stream payload (protocol/wire.py) and reads it
-on a plain socket straight into its destination (client/raw_http.py; the async transport runs that blocking
+on a plain socket straight into its destination (rowpath/raw_http.py; the async transport runs that blocking
 read on its own threads, which receive in parallel with the GIL released); https, a proxy, or an answer the
 raw reader does not handle go through httpx, as everything else does. An shm fetch gets a JSON header
 (the rows are in the client's file), read on the same plain sockets: through httpx the request's own cost
@@ -28,13 +28,13 @@ import httpx
 from encoder_service.client.destination import Destination
 from encoder_service.client.ipc import ACK_TIMEOUT_S, Acks
 from encoder_service.client.ipc_channel import AsyncChannelLink, ChannelLink
-from encoder_service.client.raw_http import (CONNECT_TIMEOUT_S, JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp,
-                                             http_error, in_thread, read_fetch, read_json)
 from encoder_service.client.types import ImageInfo, ImageSource, VideoInfo, VideoSource
 from encoder_service.errors import DeadlineExceeded, Unavailable, Unreachable
 from encoder_service.protocol import wire
 from encoder_service.protocol.ipc import IpcError, IpcPlacement, IpcUnavailable, answer_from_dict
 from encoder_service.protocol.release import Released
+from encoder_service.rowpath.raw_http import (CONNECT_TIMEOUT_S, JSON, OCTET, READ_THREADS, Cancel, NotRaw, RawHttp,
+                                              http_error, in_thread, read_fetch, read_json)
 
 log = logging.getLogger(__name__)
 # httpx options that route requests somewhere the raw reader would not go.
@@ -141,7 +141,7 @@ def _ipc_reply(answer: dict | httpx.Response) -> tuple[wire.WireHeader, IpcPlace
 
 def _raw_ack(raw: RawHttp, tokens: list[str], timeout) -> int:
     body = json.dumps({"tokens": tokens}, separators=(",", ":")).encode()
-    return int(raw.post("/v1/fetch/ack", body, timeout, read_json, accept=JSON)["released"])
+    return int(raw.post("/v1/fetch/ack", body, _time_left(timeout), read_json, accept=JSON)["released"])
 
 
 def _check(response: httpx.Response) -> httpx.Response:
@@ -159,8 +159,17 @@ def _raw(base_url: str, token: str | None, connect_timeout_s: float, httpx_kw: d
                            connect_timeout_s=connect_timeout_s)
 
 
+def _time_left(timeout: float | None) -> float | None:
+    """`timeout` as a socket or httpx takes it; DeadlineExceeded when none is left (both read 0 as "do not
+    block": an error that says nothing of the deadline)."""
+    if timeout is not None and timeout <= 0:
+        raise DeadlineExceeded(f"the call's timeout is used up ({timeout:g} s left)")
+    return timeout
+
+
 def _timeout(timeout: float | None, connect_timeout_s: float) -> httpx.Timeout:
     """The call's timeout for httpx, its connect bounded by `connect_timeout_s` too."""
+    timeout = _time_left(timeout)
     return httpx.Timeout(timeout, connect=connect_timeout_s if timeout is None else min(timeout, connect_timeout_s))
 
 
@@ -206,7 +215,7 @@ class _RawFetch:
         if raw is None:
             return None
         try:
-            return raw.post(path, body, timeout, read, accept=accept, cancel=cancel)
+            return raw.post(path, body, _time_left(timeout), read, accept=accept, cancel=cancel)
         except NotRaw as exc:
             log.warning("fetch over a plain socket got an answer it does not handle (%s); using httpx", exc)
             self.raw = None
@@ -242,9 +251,9 @@ class HttpTransport:
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, **httpx_kw):
         self._http = httpx.Client(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, connect_timeout_s, httpx_kw))
-        self._base_url, self._connect_timeout_s = base_url, connect_timeout_s
+        self.base_url, self._connect_timeout_s = base_url.rstrip("/"), connect_timeout_s
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))  # this server's holds, done
-        self._channel = ChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
+        self._channel = ChannelLink(token, self.metadata)
         if not ipc_channel:
             self._channel.close()
 
@@ -252,7 +261,7 @@ class HttpTransport:
         try:
             return _check(self._http.post(path, timeout=_timeout(timeout, self._connect_timeout_s), **kw))
         except httpx.TransportError as exc:
-            raise _transport_error(exc, self._base_url) from exc
+            raise _transport_error(exc, self.base_url) from exc
 
     def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
         return _infos(self._post("/v1/encode", timeout,
@@ -277,7 +286,7 @@ class HttpTransport:
         return _shm_reply(self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     def fetch_ipc(self, items, start, end, ipc: dict, timeout):
-        got = self._channel.fetch(items, start, end, ipc, timeout)
+        got = self._channel.fetch(items, start, end, ipc, _time_left(timeout))
         if got is not None:
             return got
         body = _fetch_body(items, start, end, timeout, ipc=ipc)
@@ -307,10 +316,12 @@ class HttpTransport:
         try:
             return _check(self._http.get("/v1/metadata", timeout=_timeout(timeout, self._connect_timeout_s))).json()
         except httpx.TransportError as exc:
-            raise _transport_error(exc, self._base_url) from exc
+            raise _transport_error(exc, self.base_url) from exc
 
-    def close(self):
-        self.ipc_acks.close()  # what is pending goes first
+    def close(self, acknowledge: bool = True):
+        """`acknowledge` False: the pending acknowledgements are dropped (a server given up: their holds end
+        at their lease)."""
+        self.ipc_acks.close(send=acknowledge)  # what is pending goes first
         self._channel.close()
         self._raw.close()
         self._http.close()
@@ -324,9 +335,9 @@ class AsyncHttpTransport:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token), **httpx_kw)
         self._raw = _RawFetch(_raw(base_url, token, connect_timeout_s, httpx_kw))
         self._threads = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="encoder-fetch")
-        self._base_url, self._connect_timeout_s = base_url, connect_timeout_s
+        self.base_url, self._connect_timeout_s = base_url.rstrip("/"), connect_timeout_s
         self.ipc_acks = Acks(lambda tokens: self.ack_ipc(tokens, ACK_TIMEOUT_S))
-        self._channel = AsyncChannelLink(token, lambda: self.metadata(ACK_TIMEOUT_S))
+        self._channel = AsyncChannelLink(token, self.metadata)
         if not ipc_channel:
             self._channel.close()
 
@@ -334,7 +345,7 @@ class AsyncHttpTransport:
         try:
             return _check(await self._http.post(path, timeout=_timeout(timeout, self._connect_timeout_s), **kw))
         except httpx.TransportError as exc:
-            raise _transport_error(exc, self._base_url) from exc
+            raise _transport_error(exc, self.base_url) from exc
 
     async def encode(self, images, wait, return_embeddings, timeout, ipc: dict | None = None):
         return _infos(await self._post("/v1/encode", timeout,
@@ -361,7 +372,7 @@ class AsyncHttpTransport:
         return _shm_reply(await self._post("/v1/fetch", timeout, content=body, headers=_SHM_HEADERS))
 
     async def fetch_ipc(self, items, start, end, ipc: dict, timeout):
-        got = await self._channel.fetch(items, start, end, ipc, timeout)
+        got = await self._channel.fetch(items, start, end, ipc, _time_left(timeout))
         if got is not None:
             return got
         body = _fetch_body(items, start, end, timeout, ipc=ipc)
@@ -390,10 +401,11 @@ class AsyncHttpTransport:
             return _check(await self._http.get("/v1/metadata",
                                                timeout=_timeout(timeout, self._connect_timeout_s))).json()
         except httpx.TransportError as exc:
-            raise _transport_error(exc, self._base_url) from exc
+            raise _transport_error(exc, self.base_url) from exc
 
-    async def close(self):
-        await asyncio.to_thread(self.ipc_acks.close)  # what is pending goes first (a blocking send)
+    async def close(self, acknowledge: bool = True):
+        """See HttpTransport.close."""
+        await asyncio.to_thread(self.ipc_acks.close, acknowledge)  # what is pending goes first (a blocking send)
         self._channel.close()
         self._raw.close()
         self._threads.shutdown(wait=False, cancel_futures=True)

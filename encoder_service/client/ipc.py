@@ -33,34 +33,108 @@ import logging
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import torch
 
-from encoder_service.protocol import cuda_ipc, wire
+from encoder_service.protocol import wire
 from encoder_service.protocol.dtypes import torch_dtype
 from encoder_service.protocol.ipc import MAX_ACK_TOKENS, IpcPlacement, IpcRequest, IpcUnavailable, this_host
+from encoder_service.rowpath import cuda_ipc
 
 log = logging.getLogger("encoder_service.client")
 
 ACK_DELAY_S = 0.005  # a token waits this long for a fetch to carry it before the background thread sends it
 ACK_TIMEOUT_S = 5.0  # one acknowledgement's request
 MAX_SERVERS = 256  # servers whose arena generation is remembered (one per replica a client reached)
+MAX_MAPPINGS = 16  # arenas kept open per reader (one per replica process on this host and device)
 _QUOTED = re.compile(r"'[^']*'")  # an id in a server's reason
 ACK_WAIT_S = 1.0  # the background thread's longest sleep (it ends at close)
 
 
+class _Mappings:
+    """Opened arenas, (generation, device index) -> the mapping (`open(handle, index)`; `close(key, mapping)`
+    after the device's queued work). A mapping is in use for the length of each copy from it (`acquire` ..
+    `release`) and closed only when none uses it: by `forget` (its server is gone), or as the least recently
+    used one past `limit`. Thread-safe."""
+
+    def __init__(self, open_: Callable[[bytes, int], int], close: Callable[[tuple[str, int], int], None],
+                 limit: int):
+        self._open, self._close, self._limit = open_, close, limit
+        self._live: OrderedDict[tuple[str, int], list] = OrderedDict()  # key -> [mapping, copies using it]
+        self._leaving: dict[int, list] = {}  # forgotten or pushed out while in use: id(entry) -> entry
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live) + len(self._leaving)
+
+    def acquire(self, key: tuple[str, int], handle: bytes) -> tuple[int, list]:
+        """(the mapping, the entry to `release` when the copy is queued), opened the first time."""
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                entry = self._live[key] = [self._open(handle, key[1]), 0, key]
+            self._live.move_to_end(key)
+            entry[1] += 1
+            idle = self._push_out()
+        self._close_all(idle)
+        return entry[0], entry
+
+    def release(self, entry: list) -> None:
+        with self._lock:
+            entry[1] -= 1
+            done = entry[1] == 0 and self._leaving.pop(id(entry), None) is not None
+        if done:
+            self._close_all([entry])
+
+    def forget(self, generation: str) -> None:
+        """That server process's arena is gone: its mappings closed (once no copy uses them)."""
+        with self._lock:
+            idle = [self._leave(key) for key in [k for k in self._live if k[0] == generation]]
+        self._close_all([e for e in idle if e is not None])
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._live.values()) + list(self._leaving.values())
+            self._live.clear()
+            self._leaving.clear()
+        self._close_all(entries)
+
+    def _push_out(self) -> list:
+        """(under the lock) The least recently used mappings past the limit: those idle, to close now."""
+        idle = []
+        for key in list(self._live)[:max(0, len(self._live) - self._limit)]:
+            entry = self._leave(key)
+            if entry is not None:
+                idle.append(entry)
+        return idle
+
+    def _leave(self, key: tuple[str, int]) -> list | None:
+        """(under the lock) `key` leaves the live mappings: its entry when idle (close it), else None (its last
+        copy closes it)."""
+        entry = self._live.pop(key)
+        if entry[1] == 0:
+            return entry
+        self._leaving[id(entry)] = entry
+        return None
+
+    def _close_all(self, entries: list) -> None:
+        for mapping, _, key in entries:
+            self._close(key, mapping)
+
+
 class CudaIpcReader:
     """Opens arenas' IPC handles on CUDA devices (one mapping per (generation, device): several servers' arenas
-    at once, replicas on this host) and copies byte ranges out of them with cudaMemcpyAsync on the device's
-    current stream; `forget(generation)` closes a server process's mappings (it restarted: IpcPath). Thread-safe."""
+    at once, replicas on this host; at most MAX_MAPPINGS) and copies byte ranges out of them with
+    cudaMemcpyAsync on the device's current stream; `forget(generation)` closes a server process's mappings
+    (it restarted: Generations) once no copy uses them. Thread-safe."""
 
     kind = cuda_ipc.KIND
 
     def __init__(self):
-        self._maps: dict[tuple[str, int], int] = {}  # (generation, device index) -> the opened pointer
-        self._lock = threading.Lock()
+        self._maps = _Mappings(_open_handle, _close_handle, MAX_MAPPINGS)
 
     def accepts(self, out: torch.Tensor) -> bool:
         return out.is_cuda
@@ -71,65 +145,78 @@ class CudaIpcReader:
         device = pieces[0][2].device
         current = torch.cuda.current_device()
         index = device.index if device.index is not None else current
-        base = self._open(handle, generation, index)
-        stream = torch.cuda.current_stream(index).cuda_stream
-        # (the runtime copies on the current device's context: switched only when `out` is on another one)
-        with torch.cuda.device(index) if index != current else contextlib.nullcontext():
-            for offset, nbytes, dst in pieces:
-                cuda_ipc.memcpy_async(dst.data_ptr(), base + offset, nbytes, stream)
+        base, entry = self._maps.acquire((generation, index), handle)
+        try:
+            stream = torch.cuda.current_stream(index).cuda_stream
+            # (the runtime copies on the current device's context: switched only when `out` is on another one)
+            with torch.cuda.device(index) if index != current else contextlib.nullcontext():
+                for offset, nbytes, dst in pieces:
+                    cuda_ipc.memcpy_async(dst.data_ptr(), base + offset, nbytes, stream)
+        finally:  # a mapping closed after this waits for the device's queued copies first (_close_handle)
+            self._maps.release(entry)
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
     def forget(self, generation: str) -> None:
-        """Close the mappings of that server process's arena (it is gone: nobody copies from it now)."""
-        with self._lock:
-            for key in [k for k in self._maps if k[0] == generation]:
-                self._close(key)
+        """Close the mappings of that server process's arena (it is gone), once no copy uses them."""
+        self._maps.forget(generation)
 
     def close(self) -> None:
-        with self._lock:
-            for key in list(self._maps):
-                self._close(key)
+        self._maps.close()
 
-    def _open(self, handle: bytes, generation: str, index: int) -> int:
-        with self._lock:
-            ptr = self._maps.get((generation, index))
-            if ptr is None:
-                with torch.cuda.device(index):
-                    ptr = self._maps[(generation, index)] = cuda_ipc.open_handle(handle)
-            return ptr
 
-    def _close(self, key: tuple[str, int]) -> None:
-        ptr = self._maps.pop(key)
-        try:
-            with torch.cuda.device(key[1]):
-                torch.cuda.synchronize()
-                cuda_ipc.close_handle(ptr)
-        except (cuda_ipc.CudaIpcError, RuntimeError) as exc:
-            log.debug("closing an IPC mapping failed: %s", exc)
+def _open_handle(handle: bytes, index: int) -> int:
+    with torch.cuda.device(index):
+        return cuda_ipc.open_handle(handle)
+
+
+def _close_handle(key: tuple[str, int], ptr: int) -> None:
+    try:
+        with torch.cuda.device(key[1]):
+            torch.cuda.synchronize()  # copies queued from it end first
+            cuda_ipc.close_handle(ptr)
+    except (cuda_ipc.CudaIpcError, RuntimeError) as exc:
+        log.debug("closing an IPC mapping failed: %s", exc)
 
 
 class Generations:
-    """Each server's arena generation last copied from (`server`: anything naming it); a new one means the
-    server restarted: its older arena is closed in the reader (`forget`), whose mappings of other servers'
-    arenas (replicas on this host) stay open. Thread-safe."""
+    """Each server's arena generation last copied from (`server`: its address, as the client reaches it); a
+    new one means the server restarted: its older arena is closed in the reader (`forget`, unless another
+    server's is that one), whose mappings of other servers' arenas (replicas on this host) stay open. An
+    address that shows a generation it showed before is several servers (a Service over replicas on this
+    host, the channel off): no restart is told from it any more, its arenas are left to the reader's LRU.
+    Thread-safe."""
 
     def __init__(self, reader):
         self._reader = reader
-        self._by_server: OrderedDict[object, str] = OrderedDict()
+        # server -> [its generation (None: several servers answer there), the generations it showed before]
+        self._by_server: OrderedDict[str, list] = OrderedDict()
         self._lock = threading.Lock()
 
-    def seen(self, server, generation: str) -> None:
+    def seen(self, server: str, generation: str) -> None:
         with self._lock:
-            old = self._by_server.get(server)
+            seen = self._by_server.get(server)
+            if seen is None:
+                seen = self._by_server[server] = [None, deque(maxlen=MAX_MAPPINGS)]
+                if len(self._by_server) > MAX_SERVERS:
+                    self._by_server.popitem(last=False)
+            elif seen[0] is None and seen[1]:  # several servers at this address
+                return
+            self._by_server.move_to_end(server)
+            old = seen[0]
             if old == generation:
                 return
-            self._by_server[server] = generation
-            if len(self._by_server) > MAX_SERVERS:
-                self._by_server.popitem(last=False)
-        if old is not None:
-            self._reader.forget(old)
+            if generation in seen[1]:  # an older one again: not a restart, another server behind the address
+                seen[0] = None
+                return
+            seen[0] = generation
+            if old is None:
+                return
+            seen[1].append(old)
+            if any(s[0] == old for s in self._by_server.values()):
+                return
+        self._reader.forget(old)
 
 
 class Acks:
@@ -151,14 +238,18 @@ class Acks:
 
     def add(self, token: str) -> None:
         with self._cv:
-            if not self._pending:
-                self._since = time.monotonic()
             self._pending.append(token)
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="encoder-ipc-acks", daemon=True)
-                self._thread.start()
-            if self._idle:
-                self._cv.notify()
+            self._wake()
+
+    def _wake(self) -> None:
+        """(under the lock, tokens just added) The thread sends them ACK_DELAY_S after the oldest came."""
+        if len(self._pending) == 1 or self._idle:
+            self._since = time.monotonic()
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="encoder-ipc-acks", daemon=True)
+            self._thread.start()
+        if self._idle:
+            self._cv.notify()
 
     def take(self) -> list[str]:
         with self._cv:
@@ -166,14 +257,23 @@ class Acks:
             self._since = time.monotonic()
             return taken
 
-    def close(self) -> None:
-        """Send what is pending (once), stop the thread."""
+    def restore(self, tokens) -> None:
+        """Tokens `take`n into a request that failed: pending again, first in line."""
+        if tokens:
+            with self._cv:
+                self._pending[:0] = tokens
+                if not self._closed:
+                    self._wake()
+
+    def close(self, send: bool = True) -> None:
+        """Send what is pending (once; `send` False: drop it, the server is gone), stop the thread."""
         with self._cv:
             self._closed = True
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(ACK_WAIT_S + 1.0)
-        self._send(self.take())
+        if send:
+            self._send(self.take())
 
     def _run(self) -> None:
         while True:
@@ -225,26 +325,23 @@ class IpcPath:
         return self.off is None and self.same_host(meta) and meta.get("kind") == kind
 
     def wants(self, out: torch.Tensor, meta: dict | None) -> bool:
-        """Whether to try IPC for a fetch into `out`, given the server's metadata["ipc"]."""
-        if not self.candidate(out) or not self.same_host(meta):
+        """Whether to try IPC for a fetch into `out`, given the server's metadata["ipc"] (CUDA's reader made
+        the first time)."""
+        if not (self.candidate(out) and self.may_hold(meta)):
             return False
         if self.reader is None:
             self.reader = CudaIpcReader()
-        return meta.get("kind") == self.reader.kind
-
-    @staticmethod
-    def request(acks: Acks) -> dict:
-        """A held fetch's "ipc", acknowledging the copies done of the server whose `acks` these are."""
-        return IpcRequest(this_host(), hold=True, ack=tuple(acks.take())).to_dict()
+        return True
 
     def unplaced(self, answer: IpcUnavailable) -> None:
         """The server placed nothing: one log line per reason (the ids it names aside)."""
         self._say(_QUOTED.sub("''", answer.reason), "the server: " + answer.reason)
 
     def finish(self, header: wire.WireHeader, answer: IpcPlacement | IpcUnavailable, out: torch.Tensor,
-               start: int, sent: float, acks: Acks) -> torch.Tensor | None:
-        """Copy the placed rows into `out` (`sent`: time.monotonic() before the request went; `acks`: those of
-        the server that answered); `out`, or None (the rows are not there: fetch them the next way)."""
+               start: int, sent: float, acks: Acks, server: str) -> torch.Tensor | None:
+        """Copy the placed rows into `out` (`sent`: time.monotonic() before the request went; `acks`, `server`:
+        those of the server that answered, its address); `out`, or None (the rows are not there: fetch them
+        the next way)."""
         if isinstance(answer, IpcUnavailable):
             self.unplaced(answer)
             return None
@@ -262,7 +359,7 @@ class IpcPath:
         _ack(answer, acks)
         if self._generations is None:
             self._generations = Generations(self.reader)
-        self._generations.seen(acks, answer.generation)
+        self._generations.seen(server, answer.generation)
         if not copied:
             return None
         if elapsed >= answer.lease_s:  # the server may have reused those bytes while we read them
@@ -304,6 +401,11 @@ class IpcPath:
         """One log line per reason (INFO the first time, DEBUG after)."""
         log.log(logging.DEBUG if key in self._said else logging.INFO, "fetch by IPC: %s; fetching the next way", why)
         self._said.add(key)
+
+
+def held_request(ack) -> dict:
+    """A held fetch's "ipc", acknowledging `ack` (tokens of copies done under that server's earlier holds)."""
+    return IpcRequest(this_host(), hold=True, ack=tuple(ack)).to_dict()
 
 
 def _ack(answer: IpcPlacement, acks: Acks) -> None:

@@ -8,8 +8,10 @@ by IPC the link reads the server's /v1/metadata: a channel ("ipc": "channel") on
 is connected (HELLO with the bearer token), else the link stays off. Any failure of the channel (its socket
 gone, a connection closed mid-fetch, a frame that is not one) sends that fetch over HTTP, with one log line per
 reason; the next fetch connects again (the metadata read again: a restarted server), at most once per
-RETRY_S after a failed connect. A refused HELLO (the token) turns the channel off for the link. The server's
-errors (an unknown id, a timeout) are raised as HTTP's are.
+RETRY_S after a failed connect. A fetch the channel can't carry (an id over 64 KiB, a position outside int64)
+goes over HTTP too, whose server answers what is wrong. A refused HELLO (the token) turns the channel off for
+the link. The server's errors (an unknown id, a timeout) are raised as HTTP's are; no answer within the
+request's timeout and MARGIN_S (the server's own bound on its waits) is NoAnswer, as a silent HTTP server's.
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from encoder_service import errors
-from encoder_service.client.errors import remote_error
 from encoder_service.protocol import ipc_channel as proto
-from encoder_service.protocol.errors import KINDS
+from encoder_service.protocol.errors import KINDS, remote_error
 from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable, this_host
 from encoder_service.protocol.wire import WireHeader
+from encoder_service.rowpath.raw_http import NoAnswer
 
 log = logging.getLogger("encoder_service.client")
 
 CONNECT_TIMEOUT_S = 2.0  # connect and HELLO
+METADATA_TIMEOUT_S = 5.0  # the read of the server's /v1/metadata (where its channel is), within the fetch's
 RETRY_S = 1.0  # after a failed connect, HTTP alone this long
-MARGIN_S = 5.0  # past the request's own timeout (the server's bound on its waits) before giving up on an answer
+MARGIN_S = 1.0  # past the request's own timeout (the server answers 504 by then) before giving up on an answer
 
 
 class ChannelDown(Exception):
@@ -63,6 +66,24 @@ def _answer(kind: int, body: bytes, items) -> tuple[WireHeader | None, IpcPlacem
 
 def _timeout(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + MARGIN_S
+
+
+def _fetch_frame(items, start: int, end: int, ipc: dict, timeout: float | None) -> Callable[[int], bytes]:
+    """The FETCH frame of a fetch by IPC, given its request id (ChannelError: one the channel can't carry)."""
+    hold, ack = ipc.get("hold", True), ipc.get("ack", ())
+    return lambda request_id: proto.fetch_request(request_id, items, start, end, timeout, hold, ack)
+
+
+def _metadata_timeout(timeout: float | None) -> float:
+    return METADATA_TIMEOUT_S if timeout is None else min(timeout, METADATA_TIMEOUT_S)
+
+
+def _no_answer(timeout: float | None) -> NoAnswer:
+    return NoAnswer(f"no answer on the IPC channel within {timeout:.1f}s")
+
+
+def _say_uncarried(exc: proto.ChannelError) -> None:
+    log.debug("IPC channel: %s; this fetch goes over HTTP", exc)
 
 
 class _LinkState:
@@ -102,10 +123,13 @@ class _LinkState:
 
 # ---- blocking ---------------------------------------------------------------------------------------------------
 class _Connection:
-    """One connection, its reader thread and the answers it waits for (request id -> Future)."""
+    """One connection, its reader thread and the answers it waits for (request id -> Future). Sends and the
+    answers' table have locks of their own: a send blocked on a server that reads no more (MAX_IN_FLIGHT)
+    does not stop answers coming in."""
 
     def __init__(self, path: str, token: str | None):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._file = None
         try:
             self._sock.settimeout(CONNECT_TIMEOUT_S)
             self._sock.connect(path)
@@ -118,35 +142,36 @@ class _Connection:
                 raise ChannelDown(f"frame type {kind} answering the HELLO")
             self._sock.settimeout(None)
         except BaseException:
-            self._sock.close()
+            self._close_socket()
             raise
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}
-        self._lock = threading.Lock()  # writes and `_pending`
+        self._lock = threading.Lock()  # `_pending`, `alive`
+        self._send_lock = threading.Lock()  # one frame on the socket at a time
         self.alive = True
         threading.Thread(target=self._reader, name="encoder-ipc-channel", daemon=True).start()
 
     def call(self, make: Callable[[int], bytes], timeout: float | None) -> tuple[int, bytes]:
+        """(type, body) of the answer to the frame `make(request_id)` (built before anything is registered:
+        its ChannelError leaves nothing behind)."""
+        request_id = next(self._ids) & 0xFFFFFFFF
+        data = make(request_id)
         answer: Future = Future()
         with self._lock:
             if not self.alive:
                 raise ChannelDown("the channel closed")
-            request_id = next(self._ids) & 0xFFFFFFFF
             self._pending[request_id] = answer
-            try:
-                self._sock.sendall(make(request_id))
-            except OSError as exc:
-                self._pending.pop(request_id, None)
-                raise ChannelDown(f"a send failed: {exc}") from None
         try:
+            self.send(data)
             return answer.result(timeout)
         except TimeoutError:
+            raise _no_answer(timeout) from None
+        finally:
             with self._lock:
                 self._pending.pop(request_id, None)
-            raise errors.DeadlineExceeded(f"no answer on the IPC channel within {timeout:.1f}s") from None
 
     def send(self, data: bytes) -> None:
-        with self._lock:
+        with self._send_lock:
             if not self.alive:
                 raise ChannelDown("the channel closed")
             try:
@@ -158,20 +183,27 @@ class _Connection:
         with self._lock:
             self.alive = False
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader's read returns; a blocked send fails
         except OSError:
             pass
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        """The socket and its reading file (the descriptor lives until both are closed)."""
+        if self._file is not None:
+            self._file.close()
         self._sock.close()
 
     def _read(self) -> tuple[int, int, bytes]:
         prefix = self._file.read(proto.PREFIX.size)
         if len(prefix) < proto.PREFIX.size:
             raise ChannelDown("the server closed the channel")
-        length, kind, request_id = proto.PREFIX.unpack(prefix)
-        if not 5 <= length <= proto.MAX_FRAME:
-            raise ChannelDown(f"a frame of {length} bytes")
-        body = self._file.read(length - 5)
-        if len(body) < length - 5:
+        try:
+            n, kind, request_id = proto.read_prefix(prefix)
+        except proto.ChannelError as exc:
+            raise ChannelDown(str(exc)) from None
+        body = self._file.read(n)
+        if len(body) < n:
             raise ChannelDown("the server closed the channel mid-frame")
         return kind, request_id, body
 
@@ -190,11 +222,11 @@ class _Connection:
             pending, self._pending = self._pending, {}
         for answer in pending.values():
             answer.set_exception(down)
-        self._sock.close()
+        self._close_socket()
 
 
 class ChannelLink:
-    """A blocking transport's channel to one server; `metadata()` reads the server's /v1/metadata."""
+    """A blocking transport's channel to one server; `metadata(timeout)` reads the server's /v1/metadata."""
 
     def __init__(self, token: str | None, metadata: Callable[[], dict]):
         self._state, self._metadata = _LinkState(token), metadata
@@ -203,14 +235,15 @@ class ChannelLink:
 
     def fetch(self, items, start: int, end: int, ipc: dict, timeout: float | None):
         """(header, answer) of a fetch by IPC over the channel, or None: send it over HTTP."""
-        conn = self._connection()
+        conn = self._connection(timeout)
         if conn is None:
             return None
-        make = lambda rid: proto.fetch_request(rid, items, start, end, timeout, ipc.get("hold", True),  # noqa: E731
-                                               ipc.get("ack", ()))
         try:
-            kind, body = conn.call(make, _timeout(timeout))
+            kind, body = conn.call(_fetch_frame(items, start, end, ipc, timeout), _timeout(timeout))
             return _answer(kind, body, items)
+        except proto.ChannelError as exc:  # the frame was not made: the connection is fine
+            _say_uncarried(exc)
+            return None
         except ChannelDown as exc:
             conn.close()
             self._state.failed(exc)
@@ -224,7 +257,7 @@ class ChannelLink:
         try:
             conn.send(proto.ack_request(tokens))
             return True
-        except ChannelDown:
+        except (ChannelDown, proto.ChannelError):
             return False
 
     def close(self) -> None:
@@ -234,7 +267,7 @@ class ChannelLink:
         if conn is not None:
             conn.close()
 
-    def _connection(self) -> _Connection | None:
+    def _connection(self, timeout: float | None) -> _Connection | None:
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
@@ -245,7 +278,7 @@ class ChannelLink:
                 return None
             try:
                 if self._state.path is None:
-                    self._state.path = self._state.path_from(self._metadata())
+                    self._state.path = self._state.path_from(self._metadata(_metadata_timeout(timeout)))
                     if self._state.path is None:
                         return None
                 self._conn = _Connection(self._state.path, self._state.token)
@@ -283,15 +316,17 @@ class _AsyncConnection:
         return cls(reader, writer)
 
     async def call(self, make: Callable[[int], bytes], timeout: float | None) -> tuple[int, bytes]:
+        """See _Connection.call."""
         if not self.alive:
             raise ChannelDown("the channel closed")
         request_id = next(self._ids) & 0xFFFFFFFF
+        data = make(request_id)
         answer = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        self._writer.write(make(request_id))
         try:
+            self._writer.write(data)
             return await asyncio.wait_for(answer, timeout)
         except TimeoutError:
-            raise errors.DeadlineExceeded(f"no answer on the IPC channel within {timeout:.1f}s") from None
+            raise _no_answer(timeout) from None
         finally:
             self._pending.pop(request_id, None)
 
@@ -319,15 +354,15 @@ class _AsyncConnection:
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
-    length, kind, request_id = proto.PREFIX.unpack(await reader.readexactly(proto.PREFIX.size))
-    if not 5 <= length <= proto.MAX_FRAME:
-        raise ChannelDown(f"a frame of {length} bytes")
-    return kind, request_id, await reader.readexactly(length - 5)
+    try:
+        return await proto.read_frame(reader)
+    except proto.ChannelError as exc:
+        raise ChannelDown(str(exc)) from None
 
 
 class AsyncChannelLink:
     """An asyncio transport's channel to one server (its acknowledgements stay on HTTP: they are sent by a
-    thread); `metadata()` is a coroutine reading the server's /v1/metadata."""
+    thread); `metadata(timeout)` is a coroutine reading the server's /v1/metadata."""
 
     def __init__(self, token: str | None, metadata: Callable):
         self._state, self._metadata = _LinkState(token), metadata
@@ -336,14 +371,15 @@ class AsyncChannelLink:
 
     async def fetch(self, items, start: int, end: int, ipc: dict, timeout: float | None):
         """See ChannelLink.fetch."""
-        conn = self._conn if self._conn is not None and self._conn.alive else await self._connection()
+        conn = self._conn if self._conn is not None and self._conn.alive else await self._connection(timeout)
         if conn is None:
             return None
-        make = lambda rid: proto.fetch_request(rid, items, start, end, timeout, ipc.get("hold", True),  # noqa: E731
-                                               ipc.get("ack", ()))
         try:
-            kind, body = await conn.call(make, _timeout(timeout))
+            kind, body = await conn.call(_fetch_frame(items, start, end, ipc, timeout), _timeout(timeout))
             return _answer(kind, body, items)
+        except proto.ChannelError as exc:  # the frame was not made: the connection is fine
+            _say_uncarried(exc)
+            return None
         except ChannelDown as exc:
             conn.close()
             self._state.failed(exc)
@@ -355,7 +391,7 @@ class AsyncChannelLink:
             self._conn.close()
             self._conn = None
 
-    async def _connection(self) -> _AsyncConnection | None:
+    async def _connection(self, timeout: float | None) -> _AsyncConnection | None:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:  # one connect at a time: the others use it
@@ -365,7 +401,7 @@ class AsyncChannelLink:
                 return None
             try:
                 if self._state.path is None:
-                    self._state.path = self._state.path_from(await self._metadata())
+                    self._state.path = self._state.path_from(await self._metadata(_metadata_timeout(timeout)))
                     if self._state.path is None:
                         return None
                 self._conn = await _AsyncConnection.open(self._state.path, self._state.token)

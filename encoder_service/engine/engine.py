@@ -182,7 +182,7 @@ class Engine:
 
     @property
     def host_pool(self):
-        """Where the rows of encoded images live on the host (runtime/host_pool.py: HostRowPool); other rows
+        """Where the rows of encoded images live on the host (rowpath/host_pool.py: HostRowPool); other rows
         that become cache entries (pulled from another replica) take their memory from it too."""
         return self._copier.pool
 

@@ -12,9 +12,9 @@ come, first served queue of images did. Urgent jobs (a fetch waits for them) are
     prepared.cancel()                                       # not started yet: it leaves the queue
     preparers.stop()
 
-A result (or the exception `prepare` raised) is handed to its future on the loop; a future cancelled while its
-job runs gets nothing. Thread-safe: `submit` and cancellation on the loop, `_take` on the threads, under one
-lock.
+A result (or the exception `prepare` raised) is handed to its future on the loop; a job whose future is
+cancelled before a thread starts it is never run, and a future cancelled while its job runs gets nothing.
+Thread-safe: `submit` and cancellation on the loop, `_take` on the threads, under one lock.
 """
 
 from __future__ import annotations
@@ -61,11 +61,6 @@ class Preparers:
         task.future.add_done_callback(lambda future: self._forget(task) if future.cancelled() else None)
         return task.future
 
-    def __len__(self) -> int:
-        """Jobs waiting for a thread."""
-        with self._ready:
-            return len(self._urgent) + sum(len(tasks) for tasks in self._line.values())
-
     def stop(self) -> None:
         """The threads end after the job each is running (the queued ones are never run: their futures are the
         engine's to settle)."""
@@ -103,6 +98,10 @@ class Preparers:
 
     def _run(self) -> None:
         while (task := self._take()) is not None:
+            # Cancelled after it was queued, and taken before _forget ran (a done callback runs on the loop,
+            # later): nobody wants its result.
+            if task.future.cancelled():
+                continue
             try:
                 outcome = (self._prepare(task.job), None)
             except Exception as exc:  # the job's failure (a corrupt image), answered to its future

@@ -1,5 +1,5 @@
 """What the server and its clients agree on, imported by both ends (the client imports nothing else of the
-server's but `ranges`, `errors` and the host memory pool, `runtime/host_pool.py`):
+server's but `ranges`, `errors` and the row path, `rowpath/`: its socket reader and host memory pool):
 
   wire.py           the fetch payload: header + raw little-endian rows (HTTP octet-stream, safetensors, gRPC)
   image_info.py     what encode answers per image, to and from its HTTP JSON

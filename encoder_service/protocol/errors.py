@@ -3,7 +3,7 @@ HTTP (status) and gRPC (status code), and which exception type a client raises f
 
 The server answers an error with its kind (HTTP: the JSON body's `error.kind`; gRPC: the `error-kind`
 trailing metadata) and the status of this table (api/errors.py); a client turns the kind back into the
-exception (client/errors.py). Whatever else speaks our errors (the vLLM proxy, say) maps them here too, so
+exception (`remote_error`). Whatever else speaks our errors (the vLLM proxy, say) maps them here too, so
 a kind means one status everywhere. An answer that names no kind (a proxy's error page, gRPC's own limits)
 is read back by its status (`kind_from_status`).
 """
@@ -28,7 +28,7 @@ KINDS: dict[str, ErrorKind] = {
     "limit": ErrorKind(400, "INVALID_ARGUMENT", errors.InvalidInput),
     "payload_too_large": ErrorKind(413, "INVALID_ARGUMENT", errors.InvalidInput),
     "unsupported_media_type": ErrorKind(415, "INVALID_ARGUMENT", errors.InvalidInput),
-    "request_timeout": ErrorKind(408, "INVALID_ARGUMENT", errors.InvalidInput),  # HTTP only: a body that stalled
+    "request_timeout": ErrorKind(408, "INVALID_ARGUMENT", errors.RequestTimeout),  # HTTP only: a body that stalled
     "failed_precondition": ErrorKind(400, "FAILED_PRECONDITION", errors.FailedPrecondition),
     "unauthenticated": ErrorKind(401, "UNAUTHENTICATED", errors.Unauthenticated),
     "not_found": ErrorKind(404, "NOT_FOUND", errors.NotFound),
@@ -69,3 +69,17 @@ def kind_from_status(status) -> str | None:
             return _GRPC_WITHOUT_KIND[name]
         return next((kind for kind, k in KINDS.items() if k.grpc_code == name), None)
     return next((kind for kind, k in KINDS.items() if k.http_status == status), None)
+
+
+def remote_error(kind: str | None, message: str, status, retry_after_s: float | None = None
+                 ) -> errors.EncoderServiceError:
+    """The exception a client raises for a server's error answer, on every transport: its `kind` (None when the
+    answer named none: then its `status`, an HTTP status or a grpc.StatusCode, decides), `message` and
+    Retry-After. `except encoder_service.errors.NotFound` works the same for HTTP and gRPC; the raised error
+    also carries `status` (what the answer arrived with)."""
+    known = KINDS.get(kind if kind is not None else kind_from_status(status))
+    cls = known.error if known is not None else errors.EncoderServiceError
+    text = f"{message} (server answered {getattr(status, 'name', status)})"
+    exc = cls(text, retry_after_s if retry_after_s is not None else 1.0) if cls is errors.Overloaded else cls(text)
+    exc.status = status
+    return exc

@@ -32,9 +32,8 @@ import base64
 import re
 from dataclasses import dataclass
 
-from encoder_service.protocol.cuda_ipc import HANDLE_BYTES
-
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+HANDLE_BYTES = 64  # an arena's handle: sizeof(cudaIpcMemHandle_t), raw bytes (rowpath/cuda_ipc.py)
 MAX_ACK_TOKENS = 1024  # tokens one request may acknowledge
 TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -78,7 +77,7 @@ class IpcRequest:
 
 @dataclass(frozen=True)
 class IpcPlacement:
-    kind: str  # protocol/cuda_ipc.py: KIND ("cuda"), or the CPU tests' stand-in's (testing/host_ipc.py)
+    kind: str  # rowpath/cuda_ipc.py: KIND ("cuda"), or the CPU tests' stand-in's (testing/host_ipc.py)
     handle: bytes  # HANDLE_BYTES
     generation: str  # per server process
     size: int  # bytes of the arena the handle opens

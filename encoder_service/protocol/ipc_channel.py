@@ -7,12 +7,13 @@ each way on a connection made once.
 Every frame: u32 length of what follows (at most MAX_FRAME), u8 type, u32 request id, then its body
 (little-endian; a string is u16 length + UTF-8; a hold token is its 16 bytes, the 32 hex digits decoded):
 
-  HELLO     c -> s  u8 version, the bearer token (the rest: UTF-8, empty without one). First, once per
-                    connection; answered HELLO (empty) or ERROR, then the connection is closed.
+  HELLO     c -> s  u8 version, the bearer token (the rest: UTF-8, empty without one; the frame at most
+                    MAX_HELLO). First, once per connection; answered HELLO (empty), or ERROR and the
+                    connection closed.
   FETCH     c -> s  i64 start, i64 end, f64 timeout_s (NaN: none), u8 hold, u16 n + n tokens to acknowledge,
                     u16 n + n items (i64 offset, string id). The answer carries the request's id (several
                     fetches may be in flight on one connection; answers come in any order).
-  ACK       c -> s  u16 n + n tokens (their copies are done); no answer.
+  ACK       c -> s  u16 n + n tokens (their copies are done; at most MAX_ACK_TOKENS); no answer.
   PLACED    s -> c  string dtype, u32 row_width, string layout, u32 n + n segments (u32 item index, u32
                     row_start, u32 row_end, u64 arena offset), string kind, 64-byte handle, string
                     generation, u64 arena size, u8 held + token, f64 lease_s: protocol/ipc.py's IpcPlacement
@@ -26,16 +27,17 @@ server answers it as a consumer with its own boot id.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 
-from encoder_service.protocol.cuda_ipc import HANDLE_BYTES
-from encoder_service.protocol.ipc import TOKEN_RE, IpcPlacement, IpcUnavailable
+from encoder_service.protocol.ipc import HANDLE_BYTES, MAX_ACK_TOKENS, TOKEN_RE, IpcPlacement, IpcUnavailable
 from encoder_service.protocol.wire import WireHeader
 from encoder_service.ranges import Segment
 
 VERSION = 1
 MAX_FRAME = 1 << 20  # bytes of one frame after its length: a fetch of 16 x --max-images ids fits with room
+MAX_HELLO = 4096  # a HELLO's (read before the token is checked): a version and a bearer token
 MAX_ITEMS = 1 << 16
 HELLO, FETCH, ACK, PLACED, UNPLACED, ERROR = 1, 2, 3, 4, 5, 6
 PREFIX = struct.Struct("<IBI")  # length of the rest, type, request id
@@ -49,6 +51,21 @@ _LEASE = struct.Struct("<d")
 
 class ChannelError(ValueError):
     """A frame that is not one (either end): the connection is closed."""
+
+
+def read_prefix(prefix: bytes, limit: int = MAX_FRAME) -> tuple[int, int, int]:
+    """(bytes of the body that follows, type, request id) of a frame's PREFIX; ChannelError for a length
+    outside [5, limit]."""
+    length, kind, request_id = PREFIX.unpack(prefix)
+    if not 5 <= length <= limit:
+        raise ChannelError(f"a frame of {length} bytes (at most {limit})")
+    return length - 5, kind, request_id
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> tuple[int, int, bytes]:
+    """(type, request id, body) of the next frame on an asyncio stream (IncompleteReadError at its end)."""
+    n, kind, request_id = read_prefix(await reader.readexactly(PREFIX.size), limit)
+    return kind, request_id, await reader.readexactly(n)
 
 
 def frame(kind: int, request_id: int, body: bytes = b"") -> bytes:
@@ -66,6 +83,8 @@ def _string(text: str) -> bytes:
 
 def _tokens(tokens) -> bytes:
     tokens = list(tokens)
+    if len(tokens) > MAX_ACK_TOKENS:
+        raise ChannelError(f"{len(tokens)} hold tokens in a frame (at most {MAX_ACK_TOKENS})")
     bad = next((t for t in tokens if not TOKEN_RE.match(t)), None)
     if bad is not None:
         raise ChannelError(f"{bad!r:.60} is not a hold token (32 hex digits)")
@@ -97,6 +116,8 @@ class Reader:
 
     def tokens(self) -> tuple[str, ...]:
         (n,) = self.unpack(_U16)
+        if n > MAX_ACK_TOKENS:
+            raise ChannelError(f"{n} hold tokens in a frame (at most {MAX_ACK_TOKENS})")
         return tuple(self.take(16).hex() for _ in range(n))
 
     def end(self) -> None:
@@ -121,12 +142,16 @@ def read_hello(body: bytes) -> str:
 
 def fetch_request(request_id: int, items, start: int, end: int, timeout_s: float | None, hold: bool,
                   ack) -> bytes:
+    """ChannelError for a fetch the channel can't carry (HTTP can: its server answers what is wrong)."""
     items = list(items)
     if len(items) >= MAX_ITEMS:
         raise ChannelError(f"{len(items)} items in one fetch (the channel takes fewer than {MAX_ITEMS})")
-    body = [_FETCH.pack(start, end, math.nan if timeout_s is None else timeout_s, hold), _tokens(ack),
-            _U16.pack(len(items))]
-    body += [_ITEM.pack(offset) + _string(item_id) for item_id, offset in items]
+    try:
+        body = [_FETCH.pack(start, end, math.nan if timeout_s is None else timeout_s, hold), _tokens(ack),
+                _U16.pack(len(items))]
+        body += [_ITEM.pack(offset) + _string(item_id) for item_id, offset in items]
+    except struct.error as exc:  # a start, end or offset outside int64
+        raise ChannelError(f"a fetch the channel can't carry: {exc}") from None
     return frame(FETCH, request_id, b"".join(body))
 
 
@@ -157,12 +182,19 @@ def read_ack(body: bytes) -> tuple[str, ...]:
 
 # ---- answers (server -> consumer) -----------------------------------------------------------------------------
 def placed(request_id: int, items, header: WireHeader, p: IpcPlacement) -> bytes:
-    """The PLACED answer to a fetch of `items` ((id, offset) pairs, as the request named them)."""
+    """The PLACED answer to a fetch of `items` ((id, offset) pairs, as the request named them); ChannelError
+    when a segment is of no item requested (the fetch named its id otherwise), ValueError when the handle is not
+    HANDLE_BYTES long (the server's arena's: a bug)."""
     index = {(item_id, offset): k for k, (item_id, offset) in enumerate(items)}
+    if len(p.handle) != HANDLE_BYTES:
+        raise ValueError(f"a {len(p.handle)}-byte IPC handle (a PLACED answer carries {HANDLE_BYTES})")
     body = [_string(header.dtype), _U32.pack(header.row_width), _string(header.layout),
             _U32.pack(len(header.segments))]
-    body += [_SEGMENT.pack(index[(s.id, s.position - s.row_start)], s.row_start, s.row_end, offset)
-             for s, offset in zip(header.segments, p.offsets)]
+    for s, offset in zip(header.segments, p.offsets):
+        k = index.get((s.id, s.position - s.row_start))
+        if k is None:
+            raise ChannelError(f"a segment of {s.id!r:.80} at {s.position - s.row_start}, no item of the fetch")
+        body.append(_SEGMENT.pack(k, s.row_start, s.row_end, offset))
     body += [_string(p.kind), p.handle, _string(p.generation), _PLACED_TAIL.pack(p.size),
              b"\x01" + bytes.fromhex(p.token) if p.token is not None else b"\x00", _LEASE.pack(p.lease_s)]
     return frame(PLACED, request_id, b"".join(body))

@@ -1,6 +1,6 @@
 """Rows from another replica: a fetch of a range of one id's rows from the replica that holds them, over the
 same HTTP row path clients use (POST /v1/fetch; the owner's send threads write the rows on the socket, and
-`client/raw_http.py` reads them with recv_into straight into place).
+`rowpath/raw_http.py` reads them with recv_into straight into place).
 
 Behind one Service a fetch may reach a replica that does not hold the id (the directory in Redis names the
 one that does: replicas/directory.py). That replica asks the owner for just the chunk's rows, into host memory
@@ -53,7 +53,7 @@ import torch
 from encoder_service import errors
 from encoder_service.cache import CacheKey
 from encoder_service.cache.entry import CorruptEntry, verify_rows
-from encoder_service.client.raw_http import ConnectTimedOut, NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
+from encoder_service.rowpath.raw_http import ConnectTimedOut, NoAnswer, NotRaw, RawHttp, in_thread, read_fetch
 from encoder_service.protocol import peer_auth, wire
 from encoder_service.protocol.dtypes import DTYPES
 from encoder_service.replicas.directory import Located

@@ -17,8 +17,10 @@ What the rest of the tier relies on, whatever the kind:
     node does not have yet (NOSCRIPT: new, restarted, promoted) are loaded and run again, a second round trip
     only then.
   - `on_primaries`: one command on every primary (INFO for the heartbeat), by address.
-  - `pubsub_connection`: an unconnected connection for plain pub/sub (subscriber.py): to the server, the
-    Sentinels' master, or one primary of a Cluster (a PUBLISH reaches the subscribers of every node there).
+  - `pubsub_route`: where a channel's messages are waited for (subscriber.py): one connection to the server, the
+    Sentinels' master or one primary of a Cluster (plain pub/sub: a PUBLISH reaches every node's subscribers);
+    or, on a Cluster of Redis >= 7, the master of the channel's slot (sharded: a "publish" goes out as
+    SPUBLISH, to that master alone, never over the cluster bus).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import contextlib
 import hashlib
 import random
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio import BlockingConnectionPool
@@ -76,6 +79,7 @@ class Connections:
         self._slots = asyncio.Semaphore(max_connections)
         self._client: aioredis.Redis | RedisCluster | None = None
         self._opening: asyncio.Lock | None = None
+        self.sharded = False  # a Cluster whose primaries all have sharded pub/sub: SPUBLISH, SSUBSCRIBE
         self.counters = dict(pool_waits=0, pool_timeouts=0, retries=0)
 
     async def run(self, command: str, *args, **kwargs):
@@ -154,18 +158,34 @@ class Connections:
             else:
                 await client.connection_pool.disconnect(inuse_connections=False)
 
-    async def pubsub_connection(self):
-        """An unconnected connection for pub/sub (subscriber.py), outside the pool: the same settings (auth,
-        TLS) but RESP2 (pub/sub replies as plain arrays), no read timeout (it idles between messages) and TCP
-        keepalive instead. A Cluster's: to one of its primaries (plain pub/sub is broadcast over the cluster)."""
+    async def pubsub_route(self, channel: str) -> tuple[str, Callable[[], Awaitable[object]], bool]:
+        """Where to wait for `channel`'s messages (subscriber.py): (the connection's name, a maker of an
+        unconnected connection, sharded or not). Sharded (a Cluster on Redis >= 7, whose PUBLISHes are SPUBLISH):
+        the master of the channel's slot; else one connection for every channel: to the server, the Sentinels'
+        master, or one primary of a Cluster (a plain PUBLISH is broadcast over the cluster bus)."""
+        client = await self._in_slot(self._connected)
+        if self.sharded:
+            node: ClusterNode = client.get_node_from_key(channel)
+
+            async def to_node():
+                return self._pubsub_connection(node.connection_class, node.connection_kwargs)
+
+            return node.name, to_node, True
+        return "plain", self._plain_pubsub_connection, False
+
+    async def _plain_pubsub_connection(self):
         client = await self._in_slot(self._connected)
         if self.kind == CLUSTER:
             node: ClusterNode = random.choice(client.get_primaries())
-            connection_class, kwargs = node.connection_class, dict(node.connection_kwargs)
-        else:
-            pool = client.connection_pool
-            connection_class, kwargs = pool.connection_class, dict(pool.connection_kwargs)
-        kwargs.update(socket_timeout=None, protocol=2)
+            return self._pubsub_connection(node.connection_class, node.connection_kwargs)
+        pool = client.connection_pool
+        return self._pubsub_connection(pool.connection_class, pool.connection_kwargs)
+
+    @staticmethod
+    def _pubsub_connection(connection_class, kwargs: dict):
+        """Outside the pool: the same settings (auth, TLS) but RESP2 (pub/sub replies as plain arrays), no read
+        timeout (it idles between messages) and TCP keepalive instead."""
+        kwargs = dict(kwargs, socket_timeout=None, protocol=2)
         if issubclass(connection_class, aioredis.Connection):  # TCP or TLS; a unix socket has no keepalive
             kwargs["socket_keepalive"] = True
         return connection_class(**kwargs)
@@ -226,9 +246,13 @@ class Connections:
                                        **self._timeouts)
         try:
             await client.initialize()
+            servers = await client.execute_command("INFO", "server", target_nodes=RedisCluster.PRIMARIES)
         except BaseException:
             await client.aclose()
             raise
+        # Sharded pub/sub (Redis >= 7 on every primary): a channel's messages stay on its slot's master.
+        self.sharded = all(int(str(info.get("redis_version", "0")).split(".")[0]) >= 7
+                           for info in servers.values())
         return client
 
     def _address(self, client) -> str:
@@ -291,6 +315,8 @@ class Connections:
                 if command == "set":
                     key, value, px, *nx = args
                     pipe.set(key, value, px=px, nx=bool(nx and nx[0]))
+                elif command == "publish" and self.sharded:  # to the channel's slot's master, not broadcast
+                    pipe.execute_command("SPUBLISH", *args)
                 elif command in _RAW:
                     pipe.execute_command(command.upper(), *args)
                 else:

@@ -66,7 +66,7 @@ class RedisLink:
         self.claims = Claims(self.conns, uuid.uuid4().hex[:12], pending_ttl_s=o.pending_ttl_s,
                              max_claims=o.max_marked, max_input_bytes=o.max_input_bytes)
         self.owner = self.claims.owner
-        self.subscriber = Subscriber(self.conns.pubsub_connection, self._on_subscriber_lost)
+        self.subscriber = Subscriber(self.conns.pubsub_route, self._on_subscriber_lost)
         self.counters = dict(
             hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,

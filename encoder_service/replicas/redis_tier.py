@@ -120,8 +120,10 @@ class RedisTier:
 
     def describe(self) -> dict:
         """Readiness detail: the kind of Redis (standalone, cluster, sentinel; None before the first connect),
-        the tier's state, and each primary's (and a master's Sentinels') as last seen."""
-        return {"mode": self._conns.kind, "state": self.state, "nodes": dict(self.health.nodes)}
+        the tier's state, each primary's as last seen, and the pub/sub the claims' outcomes go by (sharded on a
+        Cluster of Redis >= 7, else plain)."""
+        return {"mode": self._conns.kind, "state": self.state, "nodes": dict(self.health.nodes),
+                "pubsub": "sharded" if self._conns.sharded else "plain"}
 
     async def _heartbeat_loop(self) -> None:
         """Every `heartbeat_s` (and at once after a recovery): renew this replica's markers, or write them

@@ -1,21 +1,27 @@
-"""One pub/sub connection per Redis tier, shared by every wait (directory.py): bounded however many fetches
+"""The pub/sub connections of a Redis tier, shared by every wait (directory.py): bounded however many fetches
 wait, and one message wakes every waiter of its channel.
 
-    async with subscriber.subscription(channel) as message:   # returns once Redis confirmed the SUBSCRIBE
+    async with subscriber.subscription(channel) as message:   # returns once Redis confirmed the subscription
         ...check the state...                                  # nothing published from here on is missed
         data = await message                                   # bytes, or None when the connection was lost
 
-Each waited channel has a local entry counting its waiters: the first SUBSCRIBEs, the last to leave
-UNSUBSCRIBEs. A dispatcher task reads the connection and resolves the waiters' futures. Redis answers each
-SUBSCRIBE with one `subscribe` reply, in order, so a FIFO of futures per channel pairs replies with the
-commands (an UNSUBSCRIBE in between answers `unsubscribe`, which is not queued).
+Plain pub/sub (one server, a Sentinel's master, a Cluster on Redis < 7): one connection, SUBSCRIBE; a Cluster
+broadcasts every PUBLISH to every node over its bus, so one node is enough. Sharded pub/sub (a Cluster on Redis
+>= 7: redis_connections.py publishes with SPUBLISH then): a channel lives on the master of its slot (a marker's
+channel is the marker's name: the id's hash tag), so there is one connection per master, SSUBSCRIBE, and no
+message crosses the cluster bus.
 
-Losing the connection (Redis killed, or the tier marked down: `reset`) resolves every future at once with
-"lost" (None / False: results, not exceptions, so futures nobody awaits any more log nothing) and drops all
-local state; the next wait connects again. The connection has no read timeout (it idles between messages;
-TCP keepalive instead), and its connect and sends are shielded: a waiter that times out must not abort a
-command half written on the shared connection (redis-py would close it under everyone). Sends go out in the
-order they were made.
+Each connection (`_Link`) keeps a local entry per waited channel counting its waiters: the first subscribes,
+the last to leave unsubscribes. A dispatcher task reads the connection and resolves the waiters' futures. Redis
+answers each subscribe with one confirmation, in order, so a FIFO of futures per channel pairs replies with the
+commands (an unsubscribe in between answers with its own kind, which is not queued).
+
+Losing a connection (Redis killed, a master lost, or the tier marked down: `reset`) resolves its futures at once
+with "lost" (None / False: results, not exceptions, so futures nobody awaits any more log nothing) and drops its
+local state; the next wait connects again. A connection has no read timeout (it idles between messages; TCP
+keepalive instead), and its connect and sends are shielded: a waiter that times out must not abort a command
+half written on a shared connection (redis-py would close it under everyone). Sends go out in the order they
+were made.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("encoder_service.replicas.redis")
 
@@ -41,11 +48,65 @@ class _Channel:
         self.waiters: set[asyncio.Future] = set()  # each resolves with the next message, None when lost
 
 
+@dataclass(frozen=True)
+class _Kind:
+    subscribe: bytes
+    unsubscribe: bytes
+    message: bytes  # a published message's reply kind
+    confirmed: bytes  # a subscribe's reply kind
+
+
+PLAIN = _Kind(b"SUBSCRIBE", b"UNSUBSCRIBE", b"message", b"subscribe")
+SHARDED = _Kind(b"SSUBSCRIBE", b"SUNSUBSCRIBE", b"smessage", b"ssubscribe")
+
+
 class Subscriber:
-    def __init__(self, make_connection: Callable[[], Awaitable[object]], on_lost: Callable[[Exception], None]):
-        """`await make_connection()`: an unconnected redis-py asyncio Connection (RESP2, no read timeout);
-        `on_lost(exc)`: called when the connection fails by itself (not on `reset`)."""
-        self._make_connection = make_connection
+    """`await route(channel)`: (the connection's name, `await make()` an unconnected redis-py asyncio
+    Connection: RESP2, no read timeout, and whether it is sharded) for that channel; `on_lost(exc)`: called when
+    a connection fails by itself (not on `reset`)."""
+
+    def __init__(self, route: Callable[[str], Awaitable[tuple[str, Callable[[], Awaitable[object]], bool]]],
+                 on_lost: Callable[[Exception], None]):
+        self._route, self._on_lost = route, on_lost
+        self._links: dict[str, _Link] = {}
+        self._lost_links = dict(subscriber_connects=0, subscriber_lost=0)  # of links closed since
+
+    @property
+    def channels(self) -> int:
+        return sum(link.channels for link in self._links.values())
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {k: v + sum(link.counters[k] for link in self._links.values()) for k, v in self._lost_links.items()}
+
+    @contextlib.asynccontextmanager
+    async def subscription(self, channel: str) -> AsyncIterator[asyncio.Future]:
+        name, make, sharded = await self._route(channel)
+        link = self._links.get(name)
+        if link is None:
+            link = self._links[name] = _Link(make, self._on_lost, SHARDED if sharded else PLAIN)
+        async with link.subscription(channel) as message:
+            yield message
+
+    def reset(self, reason: Exception) -> None:
+        """Drop every connection and wake every waiter with "lost" (the tier went down)."""
+        for link in self._links.values():
+            link.reset(reason)
+
+    async def close(self) -> None:
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            await link.close()
+            for k in self._lost_links:
+                self._lost_links[k] += link.counters[k]
+
+
+class _Link:
+    """One pub/sub connection and the channels waited on it."""
+
+    def __init__(self, make_connection: Callable[[], Awaitable[object]], on_lost: Callable[[Exception], None],
+                 kind: _Kind):
+        self._make_connection, self._kind = make_connection, kind
         self._on_lost = on_lost
         self._conn = None
         self._connecting: asyncio.Task | None = None
@@ -74,7 +135,7 @@ class Subscriber:
         entry.waiters.add(message)
         try:
             if first:
-                await self._send(conn, b"SUBSCRIBE", name)
+                await self._send(conn, self._kind.subscribe, name)
             if not await asyncio.shield(entry.confirmed):
                 raise SubscriberLost("redis pub/sub connection lost before the subscription was confirmed")
             yield message
@@ -83,7 +144,7 @@ class Subscriber:
             if not entry.waiters and self._channels.get(name) is entry:
                 del self._channels[name]
                 with contextlib.suppress(SubscriberLost):
-                    await self._send(conn, b"UNSUBSCRIBE", name)
+                    await self._send(conn, self._kind.unsubscribe, name)
 
     def reset(self, reason: Exception) -> None:
         """Drop the connection and wake every waiter with "lost" (the tier went down)."""
@@ -149,16 +210,17 @@ class Subscriber:
             self._lose(conn, exc)
 
     def _dispatch(self, reply) -> None:
-        """RESP2 pub/sub replies: [b"message", channel, data], [b"subscribe" | b"unsubscribe", channel, count]."""
+        """RESP2 pub/sub replies: [b"message", channel, data], [b"subscribe" | b"unsubscribe", channel, count]
+        (sharded: smessage, ssubscribe, sunsubscribe)."""
         if not isinstance(reply, list) or len(reply) != 3:
             return
         kind, name, data = reply
-        if kind == b"message":
+        if kind == self._kind.message:
             entry = self._channels.get(name)
             for waiter in entry.waiters if entry is not None else ():
                 if not waiter.done():
                     waiter.set_result(data)
-        elif kind == b"subscribe":
+        elif kind == self._kind.confirmed:
             queue = self._confirmations.get(name)
             if queue:
                 confirmed = queue.popleft()

@@ -1,7 +1,7 @@
 """The device row arena's memory on a GPU (runtime/device_arena.py: ArenaMemory), and the arena the service
 builds from its settings (`make_arena`).
 
-`CudaArenaMemory`: ONE allocation made with cudaMalloc directly (protocol/cuda_ipc.py), not through torch's
+`CudaArenaMemory`: ONE allocation made with cudaMalloc directly (rowpath/cuda_ipc.py), not through torch's
 caching allocator (whose segments cannot be exported reliably: with expandable segments they are not cudaMalloc
 allocations), exported once as an IPC handle; torch sees it as one uint8 tensor (`bytes`, no copy), so the
 engine fills it with plain device-to-device copies. Freed at `close()`.
@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from encoder_service.protocol import cuda_ipc
+from encoder_service.rowpath import cuda_ipc
 from encoder_service.runtime.device_arena import DeviceArena
 
 log = logging.getLogger(__name__)

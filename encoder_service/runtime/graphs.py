@@ -24,9 +24,9 @@ and the startup log say which backend serves which layout class.
 Captures (runtime/graph_capture.py): a failed one is tried once more; a graph that still cannot be captured
 is left out of `graphs`, and the batches that would replay it run eagerly (`describe()["capture_failures"]`).
 
-`capture=False` builds the same static buffers, pads, copies in, runs the tower eagerly ON THE STATIC
-BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding, boundary and order
-logic exactly (tests/unit/test_graphs.py).
+`capture=False` (whatever `capturer` is given) builds the same static buffers, pads, copies in, runs the tower
+eagerly ON THE STATIC BUFFERS and copies out: every step but capture/replay, so CPU tests check the padding,
+boundary and order logic exactly (tests/unit/test_graphs.py).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class GraphRunner:
         self._device_meta = DeviceMetadataCache(meta_cache_size)
 
         cuda = capture and self.device.type == "cuda"
+        capturer = capturer if capture else None  # capture=False: static buffers, whatever capturer is given
         if cuda:  # every layout class a graph may hold, checked inside a small captured graph first
             self.eager.check_attention((ONE, PADDED_SINGLE, SEVERAL), capture=True)
             capturer = capturer or CudaCapture()
@@ -175,9 +176,11 @@ class GraphRunner:
             torch.cuda.synchronize()
             self.graph_bytes = torch.cuda.memory_reserved() - reserved0
         self.solo_timings = self._time_solo() if cuda or measure_solo else {}
+        # Only a bucket whose exact graph exists: without it an image alone runs eagerly, where packed with
+        # others it replays a multi graph.
         self.solo_buckets = frozenset(
-            b for b in self.exact_buckets
-            if (self.solo_timings[b]["solo"] if b in self.solo_timings
+            b for b in self.exact_buckets if (b, EXACT) in self.graphs
+            and (self.solo_timings[b]["solo"] if b in self.solo_timings
                 else solo_min_patches is not None and b >= solo_min_patches))
         eager = ", ".join(f"{f['bucket']}/{f['kind']}" for f in self.capture_failures if f["eager"])
         log.log(

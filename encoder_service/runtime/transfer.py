@@ -7,7 +7,7 @@ overlap the NEXT batch's compute instead of a synchronous pageable `.to("cpu")` 
 waits) and copies each image's rows out of the staging buffer into host memory of its own, which the cache
 entry then owns without another copy (pinned memory is too scarce to hold a cache in, and torch's pinned
 allocator rounds blocks up to powers of two). That memory comes from the copier's HostRowPool
-(runtime/host_pool.py): pages of rows no longer referenced, reused, rather than fresh pages that fault on
+(rowpath/host_pool.py): pages of rows no longer referenced, reused, rather than fresh pages that fault on
 the copy. The staging buffer goes back to torch's pinned cache when the HostRows is dropped.
 
 CPU outputs (the eager CPU runner) pass through as they are: already owned and on the host.
@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
+from encoder_service.rowpath.host_pool import HostRowPool
 from encoder_service.runtime.device_arena import DeviceArena, Slot
-from encoder_service.runtime.host_pool import HostRowPool
 
 
 class HostRows:

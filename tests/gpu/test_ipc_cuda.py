@@ -1,4 +1,4 @@
-"""The fetch by IPC on CUDA (runtime/arena_memory.py, protocol/cuda_ipc.py, client/ipc.py: CudaIpcReader): the
+"""The fetch by IPC on CUDA (runtime/arena_memory.py, rowpath/cuda_ipc.py, client/ipc.py: CudaIpcReader): the
 device row arena is one cudaMalloc allocation with an IPC handle, holding each encoded image's rows bit for bit;
 a consumer in another process (spawned with subprocess: tests/support/ipc_consumer.py) copies them GPU to GPU
 into its `out` on the same GPU and, when two are visible, on another, as our client and as vLLM's connector

@@ -12,7 +12,7 @@ import torch
 from encoder_service import errors
 from encoder_service.client import EncoderClient, PromptLayout
 from encoder_service.ranges import chunks, plan_chunk
-from encoder_service.runtime.host_pool import PAGE, HostRowPool
+from encoder_service.rowpath.host_pool import PAGE, HostRowPool
 from tests.support.images import image_bytes as png
 from tests.support.layouts import prompt_layout
 from tests.support.images import noise_image as pil_image
@@ -200,7 +200,7 @@ def test_caller_supplied_id(service, transport):
 def test_remote_error_types():
     import grpc
 
-    from encoder_service.client.errors import remote_error
+    from encoder_service.protocol.errors import remote_error
 
     err = remote_error("overloaded", "queue full", 429, 3.0)
     assert isinstance(err, errors.Overloaded) and err.retry_after_s == 3.0 and err.status == 429

@@ -1,7 +1,7 @@
 """A client on an address where no server answers, against real sockets on loopback: it says so at once (a
 WARNING naming the address, while it goes on trying within the call's timeout, so a server that comes up on
 that address in time serves the call), and a connect that gets no answer fails after the connect's own
-deadline, not after the whole call's timeout (client/retry.py, client/http.py, client/raw_http.py)."""
+deadline, not after the whole call's timeout (client/retry.py, client/http.py, rowpath/raw_http.py)."""
 
 from __future__ import annotations
 

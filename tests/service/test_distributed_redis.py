@@ -9,7 +9,9 @@ Sentinels) named by a redis+sentinel:// URL.
     503 only, and 503 for at most 2 s past the moment Redis itself finished the failover.
   - /health/ready names the kind of Redis and each node's state.
 
-Failure detection is fast here (node timeout and down-after 1 s); redis_cluster.py builds the sets.
+Failure detection is faster here than redis_cluster.py's default (node timeout and down-after FAILOVER_DETECT_MS),
+so that a failover fits a test, and not so fast that CPU starvation fails a node over mid-test; the bounds are
+relative to Redis's own failover. redis_cluster.py builds the sets.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 from encoder_service.client import AsyncEncoderClient
 from tests.support.images import image_bytes
 from tests.support.redis_cluster import RedisClusterSet, SentinelSet, slot_owners
+from tests.support.redis_server import find_redis7, find_redis_server, major_version
+from tests.support.stores import make_entry, open_store
 from tests.support.replica_load import Load
 from tests.support.service import RunningService, running
 
@@ -35,18 +39,19 @@ PAIRS = {"before": 16, "failover": 24, "after": 16}
 FETCH_TIMEOUT_S = 20.0  # each call's deadline: the clients retry inside it
 FAILOVER_S = 30.0  # bound on Redis's own failover here
 PAST_FAILOVER_S = 2.0  # what the service may add to Redis's failover, as raw callers see it
+FAILOVER_DETECT_MS = 2000  # the Cluster's node timeout, the Sentinels' down-after
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    redis_set = RedisClusterSet(masters=3, replicas=1).start()
+    redis_set = RedisClusterSet(masters=3, replicas=1, node_timeout_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
 
 
 @pytest.fixture(scope="module")
 def sentinels():
-    redis_set = SentinelSet(replicas=1, sentinels=3).start()
+    redis_set = SentinelSet(replicas=1, sentinels=3, down_after_ms=FAILOVER_DETECT_MS).start()
     yield redis_set
     redis_set.stop()
 
@@ -151,6 +156,7 @@ def test_a_cluster_named_by_one_node_spreads_ids_over_every_master(request, tiny
     a, b = pair(request, tiny_checkpoint, cluster.url)
     detail = ready(a)["redis_detail"]
     assert detail["mode"] == "cluster" and detail["state"] == "up"
+    assert detail["pubsub"] == ("sharded" if major_version(cluster.binary) >= 7 else "plain")
     assert sorted(detail["nodes"]) == sorted(m.address for m in cluster.live_masters())
     before = slot_owners(cluster)
 
@@ -182,10 +188,52 @@ def test_a_cluster_master_killed_under_load(request, tiny_checkpoint, cluster):
 def test_a_sentinel_master_killed_under_load(request, tiny_checkpoint, sentinels):
     replicas = pair(request, tiny_checkpoint, sentinels.url)
     detail = ready(replicas[0])["redis_detail"]
-    assert detail == {"mode": "sentinel", "state": "up", "nodes": {sentinels.master().address: "up"}}
+    assert detail == {"mode": "sentinel", "state": "up", "nodes": {sentinels.master().address: "up"},
+                      "pubsub": "plain"}
     old = sentinels.master()
     failover_under_load(replicas, sentinels.kill_master, lambda: sentinels.wait_promoted(old, FAILOVER_S))
     new = sentinels.master()
     assert ready(replicas[0])["redis_detail"]["nodes"] == {new.address: "up"}
     with redis.Redis(host="127.0.0.1", port=new.port) as direct:
         assert direct.dbsize() > 0
+
+
+# ---- how a claim's outcome travels on a Cluster ---------------------------------------------------------------
+@pytest.mark.parametrize("version", ["6", "7"])
+def test_waits_on_a_cluster_are_woken_by_plain_or_sharded_pub_sub(version):
+    """Redis >= 7: SPUBLISH to the master of the marker's slot, each waiter subscribed there (no message over
+    the cluster bus); 6.2 (no sharded pub/sub): plain PUBLISH, one subscriber connection, broadcast."""
+    binary = find_redis7() if version == "7" else find_redis_server()
+    if major_version(binary) != int(version):
+        pytest.skip(f"no redis-server {version} here")
+    cluster = RedisClusterSet(masters=3, replicas=0, binary=binary).start()
+
+    async def scenario() -> dict[str, int]:
+        a, b = await open_store(cluster.url), await open_store(cluster.url)
+        try:
+            keys = [f"encsvc:fp:{{c:blake3:{k:032x}}}" for k in range(9)]
+            assert (await a.mark_pending(keys)).ok
+            waits = [asyncio.create_task(b.wait_for(key, 20)) for key in keys]
+            while b.stats()["redis_pending_waits"] < len(keys):
+                await asyncio.sleep(0.05)
+            for key in keys:
+                a.put(key, make_entry(1, num_rows=8))
+            return {str(s) for s in await asyncio.gather(*waits)}, b.redis.describe()["pubsub"]
+        finally:
+            await a.close()
+            await b.close()
+
+    try:
+        outcomes, pubsub = asyncio.run(scenario())
+        calls = {}
+        for master in cluster.live_masters():
+            with master.client() as client:
+                for name, stat in client.info("commandstats").items():
+                    calls[name] = calls.get(name, 0) + stat["calls"]
+    finally:
+        cluster.stop()
+    assert outcomes == {"Settled.LANDED"}
+    if version == "7":
+        assert pubsub == "sharded" and calls.get("cmdstat_spublish", 0) >= 9 and "cmdstat_publish" not in calls
+    else:
+        assert pubsub == "plain" and calls.get("cmdstat_publish", 0) >= 9 and "cmdstat_spublish" not in calls

@@ -211,7 +211,7 @@ def test_pickup_tickets_work_once_and_need_the_credentials(auth_service):
 
 def test_a_failed_pickup_falls_back_to_the_stream(service_qwen3):
     """An HTTP port the client can't reach (here: closed): the rows come on the stream, pickups stop."""
-    from encoder_service.client.raw_http import RawHttp
+    from encoder_service.rowpath.raw_http import RawHttp
     from tests.support.ports import free_port
 
     with EncoderClient.grpc(service_qwen3.grpc_address, timeout=30) as c:

@@ -8,28 +8,38 @@ against the real server, with the device row arena on the host stand-in (encoder
     HTTP, saying why once; a socket that is gone, the same; frames that are not frames close the connection,
     and the server serves on;
   - a restarted server: the client connects again;
-  - bounds: connections past the limit are closed, a HELLO not sent in time ends its connection.
+  - bounds: connections past the limit are closed, a HELLO not sent in time ends its connection;
+  - the server: a HELLO over MAX_HELLO, or an ACK of more than MAX_ACK_TOKENS, closes the connection; a
+    connection of another uid is closed; a path another live channel listens on is not taken (a stale socket
+    is), nor removed at stop; stop lets the fetches in flight end, taking no new ones;
+  - the client: a fetch the channel can't carry goes over HTTP (its 400), leaving nothing behind; answers
+    come in while a send waits for a server that reads no more; a closed link closes its socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import os
+import shutil
 import socket
 import stat
 import struct
+import subprocess
+import tempfile
+import threading
+import time
 
 import pytest
 import torch
 
+from encoder_service import errors
 from encoder_service.api import ipc_channel as server
 from encoder_service.api.service import bind_socket
 from encoder_service.client import AsyncEncoderClient, EncoderClient
-from encoder_service.client.ipc_channel import ChannelLink
+from encoder_service.client.ipc_channel import ChannelLink, _Connection
 from encoder_service.protocol import ipc_channel as proto
-from encoder_service.protocol.ipc import IpcRequest, this_host
+from encoder_service.protocol.ipc import MAX_ACK_TOKENS, IpcRequest, IpcUnavailable, this_host
 from encoder_service.testing.host_ipc import HostStandInReader
 from tests.service.test_ipc_fetch import ipc_service, nan_out
 from tests.support.images import image_bytes as png
@@ -126,7 +136,7 @@ def test_a_connection_without_the_token_is_refused(svc, token):
 def test_a_refused_channel_sends_the_fetch_over_http_and_says_so_once(svc, caplog):
     info, _ = encoded(svc, 93)
     meta = svc.core.metadata()
-    link = ChannelLink("wrong-token", lambda: meta)
+    link = ChannelLink("wrong-token", lambda timeout: meta)
     request = IpcRequest(this_host()).to_dict()
     with caplog.at_level(logging.INFO, "encoder_service.client"):
         assert link.fetch([(info.id, 0)], 0, info.num_tokens, request, WAIT_S) is None
@@ -235,3 +245,218 @@ async def test_connections_past_the_limit_are_closed(tmp_path, monkeypatch):
             w.close()
     finally:
         await channel.stop()
+
+
+def link_of(c: EncoderClient) -> ChannelLink:
+    return c._transport._transport._transport._channel  # (Retrying, OwnerRouting, HttpTransport)
+
+
+@pytest.mark.parametrize("uncarried", [
+    lambda info: [("u:" + "x" * 70000, 0)],  # an id over a frame's strings (64 KiB)
+    lambda info: [(info.id, 1 << 63)],  # a position outside int64
+])
+def test_a_fetch_the_channel_cannot_carry_goes_over_http(svc, standin_dir, uncarried):
+    """Before: the frame's error (ChannelError, struct.error) escaped raw, its request left waiting forever."""
+    info, _ = encoded(svc, 97)
+    with client(svc, standin_dir) as c:
+        c.fetch([(info.id, 0)], 0, info.num_tokens, out=nan_out(info.num_tokens, info.row_width))  # connected
+        with pytest.raises(errors.InvalidInput):
+            c.fetch(uncarried(info), 0, 4, out=nan_out(4, info.row_width))
+        conn = link_of(c)._conn
+        assert conn.alive and not conn._pending
+
+
+def test_answers_come_in_while_a_send_waits_for_the_server(tmp_path):
+    """Before: a send blocked on a server that reads no more (its MAX_IN_FLIGHT) held the lock its reader
+    thread needs to hand out answers, so no answer came in until the send ended."""
+    path = str(tmp_path / "c.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    state = {}
+    first_read, answer_now = threading.Event(), threading.Event()
+
+    def serve():  # HELLO, one FETCH read, then nothing read: the answer to it only
+        sock, _ = listener.accept()
+        state["sock"] = sock
+        f = sock.makefile("rb")
+        for _ in range(2):
+            n, _, request_id = proto.read_prefix(f.read(proto.PREFIX.size))
+            f.read(n)
+            if request_id == 0:
+                sock.sendall(proto.frame(proto.HELLO, 0))
+        first_read.set()
+        answer_now.wait(30)
+        sock.sendall(proto.unplaced(request_id, IpcUnavailable("held up", None)))
+
+    threading.Thread(target=serve, daemon=True).start()
+    conn = _Connection(path, None)
+    got = {}
+
+    def call(key: str, items) -> None:
+        make = lambda rid: proto.fetch_request(rid, items, 0, 1, None, True, ())  # noqa: E731
+        try:
+            got[key] = conn.call(make, 20)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            got[key] = exc
+
+    small = threading.Thread(target=call, args=("small", [("u:a", 0)]), daemon=True)
+    small.start()
+    assert first_read.wait(10)
+    big = threading.Thread(target=call, args=("big", [("u:" + "x" * 60000, 0)] * 16), daemon=True)
+    big.start()  # ~1 MiB, more than the socket buffers: its send waits for the server to read
+
+    def unread() -> bool:
+        try:
+            return len(state["sock"].recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)) > 0
+        except BlockingIOError:
+            return False
+
+    wait_for(unread, "the big frame on its way", 10)
+    answer_now.set()
+    small.join(10)
+    try:
+        assert got.get("small", (None,))[0] == proto.UNPLACED
+    finally:
+        conn.close()
+        big.join(10)
+        state["sock"].close()
+        listener.close()
+
+
+def test_a_closed_link_closes_its_socket(svc, standin_dir):
+    """Before: the reading file made from the socket kept its descriptor open after close."""
+    info, _ = encoded(svc, 98)
+    with client(svc, standin_dir) as c:
+        c.fetch([(info.id, 0)], 0, info.num_tokens, out=nan_out(info.num_tokens, info.row_width))
+        conn = link_of(c)._conn
+        fd = conn._sock.fileno()
+        inode = os.fstat(fd).st_ino
+    try:
+        assert os.fstat(fd).st_ino != inode  # (the number taken again by another file)
+    except OSError:
+        pass  # closed
+
+
+def test_a_hello_over_its_bound_closes_the_connection(svc):
+    """Before: a HELLO of up to 1 MiB was read before the token was checked, and answered."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(svc.core.ipc.channel)
+        s.sendall(proto.hello("t" * 5000))
+        assert s.recv(1) == b""  # closed, nothing answered
+
+
+def test_an_ack_of_too_many_tokens_closes_the_connection(svc):
+    """Before: an ACK frame of up to 65535 tokens was taken (a fetch's are bounded by MAX_ACK_TOKENS)."""
+    too_many = proto.frame(proto.ACK, 0, struct.pack("<H", MAX_ACK_TOKENS + 1) + bytes(16 * (MAX_ACK_TOKENS + 1)))
+    fetch = proto.fetch_request(1, [("u:nobody", 0)], 0, 4, 1.0, True, ())
+    assert frames_after(svc.core.ipc.channel, too_many + fetch) == []  # closed: the fetch after it not answered
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # one another uid may run
+
+
+@pytest.mark.skipif(os.getuid() != 0 or SYSTEM_PYTHON is None, reason="connects as another uid (root only)")
+def test_a_connection_of_another_uid_is_closed(tmp_path):
+    """As before the socket's chmod (an explicit path in a shared directory): another uid connects. Before: its
+    HELLO was answered."""
+    directory = tempfile.mkdtemp(prefix="encoder-channel-")
+    os.chmod(directory, 0o755)
+    channel = server.IpcChannel(None, os.path.join(directory, "c.sock"), None)
+
+    async def go() -> str:
+        assert await channel.start()
+        try:
+            os.chmod(channel.path, 0o666)  # the window before the chmod to 0600
+            probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(10)\n"
+                     "s.connect(sys.argv[1])\ntry:\n    s.sendall(bytes.fromhex(sys.argv[2]))\n"
+                     "    print(s.recv(64).hex())\nexcept (BrokenPipeError, ConnectionResetError):\n    print()")
+            done = await asyncio.to_thread(subprocess.run, [SYSTEM_PYTHON, "-I", "-S", "-c", probe, channel.path,
+                                                            proto.hello(None).hex()],
+                                           capture_output=True, text=True, timeout=20, user=65534, group=65534)
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+        finally:
+            await channel.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    assert asyncio.run(go()) == ""  # closed, nothing answered
+
+
+async def test_a_live_channel_at_the_path_is_not_taken_and_a_stale_one_is(tmp_path):
+    """Before: the second channel unlinked the first's live socket and listened in its place; its stop() then
+    removed whatever socket was at the path."""
+    path = str(tmp_path / "c.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # the socket file of a process gone
+    first, second = server.IpcChannel(None, path, None), server.IpcChannel(None, path, None)
+    assert await first.start()  # the stale one replaced
+    try:
+        assert not await second.start()
+        await second.stop()
+        reader, writer = await asyncio.open_unix_connection(path)  # the first's, still there
+        writer.write(proto.hello(None))
+        assert (await asyncio.wait_for(reader.readexactly(proto.PREFIX.size), 10))[4] == proto.HELLO
+        writer.close()
+    finally:
+        await first.stop()
+    assert not os.path.exists(path)
+
+
+async def test_stop_leaves_a_socket_that_is_not_its_own(tmp_path):
+    path = str(tmp_path / "c.sock")
+    channel = server.IpcChannel(None, path, None)
+    assert await channel.start()
+    os.unlink(path)
+    other = socket.socket(socket.AF_UNIX)  # another process's, at the path since
+    other.bind(path)
+    try:
+        await channel.stop()
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        other.close()
+
+
+def test_auto_names_the_socket_for_the_http_host_and_port():
+    names = {server.channel_path("auto", host, 8000, True) for host in ("127.0.0.1", "127.0.0.2", "::1")}
+    assert len(names) == 3 and server.channel_path("auto", "127.0.0.1", 8000, False) is None
+
+
+def test_stop_lets_fetches_in_flight_end_and_takes_no_new_one(svc, standin_dir, monkeypatch):
+    """Before: stop() closed every connection at once, cutting the fetches in flight (and the channel went on
+    taking fetches through HTTP's graceful shutdown)."""
+    info, _ = encoded(svc, 99)
+    gate = svc.call(_event)
+    real_fetch = svc.core.fetch
+
+    async def held_back(*args, **kw):  # the real fetch, once the test lets it go
+        await gate.wait()
+        return await real_fetch(*args, **kw)
+
+    monkeypatch.setattr(svc.core, "fetch", held_back)
+    channel = server.IpcChannel(svc.core, str(standin_dir / "graceful.sock"), None)
+    assert svc.call(channel.start)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(20)
+        s.connect(channel.path)
+        s.sendall(proto.hello(None) + proto.fetch_request(5, [(info.id, 0)], 0, info.num_tokens, 10.0, False, ()))
+        f = s.makefile("rb")
+        assert proto.read_prefix(f.read(proto.PREFIX.size))[1] == proto.HELLO
+        wait_for(lambda: channel._fetches, "the fetch in flight", 10)
+        stopping = threading.Thread(target=svc.call, args=(channel.stop, 20.0), daemon=True)
+        stopping.start()
+        wait_for(lambda: channel._stopping, "the stop begun", 10)
+        with socket.socket(socket.AF_UNIX) as late, pytest.raises(OSError):
+            late.connect(channel.path)  # no new connection
+        svc.loop.call_soon_threadsafe(gate.set)
+        n, kind, request_id = proto.read_prefix(f.read(proto.PREFIX.size))
+        assert (kind, request_id) == (proto.PLACED, 5)  # answered, not cut
+        f.read(n)
+        stopping.join(20)
+        assert not stopping.is_alive() and not os.path.exists(channel.path)
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()

@@ -20,8 +20,10 @@ import httpx
 import pytest
 import torch
 
+from encoder_service import errors
 from encoder_service.api.service import bind_socket, build_core
 from encoder_service.client import AsyncEncoderClient, EncoderClient, PromptLayout
+from encoder_service.client import ipc as client_ipc
 from encoder_service.protocol.ipc import this_host
 from encoder_service.ranges import chunks, plan_chunk
 from encoder_service.testing.host_ipc import HostStandInMemory, HostStandInReader
@@ -248,6 +250,29 @@ def test_a_copy_past_the_lease_is_not_used(tiny_checkpoint, standin_dir, caplog)
         assert any("past the" in r.message for r in caplog.records)
     finally:
         brief.close()
+
+
+def test_the_acknowledgements_of_a_fetch_that_failed_are_sent_later(tiny_checkpoint, standin_dir, monkeypatch):
+    """Before: the tokens a fetch by IPC took along were lost when it failed (a 503 before the server read
+    them): their holds, and the pins they end, lasted to the lease."""
+    monkeypatch.setattr(client_ipc, "ACK_DELAY_S", 60.0)  # a token waits for a fetch to carry it
+    svc = ipc_service(tiny_checkpoint("qwen2_5_vl"), standin_dir, "--ipc-lease-s", "120")
+    holds = lambda: svc.core.ipc.arena.stats()["holds"]  # noqa: E731
+    try:
+        with client(svc, standin_dir) as c:
+            (info,) = c.encode([png(112, 112, 71)], wait=True)
+            c.fetch([(info.id, 0)], 0, info.num_tokens, out=nan_out(info.num_tokens, info.row_width))
+            assert c.fetch_paths == {"ipc": 1} and holds() == 1  # its token waits
+            c.timeout, svc.core._ready = 0.5, False  # not ready: 503 before the request is read
+            try:
+                with pytest.raises(errors.Unavailable):
+                    c.fetch([(info.id, 0)], 0, info.num_tokens, out=nan_out(info.num_tokens, info.row_width))
+            finally:
+                svc.core._ready = True
+            assert holds() == 1
+        wait_for(lambda: holds() == 0, "the token acknowledged at the client's close", 10)
+    finally:
+        svc.close()
 
 
 def test_a_server_without_an_arena_is_not_asked(service):

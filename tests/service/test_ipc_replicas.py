@@ -8,10 +8,17 @@ consumer on this host asking the replica that does not hold an id:
     for bit the socket fetch's, with no second row transfer; the owner's pin ends at the client's
     acknowledgement, sent to the owner that held the rows;
   - so does the vLLM connector's scheduler side (integrations/vllm/fetch.py): its hold is the owner's, the
-    worker copies under it, and the acknowledgement goes to the owner.
+    worker copies under it, and the acknowledgement goes to the owner;
+  - an owner that goes silent (frozen) is asked by IPC within the owner's bound (client/owners.py: OWNER_S),
+    given up, and the fetch goes to the Service (whose "not here" naming it again is not followed), then the
+    next way: the client's and the vLLM fetcher's.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -127,3 +134,35 @@ def test_the_vllm_connector_holds_at_the_owner_too(pair):
     assert b1["rows_read"] == b0["rows_read"] and b1["peer_hits"] == b0["peer_hits"]
     with EncoderClient.http(a.url, timeout=WAIT_S, ipc="off") as on_a:
         assert torch.equal(rows, on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows)
+
+
+def test_a_frozen_owner_is_given_up_for_the_service(pair):
+    """Before: the owner was asked by IPC with the caller's whole timeout (over its channel, that and 5 s more),
+    and its silence, a plain timeout, failed the client's fetch instead of going to the Service; the vLLM
+    fetcher asked the Service first every time and kept every owner it was sent to. (Last in this module: A
+    is frozen for a while.)"""
+    a, b, standin = pair
+    info = encoded_on(a, seed=3810)
+    n, width = info.num_tokens, info.row_width
+    options = ConnectorOptions.from_extra_config({"url": b.url, "shm_dir": str(standin), "fetch_timeout_s": 20})
+    fetcher = RowFetcher(options, width, ipc_kind=KIND)
+    with EncoderClient.http(b.url, timeout=20, ipc=HostStandInReader(str(standin))) as c:
+        try:
+            reference = torch.full((n, width), float("nan"))
+            c.fetch([(info.id, 0)], 0, n, out=reference)  # B names A, asked over its channel
+            fetcher.drop(fetcher.fetch(info.id, n))  # the same: A is the item's owner from now on
+            assert c.fetch_paths == {"ipc": 1}
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            fetcher.drop(fetcher.fetch(info.id, n))  # A silent: given up; B's answer, then staged or held there
+            fetcher_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            out = torch.full((n, width), float("nan"))
+            c.fetch([(info.id, 0)], 0, n, out=out)  # the same for the client
+            client_s = time.monotonic() - t0
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+            fetcher.close()
+    assert torch.equal(out, reference) and c.fetch_paths["ipc"] >= 1
+    assert fetcher._ipc_fetches.routed == {"direct": 1, "fallbacks": 1}
+    assert client_s < 15 and fetcher_s < 15  # (the Service's fetch included: it takes the rows over)

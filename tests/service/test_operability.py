@@ -121,7 +121,7 @@ def test_readiness_reports_redis_down_and_stays_ready(redis_service, redis_serve
         assert c.get("/health/live").json() == {"live": True}
         address = f"127.0.0.1:{redis_server.port}"
         assert c.get("/health/ready").json() == {"ready": True, "redis": "up", "redis_detail": {
-            "mode": "standalone", "state": "up", "nodes": {address: "up"}}}
+            "mode": "standalone", "state": "up", "nodes": {address: "up"}, "pubsub": "plain"}}
         assert processed() == before + 1  # the probes sent Redis nothing: state is what the tier last saw
         commands.close()
 

@@ -6,17 +6,22 @@ tests/support/forwarder.py):
     directly, bit for bit the rows the Service path gives, and the other replica serves none of it;
   - `follow_owner=False`: every fetch goes through the Service (and any replica answers it);
   - an owner that cannot be reached, or does not answer (issue 38: frozen, hung, its packets dropped), is
-    given up for the Service, with no error to the caller.
+    given up for the Service, with no error to the caller; without waiting on its transport's pending
+    acknowledgements; and a silent owner that uses up the caller's timeout is a timeout (504), not a Service
+    that "cannot be reached".
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 import torch
 
+from encoder_service import errors
 from encoder_service.client import AsyncEncoderClient, EncoderClient
+from encoder_service.client import ipc as client_ipc
 from encoder_service.client.owners import OWNER_S
 from tests.support.blackhole import Blackhole
 from tests.support.forwarder import Forwarder
@@ -99,3 +104,39 @@ def test_an_owner_that_does_not_answer_is_given_up_for_the_service(request, tiny
             assert client._transport._transport.routed == {"direct": 0, "fallbacks": 1}
     assert answered_in < OWNER_S + 2.0
     assert torch.equal(rows, again)
+
+
+def test_a_silent_owner_that_uses_up_the_timeout_is_a_timeout(request, tiny_checkpoint, shared_redis, caplog):
+    """Before: what was left of a caller's timeout of <= OWNER_S after the owner's try (0) reached the Service's
+    socket as non-blocking mode: "cannot reach" the Service (a WARNING), Unreachable (503), not a 504."""
+    with Blackhole("silent") as hole:
+        svc = running(request, tiny_checkpoint("qwen2_5_vl"), "--redis-url", shared_redis.url,
+                      "--advertise-url", hole.url)
+        with EncoderClient.http(svc.url, timeout=WAIT_S) as client:
+            (info,) = client.encode([image_bytes(64, 48, seed=6500)], wait=True)
+            client.timeout = 1.0
+            with caplog.at_level(logging.WARNING, "encoder_service.client"), \
+                    pytest.raises(errors.DeadlineExceeded):
+                client.fetch([(info.id, 0)], 0, info.num_tokens)
+    assert not any("cannot reach" in r.getMessage() for r in caplog.records)
+
+
+def test_an_owner_given_up_does_not_hold_up_the_fetch_with_its_acknowledgements(request, tiny_checkpoint,
+                                                                                 shared_redis, monkeypatch):
+    """Before: giving an owner up closed its transport inline, which first sent its pending acknowledgements to
+    the dead owner (a connect of up to 5 s to a host dropping packets) before the Service was asked."""
+    monkeypatch.setattr(client_ipc, "ACK_DELAY_S", 60.0)  # a token waits for a fetch to carry it
+    with Blackhole("dropping") as hole:
+        svc = running(request, tiny_checkpoint("qwen2_5_vl"), "--redis-url", shared_redis.url,
+                      "--advertise-url", hole.url)
+        with EncoderClient.http(svc.url, timeout=WAIT_S) as client:
+            (info,) = client.encode([image_bytes(64, 48, seed=6600)], wait=True)
+            routing = client._transport._transport
+            attempt = routing.attempt([(info.id, 0)], WAIT_S)  # the owner's transport, with a hold's token
+            attempt.transport.ipc_acks.add("ab" * 16)
+            attempt.succeeded()
+            t0 = time.monotonic()
+            rows = client.fetch([(info.id, 0)], 0, info.num_tokens).rows  # tried there, then the Service
+            answered_in = time.monotonic() - t0
+            assert routing.routed == {"direct": 1, "fallbacks": 1}
+    assert answered_in < OWNER_S + 2.0 and rows.shape[0] == info.num_tokens

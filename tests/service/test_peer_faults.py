@@ -286,8 +286,43 @@ def test_a_peer_signature_authorizes_a_peer_fetch_only(request, tiny_checkpoint,
 
     fetch = {"items": [{"id": info.id, "offset": 0}], "start": 0, "end": info.num_tokens, "timeout_s": 0}
     assert post("/v1/fetch", fetch | {"peer": "copy"}).status_code == 200
+    taken = post("/v1/fetch", fetch | {"peer": "fetch"})
+    assert taken.status_code == 200
+    replayed = httpx.post(f"{a.url}/v1/fetch", content=taken.request.content, headers=taken.request.headers,
+                          timeout=WAIT_S)  # a captured request sent again within the window
+    assert replayed.status_code == 401 and "replayed" in replayed.json()["error"]["message"], replayed.text
     for answer, why in ((post("/v1/fetch", fetch), "its own fetches only"),
                         (post("/v1/fetch", fetch | {"peer": "copy"}, to="someoneelse"), "not this one"),
                         (post("/v1/fetch", fetch | {"peer": "copy"}, signing_key=peer_key("x")), "mismatch"),
                         (post("/v1/release", {"ids": [info.id]}), "fetch of rows only")):
         assert answer.status_code == 401 and why in answer.json()["error"]["message"], answer.text
+
+
+def test_a_peer_signature_is_checked_before_the_body_is_read(request, tiny_checkpoint, shared_redis):
+    """A request saying it is a replica's skipped the bearer check and had its body read (up to --max-body-bytes)
+    before its signature was looked at; a malformed time was a 500. Its form, replica and time are checked
+    on the head alone now, and a signed body is read up to peer_auth.MAX_BODY_BYTES only."""
+    from encoder_service.protocol.peer_auth import MAX_BODY_BYTES, peer_key, sign
+
+    a = running(request, tiny_checkpoint("qwen2_5_vl"), *redis_args(shared_redis, "--auth-token", TOKEN))
+    me, key = a.core.store.redis.owner, peer_key(TOKEN)
+    host, port = a.url.removeprefix("http://").rsplit(":", 1)
+
+    max_body = a.core.settings.limits.max_body_bytes
+
+    def head_only(authorization: str, length: int = max_body) -> bytes:
+        """The answer to a request head announcing `length` bytes of body, none of them sent (without an
+        answer in FETCH_S: socket.timeout)."""
+        with socket.create_connection((host, int(port)), timeout=FETCH_S) as sock:
+            sock.sendall(f"POST /v1/fetch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         f"authorization: {authorization}\r\ncontent-length: {length}\r\n\r\n".encode("latin-1"))
+            return sock.recv(65536)
+
+    for authorization, why in ((sign(key, "POST", "/v1/fetch", b"{}", "someoneelse"), b"not this one"),
+                               (sign(key, "POST", "/v1/fetch", b"{}", me, now=time.time() - 600), b"clocks"),
+                               (f"{SCHEME} {me}:\u00b2:{'0' * 16}:{'a' * 64}", b"must be"),
+                               (f"{SCHEME} {me}:{'9' * 400}:{'0' * 16}:{'a' * 64}", b"must be")):
+        answer = head_only(authorization)
+        assert answer.startswith(b"HTTP/1.1 401") and why in answer, answer[:400]
+    answer = head_only(sign(key, "POST", "/v1/fetch", b"{}", me), MAX_BODY_BYTES + 1)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:400]

@@ -43,6 +43,10 @@ REFUSED = {
     "an option of fetch's body": ("/v1/fetch?timeout_s=0", {"json": {"items": [], "start": 0, "end": 1}},
                                   "POST /v1/fetch (its options go in the JSON body): query option 'timeout_s'"),
     "release": ("/v1/release?ids=x", {"json": {"ids": []}}, "query option 'ids' not taken"),
+    # its tokens were dropped, unacknowledged, without a word
+    "ipc_ack without ipc_host": ("/v1/encode?ipc_ack=t1", image_body(), "query option 'ipc_ack' without ipc_host"),
+    "ipc_ack on a video body": ("/v1/encode?ipc_ack=t1", {"content": CLIP, "headers": {"content-type": "video/mp4"}},
+                                "query option 'ipc_ack' not taken"),
 }
 
 
@@ -77,3 +81,16 @@ def test_an_id_in_the_query_names_a_multipart_body_s_one_item(service, field):
     rows = info["num_tokens"] if field == "image" else info["tokens_per_group"]
     fetch = post(service, "/v1/fetch", json={"items": [{"id": item, "offset": 0}], "start": 0, "end": rows})
     assert fetch.status_code == 200, fetch.text
+
+
+@pytest.mark.parametrize("body", ["image", "multipart", "json"])
+def test_a_query_of_more_options_than_any_request_takes_is_refused_at_once(service, body):
+    """Each name was counted against every other (names.count): ~17k names in 65 KB held the event loop 3.65 s
+    per request. More than MAX_ITEMS is a 400 before a name is looked at (or the body read)."""
+    query = "/v1/encode?" + "&".join(f"o{k}=1" for k in range(4000))
+    sent = {"image": image_body(), "multipart": image_parts(PNG), "json": {"json": {"images": []}}}[body]
+    r = post(service, query, **sent)
+    assert r.status_code == 400, r.text
+    assert "4000 query options, more than any request takes (32)" in r.json()["error"]["message"], r.text
+    r = post(service, "/v1/fetch?" + "&".join(["timeout_s=0"] * 33), json={"items": [], "start": 0, "end": 1})
+    assert r.status_code == 400 and "33 query options" in r.json()["error"]["message"], r.text

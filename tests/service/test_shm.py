@@ -27,7 +27,7 @@ from encoder_service.protocol.proto import encoder_pb2 as pb
 from encoder_service.protocol.proto import encoder_pb2_grpc as pb_grpc
 from encoder_service.protocol.shm import ShmTarget
 from encoder_service.ranges import chunks, plan_chunk
-from encoder_service.runtime.host_pool import PAGE, HostRowPool
+from encoder_service.rowpath.host_pool import PAGE, HostRowPool
 from tests.support.images import image_bytes as png
 from tests.support.layouts import prompt_layout, wanted
 

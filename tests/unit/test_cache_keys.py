@@ -24,8 +24,8 @@ def test_content_key_is_hex_and_deterministic(algo):
     a, b = make_key(b"image bytes", FP, algo), make_key(b"image bytes", FP, algo)
     assert a == b and len(a.id) == 32 and int(a.id, 16) >= 0
     assert make_key(b"image bytez", FP, algo).id != a.id
-    assert a.name.endswith(a.id) and FP in a.name
-    assert "{" not in a.name and "}" not in a.name
+    # The id is the name's one Redis Cluster hash tag: every name of the id hashes to one slot
+    assert a.name == f"encsvc:{FP}:{{c:{algo}:{a.id}}}" and a.name.count("{") == a.name.count("}") == 1
     assert key_from_id(a.id, FP, algo) == a
 
 

@@ -95,6 +95,36 @@ def test_bad_values_raise_naming_the_setting(args, env, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("url, needle", [
+    # passed the settings check, then raised in RedisTarget.shown (a port redis-py reads only at connect)
+    ("redis://h:abc/0", "the port must be a number in 0-65535"),
+    ("redis://u:secret@h:70000/0", "the port must be a number in 0-65535"),
+    ("redis+cluster://h:1,h:99999", "'h:99999' is not host:port"),
+    ("redis+sentinel://h:\u00b2/m", "is not host:port"),
+    # redis-py passes TLS options to a plain connection, which raises a TypeError at connect
+    ("redis+sentinel://h:1,h:2/m?ssl_ca_certs=/ca.pem", "ssl_ca_certs are for TLS: give them with rediss+sentinel://"),
+    ("redis://h:1/0?ssl_certfile=/c.pem&ssl_keyfile=/k.pem", "ssl_certfile, ssl_keyfile are for TLS"),
+    ("redis+cluster://h:1?ssl_cert_reqs=none", "with rediss+cluster://"),
+])
+def test_a_redis_url_redis_py_would_refuse_at_connect_is_refused_at_start(url, needle):
+    with pytest.raises(SettingsError) as info:
+        Settings.from_args(["--model", "m", "--redis-url", url], env={})
+    assert "--redis-url / ENCODER_REDIS_URL: " in str(info.value) and needle in str(info.value)
+    assert "secret" not in str(info.value)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://h:6379/0", "redis://h:6379/0"), ("redis://h/0", "redis://h/0"), ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+    ("rediss://u:p@h:1/0?ssl_ca_certs=/ca.pem", "rediss://h:1/0"),
+    ("rediss+sentinel://h:1,h:2/m?ssl_ca_certs=/ca.pem", "sentinel h:1,h:2/m"),
+])
+def test_redis_urls_that_connect_are_taken(url, shown):
+    from encoder_service.redis_url import parse_url
+
+    assert Settings.from_args(["--model", "m", "--redis-url", url], env={}).cache.redis_url == url
+    assert parse_url(url).shown == shown
+
+
 def test_serve_demo_model_then_sigterm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
     env["PYTHONPATH"] = str(REPO)

@@ -206,7 +206,7 @@ def test_decoder_keeps_at_most_keep_groups_and_restarts_for_one_it_dropped(monke
 def test_video_ids_and_keys():
     fp = "f" * 24
     a = video_key([b"clip"], {"frames": [0, 1], "size": [28, 28]}, fp)
-    assert a.id.startswith("v:") and len(a.id) == 34 and ":v:c:blake3:" in a.name
+    assert a.id.startswith("v:") and len(a.id) == 34 and ":{v:c:blake3:" in a.name
     assert video_key([b"clip"], {"frames": [0, 2], "size": [28, 28]}, fp) != a  # other frames: another video
     assert video_key([b"cl", b"ip"], {"frames": [0, 1], "size": [28, 28]}, fp) != a  # parts are delimited
     for algo in ("xxh3_128", "sha256"):

@@ -15,7 +15,7 @@ from encoder_service.client import destination
 from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.protocol.wire import WireHeader
 from encoder_service.ranges import Segment
-from encoder_service.runtime.host_pool import PAGE, HostRowPool
+from encoder_service.rowpath.host_pool import PAGE, HostRowPool
 
 WIDTH = 8
 

@@ -193,7 +193,7 @@ def test_no_arena_on_a_cpu_or_when_off(tmp_path):
 
 def test_a_missing_cuda_runtime_is_a_clear_error(monkeypatch):
     """Where no libcudart loads, every IPC call raises CudaIpcError (its callers fall back), never an OSError."""
-    from encoder_service.protocol import cuda_ipc
+    from encoder_service.rowpath import cuda_ipc
 
     monkeypatch.setattr(cuda_ipc, "_lib", None)
     monkeypatch.setattr(cuda_ipc, "_mapped_cudart", lambda: [])
@@ -205,7 +205,8 @@ def test_a_missing_cuda_runtime_is_a_clear_error(monkeypatch):
 def test_an_ipc_handle_of_any_bytes_survives_the_c_struct():
     """A handle is 64 binary bytes, NULs included: it must come out of (and go into) the C struct whole (a
     c_char array read back cut at the first NUL: a 4-byte handle, caught only on a GPU)."""
-    from encoder_service.protocol.cuda_ipc import HANDLE_BYTES, _Handle
+    from encoder_service.protocol.ipc import HANDLE_BYTES
+    from encoder_service.rowpath.cuda_ipc import _Handle
 
     raw = bytes([1, 0, 2, 0] + [0] * 56 + [7, 0, 0, 9])
     assert len(raw) == HANDLE_BYTES

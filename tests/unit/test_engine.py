@@ -366,3 +366,39 @@ async def test_the_cpu_threads_take_from_requests_in_turn():
     finally:
         go.set()
         await engine.stop()
+
+
+async def test_a_job_cancelled_before_a_thread_starts_it_is_never_prepared():
+    """The cancelled future's job leaves the queue in a done callback, which runs on the loop later: a thread
+    that took the job meanwhile decoded it all the same."""
+    from encoder_service.engine.preparers import Preparers
+    from tests.support.waits import wait_for
+
+    prepared, go = [], threading.Event()
+
+    def record(job: str) -> str:
+        prepared.append(job)
+        if job == "first":  # it holds the one thread
+            assert go.wait(WAIT_S)
+        return job
+
+    def start_thread(name: str, target) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    preparers = Preparers(record, 1, start_thread)
+    try:
+        first = preparers.submit("first", "a")
+        wait_for(lambda: prepared == ["first"], "the first job on the thread", WAIT_S)
+        cancelled = preparers.submit("cancelled", "b")
+        cancelled.cancel()
+        go.set()
+        # The loop held (no callback runs) until the thread took the cancelled job from the queue.
+        wait_for(lambda: not preparers._line, "the thread to take the cancelled job", WAIT_S)
+        last = preparers.submit("last", "c")
+        assert await asyncio.wait_for(asyncio.gather(first, last), WAIT_S) == ["first", "last"]
+        assert prepared == ["first", "last"]
+    finally:
+        go.set()
+        preparers.stop()

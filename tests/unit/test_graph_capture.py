@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from encoder_service.core import EncoderCore, ImageInput
 from encoder_service.core.metrics import Metrics
+from encoder_service.ops.cuda_graph import gc_paused
 from encoder_service.runtime.graphs import GraphRunner
 from tests.support.graph_cases import BUCKETS, MIXED, SAME_TOTAL_MULTI, SAME_TOTAL_SINGLE, check_batch
 from tests.support.images import image_bytes
@@ -101,6 +103,25 @@ def test_an_exact_graph_that_cannot_be_captured_is_not_timed_and_runs_eagerly(lo
     check_batch(runner, lm, [(1, 8, 12), (1, 8, 12), (1, 4, 4)], 5)
 
 
+def test_images_of_an_exact_bucket_whose_graph_failed_are_packed_not_run_alone(loaded):
+    """A bucket's exact graph missing, its size is no solo bucket (it stayed one: each such image ran eagerly
+    alone, where packed together they replay a multi graph)."""
+    lm = loaded("qwen2_5_vl")
+    runner = GraphRunner(lm, buckets=BUCKETS, exact_buckets=[96], solo_min_patches=96,
+                         capturer=FlakyCapture({(96, "exact"): 2}))
+    assert runner.describe()["solo_buckets"] == []
+    assert routes(runner, [(1, 8, 12), (1, 8, 12)]) == [(256, "multi")]
+    check_batch(runner, lm, [(1, 8, 12), (1, 8, 12)], 6)
+    captured = GraphRunner(lm, buckets=BUCKETS, exact_buckets=[96], solo_min_patches=96, capturer=FlakyCapture({}))
+    assert routes(captured, [(1, 8, 12), (1, 8, 12)]) == [(96, "exact"), (96, "exact")]
+
+
+def test_no_capture_means_no_capture_whatever_capturer_is_given(loaded):
+    capture = FlakyCapture({})
+    runner = GraphRunner(loaded("qwen2_vl"), buckets=BUCKETS, capture=False, capturer=capture)
+    assert capture.attempts == [] and runner.describe()["runner"] == "static_buffers"
+
+
 async def test_a_core_starts_and_serves_with_a_graph_that_could_not_be_captured(make_core, tiny_checkpoint):
     """A serving start never dies of a failed capture: the core's warm-up encode and a request whose image
     lands in that graph's bucket run eagerly; /metrics and the metadata say which graph."""
@@ -148,3 +169,34 @@ def test_running_out_of_memory_is_not_retried(loaded):
     with pytest.raises(torch.cuda.OutOfMemoryError):
         GraphRunner(loaded("qwen2_vl"), buckets=BUCKETS, capturer=capture)
     assert capture.recoveries == 0
+
+
+def test_the_collector_stays_paused_until_the_last_capture_on_any_thread_ends():
+    """gc_paused is process-wide: with captures on two threads, the first to end turned the collector on again
+    in the middle of the other's."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def second() -> None:
+        first_in.wait(10)
+        with gc_paused():
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first ended"] = gc.isenabled()
+
+    was_enabled = gc.isenabled()
+    gc.enable()
+    thread = threading.Thread(target=second)
+    thread.start()
+    try:
+        with gc_paused():
+            first_in.set()
+            assert second_in.wait(10)
+        first_out.set()
+        thread.join(10)
+        assert seen == {"after the first ended": False} and gc.isenabled()
+    finally:
+        first_out.set()
+        thread.join(10)
+        if not was_enabled:
+            gc.disable()

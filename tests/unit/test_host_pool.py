@@ -1,4 +1,4 @@
-"""runtime/host_pool.py: row memory handed back when the last tensor on it is gone, reused, never while
+"""rowpath/host_pool.py: row memory handed back when the last tensor on it is gone, reused, never while
 anything still refers to it; the idle bound; give-backs from other threads and from inside take."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from encoder_service.runtime.host_pool import PAGE, HostRowPool
+from encoder_service.rowpath.host_pool import PAGE, HostRowPool
 
 MB = 1 << 20
 

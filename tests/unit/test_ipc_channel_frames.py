@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 
 from encoder_service.protocol import ipc_channel as proto
-from encoder_service.protocol.ipc import IpcPlacement, IpcUnavailable
+from encoder_service.protocol.ipc import MAX_ACK_TOKENS, IpcPlacement, IpcUnavailable
 from encoder_service.protocol.wire import WireHeader
 from encoder_service.ranges import Segment
 
@@ -48,3 +49,34 @@ def test_fetch_ack_unplaced_and_error_read_back():
 def test_what_is_not_a_frame_is_refused(bad, says):
     with pytest.raises(proto.ChannelError, match=says):
         bad()
+
+
+def test_a_placed_answer_of_a_segment_no_item_names_is_refused():
+    """Before: a KeyError (the channel's fetch answered "internal")."""
+    header = WireHeader("bfloat16", 2048, "main", (Segment("u:other", 0, 0, 4),))
+    placed = IpcPlacement("cuda", bytes(64), "g1", 1 << 20, (0,), None, 5.0)
+    with pytest.raises(proto.ChannelError, match="no item of the fetch"):
+        proto.placed(1, ITEMS, header, placed)
+    with pytest.raises(ValueError, match="63-byte IPC handle"):
+        proto.placed(1, ITEMS, WireHeader("bfloat16", 2048, "main", ()), IpcPlacement(
+            "cuda", bytes(63), "g1", 1 << 20, (), None, 5.0))
+
+
+@pytest.mark.parametrize("start, end", [(0, 1 << 63), (-(1 << 63) - 1, 4)])
+def test_a_position_outside_int64_is_a_channel_error(start, end):
+    """Before: struct.error, which the client did not catch."""
+    with pytest.raises(proto.ChannelError, match="can't carry"):
+        proto.fetch_request(1, ITEMS, start, end, None, True, ())
+
+
+def test_acknowledgements_are_bounded_both_ways():
+    with pytest.raises(proto.ChannelError, match="hold tokens"):
+        proto.ack_request(["ab" * 16] * (MAX_ACK_TOKENS + 1))
+    with pytest.raises(proto.ChannelError, match="hold tokens"):
+        proto.read_ack(struct.pack("<H", MAX_ACK_TOKENS + 1) + bytes(16 * (MAX_ACK_TOKENS + 1)))
+
+
+def test_a_prefix_over_its_limit_is_refused():
+    assert proto.read_prefix(proto.hello("t")[:proto.PREFIX.size], proto.MAX_HELLO)[1] == proto.HELLO
+    with pytest.raises(proto.ChannelError, match="at most 4096"):
+        proto.read_prefix(proto.hello("t" * 5000)[:proto.PREFIX.size], proto.MAX_HELLO)

@@ -19,27 +19,29 @@ TESTS = Path(__file__).resolve().parents[1]
 # from the top down: a part, or one module of a part ("models.configs"); "" is encoder_service/__init__.py
 # (__version__, NUMERICS_VERSION). Two stacks share the bottom: the server (cli -> api -> core -> replicas and
 # engine -> runtime -> models -> ops; replicas over cache) and the LLM side (integrations -> client), both over
-# protocol/, ranges and errors.
+# rowpath/ (what both ends move rows with), protocol/, ranges and errors.
 MAY_IMPORT: dict[str, set[str]] = {
     "cli": {"api", "integrations", "settings", "testing", "errors"},
     # the LLM side: a client of the service, never its server; of models/ only the row-width rules
-    "integrations": {"client", "protocol", "ranges", "errors", "settings", "models.configs", "models.spec"},
+    "integrations": {"client", "rowpath", "protocol", "ranges", "errors", "settings", "models.configs",
+                     "models.spec"},
     # transports: parse, call the core, answer; api/service.py builds the core from its parts
     "api": {"core", "replicas", "engine", "runtime", "preprocessing", "models", "cache", "protocol", "ranges",
             "errors", "settings", ""},
-    # the flow: no transport
-    "core": {"replicas", "engine", "preprocessing", "models", "cache", "protocol", "ranges", "timeouts", "errors",
-             "settings", ""},
+    # the flow: no transport, no client
+    "core": {"replicas", "engine", "preprocessing", "models", "cache", "protocol", "ranges", "timeouts",
+             "errors", "settings", ""},
     # what replicas share and how (Redis, the row path between them): what this process holds is cache/'s; a
-    # replica fetches rows from another as a client does (client/raw_http.py)
-    "replicas": {"cache", "protocol", "ranges", "timeouts", "errors", "redis_url", "client.raw_http"},
+    # replica fetches rows from another with the row path (rowpath/raw_http.py)
+    "replicas": {"cache", "rowpath", "protocol", "ranges", "timeouts", "errors", "redis_url"},
     "engine": {"runtime", "models", "errors", "settings"},
-    # the device row arena makes its CUDA IPC handle with the calls its consumers open it with (protocol/cuda_ipc.py)
-    "runtime": {"models", "ops", "errors", "settings", "protocol.cuda_ipc"},
+    # the rows' host memory and the device row arena's CUDA IPC handle come from the row path
+    "runtime": {"models", "ops", "rowpath", "errors", "settings"},
     "preprocessing": {"models", "errors", "settings"},
-    # what an LLM server runs: protocol/, ranges and errors of the server's, nothing that serves; and the
-    # host memory pool the server's rows come from, for the rows of its own fetches
-    "client": {"protocol", "ranges", "errors", "runtime.host_pool"},
+    # what an LLM server runs: the row path, protocol/, ranges and errors of the server's, nothing that serves
+    "client": {"rowpath", "protocol", "ranges", "errors"},
+    # what both ends move rows with: the raw HTTP reader, the host row pool, the CUDA IPC calls
+    "rowpath": {"protocol", "ranges", "errors"},
     "settings": {"protocol", "errors", "redis_url"},
     "cache": {"errors", ""},
     "redis_url": set(),

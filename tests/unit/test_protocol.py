@@ -16,9 +16,9 @@ from encoder_service.api import errors as api_errors
 from encoder_service.cache import CorruptEntry
 from encoder_service.replicas import EncodeFailed
 from encoder_service.client.base import ImageInfo as ClientImageInfo
-from encoder_service.client.errors import remote_error
 from encoder_service.core.metrics import Metrics
 from encoder_service.protocol import errors as kinds
+from encoder_service.protocol.errors import remote_error
 from encoder_service.protocol.grpc_messages import info_from_proto, info_to_proto
 from encoder_service.protocol.image_info import ImageInfo
 
@@ -53,6 +53,14 @@ def test_every_kind_maps_both_ways():
         assert kinds.KINDS[back].grpc_code == row.grpc_code or (row.grpc_code, back) == ("RESOURCE_EXHAUSTED", "limit")
         err = remote_error(kind, "why", row.http_status)
         assert type(err) is row.error and err.message.startswith("why") and err.status == row.http_status
+
+
+@pytest.mark.parametrize("kind, status", [("request_timeout", 408), (None, 408)])
+def test_a_408_is_raised_as_a_request_timeout(kind, status):
+    """It was a plain InvalidInput: a client could not tell a body the server stopped waiting for (send it
+    again) from a bad request."""
+    err = remote_error(kind, "the request body stopped arriving", status)
+    assert type(err) is errors.RequestTimeout and isinstance(err, errors.InvalidInput)
 
 
 def test_statuses_by_kind_not_by_message():

@@ -1,4 +1,4 @@
-"""The raw-socket HTTP fetch reader (client/raw_http.py) against scripted servers: what our server never
+"""The raw-socket HTTP fetch reader (rowpath/raw_http.py) against scripted servers: what our server never
 sends (chunked bodies, huge heads, short bodies, stale keep-alive sockets, stalls) must end in a clear error
 or the httpx path, never in wrong rows or a hang."""
 
@@ -14,10 +14,10 @@ import torch
 from encoder_service import errors
 from encoder_service.client.destination import Destination, StagingBuffers
 from encoder_service.client.http import HttpTransport
-from encoder_service.client.raw_http import Cancel, NotRaw, RawHttp, read_fetch
 from encoder_service.protocol import wire
 from encoder_service.ranges import Segment
-from encoder_service.runtime.host_pool import HostRowPool
+from encoder_service.rowpath.host_pool import HostRowPool
+from encoder_service.rowpath.raw_http import Cancel, NotRaw, RawHttp, read_fetch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -277,4 +277,4 @@ def _source(where: str, item: str | dict, kind: str) -> tuple[bytes | None, str 
 def _error_response(exc: EncoderServiceError, req_id: str | None) -> JSONResponse:
     """SGLang's own error shape: the language side reads `message` (receiver.py _extract_encoder_error)."""
     return JSONResponse({"status": "error", "message": f"encoder_service: {exc.message}", "req_id": req_id},
-                        status_code=api_errors.http_status(exc))
+                        status_code=api_errors.http_status(exc), headers=api_errors.answer_headers(exc))

@@ -44,7 +44,7 @@ from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.staging import Need, StagingTable
 from encoder_service.integrations.vllm.worker import ItemLoad, RowLoader
 from encoder_service.models import configs
-from encoder_service.protocol.cuda_ipc import KIND as CUDA_IPC
+from encoder_service.rowpath.cuda_ipc import KIND as CUDA_IPC
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -5,7 +5,9 @@ copy GPU to GPU (ipc_loads.py; rows not there are staged as above). That one req
 costs: the hold rides to the workers in the step's metadata, they copy under it and report its token, and
 it is acknowledged from here (`copied`, on the acknowledgement thread of client/ipc.py: Acks) to the
 replica that held it: a replica behind the Service that does not hold the item answers "not here" with its
-owner's address, which is asked next (one more request, no rows moved between replicas).
+owner's address, which is asked next (one more request, no rows moved between replicas), and later fetches
+of the item first, by the clients' rules (client/ipc_route.py, client/owners.py: a bounded set of owners, one
+that fails forgotten).
 
 vLLM's encoder cache holds an image's rows, or a video's: all its frame groups' rows, group after group
 (Qwen3-VL's timestamp text between groups is not in it). The encoder caches a video per frame group, so a
@@ -18,7 +20,6 @@ import ipaddress
 import logging
 import socket
 import threading
-import time
 from urllib.parse import urlsplit
 
 import torch
@@ -28,17 +29,18 @@ from encoder_service.client import EncoderClient
 from encoder_service.client.grpc_transport import GrpcTransport
 from encoder_service.client.http import HttpTransport
 from encoder_service.client.ipc import Acks
+from encoder_service.client.ipc_route import IpcRoute
+from encoder_service.client.owners import OwnerRouting
 from encoder_service.client.shm import ShmBuffers
 from encoder_service.integrations.vllm.arenas import RowArenas, StagedRows
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.worker import IpcHold, IpcRows, ShmRows
 from encoder_service.protocol.dtypes import torch_dtype
-from encoder_service.protocol.ipc import IpcPlacement, IpcRequest, IpcUnavailable, this_host
+from encoder_service.protocol.ipc import IpcPlacement, this_host
 from encoder_service.protocol.video_info import GROUP_SEP
 
 log = logging.getLogger("encoder_service.integrations.vllm")
 
-MAX_OWNERS = 64  # replicas asked directly (one per replica behind the Service)
 MAX_HOLDS = 4096  # holds remembered until acknowledged (the server's own bound on live holds)
 
 
@@ -53,7 +55,7 @@ class RowFetcher:
     file), "http" or "grpc" (our client writes what the socket brings), or "ipc" (rows left on the encoder's
     GPU for the workers, items not there staged the shm / socket way). With shm "auto", an encoder that
     can't reach our files (another container's /dev/shm) turns the fetcher to the socket once, logged.
-    `ipc_kind`: the IPC memory vLLM's workers can open (protocol/cuda_ipc.py: KIND on CUDA workers; None:
+    `ipc_kind`: the IPC memory vLLM's workers can open (rowpath/cuda_ipc.py: KIND on CUDA workers; None:
     no IPC); with ipc "auto", IPC is used when the encoder's arena is of that kind, on this host, over HTTP.
     """
 
@@ -66,8 +68,7 @@ class RowFetcher:
         self._meta: dict | None = None
         self._shm: bool | None = None if options.shm == "auto" else options.shm == "on"
         self._ipc: bool | None = None if options.ipc == "auto" and ipc_kind else False
-        self._ipc_fetches: HttpTransport | None = None  # the IPC fetches' (the Service's)
-        self._owners: dict[str, HttpTransport] = {}  # replicas a "not here" answer named, by address
+        self._ipc_fetches: OwnerRouting | None = None  # the IPC fetches': the Service's, and the owners it named
         self._held: dict[str, Acks] = {}  # hold token -> the acks of the replica that holds it (oldest first)
         self._unused: set[str] = set()  # tokens of the holds taken, not yet given to a load
         self._said_unplaced = False
@@ -212,46 +213,30 @@ class RowFetcher:
               span: int) -> tuple[int, IpcHold] | None:
         """(how many rows the item has, checked as `_fetch_into` checks them; the hold on them) when all of them
         are in the encoder's device row arena; None when they are not (logged once): stage them instead."""
-        transport, server = self._ipc_transport(), self.options.url
-        sent = time.monotonic()
-        header, answer = transport.fetch_ipc(items, 0, span, _held_request(transport), self.options.fetch_timeout_s)
-        named = answer.owner if isinstance(answer, IpcUnavailable) else None
-        owner = self._owner(named) if named else None
-        if owner is not None:  # the replica asked does not hold the item: its owner does
-            try:
-                sent = time.monotonic()
-                header, answer = owner.fetch_ipc(items, 0, span, _held_request(owner), self.options.fetch_timeout_s)
-                transport, server = owner, named
-            except errors.EncoderServiceError as exc:  # gone meanwhile: staged through the Service
-                log.info("item %s: its owner %s did not answer (%s)", item_id, named, exc)
+        routing = self._ipc_routing()
+        got = IpcRoute(routing.service, routing, items, self.options.fetch_timeout_s).run(0, span)
+        header, answer = got.header, got.answer
         if not isinstance(answer, IpcPlacement):  # (an answer given before any wait has no segments)
             if not self._said_unplaced:
                 log.info("item %s is not on the encoder's GPU (%s): staging it over %s (logged once)", item_id,
                          answer.reason, self.staging_mode)
                 self._said_unplaced = True
             return None
-        self._remember(answer.token, transport.ipc_acks)
+        self._remember(answer.token, got.transport.ipc_acks)
         try:
-            got = checked_rows(item_id, items, per_item, header.segments)
+            rows = checked_rows(item_id, items, per_item, header.segments)
         except ItemUnavailable:
             self._ack(answer.token)
             raise
         segments = header.segments
-        return got, IpcHold(answer, tuple(s.position for s in segments), tuple(s.num_rows for s in segments),
-                            sent + answer.lease_s, server)
+        return rows, IpcHold(answer, tuple(s.position for s in segments), tuple(s.num_rows for s in segments),
+                             got.sent + answer.lease_s, got.server)
 
-    def _ipc_transport(self) -> HttpTransport:
+    def _ipc_routing(self) -> OwnerRouting:
         with self._lock:
             if self._ipc_fetches is None:
-                self._ipc_fetches = self._http(self.options.url)
+                self._ipc_fetches = OwnerRouting(self._http(self.options.url), self._http, self.options.url)
             return self._ipc_fetches
-
-    def _owner(self, url: str) -> HttpTransport | None:
-        """The transport to the replica at `url` (a "not here" answer named it); None past MAX_OWNERS of them."""
-        with self._lock:
-            if url not in self._owners and len(self._owners) < MAX_OWNERS:
-                self._owners[url] = self._http(url)
-            return self._owners.get(url)
 
     def _http(self, url: str) -> HttpTransport:
         return HttpTransport(url, token=self.options.auth_token, ipc_channel=self.options.ipc_channel == "auto")
@@ -263,10 +248,12 @@ class RowFetcher:
                 self._held.pop(next(iter(self._held)))
 
     def _ack(self, token: str) -> None:
-        """The hold's copies are done (or will never be made): acknowledged to the replica that holds it."""
+        """The hold's copies are done (or will never be made): acknowledged to the replica that holds it (one
+        no longer remembered, past MAX_HOLDS: not acknowledged, its lease ends it)."""
         with self._lock:
             acks = self._held.pop(token, None)
-        (acks or self._ipc_transport().ipc_acks).add(token)
+        if acks is not None:
+            acks.add(token)
 
     def _fetch_into(self, item_id: str, items: list[tuple[str, int]], per_item: int, out: torch.Tensor) -> int:
         """Rows [0, len(out)) of `items` into `out`; how many rows the item has there (checked: one segment per
@@ -297,16 +284,10 @@ class RowFetcher:
                 c.close()
             except Exception:  # noqa: BLE001
                 pass
-        for transport in [self._ipc_fetches, *self._owners.values()]:
-            if transport is not None:
-                transport.close()  # its pending acknowledgements first
+        if self._ipc_fetches is not None:
+            self._ipc_fetches.close()  # the pending acknowledgements first
         self.arenas.close()
         self._buffers.close()  # unlinks every file (tensors still viewing them keep their mappings)
-
-
-def _held_request(transport: HttpTransport) -> dict:
-    """A held fetch by IPC, acknowledging the copies done under that replica's earlier holds."""
-    return IpcRequest(this_host(), hold=True, ack=tuple(transport.ipc_acks.take())).to_dict()
 
 
 def fetch_items(item_id: str, num_rows: int, groups: int | None) -> tuple[list[tuple[str, int]], int]:

@@ -28,8 +28,8 @@ from encoder_service.client.ipc import CudaIpcReader, Generations
 from encoder_service.integrations.vllm.fetch import checked_rows, fetch_items
 from encoder_service.integrations.vllm.options import ConnectorOptions
 from encoder_service.integrations.vllm.worker import IpcHold, IpcRows
-from encoder_service.protocol import cuda_ipc
 from encoder_service.protocol.dtypes import torch_dtype
+from encoder_service.rowpath import cuda_ipc
 
 log = logging.getLogger("encoder_service.integrations.vllm")
 

@@ -19,8 +19,9 @@ import ctypes
 import os
 import threading
 
+from encoder_service.protocol.ipc import HANDLE_BYTES
+
 KIND = "cuda"  # the protocol's name for an arena of cudaMalloc memory (protocol/ipc.py: IpcPlacement.kind)
-HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 LAZY_ENABLE_PEER_ACCESS = 0x01  # cudaIpcMemLazyEnablePeerAccess: the consumer may sit on another GPU
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 SONAMES = ("libcudart.so.13", "libcudart.so.12")

@@ -22,9 +22,9 @@ import urllib.request
 from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
-from encoder_service.client.errors import remote_error
 from encoder_service.errors import DeadlineExceeded, EncoderServiceError, Unavailable, Unreachable
 from encoder_service.protocol import wire
+from encoder_service.protocol.errors import remote_error
 
 T = TypeVar("T")
 MAX_HEAD_BYTES = 64 << 10  # status line + headers of our answers are a few hundred bytes
