@@ -6,7 +6,8 @@ keys and bytes each master holds.
     python -m benchmarks.redis_scale --small                        # CPU smoke test (benchmarks/tests/)
 
 Per image, what two replicas send Redis when a caller encodes a new image under its own id on A and fetches it
-on B, through the service's own store (cache/store.py), the rows themselves going replica to replica:
+on B, through what the service shares with the other replicas (replicas/shared.py: Shared), the rows
+themselves going replica to replica:
   A  bind_tags (the caller id to its bytes' content tag), mark_pending (the claim, the image's bytes beside it:
      --input-kb), put (the write-behind: the location, then the claim settled and PUBLISHed), its heartbeat
   B  locate (the location, the owner's address), or wait_for the rows when the location has not landed yet
@@ -45,8 +46,9 @@ import torch
 from benchmarks.common.report import out_dir, stamp, write_result
 from encoder_service import errors
 from encoder_service.cache import EmbeddingStore, Entry
-from encoder_service.cache.directory import Settled
 from encoder_service.cache.keys import caller_key
+from encoder_service.replicas import Peers, RedisOptions, RedisTier, Shared
+from encoder_service.replicas.directory import Settled
 from tests.support.redis_cluster import RedisClusterSet
 from tests.support.redis_server import RedisServer, find_redis7, major_version
 
@@ -60,9 +62,16 @@ def entry_for(tag: int) -> Entry:
     return Entry.from_rows(torch.zeros(16, 64, dtype=torch.bfloat16), (1, 8, 8), "main", content_tag=tag)
 
 
+def replica(url: str, owner_url: str) -> Shared:
+    """What a replica shares with the others (replicas/shared.py), as the service builds it, but for its rows'
+    HTTP port (none: B finds A's location, and nobody fetches the rows)."""
+    redis = RedisTier(url, RedisOptions(owner_url=owner_url, max_input_bytes=256 << 20))
+    return Shared(EmbeddingStore(64 << 20, lease_s=LEASE_S), redis,
+                  Peers(token=None, row_width=64, dtype=torch.bfloat16), layout="main")
+
+
 async def _worker(url: str, seconds: float, concurrency: int, input_bytes: int, seed: int) -> dict:
-    a, b = (EmbeddingStore(64 << 20, redis_url=url, lease_s=LEASE_S, redis_options=dict(
-        owner_url=f"http://127.0.0.1:{9000 + 2 * seed + k}", max_input_bytes=256 << 20)) for k in (0, 1))
+    a, b = (replica(url, f"http://127.0.0.1:{9000 + 2 * seed + k}") for k in (0, 1))
     await a.start()
     await b.start()
     data = os.urandom(input_bytes)
@@ -92,14 +101,14 @@ async def _worker(url: str, seconds: float, concurrency: int, input_bytes: int, 
         i = 0
         while time.monotonic() < deadline:
             i += 1
-            name = caller_key(f"w{seed}-{k}-{i}", FINGERPRINT).name
-            tag = (seed << 40) | (k << 20) | i
-            await a.bind_tags({name: tag})
+            key = caller_key(f"w{seed}-{k}-{i}", FINGERPRINT)
+            name, tag = key.name, (seed << 40) | (k << 20) | i
+            await a.bind_tags({key: tag})
             await a.mark_pending([name], tags={name: tag}, inputs={name: data})
             a.put(name, entry_for(tag))
             landed = await found(name)  # awaited first: `images += await ...` reads images before the wait
             images += landed
-            a.local.discard(name)  # the local tier is not what is measured: keep it small
+            a.store.local.discard(name)  # the local tier is not what is measured: keep it small
 
     t0 = time.monotonic()
     await asyncio.gather(*(loop(k) for k in range(concurrency)))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import redis_scale
-from encoder_service.cache import EmbeddingStore
+from encoder_service.replicas import Shared
 from tests.support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +41,8 @@ def test_an_image_b_does_not_find_is_failed_not_counted(monkeypatch):
     async def not_written(self, *args, **kwargs):
         return None
 
-    monkeypatch.setattr(EmbeddingStore, "mark_pending", not_written)
-    monkeypatch.setattr(EmbeddingStore, "put", lambda self, key, entry: None)
+    monkeypatch.setattr(Shared, "mark_pending", not_written)
+    monkeypatch.setattr(Shared, "put", lambda self, key, entry: None)
     server = RedisServer(maxmemory="64mb").start()
     try:
         got = redis_scale.worker(server.url, seconds=0.5, concurrency=2, input_bytes=1024, seed=0)
