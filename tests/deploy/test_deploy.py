@@ -411,6 +411,24 @@ def test_external_redis_of_each_kind_from_a_secret(scenario, kind):
     assert f"external {kind} (URL from Secret encoder-redis, key redis-url)" in notes(scenario)
 
 
+def test_redis_tls_files_are_mounted_where_the_url_names_them():
+    """redis.external.tls.existingSecret: the whole Secret (CA, client certificate) read-only at its mountPath,
+    readable by the service's group (fsGroup); nothing without it, nor without an external Redis."""
+    docs = render("external-redis-sentinel-values")
+    c = encoder_container(docs)
+    assert {"name": "redis-tls", "mountPath": "/etc/encoder-service/redis-tls", "readOnly": True} in c["volumeMounts"]
+    volumes = {v["name"]: v for v in encoder_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["redis-tls"]["secret"] == {"secretName": "encoder-redis-tls", "defaultMode": 0o440}
+    assert encoder_deployment(docs)["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+    for scenario, sets in [("external-redis-cluster-values", ()),
+                           ("default", ("redis.external.tls.existingSecret=encoder-redis-tls",))]:  # internal
+        spec = encoder_deployment(render(scenario, sets))["spec"]["template"]["spec"]
+        assert "redis-tls" not in {v["name"] for v in spec["volumes"]}
+    moved = render("external-redis-sentinel-values", ("redis.external.tls.mountPath=/etc/redis-ca",))
+    assert {"name": "redis-tls", "mountPath": "/etc/redis-ca", "readOnly": True} in \
+        encoder_container(moved)["volumeMounts"]
+
+
 @pytest.mark.parametrize(("kind", "url"), [
     ("standalone", "rediss://encoder:pw@redis.cache.svc:6380/0"),
     ("cluster", "redis://encoder:pw@redis-cluster-0.redis:6379/0"),  # any node: the service finds the Cluster

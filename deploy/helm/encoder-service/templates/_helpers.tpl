@@ -87,6 +87,11 @@ key: auth-token
 {{- end }}
 {{- end }}
 
+{{/* The Secret of the external Redis's TLS files, mounted read-only at redis.external.tls.mountPath ("": none). */}}
+{{- define "encoder-service.redisTlsSecret" -}}
+{{- if eq .Values.redis.mode "external" }}{{ .Values.redis.external.tls.existingSecret }}{{ end }}
+{{- end }}
+
 {{- define "encoder-service.redisUrlRef" -}}
 {{- if .Values.redis.external.existingSecret -}}
 name: {{ .Values.redis.external.existingSecret }}
