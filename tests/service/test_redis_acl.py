@@ -6,7 +6,7 @@ Sentinels the `redis-sentinel-acl` user), and two replicas whose URL names that 
     caller id bound once (a conflict on the other replica), a failed encode seen as its 400 elsewhere, a 404, a
     release;
   - go through a fault (a paused server; a Cluster's or a Sentinel's master SIGKILLed, its replica promoted) and
-    come back up, serving every id again;
+    come back up, serving every id again; on a Cluster, a slot moving between masters too (ASK redirects);
   - and no node refused anything: every live node's ACL LOG is empty, and no NOPERM reply was counted.
 
 The same on one server over TLS (`rediss://`), its CA in a file the URL names (`ssl_ca_certs`), as the chart
@@ -27,6 +27,7 @@ import httpx
 import pytest
 import redis
 import torch
+from redis.crc import key_slot
 
 from encoder_service import errors
 from encoder_service.client import AsyncEncoderClient
@@ -35,7 +36,7 @@ from tests.support.clients import sync_client
 from tests.support.docs_blocks import ROOT, block
 from tests.support.images import image_bytes, truncated_jpeg
 from tests.support.ports import free_port
-from tests.support.redis_cluster import MASTER_NAME, RedisClusterSet, SentinelSet
+from tests.support.redis_cluster import MASTER_NAME, SLOTS, RedisClusterSet, SentinelSet
 from tests.support.redis_server import RedisServer, find_redis_server
 from tests.support.replica_load import Load
 from tests.support.service import RunningService, held_decode, running
@@ -229,6 +230,34 @@ def test_one_server_over_tls(request, tiny_checkpoint, tmp_path):
     assert ready(untrusted)["redis"] == "down"
 
 
+def node_id(node) -> str:
+    with node.client() as client:
+        found = client.execute_command("CLUSTER MYID")
+    return found.decode() if isinstance(found, bytes) else found
+
+
+def slot_moving(cluster: RedisClusterSet, a: RunningService, b: RunningService) -> None:
+    """A slot moving from one master to another, as a resharding moves them (MIGRATING / IMPORTING): a caller id
+    of that slot encoded on A and fetched on B meanwhile (its new names are on the importing master: the client
+    follows ASK there, with ASKING), then the move finished (every master: the slot is the other's now)."""
+    source, target = cluster.masters[0], cluster.masters[1]
+    caller_id = next(f"moving-{k}" for k in range(SLOTS) if key_slot(f"u:moving-{k}".encode()) < SLOTS // 3)
+    slot = key_slot(f"u:{caller_id}".encode())  # masters[0] serves the first third of the slots
+    with target.client() as client:
+        client.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", node_id(source))
+    with source.client() as client:
+        client.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", node_id(target))
+    with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:
+        (info,) = on_a.encode([ImageSource(data=image_bytes(48, 48, seed=73_000), caller_id=caller_id)], wait=True)
+        rows = on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows
+        assert torch.equal(on_b.fetch([(info.id, 0)], 0, info.num_tokens).rows, rows)
+    with target.client() as client:
+        assert client.execute_command("CLUSTER COUNTKEYSINSLOT", slot) > 0  # written where the slot goes
+    for master in cluster.masters:
+        with master.client() as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "NODE", node_id(target))
+
+
 def test_cluster(request, tiny_checkpoint):
     cluster = RedisClusterSet(masters=3, replicas=1).start()
     request.addfinalizer(cluster.stop)
@@ -241,6 +270,7 @@ def test_cluster(request, tiny_checkpoint):
     replicas = (running(request, checkpoint, "--redis-url", url), running(request, checkpoint, "--redis-url", url))
 
     def failover() -> None:
+        slot_moving(cluster, *replicas)
         cluster.kill_master(0)
         cluster.wait_promoted(WAIT_S)
 
