@@ -721,6 +721,6 @@ def test_notes_render(scenario):
     assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline
     no_redis = (given.get("redis") or {}).get("mode") == "none"
     assert ("a fetch must reach the replica that encoded its ids" in text) == no_redis
-    assert ("waits (plain Redis pub/sub)" in text) == (not no_redis)
+    assert ("waits (Redis pub/sub)" in text) == (not no_redis)
     failover = (given.get("redis") or {}).get("external", {}).get("kind") in ("cluster", "sentinel")
     assert ("While a master fails over" in text) == failover
