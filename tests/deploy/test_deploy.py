@@ -16,6 +16,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -241,6 +243,14 @@ def test_chart_is_self_contained():
         (("redis.internal.image.tag=latest",), "tag"),
         (("auth.enabled=true",), "auth.enabled needs"),
         (("redis.mode=external",), "redis.mode=external needs"),
+        (("redis.external.kind=replicated",), "redis.external.kind"),
+        (("redis.mode=external", "redis.external.url=http://redis:6379"), "redis.external.url"),
+        (("redis.mode=external", "redis.external.kind=sentinel", "redis.external.url=redis://r:6379/0"),
+         "redis.external.kind=sentinel needs a url starting redis+sentinel://"),
+        (("redis.mode=external", "redis.external.kind=standalone", "redis.external.url=redis+cluster://a:1\\,b:2"),
+         "redis.external.kind=standalone needs a url starting redis://"),
+        (("redis.mode=external", "redis.external.kind=cluster", "redis.external.url=rediss+sentinel://s:26379/m"),
+         "redis.external.kind=cluster needs a url starting redis+cluster:// or redis://"),
         (("model.source=pvc",), "model.source=pvc needs"),
         (("service.sessionAffinity=Sticky",), "service.sessionAffinity"),
         (("sglang.enabled=true", "sglang.port=50051"), "sglang.port must differ"),
@@ -383,6 +393,54 @@ def test_existing_secrets_are_referenced():
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "hf-token"}
     assert env["ENCODER_REVISION"]["value"] == "cc594898137f460bfe9f0759e9844b3ce807cfb5"
     assert not find(docs, "Secret")  # nothing to create: no inline values
+
+
+@pytest.mark.parametrize(("scenario", "kind"), [("external-redis-values", "Redis"),
+                                               ("external-redis-cluster-values", "Redis Cluster"),
+                                               ("external-redis-sentinel-values", "Redis behind Sentinels")])
+def test_external_redis_of_each_kind_from_a_secret(scenario, kind):
+    """An external Redis of each kind: one server, a Cluster, a master behind Sentinels. The URL (its kind is in
+    its scheme; it may hold a password) comes from the existing Secret, never copied; no Redis of the chart's."""
+    docs = render(scenario)
+    env = env_of(encoder_container(docs))
+    assert env["ENCODER_REDIS_URL"] == {"name": "ENCODER_REDIS_URL",
+                                        "valueFrom": {"secretKeyRef": {"name": "encoder-redis", "key": "redis-url"}}}
+    assert not find(docs, "Secret") and not [d for d in docs if "redis" in d["metadata"]["name"]]
+    assert env["ENCODER_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8000"  # rows go replica to replica
+    assert one(docs, "Service", "enc-encoder-service")["spec"]["sessionAffinity"] == "None"
+    assert f"external {kind} (URL from Secret encoder-redis, key redis-url)" in notes(scenario)
+
+
+def test_redis_tls_files_are_mounted_where_the_url_names_them():
+    """redis.external.tls.existingSecret: the whole Secret (CA, client certificate) read-only at its mountPath,
+    readable by the service's group (fsGroup); nothing without it, nor without an external Redis."""
+    docs = render("external-redis-sentinel-values")
+    c = encoder_container(docs)
+    assert {"name": "redis-tls", "mountPath": "/etc/encoder-service/redis-tls", "readOnly": True} in c["volumeMounts"]
+    volumes = {v["name"]: v for v in encoder_deployment(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["redis-tls"]["secret"] == {"secretName": "encoder-redis-tls", "defaultMode": 0o440}
+    assert encoder_deployment(docs)["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
+    for scenario, sets in [("external-redis-cluster-values", ()),
+                           ("default", ("redis.external.tls.existingSecret=encoder-redis-tls",))]:  # internal
+        spec = encoder_deployment(render(scenario, sets))["spec"]["template"]["spec"]
+        assert "redis-tls" not in {v["name"] for v in spec["volumes"]}
+    moved = render("external-redis-sentinel-values", ("redis.external.tls.mountPath=/etc/redis-ca",))
+    assert {"name": "redis-tls", "mountPath": "/etc/redis-ca", "readOnly": True} in \
+        encoder_container(moved)["volumeMounts"]
+
+
+@pytest.mark.parametrize(("kind", "url"), [
+    ("standalone", "rediss://encoder:pw@redis.cache.svc:6380/0"),
+    ("cluster", "redis://encoder:pw@redis-cluster-0.redis:6379/0"),  # any node: the service finds the Cluster
+    ("cluster", "rediss+cluster://encoder:pw@redis-0.redis:6379\\,redis-1.redis:6379"),
+    ("sentinel", "redis+sentinel://encoder:pw@sentinel-0.sentinel:26379\\,sentinel-1.sentinel:26379/mymaster/0"),
+])
+def test_inline_redis_url_of_each_kind(kind, url):
+    """An inline url (test setups): any kind's scheme, checked against redis.external.kind, in the chart's Secret."""
+    docs = render(sets=("redis.mode=external", f"redis.external.kind={kind}", f"redis.external.url={url}"))
+    assert one(docs, "Secret")["stringData"] == {"redis-url": url.replace("\\,", ",")}
+    ref = env_of(encoder_container(docs))["ENCODER_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "enc-encoder-service", "key": "redis-url"}
 
 
 def test_model_from_pvc():
@@ -635,21 +693,27 @@ def test_helm_test_pod(scenario):
     assert "nvidia.com/gpu" not in str(c["resources"])  # the test needs no GPU
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_notes_render(scenario, tmp_path):
+@functools.cache
+def notes(scenario: str) -> str:
     """NOTES.txt is rendered only by install/upgrade (which need a cluster). Render it offline by copying
     the chart and wrapping NOTES.txt as a named template inside a ConfigMap."""
-    chart = tmp_path / "encoder-service"
-    shutil.copytree(CHART, chart)
-    notes = (chart / "templates" / "NOTES.txt").read_text()
-    (chart / "templates" / "_notes_check.tpl").write_text('{{- define "notes-check" -}}\n' + notes + "\n{{- end }}\n")
-    (chart / "templates" / "notes-check.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
-        '  notes: {{ include "notes-check" . | quote }}\n')
-    p = run([tool("helm"), "template", "enc", str(chart), "--namespace", "ml", *values_file(scenario),
-             "--show-only", "templates/notes-check.yaml"])
+    with tempfile.TemporaryDirectory() as tmp:
+        chart = Path(tmp) / "encoder-service"
+        shutil.copytree(CHART, chart)
+        wrapped = '{{- define "notes-check" -}}\n' + (chart / "templates" / "NOTES.txt").read_text() + "\n{{- end }}\n"
+        (chart / "templates" / "_notes_check.tpl").write_text(wrapped)
+        (chart / "templates" / "notes-check.yaml").write_text(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
+            '  notes: {{ include "notes-check" . | quote }}\n')
+        p = run([tool("helm"), "template", "enc", str(chart), "--namespace", "ml", *values_file(scenario),
+                 "--show-only", "templates/notes-check.yaml"])
     assert p.returncode == 0, p.stderr
-    text = yaml.safe_load(p.stdout)["data"]["notes"]
+    return yaml.safe_load(p.stdout)["data"]["notes"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_notes_render(scenario):
+    text = notes(scenario)
     assert "enc-encoder-service.ml.svc:8000" in text and "helm test enc" in text
     given = yaml.safe_load((CHART / "ci" / f"{scenario}.yaml").read_text()) if scenario != "default" else {}
     assert ("auth is off" in text) == (not (given.get("auth") or {}).get("enabled", False))
@@ -657,4 +721,6 @@ def test_notes_render(scenario, tmp_path):
     assert "no monitoring.coreos.com/v1 ServiceMonitor" in text  # enabled, but no CRD offline
     no_redis = (given.get("redis") or {}).get("mode") == "none"
     assert ("a fetch must reach the replica that encoded its ids" in text) == no_redis
-    assert ("waits (plain Redis pub/sub)" in text) == (not no_redis)
+    assert ("waits (Redis pub/sub)" in text) == (not no_redis)
+    failover = (given.get("redis") or {}).get("external", {}).get("kind") in ("cluster", "sentinel")
+    assert ("While a master fails over" in text) == failover

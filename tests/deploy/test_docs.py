@@ -52,8 +52,8 @@ BY_NAME = ("model.hfToken.existingSecret=hf-token", "auth.enabled=true", "auth.e
 
 
 def documented_secrets() -> dict[str, set[str]]:
-    """Secret name -> its keys, from every `kubectl ... create secret generic NAME --from-literal=KEY=...` the
-    docs show."""
+    """Secret name -> its keys, from every `kubectl ... create secret generic NAME --from-literal=KEY=...` (or
+    `--from-file=[KEY=]PATH`: the key, else the file's name) the docs show."""
     made: dict[str, set[str]] = {}
     for doc in SECRET_DOCS:
         for line in doc.read_text().splitlines():
@@ -61,19 +61,24 @@ def documented_secrets() -> dict[str, set[str]]:
                 continue
             words = shlex.split(line, comments=True)
             name = words[words.index("generic") + 1]
-            made.setdefault(name, set()).update(w.partition("=")[2].partition("=")[0] for w in words
-                                                if w.startswith("--from-literal="))
+            keys = made.setdefault(name, set())
+            keys.update(w.partition("=")[2].partition("=")[0] for w in words if w.startswith("--from-literal="))
+            for source in (w.partition("=")[2] for w in words if w.startswith("--from-file=")):
+                key, eq, path = source.partition("=")
+                keys.add(key if eq else Path(path or key).name)
     return made
 
 
 def secret_refs(node) -> list[dict]:
-    """Every Secret key reference in rendered objects (env secretKeyRef, the ServiceMonitor's
-    bearerTokenSecret, ...): {name, key}."""
+    """Every Secret reference in rendered objects: a key's (env secretKeyRef, the ServiceMonitor's
+    bearerTokenSecret, ...): {name, key}; a whole Secret's (a secret volume): {name}."""
     if isinstance(node, list):
         return [ref for item in node for ref in secret_refs(item)]
     if not isinstance(node, dict):
         return []
     refs = [v for k, v in node.items() if k in ("secretKeyRef", "bearerTokenSecret")]
+    if isinstance(node.get("secret"), dict) and "secretName" in node["secret"]:
+        refs.append({"name": node["secret"]["secretName"]})
     return refs + [ref for v in node.values() for ref in secret_refs(v)]
 
 
@@ -82,13 +87,13 @@ def test_documented_secrets_have_the_keys_the_chart_reads():
     pods whose every Secret reference finds its key: the docs once made `token` while the chart read `hf-token`
     and `auth-token`, and such pods cannot start."""
     made = documented_secrets()
-    assert set(made) == {"hf-token", "encoder-auth", "encoder-redis"}, made
+    assert set(made) == {"hf-token", "encoder-auth", "encoder-redis", "encoder-redis-tls"}, made
     scenarios = [("default", BY_NAME, ("monitoring.coreos.com/v1/ServiceMonitor",))]
     scenarios += [(p.stem, (), ()) for p in sorted((CHART / "ci").glob("*.yaml"))]
     referenced = set()
     for scenario, sets, apis in scenarios:
         for ref in secret_refs(render(scenario, sets, apis)):
             if ref["name"] in made:
-                assert ref["key"] in made[ref["name"]], (scenario, ref, made)
+                assert "key" not in ref or ref["key"] in made[ref["name"]], (scenario, ref, made)
                 referenced.add(ref["name"])
     assert referenced == set(made)  # every Secret the docs make is one the chart reads

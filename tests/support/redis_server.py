@@ -51,11 +51,12 @@ class RedisServer:
     """`start()`, `kill()` (SIGKILL), `restart()` (SIGKILL, then a new empty server on the same port),
     `pause()`/`resume()` (SIGSTOP/SIGCONT: a server that stops answering), `stop()`. Restarting keeps the
     port, so clients configured with `url` reconnect to it. `binary`: the redis-server to run (default:
-    find_redis_server())."""
+    find_redis_server()); `args`: more of its options (e.g. a TLS port beside the plain one)."""
 
     def __init__(self, maxmemory: str = "8mb", policy: str = "allkeys-lru", port: int | None = None,
-                 binary: str | None = None):
+                 binary: str | None = None, args: tuple[str, ...] = ()):
         self.binary = binary or find_redis_server()
+        self.args = args
         self.port = port or free_port()
         self.maxmemory, self.policy = maxmemory, policy
         self.dir = tempfile.mkdtemp(prefix="redis-test-")
@@ -69,7 +70,7 @@ class RedisServer:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
             "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
-            "--maxmemory-policy", self.policy, "--protected-mode", "yes", "--loglevel", "warning",
+            "--maxmemory-policy", self.policy, "--protected-mode", "yes", "--loglevel", "warning", *self.args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:

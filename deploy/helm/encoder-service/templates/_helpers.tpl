@@ -87,6 +87,11 @@ key: auth-token
 {{- end }}
 {{- end }}
 
+{{/* The Secret of the external Redis's TLS files, mounted read-only at redis.external.tls.mountPath ("": none). */}}
+{{- define "encoder-service.redisTlsSecret" -}}
+{{- if eq .Values.redis.mode "external" }}{{ .Values.redis.external.tls.existingSecret }}{{ end }}
+{{- end }}
+
 {{- define "encoder-service.redisUrlRef" -}}
 {{- if .Values.redis.external.existingSecret -}}
 name: {{ .Values.redis.external.existingSecret }}
@@ -234,6 +239,15 @@ only on the replica that encoded them) and None with it (any replica serves any 
 {{- end }}
 {{- if and (eq .Values.redis.mode "external") (not (or .Values.redis.external.existingSecret .Values.redis.external.url)) }}
 {{- fail "redis.mode=external needs redis.external.existingSecret or redis.external.url" }}
+{{- end }}
+{{- with .Values.redis.external }}
+{{- if and (eq $.Values.redis.mode "external") .url (not .existingSecret) }}
+{{- $scheme := regexReplaceAll "^rediss" (first (splitList "://" .url)) "redis" }}
+{{- $schemes := get (dict "standalone" (list "redis") "cluster" (list "redis+cluster" "redis") "sentinel" (list "redis+sentinel")) .kind }}
+{{- if not (has $scheme $schemes) }}
+{{- fail (printf "redis.external.kind=%s needs a url starting %s:// (or rediss for TLS), not %s://" .kind (join ":// or " $schemes) (first (splitList "://" .url))) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.sglang.enabled (has (int .Values.sglang.port) (list (int .Values.ports.http) (int .Values.ports.grpc))) }}
 {{- fail "sglang.port must differ from ports.http and ports.grpc" }}
