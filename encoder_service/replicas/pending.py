@@ -128,8 +128,10 @@ class Pending:
             ("exists", directory.location_name(key), key), ("get", marker), ("pttl", marker),
             ("strlen", input_name(key)))
         if is_pending(value):  # claimed: even beside a location (of a replica gone: being encoded again)
-            # Wake 20 ms past the expiry, so that the next check finds it gone; -1: no TTL (not one of ours).
-            return None, asyncio.get_running_loop().time() + (pttl + 20) / 1000 if pttl >= 0 else None
+            # Wake 20 ms past the expiry, so that the next check finds it gone; -2: it expired between the GET
+            # and the PTTL (check again now); -1: no TTL (not one of ours).
+            now = asyncio.get_running_loop().time()
+            return None, (now + (pttl + 20) / 1000 if pttl >= 0 else now if pttl == -2 else None)
         if exists:
             return Settled.LANDED, None
         directory.raise_if_failed(value, label)

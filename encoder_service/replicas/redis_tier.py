@@ -32,7 +32,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from encoder_service.replicas import directory
+from encoder_service.replicas import background, directory
 from encoder_service.replicas.binding_writes import Bindings
 from encoder_service.replicas.directory import RELEASED, marker_name
 from encoder_service.replicas.pending import Pending
@@ -86,10 +86,7 @@ class RedisTier:
                 await asyncio.wait_for(self.writes.flush(), timeout=drain_s)
             except asyncio.TimeoutError:
                 log.warning("redis tier: %d queued bytes not written at shutdown", self.writes.queued_bytes)
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await background.stop(self._tasks.values())
         await self.health.close()
         if self.health.up:  # gone: peers stop asking it at once, and waiters take its claims over
             names = [marker_name(k) for k in self._link.claims]

@@ -47,7 +47,6 @@ claim settles; `failed` publishes the failure (or releases the claim).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -55,6 +54,7 @@ import torch
 
 from encoder_service import errors
 from encoder_service.cache import CacheKey, EmbeddingStore, Entry, EntryHeader
+from encoder_service.replicas import background
 from encoder_service.replicas.announce import Announcer
 from encoder_service.replicas.directory import Located, Marked, Settled
 from encoder_service.replicas.face import Claimed, Key, TakeOver
@@ -100,10 +100,7 @@ class Shared:
         self._tasks = [asyncio.create_task(self.announcer.run(), name="announce-held-ids")]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await background.stop(self._tasks)
         await self.redis.close()
         self.peers.close()
 

@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from encoder_service.replicas import background
+
 log = logging.getLogger("encoder_service.replicas.redis")
 
 
@@ -153,9 +155,8 @@ class _Link:
     async def close(self) -> None:
         tasks = [t for t in (self._connecting, self._reader) if t is not None]
         self.reset(SubscriberLost("closed"))  # wakes the waiters, closes the connection behind
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, *self._closing, return_exceptions=True)
+        await background.stop(tasks)
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     # ---- connection ------------------------------------------------------------------------------
 

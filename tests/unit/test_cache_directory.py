@@ -14,7 +14,7 @@ import torch
 from redis.crc import key_slot
 
 from encoder_service.cache import EmbeddingStore
-from encoder_service.replicas import EncodeFailed, Settled, Solo
+from encoder_service.replicas import EncodeFailed, Settled, Shared, Solo, background
 from encoder_service.replicas.directory import binding_name, input_name, location_name, marker_name
 from encoder_service.cache.keys import caller_key, content_hash, make_key
 from encoder_service.errors import ImageDecodeError, Unavailable
@@ -169,9 +169,10 @@ async def test_waits_cut_short_leave_no_subscription_behind(redis_server):
         assert await asyncio.wait_for(waiting, WOKEN_S) is Settled.LANDED
 
 
-def crash(store: EmbeddingStore) -> None:
-    """The replica stops dead (SIGKILL, as far as Redis can tell): its heartbeat no longer renews anything."""
-    store.redis._tasks["heartbeat"].cancel()
+async def crash(store: Shared) -> None:
+    """The replica stops dead (SIGKILL, as far as Redis can tell): its heartbeat no longer renews anything
+    (stopped for sure: a cancellation lost in a round trip would leave it renewing)."""
+    await background.stop([store.redis._tasks["heartbeat"]])
 
 
 # A marker outlives its owner by 2 s: 20 heartbeats, so a live owner keeps it even when this loop or
@@ -189,7 +190,7 @@ async def test_a_live_owner_keeps_its_marker_and_a_dead_one_is_known_within_the_
         waiting = asyncio.create_task(b.wait_for("k", LONG_S))
         await asyncio.sleep(2 * LIVENESS["pending_ttl_s"])  # A lives (encodes on): its heartbeat renews
         assert not waiting.done()
-        crash(a)
+        await crash(a)
         crashed = time.monotonic()
         assert await waiting is Settled.ORPHANED
         assert time.monotonic() - crashed < LIVENESS["pending_ttl_s"] + 3  # the TTL, not LONG_S
