@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from encoder_service.errors import Unavailable
 from encoder_service.replicas import bindings, directory
 from encoder_service.replicas.directory import marker_name
+from encoder_service.replicas.redis_connections import PoolTimeout
+from encoder_service.replicas.redis_health import UNREACHABLE, error_reason
 from encoder_service.replicas.redis_link import RedisLink
 
 
@@ -38,13 +40,17 @@ class Bindings:
                                           marker_name(name), tag=tag, ttl_px=self._link.ttl_px, again=again,
                                           known_nodes=known)
                     for name, tag in tags.items()]
-        replies = await self._link.or_none(self._conns.pipelined(*commands, raise_on_error=False))
-        if replies is None:
+        try:
+            replies = await self._conns.pipelined(*commands, raise_on_error=False)
+        except PoolTimeout:
+            return {}
+        except RedisError as exc:
+            self._failed(exc)
             return {}
         bound = {}
         for name, reply in zip(tags, replies):
-            if isinstance(reply, RedisError):  # e.g. OOM on the SET: that id stays unbound (can't tell)
-                self.health.on_error(reply, writing=True)
+            if isinstance(reply, RedisError):  # OOM on the SET: that id stays unbound (can't tell)
+                self._failed(reply)
                 continue
             tag = bindings.parse_bound(reply)
             if tag is bindings.RECOVERING:
@@ -54,6 +60,15 @@ class Bindings:
             bound[name] = tag
         self.counters["bindings_checked"] += len(tags)
         return bound
+
+    def _failed(self, exc: RedisError) -> None:
+        """A binding Redis did not make: noted in its health; down or full, the encode goes on unbound (as
+        without Redis); any other error (a slot moving between masters: TRYAGAIN until redis-py gives up, "TTL";
+        CROSSSLOT, NOSCRIPT, ...) is no answer either way while Redis is up for every other id: Unavailable."""
+        self.health.on_error(exc, writing=True)
+        if not isinstance(exc, (*UNREACHABLE, OutOfMemoryError)):
+            raise Unavailable(f"the shared Redis tier could not bind a caller id now ({error_reason(exc)}: e.g. "
+                              f"its slot is moving between Redis masters): retry") from None
 
     async def withdraw(self, key: str, tag: int) -> None:
         """An encode of caller id `key` found the id's rows elsewhere of content `tag`, not its own: its claim

@@ -33,7 +33,7 @@ import logging
 import re
 import time
 
-from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, RedisError, TryAgainError
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -44,11 +44,12 @@ from encoder_service.replicas.subscriber import Subscriber
 
 log = logging.getLogger("encoder_service.replicas.redis")
 
-# A lost connection, and what a failover answers meanwhile: a Cluster's slots without a master (CLUSTERDOWN,
-# TRYAGAIN), a Sentinel's old master demoted to a replica (READONLY). All mean "down until the probe finds every
-# primary again", never a miss.
+# A lost connection, and what a failover answers meanwhile: a Cluster's slots without a master (CLUSTERDOWN),
+# a Sentinel's old master demoted to a replica (READONLY). All mean "down until the probe finds every primary
+# again", never a miss. Not TRYAGAIN: a slot moving between live masters (a resharding) is an error reply for
+# the keys of that slot alone (redis-py retries it, then answers "TTL exhausted"), while every other slot serves.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError, ClusterDownError,
-               TryAgainError, ReadOnlyError)
+               ReadOnlyError)
 ERROR_LOG_S = 10.0  # at most one line per kind of error reply this often
 
 

@@ -30,6 +30,7 @@ import torch
 from redis.crc import key_slot
 
 from encoder_service import errors
+from encoder_service.cache.keys import content_hash
 from encoder_service.client import AsyncEncoderClient
 from encoder_service.client.types import ImageSource
 from tests.support.clients import sync_client
@@ -241,25 +242,34 @@ def node_id(node) -> str:
 
 
 def slot_moving(cluster: RedisClusterSet, a: RunningService, b: RunningService) -> None:
-    """A slot moving from one master to another, as a resharding moves them (MIGRATING / IMPORTING): a caller id
-    of that slot encoded on A and fetched on B meanwhile (its new names are on the importing master: the client
-    follows ASK there, with ASKING), then the move finished (every master: the slot is the other's now)."""
-    source, target = cluster.masters[0], cluster.masters[1]
-    caller_id = next(f"moving-{k}" for k in range(SLOTS) if key_slot(f"u:moving-{k}".encode()) < SLOTS // 3)
-    slot = key_slot(f"u:{caller_id}".encode())  # masters[0] serves the first third of the slots
+    """A slot moving from one master to another, as a resharding moves them (MIGRATING / IMPORTING): an image of
+    that slot encoded on A and fetched on B meanwhile (its names are new: written on the importing master, the
+    client following ASK there, with ASKING); a caller id of that slot is 503 meanwhile (its binding script reads
+    several of its names, which Redis refuses in a moving slot: TRYAGAIN), then bound once the move is finished
+    (every master: the slot is the other's now)."""
+    source, target = cluster.masters[0], cluster.masters[1]  # masters[0] serves the first third of the slots
+    data = next(d for d in (image_bytes(48, 48, seed=73_000 + k) for k in range(64))
+                if key_slot(f"c:blake3:{content_hash(d)}".encode()) < SLOTS // 3)
+    slot = key_slot(f"c:blake3:{content_hash(data)}".encode())
+    caller_id = next(f"moving-{k}" for k in range(SLOTS) if key_slot(f"u:moving-{k}".encode()) == slot)
     with target.client() as client:
         client.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", node_id(source))
     with source.client() as client:
         client.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", node_id(target))
     with sync_client(a, "http") as on_a, sync_client(b, "http") as on_b:
-        (info,) = on_a.encode([ImageSource(data=image_bytes(48, 48, seed=73_000), caller_id=caller_id)], wait=True)
+        (info,) = on_a.encode([ImageSource(data=data)], wait=True)
         rows = on_a.fetch([(info.id, 0)], 0, info.num_tokens).rows
         assert torch.equal(on_b.fetch([(info.id, 0)], 0, info.num_tokens).rows, rows)
-    with target.client() as client:
-        assert client.execute_command("CLUSTER COUNTKEYSINSLOT", slot) > 0  # written where the slot goes
-    for master in cluster.masters:
-        with master.client() as client:
-            client.execute_command("CLUSTER SETSLOT", slot, "NODE", node_id(target))
+        refused = httpx.post(f"{a.url}/v1/encode", params={"id": caller_id}, content=data,
+                             headers={"content-type": "image/png"}, timeout=WAIT_S)
+        assert refused.status_code == 503 and "moving" in refused.text, refused.text
+        with target.client() as client:
+            assert client.execute_command("CLUSTER COUNTKEYSINSLOT", slot) > 0  # written where the slot goes
+        for master in cluster.masters:
+            with master.client() as client:
+                client.execute_command("CLUSTER SETSLOT", slot, "NODE", node_id(target))
+        (bound,) = on_a.encode([ImageSource(data=data, caller_id=caller_id)], wait=True)
+        assert torch.equal(on_b.fetch([(bound.id, 0)], 0, bound.num_tokens).rows, rows)
 
 
 def test_cluster(request, tiny_checkpoint):
