@@ -38,6 +38,8 @@ class RedisTarget:
         """Where, without credentials (logs, health)."""
         if self.kind == SENTINEL:
             return "sentinel " + ",".join(f"{h}:{p}" for h, p in self.nodes) + f"/{self.master}"
+        if self.kind == CLUSTER:
+            return "cluster " + ",".join(f"{h}:{p}" for h, p in self.nodes)
         parts = urlsplit(self.url)
         return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
 

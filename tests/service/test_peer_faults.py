@@ -305,7 +305,7 @@ def test_a_peer_signature_is_checked_before_the_body_is_read(request, tiny_check
     from encoder_service.protocol.peer_auth import MAX_BODY_BYTES, peer_key, sign
 
     a = running(request, tiny_checkpoint("qwen2_5_vl"), *redis_args(shared_redis, "--auth-token", TOKEN))
-    me, key = a.core.store.redis.owner, peer_key(TOKEN)
+    me, key = a.core.replicas.redis.owner, peer_key(TOKEN)
     host, port = a.url.removeprefix("http://").rsplit(":", 1)
 
     max_body = a.core.settings.limits.max_body_bytes
