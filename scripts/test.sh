@@ -8,6 +8,7 @@
 # output ends with one line per step (name, passed/failed, seconds) and the exit status is 1 when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+command -v ionice >/dev/null && IONICE="ionice -c 3"
 DEFAULT_TIERS="torchvision sglang vllm vllm-e2e image"
 
 summary=()
@@ -23,10 +24,28 @@ step() {  # NAME COMMAND...: runs COMMAND, records NAME's summary line
   summary+=("$(printf '%-14s %-18s %6d s' "$name" "$outcome" $((SECONDS - start)))")
 }
 
+TIERS="${TEST_TIERS-$DEFAULT_TIERS}"
 step setup scripts/setup.sh test
+
+# The tiers' venvs are made while the main suite runs (TIER_PREPARE: downloads and unpacking, mostly waiting on
+# the network), one after another, at the lowest CPU and I/O priority so that the suite runs as on an idle
+# machine. A venv that failed there is made again by its tier's own run, which shows why.
+prepare_log="$(mktemp)"
+(
+  for tier in $TIERS; do
+    if grep -q tier_venv "scripts/tiers/$tier.sh" 2>/dev/null; then
+      TIER_PREPARE=1 nice -n 19 ${IONICE:-} bash "scripts/tiers/$tier.sh" || echo "$tier: venv not made here (exit $?)"
+    fi
+  done
+) >"$prepare_log" 2>&1 &
+preparing=$!
+
 step lint .venv/bin/python -m ruff check .
 step main .venv/bin/python -m pytest -q -ra "$@"
-for tier in ${TEST_TIERS-$DEFAULT_TIERS}; do
+step tier-venvs wait "$preparing"
+cat "$prepare_log"
+rm -f "$prepare_log"
+for tier in $TIERS; do
   step "$tier" bash "scripts/tiers/$tier.sh"
 done
 

@@ -18,7 +18,9 @@ t0=$SECONDS
 # Our service's side: the main venv with pyzmq (scripts/test.sh made it; a bare checkout gets it here).
 export ENCODER_MAIN_PYTHON="${ENCODER_MAIN_PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$ENCODER_MAIN_PYTHON" ] || scripts/setup.sh
-"$ENCODER_MAIN_PYTHON" -c "import zmq" 2>/dev/null || "$ENCODER_MAIN_PYTHON" -m pip install -q -e ".[sglang]"
+# (Not while scripts/test.sh prepares the venv: its main suite is running from that venv.)
+[ "${TIER_PREPARE:-0}" = 1 ] || "$ENCODER_MAIN_PYTHON" -c "import zmq" 2>/dev/null \
+  || "$ENCODER_MAIN_PYTHON" -m pip install -q -e ".[sglang]"
 
 t1=$SECONDS
 tier_venv sglang scripts/tiers/sglang.sh "$LOCK"

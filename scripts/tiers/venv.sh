@@ -10,6 +10,8 @@
 # (Python compiles what it imports) and `tier_pip` drops pip's notices about index locations this machine
 # lacks, so the output is the tier's own lines and real errors.
 #
+# TIER_PREPARE=1 makes the venv and stops there (scripts/test.sh builds them while the main suite runs).
+#
 # `tier_shim_torchvision VENV`: PyPI only has CUDA builds of torchvision, whose compiled ops can't load next
 # to CPU torch; tests/engines/torchvision_cpu_shim.py (installed through a .pth file, so subprocesses get it
 # too) defines the two op schemas its import needs. Only the pure-Python transforms are used.
@@ -32,6 +34,7 @@ tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the call
   stamp="$(cat "$ROOT/scripts/tiers/venv.sh" "$@" | sha256sum | cut -c1-16)"
   if [ -x "$PY" ] && [ "$(cat "$VENV/.tier-stamp" 2>/dev/null)" = "$stamp" ]; then
     TIER_FRESH=0
+    [ "${TIER_PREPARE:-0}" = 1 ] && exit 0
     return
   fi
   rm -rf "$VENV"
@@ -43,6 +46,10 @@ tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the call
 
 tier_done() {  # marks the venv complete (only after every install of the tier succeeded)
   mv "$VENV/.tier-stamp.pending" "$VENV/.tier-stamp"
+  if [ "${TIER_PREPARE:-0}" = 1 ]; then
+    echo "$(basename "$VENV") made"
+    exit 0
+  fi
 }
 
 tier_install_cached() {  # NAME LOCK PINS...: PINS and LOCK with --no-deps, from a wheel cache kept across rebuilds
