@@ -42,7 +42,7 @@ preparing=$!
 
 step lint .venv/bin/python -m ruff check .
 step main .venv/bin/python -m pytest -q -ra "$@"
-step tier-venvs wait "$preparing"
+wait "$preparing"
 cat "$prepare_log"
 rm -f "$prepare_log"
 for tier in $TIERS; do

@@ -47,7 +47,7 @@ tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the call
 tier_done() {  # marks the venv complete (only after every install of the tier succeeded)
   mv "$VENV/.tier-stamp.pending" "$VENV/.tier-stamp"
   if [ "${TIER_PREPARE:-0}" = 1 ]; then
-    echo "$(basename "$VENV") made"
+    echo "$(basename "$VENV") made in $SECONDS s (while the main suite ran)"
     exit 0
   fi
 }

@@ -103,6 +103,23 @@ def test_a_tier_is_its_script(test_sh):
     assert defaults and all((ROOT / "scripts" / "tiers" / f"{tier}.sh").is_file() for tier in defaults)
 
 
+def test_the_tiers_venvs_are_made_while_the_main_suite_runs(test_sh, tmp_path):
+    """A tier that makes a venv (scripts/tiers/venv.sh) is first run with TIER_PREPARE=1 in the background, at
+    the start of the main suite (which here waits until it has), then run as a step of its own."""
+    log = tmp_path / "repo" / "log.txt"
+    made = tmp_path / "repo" / "made"
+    executable(tmp_path / "repo" / "scripts" / "tiers" / "venvy.sh",
+               f'# tier_venv venvy ...\necho "venvy prepare=${{TIER_PREPARE:-0}}" >> {log}\ntouch {made}\n')
+    main = tmp_path / "repo" / ".venv" / "bin" / "python"
+    executable(main, f'echo "python $*" >> {log}\ncase "$2" in pytest) for i in $(seq 100); do '
+                     f'[ -e {made} ] && break; sleep 0.1; done;; esac\nexit 0\n')
+    done, ran = test_sh(TEST_TIERS="good venvy")
+    assert done.returncode == 0, done.stderr
+    assert ran[-2:] == ["good ", "venvy prepare=0"] and "venvy prepare=1" in ran[:-2], ran
+    assert "good prepare" not in " ".join(ran)  # no venv: nothing to prepare
+    assert list(summary(done.stdout)) == ["setup", "lint", "main", "good", "venvy"]
+
+
 # ---- scripts/setup.sh -----------------------------------------------------------------------------------
 
 
