@@ -38,9 +38,9 @@ class RedisTarget:
         """Where, without credentials (logs, health)."""
         if self.kind == SENTINEL:
             return "sentinel " + ",".join(f"{h}:{p}" for h, p in self.nodes) + f"/{self.master}"
-        if self.kind == CLUSTER:
-            return "cluster " + ",".join(f"{h}:{p}" for h, p in self.nodes)
         parts = urlsplit(self.url)
+        if self.kind == CLUSTER:  # its url is the first node's, for redis-py: the scheme says TLS or not
+            return f"{parts.scheme}+cluster://" + ",".join(f"{h}:{p}" for h, p in self.nodes)
         return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
 
 

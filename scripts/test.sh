@@ -8,7 +8,7 @@
 # output ends with one line per step (name, passed/failed, seconds) and the exit status is 1 when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-command -v ionice >/dev/null && IONICE="ionice -c 3"
+ionice -c 3 true 2>/dev/null && IONICE="ionice -c 3"  # where the idle I/O class is allowed
 DEFAULT_TIERS="torchvision sglang vllm vllm-e2e image"
 
 summary=()
@@ -33,20 +33,23 @@ step setup scripts/setup.sh test
 prepare_log="$(mktemp)"
 (
   for tier in $TIERS; do
-    if grep -q tier_venv "scripts/tiers/$tier.sh" 2>/dev/null; then
+    if grep -q "^tier_venv " "scripts/tiers/$tier.sh" 2>/dev/null; then
       TIER_PREPARE=1 nice -n 19 ${IONICE:-} bash "scripts/tiers/$tier.sh" || echo "$tier: venv not made here (exit $?)"
     fi
   done
 ) >"$prepare_log" 2>&1 &
 preparing=$!
+# Interrupted: the preparation stops too (a second run must not build the same venvs beside it).
+trap 'kill "$preparing" 2>/dev/null; pkill -P "$preparing" 2>/dev/null; rm -f "$prepare_log"; exit 130' INT TERM
 
 step lint .venv/bin/python -m ruff check .
 step main .venv/bin/python -m pytest -q -ra "$@"
 wait "$preparing"
+trap - INT TERM
 cat "$prepare_log"
 rm -f "$prepare_log"
 for tier in $TIERS; do
-  step "$tier" bash "scripts/tiers/$tier.sh"
+  step "$tier" env -u TIER_PREPARE bash "scripts/tiers/$tier.sh"
 done
 
 echo

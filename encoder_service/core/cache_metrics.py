@@ -43,7 +43,7 @@ _DROPPED = ("Write-behinds to Redis dropped (the id's marker settled as not stor
 _DROPPED_COPIES = ("Row copies not written to Redis, by reason (refused: Redis full or an error reply, or writes "
                    "paused by OOM; backlog_full): their locations are written all the same")
 _REDIS_HITS = ("Redis tier reads that found a valid value, by what was read (entry: the whole value, rows: a "
-               "chunk's rows by GETRANGE, header: the header alone)")
+               "chunk's rows by GETRANGE)")
 
 # replicas.stats() key -> metric. The local tier's keys start with `local_`, Redis's with `redis_`, the peer
 # row path's with `peer_` (PEERS).
@@ -91,7 +91,6 @@ STORE: dict[str, Stat] = {
                                  "while Redis is away, up to its bound)"),
     "redis_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="entry"),
     "redis_range_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="rows"),
-    "redis_header_hits": _counter("encoder_cache_redis_hits", _REDIS_HITS, read="header"),
     "redis_misses": _counter("encoder_cache_redis_misses", "Redis tier reads of a key that is not there"),
     "redis_corrupt": _counter("encoder_cache_redis_corrupt_values",
                               "Redis values short, corrupt or of another format (read as misses)"),

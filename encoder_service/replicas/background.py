@@ -17,8 +17,10 @@ _RECANCEL_S = 0.05  # how often a task that swallowed its cancellation is cancel
 
 
 async def stop(tasks: Iterable[asyncio.Future], grace_s: float = 10.0) -> None:
-    """Cancel `tasks` and wait until they are done (what they raise is dropped), cancelling again any that
-    swallowed it; those still running after `grace_s` are left (logged), so that a shutdown ends."""
+    """Cancel `tasks` and wait until they are done (what they raised is retrieved and dropped), cancelling
+    again any that swallowed it; those still running after `grace_s` are left (logged), so that a shutdown
+    ends."""
+    tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
     deadline = asyncio.get_running_loop().time() + grace_s
     while pending:
@@ -28,5 +30,8 @@ async def stop(tasks: Iterable[asyncio.Future], grace_s: float = 10.0) -> None:
         if left <= 0:
             log.warning("%d background tasks still running after %.3g s of cancelling them: %s", len(pending),
                         grace_s, ", ".join(t.get_name() if isinstance(t, asyncio.Task) else repr(t) for t in pending))
-            return
+            break
         _, pending = await asyncio.wait(pending, timeout=min(_RECANCEL_S, left))
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: no "Task exception was never retrieved" at its collection

@@ -45,12 +45,12 @@ class Bindings:
         except PoolTimeout:
             return {}
         except RedisError as exc:
-            self._failed(exc)
+            self._failed(exc, again)
             return {}
         bound = {}
         for name, reply in zip(tags, replies):
             if isinstance(reply, RedisError):  # OOM on the SET: that id stays unbound (can't tell)
-                self._failed(reply)
+                self._failed(reply, again)
                 continue
             tag = bindings.parse_bound(reply)
             if tag is bindings.RECOVERING:
@@ -61,12 +61,13 @@ class Bindings:
         self.counters["bindings_checked"] += len(tags)
         return bound
 
-    def _failed(self, exc: RedisError) -> None:
+    def _failed(self, exc: RedisError, again: bool) -> None:
         """A binding Redis did not make: noted in its health; down or full, the encode goes on unbound (as
         without Redis); any other error (a slot moving between masters: TRYAGAIN until redis-py gives up, "TTL";
-        CROSSSLOT, NOSCRIPT, ...) is no answer either way while Redis is up for every other id: Unavailable."""
+        CROSSSLOT, NOSCRIPT, ...) is no answer either way while Redis is up for every other id: Unavailable
+        for an encode. Writing again (`again`: the announcer's round), that id is left for its next round."""
         self.health.on_error(exc, writing=True)
-        if not isinstance(exc, (*UNREACHABLE, OutOfMemoryError)):
+        if not again and not isinstance(exc, (*UNREACHABLE, OutOfMemoryError)):
             raise Unavailable(f"the shared Redis tier could not bind a caller id now ({error_reason(exc)}: e.g. "
                               f"its slot is moving between Redis masters): retry") from None
 

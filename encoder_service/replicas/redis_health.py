@@ -37,6 +37,7 @@ from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from encoder_service.replicas import background
 from encoder_service.replicas.bindings import NO_NODE, NODE_RUN_ID
 from encoder_service.replicas.redis_connections import Connections, PoolTimeout
 from encoder_service.redis_url import CLUSTER, SENTINEL
@@ -81,8 +82,7 @@ class RedisHealth:
 
     async def close(self) -> None:
         if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+            await background.stop([self._probe])
 
     async def recovered(self) -> None:
         """Returns the next time Redis is up again after being down (or seen restarted)."""

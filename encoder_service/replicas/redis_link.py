@@ -68,7 +68,7 @@ class RedisLink:
         self.owner = self.claims.owner
         self.subscriber = Subscriber(self.conns.pubsub_route, self._on_subscriber_lost)
         self.counters = dict(
-            hits=0, misses=0, range_hits=0, header_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
+            hits=0, misses=0, range_hits=0, corrupt=0, errors=0, down_events=0, oom_events=0,
             writes=0, writes_dropped=0, writes_dropped_full=0, writes_after_outage=0, skipped_down=0,
             located=0, copies=0, copies_dropped=0, copies_dropped_full=0,
             notices_dropped=0, bindings_checked=0, restarts_seen=0, pending_marked=0, pending_elsewhere=0,

@@ -53,11 +53,6 @@ class DirectoryReads:
         during the read (the id may well exist: a 503 the clients retry, never a 404)."""
         return await self._read(key, self._read_rows, start, end, strict=True)
 
-    async def header(self, key: str) -> EntryHeader | None:
-        """The row copy's header alone (rows, width, grid, ...): one round trip of [GETRANGE of the header,
-        STRLEN], verified (digest, key tag, length); None on a miss/corrupt/down. Cached for `read_rows`."""
-        return await self._read(key, self._header)
-
     async def locate(self, key: str, *, strict: bool = True) -> Located | None:
         """Where `key`'s rows are (directory.py: the replica that holds them and their header, and whether a
         row copy is in Redis), in one round trip of [GET location, GETRANGE copy header, STRLEN copy], plus
@@ -210,21 +205,6 @@ class DirectoryReads:
                 else:
                     self.counters["range_hits"] += 1
                     return rows
-            self._headers.pop(key, None)
-        raise CorruptEntry(f"{problem} (twice)")
-
-    async def _header(self, key: str) -> EntryHeader | None:
-        problem = ""
-        for _ in range(2):  # a second try only when the length disagreed (a SET between the two commands?)
-            raw, strlen = await self._conns.pipelined(("getrange", key, 0, HEADER_LEN - 1), ("strlen", key))
-            if not raw:
-                self.counters["misses"] += 1
-                return None
-            header = self._cache_header(key, raw)
-            if strlen == header.total_len:
-                self.counters["header_hits"] += 1
-                return header
-            problem = f"value is {strlen} bytes, the header says {header.total_len}"
             self._headers.pop(key, None)
         raise CorruptEntry(f"{problem} (twice)")
 

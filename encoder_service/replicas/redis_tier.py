@@ -48,7 +48,7 @@ log = logging.getLogger("encoder_service.replicas.redis")
 class RedisTier:
     def __init__(self, url: str, options: RedisOptions | None = None, **overrides):
         o = dataclasses.replace(options or RedisOptions(), **overrides)
-        self.url, self.options, self.ttl_s = url, o, o.ttl_s
+        self.options = o
         self._link = link = RedisLink(url, o)
         self.owner, self.counters, self.health = link.owner, link.counters, link.health
         self._conns, self._subscriber = link.conns, link.subscriber

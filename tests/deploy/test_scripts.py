@@ -109,7 +109,8 @@ def test_the_tiers_venvs_are_made_while_the_main_suite_runs(test_sh, tmp_path):
     log = tmp_path / "repo" / "log.txt"
     made = tmp_path / "repo" / "made"
     executable(tmp_path / "repo" / "scripts" / "tiers" / "venvy.sh",
-               f'# tier_venv venvy ...\necho "venvy prepare=${{TIER_PREPARE:-0}}" >> {log}\ntouch {made}\n')
+               f'tier_venv() {{ :; }}\ntier_venv venvy\necho "venvy prepare=${{TIER_PREPARE:-0}}" >> {log}\n'
+               f'touch {made}\n')
     main = tmp_path / "repo" / ".venv" / "bin" / "python"
     executable(main, f'echo "python $*" >> {log}\ncase "$2" in pytest) for i in $(seq 100); do '
                      f'[ -e {made} ] && break; sleep 0.1; done;; esac\nexit 0\n')

@@ -1,5 +1,5 @@
-"""Replicas of an id between replicas (replicas/directory.py), against a real redis-server: two EmbeddingStores on
-one Redis stand for replica A, which accepts an image and encodes it, and replica B, which serves a fetch
+"""The handoff of an id between replicas (replicas/directory.py), against a real redis-server: two `Shared` faces
+on one Redis stand for replica A, which accepts an image and encodes it, and replica B, which serves a fetch
 for it. Without the handoff, B answered 404 until A's rows happened to be in Redis."""
 
 from __future__ import annotations

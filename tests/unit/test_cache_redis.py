@@ -1,4 +1,5 @@
-"""EmbeddingStore against a real redis-server (8 MB, allkeys-lru, persistence off, 127.0.0.1)."""
+"""The shared form of the replicas' face (`Shared`: the store, then the Redis tier) against a real redis-server
+(8 MB, allkeys-lru, persistence off, 127.0.0.1)."""
 
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ def test_a_redis_url_redis_py_would_refuse_at_connect_is_refused_at_start(url, n
     ("redis://h:6379/0", "redis://h:6379/0"), ("redis://h/0", "redis://h/0"), ("unix:///run/redis.sock", "unix:///run/redis.sock"),
     ("rediss://u:p@h:1/0?ssl_ca_certs=/ca.pem", "rediss://h:1/0"),
     ("rediss+sentinel://h:1,h:2/m?ssl_ca_certs=/ca.pem", "sentinel h:1,h:2/m"),
-    ("redis+cluster://u:p@h:1,g:2", "cluster h:1,g:2"),  # was "redis://h:1": the Cluster not said
+    ("redis+cluster://u:p@h:1,g:2", "redis+cluster://h:1,g:2"),  # was "redis://h:1": the Cluster not said
+    ("rediss+cluster://h:1,g:2?ssl_ca_certs=/ca.pem", "rediss+cluster://h:1,g:2"),
 ])
 def test_redis_urls_that_connect_are_taken(url, shown):
     from encoder_service.redis_url import parse_url
