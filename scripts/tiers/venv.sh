@@ -34,8 +34,8 @@ tier_venv() {  # NAME INPUTS... -> sets VENV, PY, and TIER_FRESH=1 when the call
   stamp="$(cat "$ROOT/scripts/tiers/venv.sh" "$@" | sha256sum | cut -c1-16)"
   if [ -x "$PY" ] && [ "$(cat "$VENV/.tier-stamp" 2>/dev/null)" = "$stamp" ]; then
     TIER_FRESH=0
-    [ "${TIER_PREPARE:-0}" = 1 ] && exit 0
-    return
+    [ "${TIER_PREPARE:-0}" != 1 ] || exit 0
+    return 0
   fi
   rm -rf "$VENV"
   "${PYTHON:-python3}" -m venv "$VENV"

@@ -15,7 +15,7 @@
 # nothing (the venv built, its 2.5 GB of wheels downloaded) 5.4 min at load 3-5 (the venv 1.6 min, the tests
 # 3.9 min); under load 8-12 the venv took 3.3 min and the tests up to 7 min. Of the tests' time, starting the
 # three vLLM servers at once takes 1.2-7 min (each imports vLLM and torch in two or three processes), the
-# encoder-down test 1.5 min (the proxies retry the encoder for their --timeout-s, 90 s here); the other 30-odd
+# encoder-down test about 25 s (proxies of --timeout-s 20 s retry the encoder that long); the other 30-odd
 # requests take seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

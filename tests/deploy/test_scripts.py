@@ -121,6 +121,30 @@ def test_the_tiers_venvs_are_made_while_the_main_suite_runs(test_sh, tmp_path):
     assert list(summary(done.stdout)) == ["setup", "lint", "main", "good", "venvy"]
 
 
+@pytest.mark.parametrize("prepare", ["", "1"])
+def test_a_tier_venv_that_is_ready_is_reused(tmp_path, prepare):
+    """scripts/tiers/venv.sh's tier_venv under `set -e`, its venv made and stamped already: the tier goes on
+    (TIER_FRESH=0), or, when it is only being prepared (TIER_PREPARE=1), ends there with success. (A ready venv
+    once ended every tier at once with exit 1: the tier steps failed in 0 s.)"""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "tiers").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "tiers" / "venv.sh", repo / "scripts" / "tiers" / "venv.sh")
+    (repo / "inputs.txt").write_text("a tier's lock\n")
+    executable(repo / ".venv-x" / "bin" / "python", "exit 0\n")
+    tier = executable(repo / "scripts" / "tiers" / "x.sh", """
+        set -euo pipefail
+        cd "$(dirname "$0")/../.."
+        source scripts/tiers/venv.sh
+        cat scripts/tiers/venv.sh inputs.txt | sha256sum | cut -c1-16 > .venv-x/.tier-stamp
+        tier_venv x inputs.txt
+        echo "went on, fresh=$TIER_FRESH"
+        """)
+    done = subprocess.run(["bash", str(tier)], env=os.environ | {"TIER_PREPARE": prepare}, capture_output=True,
+                          text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == ("" if prepare else "went on, fresh=0\n")
+
+
 # ---- scripts/setup.sh -----------------------------------------------------------------------------------
 
 

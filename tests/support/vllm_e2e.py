@@ -41,6 +41,7 @@ CALLER = {"authorization": "Bearer caller-key"}  # the proxies' --api-key, as th
 # --timeout-s (it also bounds vLLM's answer: a server's first takes up to ~25 s on 2 busy cores) and the
 # connector's fetch_timeout_s. Their defaults are 600 s and 60 s; shorter here to keep the tier short.
 PROXY_TIMEOUT_S, FETCH_TIMEOUT_S = 90, 20
+DOWN_TIMEOUT_S = 20  # the --timeout-s of a second proxy per lane, which only the encoder-down test asks (no vLLM)
 SHM_DIR = Path("/dev/shm")  # both sides' default: where the resource tracker can unlink (integrations/vllm/arenas.py)
 
 

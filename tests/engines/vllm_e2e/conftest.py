@@ -29,6 +29,7 @@ from tests.support.ports import free_port
 from tests.support.vllm_docs import documented
 from tests.support.vllm_e2e import (
     CALLER,
+    DOWN_TIMEOUT_S,
     FETCH_TIMEOUT_S,
     PROXY_TIMEOUT_S,
     READY_S,
@@ -51,6 +52,8 @@ class Lane:
     vllm: VllmServer
     proxy: ServiceProcess
     proxy_url: str
+    quick_proxy: ServiceProcess  # the same with --timeout-s DOWN_TIMEOUT_S: its 503 for a down encoder comes sooner
+    quick_proxy_url: str
     pids: set[int] | None = None  # the vLLM server's processes once it is up
 
 
@@ -73,16 +76,18 @@ class Stack:
             self.encoder.wait_ready(120)
 
     def processes(self) -> list[ServiceProcess]:
-        return [self.http.proxy, self.grpc.proxy, self.http.vllm, self.grpc.vllm, self.aggregated, self.encoder]
+        return [self.http.proxy, self.grpc.proxy, self.http.quick_proxy, self.grpc.quick_proxy, self.http.vllm,
+                self.grpc.vllm, self.aggregated, self.encoder]
 
 
-def _proxy(encoder_url: str, vllm: VllmServer, log: Path) -> tuple[ServiceProcess, str]:
+def _proxy(encoder_url: str, vllm: VllmServer, log: Path, timeout_s: float = PROXY_TIMEOUT_S
+           ) -> tuple[ServiceProcess, str]:
     port = free_port()
     argv = documented("proxy").replaced({
         "--encoder-url": encoder_url, "--vllm-url": vllm.url, "--host": "127.0.0.1", "--port": str(port),
         "--auth-token": TOKEN, "--api-key": CALLER["authorization"].removeprefix("Bearer ")})
     url = f"http://127.0.0.1:{port}"
-    argv += ["--timeout-s", str(PROXY_TIMEOUT_S)]
+    argv += ["--timeout-s", str(timeout_s)]
     return ServiceProcess(encoder_service_argv(*argv[1:]), url + "/health", log, name=log.stem), url
 
 
@@ -105,8 +110,9 @@ def stack(tmp_path_factory) -> Stack:
             vllm = VllmServer(checkpoint, logs / f"vllm-{name}.log", config, *extra)
             started.append(vllm)
             proxy, proxy_url = _proxy(url, vllm, logs / f"proxy-{name}.log")
-            started.append(proxy)
-            lanes[name] = Lane(vllm, proxy, proxy_url)
+            quick, quick_url = _proxy(url, vllm, logs / f"proxy-{name}-quick.log", DOWN_TIMEOUT_S)
+            started += [proxy, quick]
+            lanes[name] = Lane(vllm, proxy, proxy_url, quick, quick_url)
         with ThreadPoolExecutor(len(started)) as pool:  # the proxies' /health waits for their vLLM and encoder
             list(pool.map(lambda p: p.wait_ready(READY_S), started))
         for lane in lanes.values():
