@@ -27,9 +27,9 @@ step() {  # NAME COMMAND...: runs COMMAND, records NAME's summary line
 TIERS="${TEST_TIERS-$DEFAULT_TIERS}"
 step setup scripts/setup.sh test
 
-# The tiers' venvs are made while the main suite runs (TIER_PREPARE: downloads and unpacking, mostly waiting on
-# the network), one after another, at the lowest CPU and I/O priority so that the suite runs as on an idle
-# machine. A venv that failed there is made again by its tier's own run, which shows why.
+# The tiers' venvs are made while the main suite runs (TIER_PREPARE: downloads and unpacking), one after another,
+# at the lowest CPU and I/O priority: the suite keeps most of the machine (it runs somewhat slower), and the
+# whole takes minutes less. A venv that failed there is made again by its tier's own run, which shows why.
 prepare_log="$(mktemp)"
 (
   for tier in $TIERS; do
