@@ -10,6 +10,9 @@ backend and size:
                  engine runs per image on a CPU-pool thread (on its own stream); median
   images/s       `preprocess` of every image from the engine's pool size of threads at once (min(8, CPUs),
                  engine/engine.py), one pass after a warm-up
+and the default backend's (`torchvision`) preprocess step by step, each step timed on its own (median ms,
+synchronized): Pillow's decode to RGB, the [H, W, 3] array copy (transformers makes it too), its upload and CHW
+copy on the device, resize/normalize/patchify there; the steps checked to make the backend's pixel values.
 Checks (exit 1 when one fails): nvJPEG decodes every one of these JPEGs itself (no fallback to Pillow);
 `torchvision` equals transformers' `Qwen2VLImageProcessor(device="cuda")` given the PIL image, and
 `torchvision-nvjpeg` equals it given nvJPEG's pixels, bit for bit. nvJPEG's pixels against Pillow's: mean and
@@ -42,7 +45,7 @@ from PIL import Image
 from benchmarks.common.device import bench_device, sync
 from benchmarks.common.images import jpeg
 from benchmarks.common.report import setup_info, write_result
-from encoder_service.preprocessing import PreprocessConfig, make_backend, probe
+from encoder_service.preprocessing import PreprocessConfig, make_backend, plan, probe, torch_ops
 from encoder_service.preprocessing.decode import decode_rgb
 from encoder_service.preprocessing.nvjpeg import NvJpegDecoder
 from tests.support.preprocess_cases import HUB_CONFIGS, LIMITS, config_and_processor, write_checkpoint
@@ -52,6 +55,7 @@ SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 IMAGES = {"gpu": 48, "small": 4}  # distinct images per size
 CHECKED = 4  # images per size checked against transformers
 POOL_THREADS = min(8, os.cpu_count() or 2)  # the engine's CPU pool (engine/engine.py)
+STEPS = ("Pillow decode", "array copy", "upload", "pixel values")  # `torchvision`'s preprocess, in order
 
 
 def median_ms(call, datas, device) -> float:
@@ -76,6 +80,28 @@ def images_per_s(backend, datas, threads: int) -> float:
         t0 = time.perf_counter()
         list(pool.map(run, datas))
         return len(datas) / (time.perf_counter() - t0)
+
+
+def steps_ms(cfg, datas, device) -> tuple[dict[str, float], list[str]]:
+    """The default backend's preprocess step by step: each step's median ms over `datas` (each step timed on
+    its own, from the previous one's outputs), and failures of the steps to make the backend's pixel values."""
+    n, dtype = range(len(datas)), torch.bfloat16
+    rgbs = [decode_rgb(data, LIMITS)[1] for data in datas]
+    arrays = [torch.from_numpy(np.array(rgb)) for rgb in rgbs]
+    chws = [a.to(device).permute(2, 0, 1).contiguous() for a in arrays]
+    plans = [plan(probe(data, LIMITS), cfg) for data in datas]
+
+    def pixel_values(i: int) -> torch.Tensor:
+        return torch_ops.to_pixel_values(chws[i], plans[i].resized_height, plans[i].resized_width, cfg, dtype)
+
+    times = {"Pillow decode": median_ms(lambda i: decode_rgb(datas[i], LIMITS), n, device),
+             "array copy": median_ms(lambda i: torch.from_numpy(np.array(rgbs[i])), n, device),
+             "upload": median_ms(lambda i: arrays[i].to(device).permute(2, 0, 1).contiguous(), n, device),
+             "pixel values": median_ms(pixel_values, n, device)}
+    backend = make_backend("torchvision", cfg, LIMITS, device)
+    failures = [f"image {i}: the steps' pixel values differ from the torchvision backend's" for i in n
+                if not torch.equal(pixel_values(i), backend.preprocess(datas[i], dtype).pixel_values)]
+    return times, failures
 
 
 def nvjpeg_vs_pillow(decoder: NvJpegDecoder, datas) -> tuple[list[str], float, int]:
@@ -111,12 +137,15 @@ def against_transformers(cfg, processor, datas, device) -> list[str]:
     return failures
 
 
-def markdown(setup: dict, rows: list[dict], decodes: dict, checks: list[str]) -> str:
+def markdown(setup: dict, rows: list[dict], steps: dict, decodes: dict, checks: list[str]) -> str:
     lines = ["# Preprocessing per image: Pillow vs nvJPEG decode", "", ", ".join(f"{k}: {v}" for k, v in setup.items()),
              "", f"| backend | size | decode ms (median) | preprocess ms (median) | images/s, {POOL_THREADS} threads |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['backend']} | {r['size']} | {r['decode_ms']:.2f} | {r['preprocess_ms']:.2f} "
               f"| {r['images_per_s']:.1f} |" for r in rows]
+    lines += ["", "`torchvision`'s preprocess step by step, median ms:", "", "| step | " + " | ".join(steps) + " |",
+              "|---" * (len(steps) + 1) + "|"]
+    lines += [f"| {step} | " + " | ".join(f"{steps[size][step]:.2f}" for size in steps) + " |" for step in STEPS]
     lines += ["", "nvJPEG vs Pillow pixels: " + ("; ".join(
         f"{size} mean |diff| {d['mean']:.3f}, max {d['max']} levels" for size, d in decodes.items()) or "not run"),
         "", "Checks: " + ("all passed" if not checks else "; ".join(checks))]
@@ -146,7 +175,7 @@ def main() -> int:
     datas = {size: [jpeg(w, h, seed=k) for k in range(count)] for size, (w, h) in SIZES.items()}
     with tempfile.TemporaryDirectory() as tmp:
         cfg, processor, no_processor = reference(Path(tmp))
-    checks, decodes, rows = [], {}, []
+    checks, decodes, rows, steps = [], {}, [], {}
 
     decoder = NvJpegDecoder.load(device) if device.type == "cuda" else None
     if device.type == "cuda" and decoder is None:
@@ -158,6 +187,8 @@ def main() -> int:
             decodes[size] = dict(mean=mean, max=peak)
         if processor is not None:
             checks += [f"{size} {f}" for f in against_transformers(cfg, processor, images[:CHECKED], device)]
+        steps[size], failures = steps_ms(cfg, images, device)
+        checks += [f"{size} {f}" for f in failures]
     for name in BACKENDS:
         backend = make_backend(name, cfg, LIMITS, device)
         # pil decodes on the CPU only (decode_rgb: what its pipeline starts with)
@@ -174,9 +205,10 @@ def main() -> int:
     setup = {k: v for k, v in setup_info(device, torch.bfloat16, args.small).items() if k != "sizes"} | dict(
         cpu_count=os.cpu_count(), images_per_size=count, jpeg_quality=92,
         transformers_check=f"{CHECKED} images per size" if processor is not None else f"skipped: {no_processor}")
-    report = markdown(setup, rows, decodes, checks)
+    report = markdown(setup, rows, steps, decodes, checks)
     print(report)
-    write_result("preprocess_decode", setup, dict(rows=rows, nvjpeg_vs_pillow=decodes, checks=checks), report)
+    write_result("preprocess_decode", setup, dict(rows=rows, steps=steps, nvjpeg_vs_pillow=decodes, checks=checks),
+                 report)
     return 1 if checks else 0
 
 
