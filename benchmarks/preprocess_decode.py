@@ -12,7 +12,9 @@ backend and size:
                  engine/engine.py), one pass after a warm-up
 and the default backend's (`torchvision`) preprocess step by step, each step timed on its own (median ms,
 synchronized): Pillow's decode to RGB, the [H, W, 3] array copy (transformers makes it too), its upload and CHW
-copy on the device, resize/normalize/patchify there; the steps checked to make the backend's pixel values.
+copy on the device, resize/normalize/patchify there (the way every image but an upright RGB JPEG goes); then the
+JPEGs' way: Pillow's decoder straight into pinned RGBX memory, its upload and CHW copy; the steps checked to make
+the backend's pixel values, the two decodes to give the same pixels.
 Checks (exit 1 when one fails): nvJPEG decodes every one of these JPEGs itself (no fallback to Pillow);
 `torchvision` equals transformers' `Qwen2VLImageProcessor(device="cuda")` given the PIL image, and
 `torchvision-nvjpeg` equals it given nvJPEG's pixels, bit for bit. nvJPEG's pixels against Pillow's: mean and
@@ -45,8 +47,8 @@ from PIL import Image
 from benchmarks.common.device import bench_device, sync
 from benchmarks.common.images import jpeg
 from benchmarks.common.report import setup_info, write_result
-from encoder_service.preprocessing import PreprocessConfig, make_backend, plan, probe, torch_ops
-from encoder_service.preprocessing.decode import decode_rgb
+from encoder_service.preprocessing import PreprocessConfig, jpeg_into, make_backend, plan, probe, torch_ops
+from encoder_service.preprocessing.decode import decode_rgb, open_image
 from encoder_service.preprocessing.nvjpeg import NvJpegDecoder
 from tests.support.preprocess_cases import HUB_CONFIGS, LIMITS, config_and_processor, write_checkpoint
 
@@ -55,7 +57,8 @@ SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 IMAGES = {"gpu": 48, "small": 4}  # distinct images per size
 CHECKED = 4  # images per size checked against transformers
 POOL_THREADS = min(8, os.cpu_count() or 2)  # the engine's CPU pool (engine/engine.py)
-STEPS = ("Pillow decode", "array copy", "upload", "pixel values")  # `torchvision`'s preprocess, in order
+# `torchvision`'s preprocess, in order: the usual way to the device, then the JPEGs' (steps_ms)
+STEPS = ("Pillow decode", "array copy", "upload", "pixel values", "Pillow decode into pinned", "upload from pinned")
 
 
 def median_ms(call, datas, device) -> float:
@@ -84,23 +87,37 @@ def images_per_s(backend, datas, threads: int) -> float:
 
 def steps_ms(cfg, datas, device) -> tuple[dict[str, float], list[str]]:
     """The default backend's preprocess step by step: each step's median ms over `datas` (each step timed on
-    its own, from the previous one's outputs), and failures of the steps to make the backend's pixel values."""
-    n, dtype = range(len(datas)), torch.bfloat16
+    its own, from the previous one's outputs), and failures of the steps to make the backend's pixel values.
+    Two ways to the device: the usual one (Pillow's own storage, the array copy, a pageable upload), which
+    every image but an upright RGB JPEG takes, and the JPEGs' (Pillow's decoder into pinned RGBX memory of
+    ours, preprocessing/jpeg_into.py; pageable off CUDA)."""
+    n, dtype, pinned = range(len(datas)), torch.bfloat16, device.type == "cuda"
     rgbs = [decode_rgb(data, LIMITS)[1] for data in datas]
     arrays = [torch.from_numpy(np.array(rgb)) for rgb in rgbs]
     chws = [a.to(device).permute(2, 0, 1).contiguous() for a in arrays]
     plans = [plan(probe(data, LIMITS), cfg) for data in datas]
+    rgbxs = [torch.empty((a.shape[0], a.shape[1], 4), dtype=torch.uint8, pin_memory=pinned) for a in arrays]
 
     def pixel_values(i: int) -> torch.Tensor:
         return torch_ops.to_pixel_values(chws[i], plans[i].resized_height, plans[i].resized_width, cfg, dtype)
 
+    def decode_into(i: int) -> None:
+        _, image = open_image(datas[i], LIMITS)
+        if not (jpeg_into.takes(image, 1) and jpeg_into.decode_into(image, datas[i], rgbxs[i].numpy())):
+            raise RuntimeError(f"image {i}: the direct JPEG decode did not take it")
+
     times = {"Pillow decode": median_ms(lambda i: decode_rgb(datas[i], LIMITS), n, device),
              "array copy": median_ms(lambda i: torch.from_numpy(np.array(rgbs[i])), n, device),
              "upload": median_ms(lambda i: arrays[i].to(device).permute(2, 0, 1).contiguous(), n, device),
-             "pixel values": median_ms(pixel_values, n, device)}
+             "pixel values": median_ms(pixel_values, n, device),
+             "Pillow decode into pinned": median_ms(decode_into, n, device),
+             "upload from pinned": median_ms(
+                 lambda i: rgbxs[i].to(device, non_blocking=True)[..., :3].permute(2, 0, 1).contiguous(), n, device)}
     backend = make_backend("torchvision", cfg, LIMITS, device)
     failures = [f"image {i}: the steps' pixel values differ from the torchvision backend's" for i in n
                 if not torch.equal(pixel_values(i), backend.preprocess(datas[i], dtype).pixel_values)]
+    failures += [f"image {i}: the direct decode's pixels differ from Pillow's" for i in n
+                 if not torch.equal(rgbxs[i][..., :3], arrays[i])]
     return times, failures
 
 

@@ -41,7 +41,7 @@ from encoder_service.core.flight import Flights
 from encoder_service.core.id_rows import IdRows
 from encoder_service.core.image_encode import ImageEncoder
 from encoder_service.core.ipc_fetch import IpcCollector, IpcFetches
-from encoder_service.core.images import ImageReader, Probed, warmup_image
+from encoder_service.core.images import ImageReader, Probed, warmup_image, warmup_photo
 from encoder_service.core.metrics import Metrics, build_labels
 from encoder_service.core.take_over import TakeOver
 from encoder_service.core.types import EncodeResult, FetchItem, FetchResult, ImageInfo, ImageInput, VideoInput
@@ -164,6 +164,12 @@ class EncoderCore:
             image = self.images.probe(0, warmup_image(self.spec.factor), None)
             await self.engine.warm_up(Job(image.data, image.grid_thw, self.images), timeout_s=600)
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
+            if self.images.backend.device.type == "cuda":
+                # Each CPU thread preprocesses on a CUDA stream of its own, and its first large image there
+                # allocates afresh what later ones reuse: a 1080p photo on every thread, before the first request.
+                photo = self.images.probe(0, warmup_photo(), None)
+                ms = await self.engine.warm_preparers(Job(photo.data, photo.grid_thw, self.images), timeout_s=600)
+                log.info("each CPU thread prepared a 1080p photo: %s ms", " ".join(f"{m:.1f}" for m in ms))
         self._ready = True
 
     def drain(self) -> None:

@@ -14,6 +14,7 @@ import io
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -94,4 +95,15 @@ def warmup_image(factor: int) -> bytes:
     img.putdata([((x * 7) % 256, (y * 13) % 256, ((x + y) * 5) % 256) for y in range(side) for x in range(side)])
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def warmup_photo() -> bytes:
+    """A 1920x1080 photo-like JPEG (smooth gradients and grain, quality 90) for the start-up warm-up of every
+    CPU thread (core/encoder.py: start)."""
+    y, x = np.mgrid[0:1080, 0:1920]
+    grain = np.random.default_rng(0).integers(-12, 13, (1080, 1920, 3))
+    pixels = np.stack([x * 255 // 1919, y * 255 // 1079, (x + y) * 255 // 2998], axis=-1) + grain
+    buf = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
     return buf.getvalue()

@@ -303,6 +303,13 @@ class Engine:
             item.future.cancel()  # dropped from the queue; not answered if it is on the GPU already
             raise
 
+    async def warm_preparers(self, job: Job, *, timeout_s: float | None = None) -> list[float]:
+        """Prepare `job` once on every CPU thread (not encoded), for readiness: on CUDA each thread prepares on
+        a stream of its own, and its first images there set up what the next ones reuse. The ms each took."""
+        warmed = self._preparers.on_every_thread(job)
+        done = await asyncio.wait_for(asyncio.gather(*warmed), timeout_s)
+        return [ms for _, ms in done]
+
     # ---- batcher (event loop) --------------------------------------------------------------------------
     async def _batch_loop(self) -> None:
         while True:

@@ -10,6 +10,7 @@ come, first served queue of images did. Urgent jobs (a fetch waits for them) are
     preparers = Preparers(prepare, threads, start_thread)   # prepare(job) -> result, on a CPU thread
     prepared = preparers.submit(job, requester)             # an asyncio future of the result, on this loop
     prepared.cancel()                                       # not started yet: it leaves the queue
+    warmed = preparers.on_every_thread(job)                 # one future per thread: `job` prepared on each
     preparers.stop()
 
 A result (or the exception `prepare` raised) is handed to its future on the loop; a job whose future is
@@ -45,8 +46,9 @@ class Preparers:
         # to the back of the line (or leaves it, with no job left).
         self._line: OrderedDict[Hashable, deque[_Task]] = OrderedDict()
         self._urgent: deque[_Task] = deque()
+        self._own: list[deque[_Task]] = [deque() for _ in range(threads)]  # each thread's, before any other job
         self._stopped = False
-        self.threads = [start_thread(f"encoder-prepare-{k}", self._run) for k in range(threads)]
+        self.threads = [start_thread(f"encoder-prepare-{k}", lambda k=k: self._run(k)) for k in range(threads)]
 
     def submit(self, job: Any, requester: Hashable, *, urgent: bool = False) -> asyncio.Future:
         """Queue `job` for `requester`; its future, on the running loop."""
@@ -60,6 +62,18 @@ class Preparers:
             self._ready.notify()
         task.future.add_done_callback(lambda future: self._forget(task) if future.cancelled() else None)
         return task.future
+
+    def on_every_thread(self, job: Any) -> list[asyncio.Future]:
+        """`job` prepared once by each thread, ahead of any job not yet taken (the start-up warm-up: each
+        thread's own CUDA stream and the memory its work takes there); one future per thread, on the running
+        loop. Not cancellable once queued."""
+        loop = asyncio.get_running_loop()
+        tasks = [_Task(job, None, loop.create_future(), loop) for _ in self._own]
+        with self._ready:
+            for own, task in zip(self._own, tasks):
+                own.append(task)
+            self._ready.notify_all()
+        return [task.future for task in tasks]
 
     def stop(self) -> None:
         """The threads end after the job each is running (the queued ones are never run: their futures are the
@@ -80,10 +94,12 @@ class Preparers:
                 if not tasks:
                     del self._line[task.requester]
 
-    def _take(self) -> _Task | None:
-        """The next job (None: stopped), waiting for one."""
+    def _take(self, thread: int) -> _Task | None:
+        """Thread number `thread`'s next job (None: stopped), waiting for one."""
         with self._ready:
             while not self._stopped:
+                if self._own[thread]:
+                    return self._own[thread].popleft()
                 if self._urgent:
                     return self._urgent.popleft()
                 if self._line:
@@ -96,8 +112,8 @@ class Preparers:
                 self._ready.wait()
             return None
 
-    def _run(self) -> None:
-        while (task := self._take()) is not None:
+    def _run(self, thread: int) -> None:
+        while (task := self._take(thread)) is not None:
             # Cancelled after it was queued, and taken before _forget ran (a done callback runs on the loop,
             # later): nobody wants its result.
             if task.future.cancelled():

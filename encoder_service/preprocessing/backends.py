@@ -4,7 +4,8 @@
                       thread; pixel values on the CPU. The default off CUDA.
   torchvision         transformers' default `Qwen2VLImageProcessor` (torchvision), bit for bit on the same kind
                       of device (torch_ops.py), run on the model's device; every image decoded by Pillow on the
-                      calling thread and copied up: equal to transformers given a PIL image. The default on CUDA.
+                      calling thread and copied up (an upright RGB JPEG by Pillow's decoder straight into pinned
+                      host memory: jpeg_into.py): equal to transformers given a PIL image. The default on CUDA.
   torchvision-nvjpeg  the same with JPEGs decoded on the GPU by nvJPEG (nvjpeg.py), other images by Pillow:
                       less CPU per image, but nvJPEG's pixels are not Pillow's, so equal to transformers only
                       given the pixels nvJPEG decoded. Opt-in. (`torchvision-pil-decode`, the exact path's
@@ -37,7 +38,8 @@ import torch
 from ..settings import PREPROCESS_BACKENDS
 from . import torch_ops
 from .config import PreprocessConfig
-from .decode import ImageHeader, decode_rgb, probe
+from . import jpeg_into
+from .decode import ImageHeader, open_image, probe, upright_rgb
 from .limits import ImageLimits
 from .nvjpeg import NvJpegDecoder
 from .pipeline import PreprocessedImage, preprocess
@@ -45,6 +47,10 @@ from .resize import plan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# The largest decoded image (RGBX bytes) whose host copy is pinned: 32 MiB, 8 Mpx (4K UHD is just over). Torch
+# keeps pinned blocks, rounded up to powers of two, once used: this bounds them to 32 MiB per CPU thread.
+PINNED_PIXELS_MAX_BYTES = 32 << 20
 
 
 class PilBackend:
@@ -104,10 +110,25 @@ class TorchvisionBackend:
                     return header, image
         # Pillow, the EXIF orientation and transformers' convert_to_rgb (decode.py), then what transformers does
         # with a PIL image: np.array (a writable copy), from_numpy, permute to CHW, contiguous, to the device.
-        # Here the upload comes first (the same bytes) and the CHW copy is made on the device.
-        header, rgb = decode_rgb(data, self.limits, exif_orientation=self.exif_orientation)
-        hwc = torch.from_numpy(np.array(rgb))  # [H, W, 3] uint8
+        # Here the upload comes first (the same bytes) and the CHW copy is made on the device. An upright RGB
+        # JPEG skips the np.array copy: Pillow's decoder writes it into host memory of ours (jpeg_into.py),
+        # pinned when it is small enough, so that the upload is one DMA.
+        header, image = open_image(data, self.limits, exif_orientation=self.exif_orientation)
+        if jpeg_into.takes(image, header.orientation):
+            rgbx = _host_pixels(image.height, image.width, self.device)  # [H, W, 4] uint8
+            if jpeg_into.decode_into(image, data, rgbx.numpy()):
+                return header, rgbx.to(self.device, non_blocking=True)[..., :3].permute(2, 0, 1).contiguous()
+        hwc = torch.from_numpy(np.array(upright_rgb(image, header)))  # [H, W, 3] uint8
         return header, hwc.to(self.device).permute(2, 0, 1).contiguous()
+
+
+def _host_pixels(height: int, width: int, device: torch.device) -> torch.Tensor:
+    """[height, width, 4] uint8 host memory for a decode bound for `device`: pinned (from torch's caching
+    host allocator, which keeps each block until the copies queued from it are done) for a CUDA device, up to
+    PINNED_PIXELS_MAX_BYTES; pageable otherwise."""
+    nbytes = height * width * 4
+    pinned = device.type == "cuda" and nbytes <= PINNED_PIXELS_MAX_BYTES
+    return torch.empty((height, width, 4), dtype=torch.uint8, pin_memory=pinned)
 
 
 Backend = PilBackend | TorchvisionBackend

@@ -74,15 +74,30 @@ def decode_rgb(data: bytes, limits: ImageLimits, *, exif_orientation: bool = Tru
                ) -> tuple[ImageHeader, Image.Image]:
     """Check the header, then decode the first frame, apply its EXIF orientation (unless `exif_orientation`
     is False) and convert it to RGB: the image of `probe`'s header."""
+    header, image = open_image(data, limits, exif_orientation=exif_orientation)
+    return header, upright_rgb(image, header)
+
+
+def open_image(data: bytes, limits: ImageLimits, *, exif_orientation: bool = True
+               ) -> tuple[ImageHeader, Image.Image]:
+    """`probe`'s header (checked) and the image opened, its pixels not decoded yet: `upright_rgb` decodes
+    them (or preprocessing/jpeg_into.py, into memory of the caller's)."""
     # No `with`: closing would free the pixels that to_rgb may return as they are (an RGB image).
     image = _open(data, limits)
     try:
-        header = _header(image, data, exif_orientation)
-        if header.orientation in _UPRIGHT:
-            image = image.transpose(_UPRIGHT[header.orientation])  # keeps info (transparency) and palette
-        return header, to_rgb(image)
+        return _header(image, data, exif_orientation), image
     except EncoderServiceError:
         raise
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ... on corrupt data
+        raise ImageDecodeError(f"cannot decode the {image.format} image: {exc}") from exc
+
+
+def upright_rgb(image: Image.Image, header: ImageHeader) -> Image.Image:
+    """The opened `image`'s first frame decoded, turned by `header.orientation` and converted to RGB."""
+    try:
+        if header.orientation in _UPRIGHT:
+            image = image.transpose(_UPRIGHT[header.orientation])  # keeps info (transparency) and palette
+        return to_rgb(image)
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ... on corrupt data
         raise ImageDecodeError(f"cannot decode the {image.format} image: {exc}") from exc
 

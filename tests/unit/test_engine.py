@@ -410,3 +410,55 @@ async def test_a_job_cancelled_before_a_thread_starts_it_is_never_prepared():
     finally:
         go.set()
         preparers.stop()
+
+
+async def test_every_thread_prepares_the_warm_up_job_once_before_the_jobs_queued_after_it():
+    """Preparers.on_every_thread (the start-up warm-up on CUDA: each thread's own stream): one prepare per
+    thread, by that thread, ahead of the jobs queued meanwhile; the engine's warm_preparers returns each one's
+    ms."""
+    from encoder_service.engine.preparers import Preparers
+    from tests.support.waits import wait_for
+
+    prepared, lock, go = [], threading.Lock(), threading.Event()
+
+    def record(job: str) -> str:
+        with lock:
+            prepared.append((job, threading.current_thread().name))
+        if job == "hold":
+            assert go.wait(WAIT_S)
+        return job
+
+    def start_thread(name: str, target) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    preparers = Preparers(record, 3, start_thread)
+    try:
+        held = preparers.submit("hold", "a")  # one thread busy: its warm-up waits for it, the others' do not
+        wait_for(lambda: len(prepared) == 1, "the held job on a thread", WAIT_S)
+        warmed = preparers.on_every_thread("warm")
+        later = [preparers.submit(f"job{k}", "b") for k in range(6)]
+        go.set()
+        assert await asyncio.wait_for(asyncio.gather(*warmed), WAIT_S) == ["warm"] * 3
+        await asyncio.wait_for(asyncio.gather(held, *later), WAIT_S)
+        warm_threads = [name for job, name in prepared if job == "warm"]
+        assert sorted(warm_threads) == sorted(t.name for t in preparers.threads)
+        for name in warm_threads:  # on each thread, the warm-up came before any later job
+            on_thread = [job for job, n in prepared if n == name and job != "hold"]
+            assert on_thread[0] == "warm"
+    finally:
+        go.set()
+        preparers.stop()
+
+
+async def test_warm_preparers_prepares_on_every_cpu_thread_and_encodes_nothing():
+    tower = FakeTower()
+    engine = Engine(encode=tower, batch_tokens=8, max_queue=6, cpu_threads=3)
+    await engine.start()
+    try:
+        ms = await engine.warm_preparers(_job(5.0), timeout_s=WAIT_S)
+        assert len(ms) == 3 and all(m >= 0 for m in ms)
+        assert tower.calls == [] and engine.queue_depth == 0
+    finally:
+        await engine.stop()
