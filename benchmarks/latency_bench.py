@@ -114,6 +114,7 @@ def main() -> int:
     parser.add_argument("--family", default=FAMILIES[0], choices=FAMILIES,
                         help="the vision tower (default %(default)s)")
     parser.add_argument("--requests", type=int, help="timed requests per size (default 30; --small 2)")
+    parser.add_argument("--preprocess", help="the service's --preprocess (default: its own, torchvision on CUDA)")
     args = parser.parse_args()
     requests = args.requests or (2 if args.small else 30)
 
@@ -126,7 +127,8 @@ def main() -> int:
         checkpoint.mkdir()
         build_checkpoint(args.family, args.small, device, dtype, checkpoint)
         http_sock = bind_socket("127.0.0.1", 0)
-        settings = service_settings(checkpoint, device, dtype, http_sock, grpc=False)
+        extra = ("--preprocess", args.preprocess) if args.preprocess else ()
+        settings = service_settings(checkpoint, device, dtype, http_sock, *extra, grpc=False)
         core = build_core(settings)
         setup = setup_info(device, dtype, args.small) | dict(
             model=f"tiny {args.family}" if args.small else f"{NAMES[args.family]} vision tower", requests=requests,
