@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from encoder_service.rowpath.host_pool import HostRowPool
+from encoder_service.rowpath.host_pool import DEFAULT_MAX_IDLE_BYTES, HostRowPool
 from encoder_service.runtime.device_arena import DeviceArena, Slot
 
 
@@ -53,11 +53,14 @@ class HostRows:
 
 class HostCopier:
     """One side stream per device for the output copies (used by the engine's GPU thread only), and the pool
-    the rows land in (`pool` None: a HostRowPool with its defaults); `arena`: the device row arena, if any."""
+    the rows land in (`pool` None: a HostRowPool keeping its idle bound's worth of mappings faulted in ahead);
+    `arena`: the device row arena, if any."""
 
     def __init__(self, pool: HostRowPool | None = None, arena: DeviceArena | None = None):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.pool = pool if pool is not None else HostRowPool()
+        # Until the cache is full no entry is freed, so without mappings faulted in ahead every image's rows
+        # fault their pages in on the copy its answer waits for (rowpath/host_pool.py).
+        self.pool = pool if pool is not None else HostRowPool(prefault_bytes=DEFAULT_MAX_IDLE_BYTES)
         self.arena = arena
 
     def start(self, outputs: Sequence[torch.Tensor]) -> HostRows:

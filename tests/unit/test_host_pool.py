@@ -189,3 +189,48 @@ def test_close_gives_the_idle_mappings_back_and_keeps_none_after():
     assert idle(pool) == 0
     del held  # given back after the close: not kept either
     assert idle(pool) == 0 and pool.stats()["idle_mappings"] == 0
+
+
+def _thread_minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def test_mappings_are_faulted_in_ahead_of_the_takes_that_use_them():
+    """prefault_bytes: while the idle mappings hold less, a background thread maps more (the size of the
+    largest recent take), their pages already in: writing all of one faults next to nothing on this thread."""
+    from tests.support.waits import wait_for
+
+    size = 8 * MB
+    pool = HostRowPool(min_bytes=MB, prefault_bytes=3 * size)
+    try:
+        held = [pool.take(size)]  # fresh; kept, so nothing comes back to the pool
+        wait_for(lambda: pool.stats()["prefaulted"] == 3 and idle(pool) == 3 * size, "three mappings ahead", 10)
+        assert pool.taken == {"reused": 0, "fresh": 1, "small": 0}
+        before = _thread_minor_faults()
+        held.append(pool.take(size).fill_(1))
+        faults = _thread_minor_faults() - before
+        assert pool.taken["reused"] == 1 and faults < size // PAGE // 10, faults
+        wait_for(lambda: pool.stats()["prefaulted"] == 4, "the one taken made again", 10)
+        assert idle(pool) == 3 * size  # no more than prefault_bytes ahead
+    finally:
+        pool.close()
+    wait_for(lambda: pool._prefaulter is None or not pool._prefaulter.is_alive(), "the prefault thread to end", 10)
+    assert idle(pool) == 0
+
+
+def test_prefaulting_stays_inside_the_idle_bound():
+    from tests.support.waits import wait_for
+
+    pool = HostRowPool(min_bytes=MB, max_idle_bytes=4 * MB, prefault_bytes=64 * MB)
+    assert pool.prefault_bytes == 4 * MB
+    try:
+        held = pool.take(5 * MB)  # larger than the bound: nothing is made ahead
+        wait_for(lambda: not pool._wanted.is_set(), "the prefault thread to look", 10)
+        with pool._lock:  # it looked under the lock, after clearing the flag: done looking once this is ours
+            pass
+        assert pool.stats()["prefaulted"] == 0 and idle(pool) == 0
+        del held
+    finally:
+        pool.close()
