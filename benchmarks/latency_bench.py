@@ -2,8 +2,9 @@
 service's own timings, next to the ViT graph alone.
 
 The Qwen2.5-VL-7B (or --family qwen3_vl, Qwen3-VL-8B) vision tower at its real size, random weights, bf16, the
-service's defaults (CUDA graphs, --preprocess pil), built by the service's own build_core and served in this
-process (HTTP on 127.0.0.1: benchmarks/common/service.py); --small: a tiny tower of the same structure on the CPU.
+service's defaults (CUDA graphs, --preprocess torchvision on CUDA), served as a user serves it: an
+`encoder-service serve` process on 127.0.0.1 (tests/support/encoder_process.py), so that the client here shares no
+interpreter with it; --small: a tiny tower of the same structure on the CPU.
 Per size (720p and 1080p photo-like JPEGs, each request's its own: no cache hits), after WARMUP requests,
 --requests requests one after another (concurrency 1): `POST /v1/encode?wait=true` with the JPEG as the body,
 the answer's `timings` (the x-timing-* headers' values) and the client's wall time. Stages, median ms:
@@ -18,7 +19,8 @@ the answer's `timings` (the x-timing-* headers' values) and the client's wall ti
   rest of the core  admission, store, flight                     total_ms - read - probe - queue - encode
   answer          the HTTP request and answer around the core (client wall - total_ms)
 
-and beside them the ViT graph alone on the same images at batch 1 (benchmarks/common/model_alone.py). The
+and beside them the ViT graph alone on the same images at batch 1 (benchmarks/common/model_alone.py: the
+service's runner built by its own build_core in this process, measured, then freed before the service starts). The
 service does not time decode, resize and the host-to-device copy apart (all in preprocess), nor the ViT apart
 from its rows' copies (all in encode): the report says so.
 
@@ -32,20 +34,23 @@ Writes benchmarks/results/latency_bench-<date>-<commit>.json and $OUT/latency_be
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from benchmarks.common.device import bench_device
 from benchmarks.common.images import make_jpegs
 from benchmarks.common.model_alone import engine_inputs, model_alone, reference_text
 from benchmarks.common.models import NAMES, build_checkpoint
 from benchmarks.common.report import setup_info, write_result
-from benchmarks.common.service import in_process_service, service_settings
+from benchmarks.common.service import service_settings
 from benchmarks.common.stats import percentile
+from tests.support.encoder_process import Replica
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
@@ -121,32 +126,35 @@ def main() -> int:
     from encoder_service.api.service import bind_socket, build_core
 
     device, dtype = bench_device(args.small, parser)
+    flags = ("--preprocess", args.preprocess) if args.preprocess else ()
     checks, result = [], dict(sizes={})
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint"
         checkpoint.mkdir()
         build_checkpoint(args.family, args.small, device, dtype, checkpoint)
-        http_sock = bind_socket("127.0.0.1", 0)
-        extra = ("--preprocess", args.preprocess) if args.preprocess else ()
-        settings = service_settings(checkpoint, device, dtype, http_sock, *extra, grpc=False)
-        core = build_core(settings)
+        with bind_socket("127.0.0.1", 0) as unused_sock:  # (the settings want a port; the core serves none)
+            core = build_core(service_settings(checkpoint, device, dtype, unused_sock, *flags, grpc=False))
         setup = setup_info(device, dtype, args.small) | dict(
             model=f"tiny {args.family}" if args.small else f"{NAMES[args.family]} vision tower", requests=requests,
-            runner=core.runner.describe()["runner"], preprocess=core.metadata().get("preprocess"))
+            runner=core.runner.describe()["runner"], preprocess=core.metadata().get("preprocess"),
+            served_by="an encoder-service serve process")
         images = {}
         for k, (name, size) in enumerate(SIZES.items()):
             images[name] = make_jpegs(size, range(1_000_000 * (k + 1), 1_000_000 * (k + 1) + WARMUP + requests))
             pvs, grids = engine_inputs(core, images[name][:1])
             result["sizes"][name] = dict(vit_alone=model_alone(core.runner, pvs, grids, device, batches=(1,),
                                                                seconds=0.5 if args.small else 2.0, max_calls=200))
-        svc = in_process_service(settings, http_sock, core=core)
-        try:
+        del core, pvs  # the service process gets the GPU to itself
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        with Replica("latency", checkpoint, None, Path(tmp), "--dtype", str(dtype).removeprefix("torch."), *flags,
+                     device=device.type, python=sys.executable) as service:
+            service.wait_ready(timeout_s=1800)  # CUDA graph capture
             for name in SIZES:
-                rows, failed = one_at_a_time(svc.url, images[name], WARMUP)
+                rows, failed = one_at_a_time(service.url, images[name], WARMUP)
                 checks += [f"{name} {c}" for c in failed]
                 result["sizes"][name] |= dict(median_ms=medians(rows), requests=rows)
-        finally:
-            svc.close()
     report = markdown(setup, result, checks)
     write_result("latency_bench", setup, result | dict(failed_checks=checks), report)
     print(report)

@@ -1,11 +1,14 @@
-"""runtime/transfer.py on the GPU: pinned staging on a side stream, owned pageable rows out (from the copier's
-HostRowPool: memory of rows dropped before is reused, never that of rows still referenced)."""
+"""runtime/transfer.py on the GPU: pinned staging on a side stream, copied in pieces, owned pageable rows out (from
+the copier's HostRowPool: memory of rows dropped before is reused, never that of rows still referenced; by
+default mappings are faulted in ahead)."""
 
 from __future__ import annotations
 
 import torch
 
-from encoder_service.runtime.transfer import HostCopier
+from encoder_service.rowpath.host_pool import HostRowPool
+from encoder_service.runtime.transfer import PIECE_BYTES, HostCopier
+from tests.support.waits import wait_for
 
 
 def test_cuda_outputs_arrive_owned_and_exact():
@@ -25,7 +28,7 @@ def test_cuda_outputs_arrive_owned_and_exact():
 
 
 def test_rows_land_in_the_pool_and_reuse_memory_once_dropped():
-    copier = HostCopier()
+    copier = HostCopier(HostRowPool())  # nothing made ahead: every take below is counted as the test says
     g = torch.Generator(device="cuda").manual_seed(0)
     outs = [torch.randn(880, 16384, device="cuda", generator=g).bfloat16() for _ in range(2)]  # Qwen3 720p rows
     first = copier.start(outs).wait()
@@ -39,3 +42,21 @@ def test_rows_land_in_the_pool_and_reuse_memory_once_dropped():
     assert stats["reused"] == 1 and stats["fresh"] == 3
     assert {r.data_ptr() for r in second} & addresses == addresses - {kept.data_ptr()}
     assert all(torch.equal(r, o.cpu()) for r, o in zip(second, outs)) and not kept.is_pinned()
+
+
+def test_the_default_copier_lands_rows_in_mappings_made_ahead():
+    """Rows kept (a cache filling up gives nothing back): after the first image, the next ones' rows land in
+    mappings the pool's thread faulted in ahead, and arrive exact though copied in several pieces each."""
+    copier = HostCopier()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kept = []
+    for k in range(4):
+        outs = [torch.randn(2040, 16384, device="cuda", generator=g).bfloat16()]  # Qwen3 1080p: 66.8 MB
+        assert outs[0].numel() * 2 > 4 * PIECE_BYTES
+        kept += copier.start(outs).wait()
+        assert torch.equal(kept[-1], outs[0].cpu())
+        if k == 0:
+            wait_for(lambda: copier.pool.stats()["idle_bytes"] >= 3 * outs[0].numel() * 2, "three made ahead", 10)
+    stats = copier.pool.stats()
+    assert stats["fresh"] == 1 and stats["reused"] == 3, stats
+    copier.pool.close()
