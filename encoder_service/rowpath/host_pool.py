@@ -21,9 +21,9 @@ from torch's allocator, what the service did before the pool).
 
 Ahead of need (`prefault_bytes`): until a cache is full it frees nothing, so every image's rows are fresh
 pages, faulted in on the copy that the answer waits for (a Qwen3 1080p image's 66.8 MB: ~16,000 faults). A
-background thread keeps at least `prefault_bytes` of idle mappings faulted in (MAP_POPULATE: the kernel maps
-every page at once, off the answer's path), each the size of the largest recent `take`; `take` uses them as it
-uses given-back ones.
+background thread keeps at least `prefault_bytes` of idle mappings faulted in (a byte written per page, by torch,
+so without the GIL: MAP_POPULATE would hold it through the whole mmap call, 17 ms for 28.8 MB on a slow host),
+each the size of the largest recent `take`; `take` uses them as it uses given-back ones.
 
 The client (client/destination.py) takes the rows of a fetch without `out` from one too: a caller that drops
 each chunk's rows before the next fetch reads into pages already touched.
@@ -104,9 +104,8 @@ class HostRowPool:
             self._file_locked()
         self._wanted.set()
 
-    def _map(self, size: int, populate: bool = False) -> mmap.mmap:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        block = mmap.mmap(-1, size, flags=flags)
+    def _map(self, size: int) -> mmap.mmap:
+        block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             block.madvise(mmap.MADV_HUGEPAGE)
         return block
@@ -121,7 +120,7 @@ class HostRowPool:
         self._wanted.set()
 
     def _prefault_loop(self) -> None:
-        """Map (faulted in) mappings of the largest recent take's size while the idle ones hold less than
+        """Map (and fault in) mappings of the largest recent take's size while the idle ones hold less than
         prefault_bytes; then wait for the next take."""
         while True:
             self._wanted.wait()
@@ -135,11 +134,10 @@ class HostRowPool:
                     if not size or self._idle_bytes + size > self.prefault_bytes:
                         break
                 try:
-                    block = self._map(size, populate=True)  # the kernel faults every page in, on this thread
-                except OSError:  # out of memory for now: the takes fault their own pages, as without this
+                    block = self._map(size)
+                    _fault_in(block)
+                except (OSError, RuntimeError):  # out of memory for now: the takes fault their own pages
                     break
-                if not hasattr(mmap, "MAP_POPULATE"):  # fault them in here: one byte written per page
-                    block[::PAGE] = bytes(len(block) // PAGE)
                 with self._lock:
                     self.prefaulted += 1
                     self._idle.append(block)
@@ -189,3 +187,9 @@ class HostRowPool:
             block = self._idle.pop(0)
             self._idle_bytes -= len(block)
             block.close()
+
+
+def _fault_in(block: mmap.mmap) -> None:
+    """Every page of `block` mapped in: one byte written per page, by torch (which lets go of the GIL). The
+    tensor over `block` dies with the statement, and its export of `block` with it (a resize needs none)."""
+    torch.frombuffer(block, dtype=torch.uint8)[::PAGE].fill_(0)
