@@ -80,7 +80,8 @@ class HostRowPool:
         if block is None:
             block = self._map(size)
         if self.prefault_bytes:
-            self._recent.append(size)
+            with self._lock:  # (the prefault thread reads them under it)
+                self._recent.append(size)
             self._prefault_soon()
         view = memoryview(block)[:nbytes]
         tensor = torch.frombuffer(view, dtype=torch.uint8)  # the storage holds `view` until it is freed
