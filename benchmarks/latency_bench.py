@@ -20,7 +20,8 @@ the answer's `timings` (the x-timing-* headers' values) and the client's wall ti
   answer          the HTTP request and answer around the core (client wall - total_ms)
 
 and beside them the ViT graph alone on the same images at batch 1 (benchmarks/common/model_alone.py: the
-service's runner built by its own build_core in this process, measured, then freed before the service starts). The
+service's runner built by its own build_core in this process, without a device row arena, measured, then its
+memory released to the driver before the service starts; this process keeps its CUDA context). The
 service does not time decode, resize and the host-to-device copy apart (all in preprocess), nor the ViT apart
 from its rows' copies (all in encode): the report says so.
 
@@ -133,7 +134,9 @@ def main() -> int:
         checkpoint.mkdir()
         build_checkpoint(args.family, args.small, device, dtype, checkpoint)
         with bind_socket("127.0.0.1", 0) as unused_sock:  # (the settings want a port; the core serves none)
-            core = build_core(service_settings(checkpoint, device, dtype, unused_sock, *flags, grpc=False))
+            # No device row arena: the ViT alone needs none, and its raw allocation would outlive `del core`.
+            core = build_core(service_settings(checkpoint, device, dtype, unused_sock, *flags,
+                                               "--ipc-arena-bytes", "0", grpc=False))
         setup = setup_info(device, dtype, args.small) | dict(
             model=f"tiny {args.family}" if args.small else f"{NAMES[args.family]} vision tower", requests=requests,
             runner=core.runner.describe()["runner"], preprocess=core.metadata().get("preprocess"),
@@ -144,7 +147,7 @@ def main() -> int:
             pvs, grids = engine_inputs(core, images[name][:1])
             result["sizes"][name] = dict(vit_alone=model_alone(core.runner, pvs, grids, device, batches=(1,),
                                                                seconds=0.5 if args.small else 2.0, max_calls=200))
-        del core, pvs  # the service process gets the GPU to itself
+        del core, pvs  # the runner's graphs and buffers go back before the service process starts
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -165,12 +165,20 @@ class EncoderCore:
             await self.engine.warm_up(Job(image.data, image.grid_thw, self.images), timeout_s=600)
             log.info("warm-up encode through the engine took %.1f ms", (time.perf_counter() - t0) * 1e3)
             if self.images.backend.device.type == "cuda":
-                # Each CPU thread preprocesses on a CUDA stream of its own, and its first large image there
-                # allocates afresh what later ones reuse: a 1080p photo on every thread, before the first request.
-                photo = self.images.probe(0, warmup_photo(), None)
-                ms = await self.engine.warm_preparers(Job(photo.data, photo.grid_thw, self.images), timeout_s=600)
-                log.info("each CPU thread prepared a 1080p photo: %s ms", " ".join(f"{m:.1f}" for m in ms))
+                await self._warm_every_cpu_thread()
         self._ready = True
+
+    async def _warm_every_cpu_thread(self) -> None:
+        """Each CPU thread preprocesses on a CUDA stream of its own, and its first large image there allocates
+        afresh what later ones reuse: a 1080p photo on every thread, before the first request (none where the
+        limits refuse one: each thread then warms on its first image)."""
+        try:
+            photo = self.images.probe(0, warmup_photo(), None)
+        except errors.LimitExceeded as exc:
+            log.info("the CPU threads are not warmed with a 1080p photo: %s", exc)
+            return
+        ms = await self.engine.warm_preparers(Job(photo.data, photo.grid_thw, self.images), timeout_s=600)
+        log.info("each CPU thread prepared a 1080p photo: %s ms", " ".join(f"{m:.1f}" for m in ms))
 
     def drain(self) -> None:
         """Readiness off for good (probes and gRPC Health say NOT_SERVING, so traffic moves elsewhere);

@@ -179,6 +179,8 @@ class Engine:
             for thread in self._threads:
                 await asyncio.to_thread(thread.join)
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+        # Its idle mappings go, and its prefault thread ends; rows still held by entries keep their mappings.
+        await asyncio.to_thread(self._copier.pool.close)
 
     @property
     def host_pool(self):
@@ -305,10 +307,24 @@ class Engine:
 
     async def warm_preparers(self, job: Job, *, timeout_s: float | None = None) -> list[float]:
         """Prepare `job` once on every CPU thread (not encoded), for readiness: on CUDA each thread prepares on
-        a stream of its own, and its first images there set up what the next ones reuse. The ms each took."""
+        a stream of its own, and its first images there set up what the next ones reuse. The ms each took.
+        Unavailable as soon as the engine is down (a thread died, or it is stopping), TimeoutError after
+        `timeout_s`."""
         warmed = self._preparers.on_every_thread(job)
-        done = await asyncio.wait_for(asyncio.gather(*warmed), timeout_s)
-        return [ms for _, ms in done]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = set(warmed)
+        try:
+            while pending:
+                if not self.alive:
+                    raise Unavailable(self._down_reason())
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the CPU threads' warm-up took over {timeout_s} s")
+                _, pending = await asyncio.wait(pending, timeout=min(1.0, left) if left is not None else 1.0)
+            return [future.result()[1] for future in warmed]
+        finally:
+            for future in pending:
+                future.cancel()  # (a thread that has not started it skips it)
 
     # ---- batcher (event loop) --------------------------------------------------------------------------
     async def _batch_loop(self) -> None:

@@ -66,7 +66,8 @@ class Preparers:
     def on_every_thread(self, job: Any) -> list[asyncio.Future]:
         """`job` prepared once by each thread, ahead of any job not yet taken (the start-up warm-up: each
         thread's own CUDA stream and the memory its work takes there); one future per thread, on the running
-        loop. Not cancellable once queued."""
+        loop. A future cancelled before its thread takes it is skipped (it stays in that thread's queue until
+        then)."""
         loop = asyncio.get_running_loop()
         tasks = [_Task(job, None, loop.create_future(), loop) for _ in self._own]
         with self._ready:

@@ -48,8 +48,9 @@ from .resize import plan
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# The largest decoded image (RGBX bytes) whose host copy is pinned: 32 MiB, 8 Mpx (4K UHD is just over). Torch
-# keeps pinned blocks, rounded up to powers of two, once used: this bounds them to 32 MiB per CPU thread.
+# The largest decoded image (RGBX bytes) whose host copy is pinned: 32 MiB, 8 Mi pixels (4K UHD fits). Torch's
+# pinned cache is the process's, one free list per power-of-two size, and keeps each block once used: a thread
+# that met images of every size class up to this one holds about 64 MiB of it (8 threads: 512 MiB).
 PINNED_PIXELS_MAX_BYTES = 32 << 20
 
 

@@ -21,9 +21,10 @@ from torch's allocator, what the service did before the pool).
 
 Ahead of need (`prefault_bytes`): until a cache is full it frees nothing, so every image's rows are fresh
 pages, faulted in on the copy that the answer waits for (a Qwen3 1080p image's 66.8 MB: ~16,000 faults). A
-background thread keeps at least `prefault_bytes` of idle mappings faulted in (a byte written per page, by torch,
-so without the GIL: MAP_POPULATE would hold it through the whole mmap call, 17 ms for 28.8 MB on a slow host),
-each the size of the largest recent `take`; `take` uses them as it uses given-back ones.
+background thread keeps up to `prefault_bytes` of idle mappings faulted in, whole mappings each the size of the
+largest recent `take`, a byte written per page by torch (so without the GIL: MAP_POPULATE would hold it through
+the whole mmap call, 17 ms for 28.8 MB on a slow host). `take` uses them as it uses given-back ones (a smaller
+take gets one cut down to its size, in place). `close` ends the thread.
 
 The client (client/destination.py) takes the rows of a fetch without `out` from one too: a caller that drops
 each chunk's rows before the next fetch reads into pages already touched.
@@ -68,6 +69,7 @@ class HostRowPool:
         self._closed = False
         self.taken = {"reused": 0, "fresh": 0, "small": 0}  # take() calls by where the memory came from
         self.prefaulted = 0  # mappings the prefault thread made
+        self.prefault_passes = 0  # times it looked whether to make one (under the lock)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An owned, contiguous uint8 CPU tensor of `nbytes` (contents undefined)."""
@@ -96,14 +98,17 @@ class HostRowPool:
             return dict(self.taken, idle_mappings=len(self._idle), idle_bytes=self._idle_bytes,
                         prefaulted=self.prefaulted)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """The idle mappings go back to the kernel, and so will those given back from now on; the prefault
-        thread ends."""
+        thread ends (joined, up to `timeout_s`: it may be faulting a mapping in)."""
         with self._lock:
             self.max_idle_bytes = 0
             self._closed = True
             self._file_locked()
+            thread = self._prefaulter
         self._wanted.set()
+        if thread is not None:
+            thread.join(timeout_s)
 
     def _map(self, size: int) -> mmap.mmap:
         block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -129,6 +134,7 @@ class HostRowPool:
             while True:
                 self._file_returned()
                 with self._lock:
+                    self.prefault_passes += 1
                     if self._closed:
                         return
                     size = max(self._recent, default=0)
@@ -191,6 +197,6 @@ class HostRowPool:
 
 
 def _fault_in(block: mmap.mmap) -> None:
-    """Every page of `block` mapped in: one byte written per page, by torch (which lets go of the GIL). The
-    tensor over `block` dies with the statement, and its export of `block` with it (a resize needs none)."""
+    """Every page of `block` mapped in: one byte written per page, by torch (which lets go of the GIL, and
+    keeps no buffer export of `block` past frombuffer: a later resize is free to move it)."""
     torch.frombuffer(block, dtype=torch.uint8)[::PAGE].fill_(0)

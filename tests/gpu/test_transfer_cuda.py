@@ -13,18 +13,21 @@ from tests.support.waits import wait_for
 
 def test_cuda_outputs_arrive_owned_and_exact():
     copier = HostCopier()
-    pending = []
-    for seed in range(4):  # several batches in flight, their sources freed before the copies are waited on
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        outs = [torch.randn(n, 3584, device="cuda", generator=g).bfloat16() for n in (1196, 17, 2691)]
-        expected = [o.cpu() for o in outs]
-        pending.append((copier.start(outs), expected))
-        del outs
-        torch.randn(64, 2**20, device="cuda")  # reuse freed memory on the compute stream
-    for rows, expected in pending:
-        got = rows.wait()
-        assert all(r.device.type == "cpu" and not r.is_pinned() and r.is_contiguous() for r in got)
-        assert all(torch.equal(r, e) for r, e in zip(got, expected))
+    try:
+        pending = []
+        for seed in range(4):  # several batches in flight, their sources freed before the copies are waited on
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            outs = [torch.randn(n, 3584, device="cuda", generator=g).bfloat16() for n in (1196, 17, 2691)]
+            expected = [o.cpu() for o in outs]
+            pending.append((copier.start(outs), expected))
+            del outs
+            torch.randn(64, 2**20, device="cuda")  # reuse freed memory on the compute stream
+        for rows, expected in pending:
+            got = rows.wait()
+            assert all(r.device.type == "cpu" and not r.is_pinned() and r.is_contiguous() for r in got)
+            assert all(torch.equal(r, e) for r, e in zip(got, expected))
+    finally:
+        copier.pool.close()  # (its prefault thread ends)
 
 
 def test_rows_land_in_the_pool_and_reuse_memory_once_dropped():
@@ -48,15 +51,17 @@ def test_the_default_copier_lands_rows_in_mappings_made_ahead():
     """Rows kept (a cache filling up gives nothing back): after the first image, the next ones' rows land in
     mappings the pool's thread faulted in ahead, and arrive exact though copied in several pieces each."""
     copier = HostCopier()
-    g = torch.Generator(device="cuda").manual_seed(1)
-    kept = []
-    for k in range(4):
-        outs = [torch.randn(2040, 16384, device="cuda", generator=g).bfloat16()]  # Qwen3 1080p: 66.8 MB
-        assert outs[0].numel() * 2 > 4 * PIECE_BYTES
-        kept += copier.start(outs).wait()
-        assert torch.equal(kept[-1], outs[0].cpu())
-        if k == 0:
-            wait_for(lambda: copier.pool.stats()["idle_bytes"] >= 3 * outs[0].numel() * 2, "three made ahead", 10)
-    stats = copier.pool.stats()
-    assert stats["fresh"] == 1 and stats["reused"] == 3, stats
-    copier.pool.close()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        kept = []
+        for k in range(4):
+            outs = [torch.randn(2040, 16384, device="cuda", generator=g).bfloat16()]  # Qwen3 1080p: 66.8 MB
+            assert outs[0].numel() * 2 > 4 * PIECE_BYTES
+            kept += copier.start(outs).wait()
+            assert torch.equal(kept[-1], outs[0].cpu())
+            if k == 0:  # (up to four fit in the 256 MiB kept ahead; three are enough for the next three)
+                wait_for(lambda: copier.pool.stats()["idle_bytes"] >= 3 * outs[0].numel() * 2, "three ahead", 10)
+        stats = copier.pool.stats()
+        assert stats["fresh"] == 1 and stats["reused"] == 3, stats
+    finally:
+        copier.pool.close()

@@ -14,6 +14,7 @@ cannot), a fetch elsewhere waits for them within its one timeout, and stops wait
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -119,6 +120,40 @@ async def test_the_warm_up_encode_is_not_counted(make_core):
     assert sample("encoder_encode_seconds_count") == sample("encoder_preprocess_seconds_count") == 0
     await core.encode(inputs(image_bytes(64, 64, 4241)), wait=True)
     assert images_encoded(core) == 1 and sample("encoder_encode_seconds_count") == 1
+
+
+async def test_every_cpu_thread_warms_on_a_1080p_photo_unless_the_limits_refuse_one(make_core, caplog):
+    """The start-up warm-up of each CPU thread (run on CUDA; called here on the CPU): a 1080p photo prepared on
+    every thread, nothing encoded; under limits that refuse such a photo the start goes on without it."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="encoder_service.core.encoder")
+    core = await make_core()
+    await core._warm_every_cpu_thread()
+    assert "each CPU thread prepared a 1080p photo" in caplog.text and images_encoded(core) == 0
+    small = await make_core("qwen2_5_vl", "--max-pixels", "1000000")
+    await small._warm_every_cpu_thread()
+    assert "not warmed with a 1080p photo" in caplog.text and small.ready()
+
+
+async def test_the_cpu_threads_warm_up_ends_at_once_when_the_engine_stops(make_core):
+    from encoder_service.engine.engine import Job
+
+    core = await make_core()
+    gate = threading.Event()
+
+    class Stuck:
+        @staticmethod
+        def prepare(data, grid_thw):
+            assert gate.wait(WAIT_S)  # until the test lets it go
+
+    warming = asyncio.create_task(core.engine.warm_preparers(Job(b"", (1, 2, 2), Stuck), timeout_s=60))
+    await asyncio.sleep(0.2)
+    stopping = asyncio.create_task(core.engine.stop())
+    with pytest.raises(errors.Unavailable):
+        await asyncio.wait_for(warming, 5)
+    gate.set()
+    await asyncio.wait_for(stopping, 30)
 
 
 async def test_same_image_from_many_requests_is_encoded_once(make_core):
