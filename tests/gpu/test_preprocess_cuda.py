@@ -32,12 +32,15 @@ from encoder_service.preprocessing.nvjpeg import NvJpegDecoder
 from encoder_service.runtime.runner import make_runner
 from tests.support.preprocess_cases import (
     CASES,
+    HUB_CONFIGS,
     JPEGS,
     LIMITS,
     cmyk_jpeg,
+    encode,
     family_fixture,
     loaded,
     multi_picture_jpeg,
+    rgb_image,
 )
 
 
@@ -91,6 +94,25 @@ def test_nvjpeg_is_close_to_pillow(name, capsys):
     # 7.5 for exif_rotated, progressive, subsampling_420 / 422). A wrong decode (shifted, channels swapped,
     # another orientation) of these textures is around 60.
     assert diff.float().mean() < (2 if name in PHOTOS else 12)
+
+
+@pytest.mark.parametrize("size", [(1920, 1080), (4096, 2304)])  # pinned / over PINNED_PIXELS_MAX_BYTES: pageable
+def test_the_direct_jpeg_decode_uploads_pillow_s_pixels_pinned_or_not(size, monkeypatch):
+    """The exact backend's JPEG path on CUDA (jpeg_into.py into host memory of ours, pinned up to 32 MiB of
+    RGBX) hands over Pillow's pixels, from many threads at once; and with the direct decode turned off (a
+    Pillow whose self-check failed) the usual path gives the same."""
+    from encoder_service.preprocessing import backends, jpeg_into
+
+    assert (size[0] * size[1] * 4 <= backends.PINNED_PIXELS_MAX_BYTES) == (size == (1920, 1080))
+    datas = [encode(rgb_image(size[1], size[0], seed), "JPEG", quality=90) for seed in range(6)]
+    expected = [torch.from_numpy(np.array(decode_rgb(d, LIMITS)[1])).permute(2, 0, 1) for d in datas]
+    backend = make_backend("torchvision", PreprocessConfig.default_for(HUB_CONFIGS["qwen2_5"][0]), LIMITS, "cuda")
+    streams = backends.ThreadStreams(backend.device)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda d: streams.run(lambda: backend.decode(d)[1], lambda t: t), datas * 2))
+    assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected * 2))
+    monkeypatch.setattr(jpeg_into, "usable", lambda: False)
+    assert torch.equal(backend.decode(datas[0])[1].cpu(), expected[0])
 
 
 def test_nvjpeg_leaves_cmyk_and_multi_picture_to_pillow():
