@@ -229,9 +229,7 @@ class _TimedCopier:
             def wait(self):
                 t0 = time.perf_counter()
                 if pinned:
-                    if rows._event is not None:
-                        rows._event.synchronize()
-                    out = list(rows._views)
+                    out = rows.staged()
                 else:
                     out = rows.wait()
                 wait_ms.append((time.perf_counter() - t0) * 1e3)

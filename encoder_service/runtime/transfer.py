@@ -59,6 +59,13 @@ class HostRows:
             self._arena.bind(self._slots, rows)  # (the arena's copies were queued before every piece)
         return rows
 
+    def staged(self) -> list[torch.Tensor]:
+        """The rows as they land, left in the pinned staging buffer (not owned, nor bound to the arena):
+        what `wait` costs is measured against this (benchmarks/mlp_kernels/service.py)."""
+        if self._pieces:  # (None: CPU outputs; each view has one piece at least)
+            self._pieces[-1][-1][0].synchronize()  # the last piece's event: every copy on the stream is done
+        return list(self._views)
+
 
 class HostCopier:
     """One side stream per device for the output copies (used by the engine's GPU thread only), and the pool
