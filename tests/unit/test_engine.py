@@ -376,6 +376,13 @@ async def test_the_cpu_threads_take_from_requests_in_turn():
         await engine.stop()
 
 
+def _start_thread(name: str, target) -> threading.Thread:
+    """Preparers' thread starter, as the engine's is (a daemon thread, started)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 async def test_a_job_cancelled_before_a_thread_starts_it_is_never_prepared():
     """The cancelled future's job leaves the queue in a done callback, which runs on the loop later: a thread
     that took the job meanwhile decoded it all the same."""
@@ -390,12 +397,7 @@ async def test_a_job_cancelled_before_a_thread_starts_it_is_never_prepared():
             assert go.wait(WAIT_S)
         return job
 
-    def start_thread(name: str, target) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        return thread
-
-    preparers = Preparers(record, 1, start_thread)
+    preparers = Preparers(record, 1, _start_thread)
     try:
         first = preparers.submit("first", "a")
         wait_for(lambda: prepared == ["first"], "the first job on the thread", WAIT_S)
@@ -428,12 +430,7 @@ async def test_every_thread_prepares_the_warm_up_job_once_before_the_jobs_queued
             assert go.wait(WAIT_S)
         return job
 
-    def start_thread(name: str, target) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        return thread
-
-    preparers = Preparers(record, 3, start_thread)
+    preparers = Preparers(record, 3, _start_thread)
     try:
         held = preparers.submit("hold", "a")  # one thread busy: its warm-up waits for it, the others' do not
         wait_for(lambda: len(prepared) == 1, "the held job on a thread", WAIT_S)
