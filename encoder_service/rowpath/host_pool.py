@@ -22,9 +22,9 @@ from torch's allocator, what the service did before the pool).
 Ahead of need (`prefault_bytes`): until a cache is full it frees nothing, so every image's rows are fresh
 pages, faulted in on the copy that the answer waits for (a Qwen3 1080p image's 66.8 MB: ~16,000 faults). A
 background thread keeps up to `prefault_bytes` of idle mappings faulted in, whole mappings each the size of the
-largest recent `take`, a byte written per page by torch (so without the GIL: MAP_POPULATE would hold it through
-the whole mmap call: 256 MiB stopped every other thread for 139 ms on a 2-core host). `take` uses them as it uses given-back ones (a smaller
-take gets one cut down to its size, in place). `close` ends the thread.
+largest recent `take`, a byte written per page by torch, so without the GIL (MAP_POPULATE would hold it through
+the whole mmap call: 256 MiB stopped every other thread for 139 ms on a 2-core host). `take` uses them as it
+uses given-back ones (a smaller take gets one cut down to its size, in place). `close` ends the thread.
 
 The client (client/destination.py) takes the rows of a fetch without `out` from one too: a caller that drops
 each chunk's rows before the next fetch reads into pages already touched.
