@@ -36,9 +36,8 @@ import numpy as np
 import torch
 
 from ..settings import PREPROCESS_BACKENDS
-from . import torch_ops
+from . import jpeg_into, torch_ops
 from .config import PreprocessConfig
-from . import jpeg_into
 from .decode import ImageHeader, open_image, probe, upright_rgb
 from .limits import ImageLimits
 from .nvjpeg import NvJpegDecoder

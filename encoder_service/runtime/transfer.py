@@ -6,8 +6,8 @@ overlap the NEXT batch's compute instead of a synchronous pageable `.to("cpu")` 
 `HostRows.wait()` runs on another thread: it waits for that copy piece by piece (an event after each 8 MiB;
 the GIL is released while it waits) and copies each piece of each image's rows out of the staging buffer, while
 the next pieces still cross the bus, into host memory of its own, which the cache entry then owns without
-another copy (pinned memory is too scarce to hold a cache in, and torch's pinned
-allocator rounds blocks up to powers of two). That memory comes from the copier's HostRowPool
+another copy (pinned memory is too scarce to hold a cache in, and torch's pinned allocator rounds blocks up to
+powers of two). That memory comes from the copier's HostRowPool
 (rowpath/host_pool.py): pages of rows no longer referenced, reused, rather than fresh pages that fault on
 the copy. The staging buffer goes back to torch's pinned cache when the HostRows is dropped.
 
